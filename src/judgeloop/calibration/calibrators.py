@@ -1,0 +1,369 @@
+"""Calibrators that map a judge's raw preference logit to P(a better than b).
+
+All follow ``fit(scores, labels[, features]) -> self``, ``predict_proba(scores[, features])``,
+``state_dict()`` / ``load_state_dict()`` and ``save(path)`` / ``load(path)`` (JSON).
+
+Pairwise calibration must be antisymmetric: P(a over b) = 1 - P(b over a). With ``symmetric=True``
+(the default) every calibration pair is used in both orientations, (s, y) and (-s, 1 - y), and Platt
+scaling has no free intercept, so the fitted map satisfies p(-s) = 1 - p(s) by construction.
+Model an intercept (``fit_intercept=True``) only to study position bias on purpose.
+
+Caveats: calibration data must be disjoint from the data the calibrated probabilities are used
+on (and from policy training articles); isotonic regression needs many points (hundreds) and
+warns below ``min_points_isotonic``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import expit
+
+from judgeloop.io import atomic_write_json
+
+
+class CalibrationError(ValueError):
+    """The calibration set cannot support a fit (one class, too small, non-finite scores)."""
+
+
+def _validate(scores: Any, labels: Any, min_points: int, method: str, features: Any = None) -> tuple:
+    s = np.asarray(scores, dtype=float).ravel()
+    y = np.asarray(labels, dtype=float).ravel()
+    if s.shape != y.shape:
+        raise CalibrationError(f"{method}: got {s.size} scores but {y.size} labels; they must pair up")
+    bad = ~np.isfinite(s)
+    if bad.any():
+        raise CalibrationError(
+            f"{method}: {int(bad.sum())} of {s.size} scores are NaN or infinite; drop pairs whose judge status "
+            "is not 'ok'/'truncated' before fitting"
+        )
+    if not np.all((y == 0) | (y == 1)):
+        raise CalibrationError(f"{method}: labels must be 0 or 1, got values {sorted(set(np.unique(y)) - {0.0, 1.0})[:5]}")
+    if s.size < min_points:
+        raise CalibrationError(
+            f"{method}: calibration set has {s.size} pairs, fewer than min_points={min_points}; "
+            "use more calibration articles or lower min_points"
+        )
+    if len(np.unique(y)) < 2:
+        raise CalibrationError(
+            f"{method}: calibration set has one class only (all {int(y[0])}); need both outcomes to fit. "
+            "With symmetric=True both orientations are used, so this means every pair was oriented the same way "
+            "with symmetric=False; enable symmetric fitting or add pairs where b is better"
+        )
+    f = None
+    if features is not None:
+        f = np.asarray(features, dtype=float)
+        if f.ndim == 1:
+            f = f[:, None]
+        if f.shape[0] != s.size:
+            raise CalibrationError(f"{method}: features have {f.shape[0]} rows but there are {s.size} scores")
+        if not np.all(np.isfinite(f)):
+            raise CalibrationError(f"{method}: features contain NaN or infinite values")
+    return s, y, f
+
+
+def _symmetrize(s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> tuple:
+    s2 = np.concatenate([s, -s])
+    y2 = np.concatenate([y, 1 - y])
+    f2 = None if f is None else np.concatenate([f, -f])  # pair features are differences, so they flip sign
+    return s2, y2, f2
+
+
+def _fit_logistic(X: np.ndarray, t: np.ndarray, l2: float = 0.0) -> np.ndarray:
+    """Minimize the cross-entropy of sigmoid(X w) against (possibly soft) targets t, plus l2 * |w|^2 / 2."""
+
+    def loss_grad(w: np.ndarray) -> tuple[float, np.ndarray]:
+        z = X @ w
+        # log(1 + e^z) computed stably; loss = sum softplus(z) - t z
+        loss = np.sum(np.logaddexp(0.0, z) - t * z) + 0.5 * l2 * w @ w
+        grad = X.T @ (expit(z) - t) + l2 * w
+        return float(loss), grad
+
+    w0 = np.zeros(X.shape[1])
+    res = minimize(loss_grad, w0, jac=True, method="L-BFGS-B", options={"maxiter": 1000, "gtol": 1e-10})
+    return res.x
+
+
+class Calibrator:
+    """Base class; subclasses set ``method`` and implement ``_fit`` and ``_predict``."""
+
+    method = "base"
+    uses_features = False
+
+    def __init__(self, symmetric: bool = True, min_points: int = 10):
+        self.symmetric = symmetric
+        self.min_points = min_points
+        self.n_fit_: int = 0
+
+    def fit(self, scores: Any, labels: Any, features: Any = None) -> Calibrator:
+        """Fit on raw logits ``scores`` (positive = a preferred) and 0/1 ``labels`` (1 = a better).
+
+        Raises:
+            CalibrationError: one class only, fewer than ``min_points`` pairs, non-finite scores.
+        """
+        s, y, f = _validate(scores, labels, self.min_points, self.method, features if self.uses_features else None)
+        if self.uses_features and f is None:
+            raise CalibrationError(f"{self.method}: needs pair features (length / copy-rate differences); pass features=")
+        if self.symmetric:
+            s, y, f = _symmetrize(s, y, f)
+        self.n_fit_ = int(s.size)
+        self._fit(s, y, f)
+        return self
+
+    def predict_proba(self, scores: Any, features: Any = None) -> np.ndarray:
+        """P(a better than b) for each raw logit (NaN in, NaN out)."""
+        if not self.n_fit_:
+            raise RuntimeError(f"{self.method} calibrator is not fitted; call fit() or load_state_dict() first")
+        s = np.asarray(scores, dtype=float).ravel()
+        f = None
+        if self.uses_features:
+            if features is None:
+                raise ValueError(f"{self.method}: predict_proba needs the pair features it was fitted with")
+            f = np.asarray(features, dtype=float)
+            f = f[:, None] if f.ndim == 1 else f
+        out = np.full(s.shape, np.nan)
+        ok = np.isfinite(s)
+        if ok.any():
+            out[ok] = self._predict(s[ok], None if f is None else f[ok])
+        return out
+
+    # -- persistence --------------------------------------------------------------------------
+    def _params(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "symmetric": self.symmetric, "min_points": self.min_points,
+                "n_fit_": self.n_fit_, "params": self._params()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> Calibrator:
+        if state.get("method") != self.method:
+            raise ValueError(f"state is for a '{state.get('method')}' calibrator, not '{self.method}'")
+        self.symmetric = bool(state["symmetric"])
+        self.min_points = int(state["min_points"])
+        self.n_fit_ = int(state["n_fit_"])
+        self._set_params(state["params"])
+        return self
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(path, self.state_dict())
+
+    def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
+        raise NotImplementedError
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        raise NotImplementedError
+
+
+class IdentityCalibrator(Calibrator):
+    """The ``raw`` arm: p = sigmoid(s). Needs no fit."""
+
+    method = "raw"
+
+    def __init__(self, symmetric: bool = True, min_points: int = 0):
+        super().__init__(symmetric, min_points)
+        self.n_fit_ = 1  # always usable
+
+    def fit(self, scores: Any, labels: Any, features: Any = None) -> Calibrator:
+        return self
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        return expit(s)
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        pass
+
+
+class PlattCalibrator(Calibrator):
+    """Platt scaling: p = sigmoid(a_ * s + b_) (Platt, 1999).
+
+    Targets are Platt's smoothed labels, t+ = (N+ + 1) / (N+ + 2) and t- = 1 / (N- + 2), as in
+    scikit-learn's ``_sigmoid_calibration``; ``target_smoothing=False`` fits the plain labels
+    (ordinary logistic regression). ``b_`` is fixed at 0 unless ``fit_intercept``.
+    """
+
+    method = "platt"
+
+    def __init__(self, symmetric: bool = True, fit_intercept: bool = False, target_smoothing: bool = True,
+                 min_points: int = 10):
+        super().__init__(symmetric, min_points)
+        self.fit_intercept = fit_intercept
+        self.target_smoothing = target_smoothing
+        self.a_ = 1.0
+        self.b_ = 0.0
+
+    def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
+        t = y.copy()
+        if self.target_smoothing:
+            n_pos, n_neg = y.sum(), (1 - y).sum()
+            t = np.where(y == 1, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0))
+        X = np.stack([s, np.ones_like(s)], axis=1) if self.fit_intercept else s[:, None]
+        w = _fit_logistic(X, t)
+        self.a_ = float(w[0])
+        self.b_ = float(w[1]) if self.fit_intercept else 0.0
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        return expit(self.a_ * s + self.b_)
+
+    def _params(self) -> dict[str, Any]:
+        return {"a_": self.a_, "b_": self.b_, "fit_intercept": self.fit_intercept,
+                "target_smoothing": self.target_smoothing}
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        self.a_, self.b_ = float(params["a_"]), float(params["b_"])
+        self.fit_intercept = bool(params["fit_intercept"])
+        self.target_smoothing = bool(params["target_smoothing"])
+
+
+class TemperatureCalibrator(Calibrator):
+    """Temperature scaling (Guo et al., 2017): p = sigmoid(s / T_), T_ > 0 by maximum likelihood."""
+
+    method = "temperature"
+
+    def __init__(self, symmetric: bool = True, min_points: int = 10):
+        super().__init__(symmetric, min_points)
+        self.temperature_ = 1.0
+
+    def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
+        def loss_grad(log_t: np.ndarray) -> tuple[float, np.ndarray]:
+            inv_t = np.exp(-log_t[0])
+            z = s * inv_t
+            loss = np.sum(np.logaddexp(0.0, z) - y * z)
+            # d loss / d log_t = sum (sigmoid(z) - y) * (-z)
+            return float(loss), np.array([np.sum((expit(z) - y) * -z)])
+
+        res = minimize(loss_grad, np.zeros(1), jac=True, method="L-BFGS-B", bounds=[(-10.0, 10.0)])
+        self.temperature_ = float(np.exp(res.x[0]))
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        return expit(s / self.temperature_)
+
+    def _params(self) -> dict[str, Any]:
+        return {"temperature_": self.temperature_}
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        self.temperature_ = float(params["temperature_"])
+
+
+class IsotonicCalibrator(Calibrator):
+    """Isotonic regression (Zadrozny & Elkan, 2002) of the label on the raw logit.
+
+    Scores outside the fitted range are clipped to its ends. With ``symmetric`` the prediction is
+    averaged with its mirror, p(s) = (f(s) + 1 - f(-s)) / 2, which is antisymmetric exactly and still
+    non-decreasing. Probabilities are clipped to [eps, 1 - eps] so NLL stays finite; ``eps=0``
+    reproduces scikit-learn's ``IsotonicRegression`` exactly.
+    """
+
+    method = "isotonic"
+
+    def __init__(self, symmetric: bool = True, min_points: int = 10, min_points_warn: int = 200, eps: float = 1e-3):
+        super().__init__(symmetric, min_points)
+        self.min_points_warn = min_points_warn
+        self.eps = eps
+        self.x_: np.ndarray = np.zeros(0)
+        self.y_: np.ndarray = np.zeros(0)
+
+    def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
+        from sklearn.isotonic import IsotonicRegression
+
+        if s.size < self.min_points_warn:
+            warnings.warn(
+                f"isotonic calibration on only {s.size} points (< {self.min_points_warn}) tends to overfit; "
+                "prefer Platt scaling or add calibration data",
+                UserWarning, stacklevel=3,
+            )
+        iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0).fit(s, y)
+        self.x_ = np.asarray(iso.X_thresholds_, dtype=float)
+        self.y_ = np.asarray(iso.y_thresholds_, dtype=float)
+
+    def _raw(self, s: np.ndarray) -> np.ndarray:
+        return np.interp(s, self.x_, self.y_)  # np.interp clips outside [x_min, x_max], like out_of_bounds="clip"
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        p = self._raw(s)
+        if self.symmetric:
+            p = 0.5 * (p + 1.0 - self._raw(-s))
+        return np.clip(p, self.eps, 1.0 - self.eps)
+
+    def _params(self) -> dict[str, Any]:
+        return {"x_": self.x_.tolist(), "y_": self.y_.tolist(), "eps": self.eps, "min_points_warn": self.min_points_warn}
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        self.x_ = np.asarray(params["x_"], dtype=float)
+        self.y_ = np.asarray(params["y_"], dtype=float)
+        self.eps = float(params["eps"])
+        self.min_points_warn = int(params["min_points_warn"])
+
+
+class FeaturePlattCalibrator(Calibrator):
+    """Platt scaling with pair features: p = sigmoid(a_ * s + w_ . f), no intercept.
+
+    Features are differences between the two summaries (e.g. log length ratio, copy-rate
+    difference), so swapping a and b negates them and the map stays antisymmetric. A style-biased
+    judge gets a negative weight on the feature it over-rewards, which discounts the bias.
+    A small L2 penalty (``l2``) keeps weights finite when a feature separates the labels.
+    """
+
+    method = "feature_platt"
+    uses_features = True
+
+    def __init__(self, symmetric: bool = True, l2: float = 1e-3, min_points: int = 10):
+        super().__init__(symmetric, min_points)
+        self.l2 = l2
+        self.a_ = 1.0
+        self.w_: np.ndarray = np.zeros(0)
+
+    def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
+        assert f is not None
+        X = np.concatenate([s[:, None], f], axis=1)
+        w = _fit_logistic(X, y, l2=self.l2)
+        self.a_, self.w_ = float(w[0]), w[1:].copy()
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        assert f is not None
+        if f.shape[1] != self.w_.size:
+            raise ValueError(f"feature_platt was fitted with {self.w_.size} features, got {f.shape[1]}")
+        return expit(self.a_ * s + f @ self.w_)
+
+    def _params(self) -> dict[str, Any]:
+        return {"a_": self.a_, "w_": self.w_.tolist(), "l2": self.l2}
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        self.a_ = float(params["a_"])
+        self.w_ = np.asarray(params["w_"], dtype=float)
+        self.l2 = float(params["l2"])
+
+
+CALIBRATORS: dict[str, type[Calibrator]] = {
+    "raw": IdentityCalibrator,
+    "platt": PlattCalibrator,
+    "temperature": TemperatureCalibrator,
+    "isotonic": IsotonicCalibrator,
+    "feature_platt": FeaturePlattCalibrator,
+}
+
+
+def make_calibrator(method: str, **kwargs: Any) -> Calibrator:
+    """Build a calibrator by name: raw, platt, temperature, isotonic, feature_platt."""
+    if method not in CALIBRATORS:
+        raise ValueError(f"unknown calibrator {method!r}; choose one of {sorted(CALIBRATORS)}")
+    return CALIBRATORS[method](**kwargs)
+
+
+def load_calibrator(path: str | Path) -> Calibrator:
+    state = json.loads(Path(path).read_text())
+    return make_calibrator(state["method"]).load_state_dict(state)
+
+
+def calibrator_from_state(state: dict[str, Any]) -> Calibrator:
+    return make_calibrator(state["method"]).load_state_dict(state)

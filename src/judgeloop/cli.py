@@ -1,0 +1,75 @@
+"""The ``judgeloop`` command: ``judgeloop COMMAND --config CONFIG [key=value ...]``.
+
+Each command is a pair (dataclass schema, run function) living in a library module; the registry
+below names them lazily so ``judgeloop --help`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from judgeloop.config import ConfigError, load_config
+from judgeloop.io import DataError
+from judgeloop.logging import setup_logging
+
+# command -> "module:ConfigClass:run_function"
+COMMANDS: dict[str, str] = {
+    "calibrate": "judgeloop.commands.calibrate:CalibrateConfig:run",
+}
+
+HELP: dict[str, str] = {
+    "calibrate": "score judge preferences, fit Platt/isotonic calibrators, write a calibration report",
+}
+
+
+def resolve_command(name: str) -> tuple[type, Any]:
+    """Import a command's (schema, run) pair."""
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise SystemExit(f"judgeloop: unknown command '{name}'{hint} (commands: {', '.join(sorted(COMMANDS))})")
+    module_name, cls_name, fn_name = COMMANDS[name].split(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, cls_name), getattr(module, fn_name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="judgeloop", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in sorted(COMMANDS):
+        p = sub.add_parser(name, help=HELP.get(name, ""))
+        p.add_argument("--config", required=True, help="YAML config file")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. judge.scale=10")
+        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    setup_logging()
+    schema, run = resolve_command(args.command)
+    try:
+        cfg = load_config(schema, args.config, args.overrides)
+    except ConfigError as err:
+        sys.stderr.write(f"judgeloop {args.command}: config error: {err}\n")
+        return 2
+    if args.print_config:
+        from judgeloop.config import to_yaml
+
+        sys.stdout.write(to_yaml(cfg))
+        return 0
+    try:
+        run(cfg)
+    except (ConfigError, DataError) as err:
+        sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

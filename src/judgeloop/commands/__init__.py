@@ -1,0 +1,1 @@
+"""Command implementations behind ``judgeloop COMMAND``: each module holds one config schema and ``run``."""

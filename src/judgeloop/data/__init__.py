@@ -1,0 +1,27 @@
+"""Data: summarization examples and loaders, deterministic splits, the embedded corpus."""
+
+from judgeloop.data.splits import LeakageError, assign_split, check_disjoint, hash_unit, split_examples
+from judgeloop.data.summarization import (
+    Candidate,
+    DataConfig,
+    SplitConfig,
+    SummExample,
+    lead,
+    load_examples,
+    split_sentences,
+)
+
+__all__ = [
+    "Candidate",
+    "DataConfig",
+    "LeakageError",
+    "SplitConfig",
+    "SummExample",
+    "assign_split",
+    "check_disjoint",
+    "hash_unit",
+    "lead",
+    "load_examples",
+    "split_examples",
+    "split_sentences",
+]

@@ -1,0 +1,103 @@
+"""Split documents into overlapping windows of tokens (not characters), keeping every chunk verbatim.
+
+A chunk is a window of ``chunk_tokens`` tokens of a given tokenizer; consecutive windows share
+``overlap_tokens`` tokens. The chunk's text is the slice of the original document between the
+character offsets of its first and last token, so a chunk is always a verbatim substring of the
+document (quotes checked against a chunk are therefore also verbatim in the source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A verbatim piece of a document: ``doc_text[start:end] == text``; ``id`` is ``"{doc_id}#{index}"``."""
+
+    id: str
+    doc_id: str
+    index: int
+    text: str
+    start: int
+    end: int
+    num_tokens: int
+
+
+@dataclass
+class ChunkConfig:
+    """Token windows: ``chunk_tokens`` per chunk, ``overlap_tokens`` shared by neighbours."""
+
+    tokenizer: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    chunk_tokens: int = 128
+    overlap_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 8:
+            raise ValueError(f"chunk.chunk_tokens={self.chunk_tokens} is too small; use at least 8 tokens")
+        if not 0 <= self.overlap_tokens < self.chunk_tokens:
+            raise ValueError(
+                f"chunk.overlap_tokens={self.overlap_tokens} must be in [0, chunk_tokens={self.chunk_tokens}); "
+                "lower the overlap or raise chunk_tokens"
+            )
+
+
+def _token_char_spans(tokenizer: Any, text: str) -> list[tuple[int, int]]:
+    """Character span of each token of ``text`` (no special tokens); needs a fast tokenizer."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"chunk.tokenizer {type(tokenizer).__name__} is not a fast tokenizer; token chunking needs "
+            "character offsets, so use a tokenizer with a tokenizers backend"
+        )
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+    # Byte-level BPE offsets can include a leading space in the token; that is fine for slicing.
+    return [(a, b) for a, b in spans if b > a]
+
+
+def chunk_text(tokenizer: Any, doc_id: str, text: str, chunk_tokens: int, overlap_tokens: int) -> list[Chunk]:
+    """Cut ``text`` into windows of ``chunk_tokens`` tokens with ``overlap_tokens`` overlap.
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer (offsets are needed to slice the original text).
+        doc_id: id of the document; chunk ids are ``f"{doc_id}#{i}"`` and do not depend on anything else.
+        text: the document.
+        chunk_tokens: window length in tokens.
+        overlap_tokens: tokens shared by consecutive windows (stride = chunk_tokens - overlap_tokens).
+
+    Returns:
+        Chunks in document order; an empty or whitespace-only text gives no chunk. The last window is
+        not padded: it holds whatever tokens remain (a document shorter than a window is one chunk).
+    """
+    if not 0 <= overlap_tokens < chunk_tokens:
+        raise ValueError(f"overlap_tokens={overlap_tokens} must be in [0, chunk_tokens={chunk_tokens})")
+    spans = _token_char_spans(tokenizer, text)
+    if not spans:
+        return []
+    stride = chunk_tokens - overlap_tokens
+    chunks: list[Chunk] = []
+    start_tok = 0
+    while True:
+        window = spans[start_tok : start_tok + chunk_tokens]
+        a, b = window[0][0], window[-1][1]
+        piece = text[a:b]
+        # Trim surrounding whitespace but keep offsets consistent, so text == doc[start:end] holds.
+        lead = len(piece) - len(piece.lstrip())
+        trail = len(piece) - len(piece.rstrip())
+        a, b = a + lead, b - trail
+        chunks.append(
+            Chunk(
+                id=f"{doc_id}#{len(chunks)}",
+                doc_id=doc_id,
+                index=len(chunks),
+                text=text[a:b],
+                start=a,
+                end=b,
+                num_tokens=len(window),
+            )
+        )
+        if start_tok + chunk_tokens >= len(spans):
+            break
+        start_tok += stride
+    return chunks

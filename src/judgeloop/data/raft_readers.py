@@ -1,0 +1,199 @@
+"""Readers that turn QA data sets into RAFT inputs: questions with oracle documents, plus a corpus.
+
+Each reader returns ``(questions, corpus)``: a list of :class:`RaftQuestion` (question text, the ids
+of its oracle documents, the answer, and what is known about where the evidence sits) and a dict
+``doc_id -> RaftDoc`` holding every oracle document and any extra documents (distractor material).
+
+* ``pubmedqa`` (``../shared/data/pubmedqa/pubmedqa_dev.jsonl``): the abstract's contexts are the oracle,
+  the answer is yes/no/maybe and the long answer (the abstract's conclusion) is kept for the reasoning.
+* ``squad`` (``../shared/data/squad2_sample``): the paragraph is the oracle, the answer is the first gold
+  span, whose first occurrence in the paragraph is the evidence; unanswerable questions are skipped
+  (they have no oracle) and counted.
+* ``scifact`` (BEIR layout): the claim is the question, the evidence abstracts (qrels) are the oracles;
+  the whole corpus is distractor material. BEIR SciFact carries no support/refute label, so the
+  answer is the title of the first evidence abstract (the task becomes "find and cite the evidence").
+* ``jsonl``: one question per line with ``id, question, oracle`` (a string or a list of strings),
+  ``answer`` and optionally ``long_answer`` and ``topic``; field names are mapped with ``data.fields``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from judgeloop.io import DataError, read_jsonl
+
+AnswerKind = Literal["yes_no_maybe", "span", "title", "free"]
+
+
+@dataclass
+class RaftDoc:
+    id: str
+    text: str
+    title: str = ""
+    topic: str | None = None
+
+
+@dataclass
+class RaftQuestion:
+    """A question, its oracle document ids (first = primary) and its answer.
+
+    ``evidence`` is the character span of the answer evidence in the primary oracle document when
+    the data set says where it is (SQuAD); otherwise ``None`` and the builder locates it.
+    """
+
+    id: str
+    question: str
+    oracle_ids: list[str]
+    answer: str
+    kind: AnswerKind
+    long_answer: str | None = None
+    topic: str | None = None
+    evidence: tuple[int, int] | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ReadResult:
+    questions: list[RaftQuestion]
+    corpus: dict[str, RaftDoc]
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+def read_pubmedqa(path: str | Path) -> ReadResult:
+    rows = read_jsonl(path, required=["id", "question", "contexts", "long_answer", "final_decision"])
+    questions: list[RaftQuestion] = []
+    corpus: dict[str, RaftDoc] = {}
+    for row in rows:
+        decision = str(row["final_decision"]).strip().lower()
+        if decision not in ("yes", "no", "maybe"):
+            raise DataError(f"{path}: id {row['id']}: final_decision {row['final_decision']!r} is not yes/no/maybe")
+        doc_id = f"pubmed:{row['id']}"
+        contexts = row["contexts"] if isinstance(row["contexts"], list) else [str(row["contexts"])]
+        corpus[doc_id] = RaftDoc(id=doc_id, text=" ".join(str(c).strip() for c in contexts))
+        questions.append(
+            RaftQuestion(
+                id=str(row["id"]),
+                question=str(row["question"]).strip(),
+                oracle_ids=[doc_id],
+                answer=decision,
+                kind="yes_no_maybe",
+                long_answer=str(row["long_answer"]).strip(),
+            )
+        )
+    return ReadResult(questions, corpus)
+
+
+def read_squad(path: str | Path) -> ReadResult:
+    rows = read_jsonl(path, required=["id", "title", "paragraph_index", "context", "question", "answers"])
+    questions: list[RaftQuestion] = []
+    corpus: dict[str, RaftDoc] = {}
+    skipped = {"unanswerable": 0, "answer_not_in_context": 0}
+    for row in rows:
+        doc_id = f"{row['title']}#p{row['paragraph_index']}"
+        corpus.setdefault(doc_id, RaftDoc(id=doc_id, text=str(row["context"]), title=str(row["title"]),
+                                          topic=str(row["title"])))
+        answers = [a["text"] if isinstance(a, Mapping) else str(a) for a in row["answers"]]
+        if row.get("is_impossible") or not answers:
+            skipped["unanswerable"] += 1
+            continue
+        start = str(row["context"]).find(answers[0])
+        if start < 0:
+            skipped["answer_not_in_context"] += 1
+            continue
+        questions.append(
+            RaftQuestion(
+                id=str(row["id"]),
+                question=str(row["question"]).strip(),
+                oracle_ids=[doc_id],
+                answer=answers[0],
+                kind="span",
+                topic=str(row["title"]),
+                evidence=(start, start + len(answers[0])),
+                meta={"all_answers": json.dumps(answers)},
+            )
+        )
+    return ReadResult(questions, corpus, skipped)
+
+
+def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
+    root = Path(path)
+    corpus_rows = read_jsonl(root / "corpus.jsonl", required=["_id", "text"])
+    query_rows = read_jsonl(root / f"queries_{split}.jsonl", required=["_id", "text"])
+    qrels_path = root / f"qrels_{split}.tsv"
+    if not qrels_path.is_file():
+        raise DataError(f"SciFact qrels '{qrels_path}' does not exist; data.path must be the BEIR folder")
+    corpus = {
+        str(r["_id"]): RaftDoc(id=str(r["_id"]), text=str(r["text"]), title=str(r.get("title", "")))
+        for r in corpus_rows
+    }
+    positives: dict[str, list[str]] = {}
+    with qrels_path.open() as fh:
+        for rec in csv.DictReader(fh, delimiter="\t"):
+            if int(rec.get("score", 1)) > 0:
+                positives.setdefault(str(rec["query-id"]), []).append(str(rec["corpus-id"]))
+    questions: list[RaftQuestion] = []
+    skipped = {"no_evidence": 0}
+    for r in query_rows:
+        qid = str(r["_id"])
+        oracle = [d for d in positives.get(qid, []) if d in corpus]
+        if not oracle:
+            skipped["no_evidence"] += 1
+            continue
+        title = corpus[oracle[0]].title or oracle[0]
+        questions.append(RaftQuestion(id=qid, question=str(r["text"]).strip(), oracle_ids=oracle, answer=title,
+                                      kind="title"))
+    return ReadResult(questions, corpus, skipped)
+
+
+def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResult:
+    """Generic JSONL: ``fields`` maps our names (id, question, oracle, answer, long_answer, topic) to yours."""
+    names = {k: fields.get(k, k) for k in ("id", "question", "oracle", "answer", "long_answer", "topic")}
+    rows = read_jsonl(path, required=[names["id"], names["question"], names["oracle"], names["answer"]])
+    questions: list[RaftQuestion] = []
+    corpus: dict[str, RaftDoc] = {}
+    for row in rows:
+        qid = str(row[names["id"]])
+        oracles = row[names["oracle"]]
+        oracles = [oracles] if isinstance(oracles, str) else list(oracles)
+        if not oracles:
+            raise DataError(f"{path}: id {qid}: field '{names['oracle']}' is empty; every question needs an oracle")
+        topic = row.get(names["topic"])
+        ids = []
+        for i, text in enumerate(oracles):
+            doc_id = f"{qid}:oracle{i}"
+            corpus[doc_id] = RaftDoc(id=doc_id, text=str(text), topic=None if topic is None else str(topic))
+            ids.append(doc_id)
+        answer = str(row[names["answer"]]).strip()
+        long_answer = row.get(names["long_answer"])
+        kind: AnswerKind = "yes_no_maybe" if answer.lower() in ("yes", "no", "maybe") else "free"
+        questions.append(
+            RaftQuestion(
+                id=qid,
+                question=str(row[names["question"]]).strip(),
+                oracle_ids=ids,
+                answer=answer.lower() if kind == "yes_no_maybe" else answer,
+                kind=kind,
+                long_answer=None if long_answer is None else str(long_answer),
+                topic=None if topic is None else str(topic),
+            )
+        )
+    return ReadResult(questions, corpus)
+
+
+def read_corpus_jsonl(path: str | Path) -> dict[str, RaftDoc]:
+    """Extra distractor documents: JSONL with ``id`` (or ``_id``) and ``text`` (optional ``title``, ``topic``)."""
+    rows = read_jsonl(path)
+    out: dict[str, RaftDoc] = {}
+    for lineno, r in enumerate(rows, start=1):
+        doc_id = r.get("id", r.get("_id"))
+        if doc_id is None or "text" not in r:
+            raise DataError(f"{path}:{lineno}: corpus rows need 'id' (or '_id') and 'text'; got {sorted(r)}")
+        topic = r.get("topic")
+        out[str(doc_id)] = RaftDoc(id=str(doc_id), text=str(r["text"]), title=str(r.get("title", "")),
+                                   topic=None if topic is None else str(topic))
+    return out

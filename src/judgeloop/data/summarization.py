@@ -1,0 +1,302 @@
+"""Summarization examples and their loaders, selected by ``data.format`` + ``data.path`` / ``data.name``.
+
+A :class:`SummExample` has an id, an article, references grouped by style (``neutral``: human
+abstractive; ``extractive``: lead sentences or a ROUGE oracle extract, computed when absent) and,
+where the data set has them, rated candidate summaries (SummEval's system outputs with expert
+ratings; XSumFaith's summary with its faithfulness label).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from judgeloop.io import DataError, read_jsonl
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
+
+FORMATS = ("embedded", "jsonl", "summeval", "debian", "xsumfaith", "hf")
+
+
+@dataclass
+class Candidate:
+    """A candidate summary with optional human ratings (e.g. ``{"relevance": 4.33}``)."""
+
+    text: str
+    system: str = ""
+    ratings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SummExample:
+    id: str
+    article: str
+    references: dict[str, list[str]]
+    candidates: list[Candidate] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def neutral(self) -> list[str]:
+        return self.references.get("neutral", [])
+
+    @property
+    def extractive(self) -> list[str]:
+        return self.references.get("extractive", [])
+
+
+@dataclass
+class SplitConfig:
+    """Fractions of articles per split; the rest is ``train``. Assignment hashes the article id."""
+
+    calibration: float = 0.2
+    test: float = 0.2
+    validation: float = 0.0
+    salt: str = "judgeloop"
+
+    def __post_init__(self) -> None:
+        for name in ("calibration", "test", "validation"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"split.{name} must be in [0, 1), got {value}")
+        if self.calibration + self.test + self.validation > 1.0 + 1e-9:
+            raise ValueError(
+                f"split fractions calibration+test+validation = "
+                f"{self.calibration + self.test + self.validation:.3f} exceed 1; make them sum to at most 1 (train gets the rest)"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where the articles come from.
+
+    ``format``: ``embedded`` (ships with judgeloop, the default), ``jsonl`` (with ``fields`` mapping),
+    ``summeval``, ``debian``, ``xsumfaith`` (files in the ../shared/data layouts) or ``hf`` (a hub
+    data set by ``name``, e.g. ``cnn_dailymail`` with ``hf_config: 3.0.0``).
+    """
+
+    format: Literal["embedded", "jsonl", "summeval", "debian", "xsumfaith", "hf"] = "embedded"
+    path: str | None = None
+    name: str | None = None
+    hf_config: str | None = None
+    hf_split: str = "train"
+    fields: dict[str, str] = field(default_factory=dict)
+    embedded_size: int = 600
+    max_articles: int | None = None
+    lead_sentences: int = 2
+    extractive: Literal["lead", "oracle"] = "lead"
+    split: SplitConfig = field(default_factory=SplitConfig)
+
+    def __post_init__(self) -> None:
+        if self.format in ("jsonl", "summeval", "debian", "xsumfaith") and not self.path:
+            raise ValueError(f"data.format={self.format} needs data.path=PATH to the JSONL file")
+        if self.format == "hf" and not self.name:
+            raise ValueError("data.format=hf needs data.name (e.g. data.name=cnn_dailymail data.hf_config=3.0.0)")
+        if self.embedded_size < 1:
+            raise ValueError(f"data.embedded_size must be positive, got {self.embedded_size}")
+        if self.max_articles is not None and self.max_articles < 1:
+            raise ValueError(f"data.max_articles must be positive or null, got {self.max_articles}")
+        if self.lead_sentences < 1:
+            raise ValueError(f"data.lead_sentences must be >= 1, got {self.lead_sentences}")
+
+
+_SENT_RE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(`])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """A light sentence splitter (punctuation followed by space and a capital/digit/quote)."""
+    text = " ".join(text.split())
+    if not text:
+        return []
+    return [s.strip() for s in _SENT_RE.split(text) if s.strip()]
+
+
+def lead(text: str, k: int) -> str:
+    return " ".join(split_sentences(text)[:k])
+
+
+def oracle_extract(article: str, references: list[str], max_sentences: int = 3) -> str:
+    """Greedy ROUGE-2+L oracle: add article sentences while they raise F1 against the references."""
+    from judgeloop.metrics.text import rouge_scorer
+
+    sents = split_sentences(article)
+    scorer = rouge_scorer()
+    chosen: list[int] = []
+    best = 0.0
+    for _ in range(max_sentences):
+        gains = []
+        for i in range(len(sents)):
+            if i in chosen:
+                continue
+            cand = " ".join(sents[j] for j in sorted([*chosen, i]))
+            score = max(
+                (scorer.score(r, cand)["rouge2"].fmeasure + scorer.score(r, cand)["rougeL"].fmeasure) for r in references
+            )
+            gains.append((score, i))
+        if not gains:
+            break
+        score, i = max(gains)
+        if score <= best:
+            break
+        best = score
+        chosen.append(i)
+    return " ".join(sents[j] for j in sorted(chosen)) or lead(article, 1)
+
+
+def _with_extractive(ex: SummExample, cfg: DataConfig) -> SummExample:
+    if not ex.references.get("extractive"):
+        if cfg.extractive == "oracle" and ex.neutral:
+            ex.references["extractive"] = [oracle_extract(ex.article, ex.neutral)]
+        else:
+            ex.references["extractive"] = [lead(ex.article, cfg.lead_sentences)]
+    return ex
+
+
+def _check_text(value: Any, what: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{what}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _load_embedded(cfg: DataConfig) -> list[SummExample]:
+    from judgeloop.data.embedded import generate_articles
+
+    return [
+        SummExample(
+            id=str(r["id"]), article=str(r["article"]),
+            references={"neutral": [str(r["neutral"])], "extractive": [str(r["extractive"])]},
+            meta={"domain": r["domain"]},
+        )
+        for r in generate_articles(cfg.embedded_size)
+    ]
+
+
+def _load_jsonl(cfg: DataConfig) -> list[SummExample]:
+    f = {"id": "id", "article": "article", "references": "references", "summary": "summary",
+         "extractive": "extractive", **cfg.fields}
+    unknown = set(cfg.fields) - {"id", "article", "references", "summary", "extractive"}
+    if unknown:
+        raise DataError(f"data.fields has unknown entries {sorted(unknown)}; valid: id, article, references, summary, extractive")
+    rows = read_jsonl(str(cfg.path), required=[f["article"]])
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{cfg.path} row {i + 1}"
+        refs: list[str] = []
+        if f["references"] in row:
+            value = row[f["references"]]
+            refs = [value] if isinstance(value, str) else [_check_text(v, f["references"], where) for v in value]
+        elif f["summary"] in row:
+            refs = [_check_text(row[f["summary"]], f["summary"], where)]
+        else:
+            raise DataError(
+                f"{where}: no reference field ('{f['references']}' or '{f['summary']}'); "
+                "set data.fields.references=NAME or data.fields.summary=NAME"
+            )
+        references = {"neutral": refs}
+        if f["extractive"] in row:
+            value = row[f["extractive"]]
+            references["extractive"] = [value] if isinstance(value, str) else list(value)
+        out.append(SummExample(
+            id=str(row.get(f["id"], i)), article=_check_text(row[f["article"]], f["article"], where),
+            references=references,
+        ))
+    return out
+
+
+def _load_summeval(cfg: DataConfig) -> list[SummExample]:
+    rows = read_jsonl(str(cfg.path), required=["id", "article", "references", "summaries"])
+    out = []
+    for row in rows:
+        cands = []
+        for s in row["summaries"]:
+            if "text" not in s:
+                raise DataError(f"{cfg.path}: article {row['id']} has a summary without 'text'")
+            ratings = {f"expert_{k}": float(v) for k, v in (s.get("expert") or {}).items()}
+            ratings.update({f"turker_{k}": float(v) for k, v in (s.get("turker") or {}).items()})
+            cands.append(Candidate(text=s["text"], system=str(s.get("system", "")), ratings=ratings))
+        out.append(SummExample(id=str(row["id"]), article=row["article"],
+                               references={"neutral": list(row["references"])}, candidates=cands))
+    return out
+
+
+def _load_debian(cfg: DataConfig) -> list[SummExample]:
+    rows = read_jsonl(str(cfg.path), required=["id", "article", "summary"])
+    return [
+        SummExample(id=str(r["id"]), article=r["article"], references={"neutral": [r["summary"]]},
+                    meta={"section": r.get("section", "")})
+        for r in rows
+    ]
+
+
+def _load_xsumfaith(cfg: DataConfig) -> list[SummExample]:
+    rows = read_jsonl(str(cfg.path), required=["id", "article", "summary", "label"])
+    # XSumFaith has no reference summary: the faithful system summary is the best stand-in we have, and the
+    # faithfulness label rides along as a rating of that candidate.
+    out = []
+    for r in rows:
+        cand = Candidate(text=r["summary"], system="xsum", ratings={"faithful": float(r["label"])})
+        refs = [r["summary"]] if str(r["label"]) == "1" else []
+        out.append(SummExample(id=str(r["id"]), article=r["article"], references={"neutral": refs}, candidates=[cand]))
+    return out
+
+
+_HF_DEFAULT_FIELDS = {
+    "cnn_dailymail": {"id": "id", "article": "article", "summary": "highlights"},
+    "abisee/cnn_dailymail": {"id": "id", "article": "article", "summary": "highlights"},
+    "xsum": {"id": "id", "article": "document", "summary": "summary"},
+    "EdinburghNLP/xsum": {"id": "id", "article": "document", "summary": "summary"},
+}
+
+
+def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs network
+    import datasets
+
+    ds = datasets.load_dataset(cfg.name, cfg.hf_config, split=cfg.hf_split)
+    f = {**_HF_DEFAULT_FIELDS.get(str(cfg.name), {"id": "id", "article": "article", "summary": "summary"}), **cfg.fields}
+    for key in ("article", "summary"):
+        if f[key] not in ds.column_names:
+            raise DataError(
+                f"hub data set {cfg.name} has no column '{f[key]}' (columns: {ds.column_names}); "
+                f"set data.fields.{key}=COLUMN"
+            )
+    n = len(ds) if cfg.max_articles is None else min(len(ds), cfg.max_articles)
+    out = []
+    for i in range(n):
+        row = ds[i]
+        out.append(SummExample(id=str(row.get(f["id"], i)), article=row[f["article"]],
+                               references={"neutral": [row[f["summary"]]]}))
+    return out
+
+
+LOADERS: dict[str, Callable[[DataConfig], list[SummExample]]] = {
+    "embedded": _load_embedded,
+    "jsonl": _load_jsonl,
+    "summeval": _load_summeval,
+    "debian": _load_debian,
+    "xsumfaith": _load_xsumfaith,
+    "hf": _load_hf,
+}
+
+
+def load_examples(cfg: DataConfig) -> list[SummExample]:
+    """Load, validate and de-duplicate examples; compute extractive references when absent.
+
+    Duplicate ids keep their first occurrence (the count is logged); empty articles raise.
+    """
+    examples = LOADERS[cfg.format](cfg)
+    seen: set[str] = set()
+    unique: list[SummExample] = []
+    for ex in examples:
+        if ex.id in seen:
+            continue
+        seen.add(ex.id)
+        if not ex.article.strip():
+            raise DataError(f"article '{ex.id}' is empty; remove it from the data or fix the article field mapping")
+        unique.append(ex)
+    if len(unique) < len(examples):
+        logger.info("dropped %d rows with a duplicate id (kept the first of each)", len(examples) - len(unique))
+    if cfg.max_articles is not None:
+        unique = unique[: cfg.max_articles]
+    return [_with_extractive(ex, cfg) for ex in unique]

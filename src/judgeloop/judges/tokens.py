@@ -1,0 +1,95 @@
+"""Token budgets and padding shared by the model-based judges.
+
+Truncation is explicit and touches the article only: :func:`fit_article` shortens the article
+until the whole rendered input fits ``max_length`` tokens and says so (status ``truncated``); if the
+input does not fit even with an empty article (the summaries and the prompt alone are too long),
+the status is ``too_long`` and the item is not scored.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def fit_article(
+    render_ids: Callable[[str], list[int]], tokenizer: Any, article: str, max_length: int
+) -> tuple[list[int] | None, str]:
+    """Token ids of ``render_ids(article)``, shortening the article until they fit ``max_length``.
+
+    Args:
+        render_ids: article text -> token ids of the full model input.
+        tokenizer: used to cut the article on token boundaries.
+        article: the article text.
+        max_length: token budget of the full input.
+
+    Returns:
+        ``(ids, "ok")``, ``(ids, "truncated")`` or ``(None, "too_long")``.
+    """
+    ids = render_ids(article)
+    if len(ids) <= max_length:
+        return ids, "ok"
+    overhead = len(render_ids(""))
+    if overhead > max_length:
+        return None, "too_long"
+    art_ids = tokenizer.encode(article, add_special_tokens=False)
+    keep = min(len(art_ids), max_length - overhead)
+    # Re-tokenizing a cut article inside its context can merge tokens differently, so shrink until it fits.
+    while keep > 0:
+        ids = render_ids(tokenizer.decode(art_ids[:keep], skip_special_tokens=True))
+        if len(ids) <= max_length:
+            return ids, "truncated"
+        keep -= max(1, len(ids) - max_length)
+    return render_ids(""), "truncated"
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "left") -> dict[str, torch.Tensor]:
+    """Pad token id lists into ``input_ids``, ``attention_mask`` and ``position_ids``, each (B, T).
+
+    ``position_ids`` count real tokens only, so a left-padded row sees the same positions as it
+    would unpadded.
+    """
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if side == "left":
+            input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+        else:
+            input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+
+
+def forward_accepts(model: Any, name: str) -> bool:
+    """Whether ``model.forward`` takes the keyword ``name`` explicitly."""
+    return name in inspect.signature(model.forward).parameters
+
+
+def model_max_length(model: Any, tokenizer: Any) -> int | None:
+    """The longest input the model can take, from its config and tokenizer (``None`` if unknown)."""
+    limits = []
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(getattr(model, "config", None), attr, None)
+        if isinstance(value, int) and value > 0:
+            limits.append(value)
+            break
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
+        limits.append(tok_max)
+    return min(limits) if limits else None
+
+
+def resolve_device(device: str) -> torch.device:
+    """``torch.device(device)``, refusing a CUDA/MPS device that is not there."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"judge.device={device!r} but CUDA is not available; use judge.device=cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"judge.device={device!r} but MPS is not available; use judge.device=cpu")
+    return dev

