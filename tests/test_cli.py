@@ -7,19 +7,30 @@ from judgeloop.cli import main
 
 
 def test_unknown_key_exits_2_with_message(repo, capsys):
-    rc = main(["calibrate", "--config", str(repo / "configs/calibrate/embedded_embedding.yaml"), "judge.scael=3"])
+    rc = main(
+        ["calibrate", "--config", str(repo / "configs/calibrate/embedded_embedding.yaml"), "judge.scael=3"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "unknown config key 'judge.scael'" in err and "did you mean 'judge.scale'" in err
 
 
 def test_print_config(repo, capsys):
-    rc = main(["calibrate", "--config", str(repo / "configs/calibrate/embedded_embedding.yaml"), "--print-config",
-               "n_bins=10"])
+    rc = main(
+        [
+            "calibrate",
+            "--config",
+            str(repo / "configs/calibrate/embedded_embedding.yaml"),
+            "--print-config",
+            "n_bins=10",
+        ]
+    )
     assert rc == 0
     assert "n_bins: 10" in capsys.readouterr().out
 
 
 def test_console_script_help():
-    out = subprocess.run([sys.executable, "-m", "judgeloop.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "judgeloop.cli", "--help"], capture_output=True, text=True, check=True
+    )
     assert "calibrate" in out.stdout

@@ -39,7 +39,9 @@ def test_defaults_and_yaml_and_overrides(tmp_path):
 
 
 def test_unknown_key_names_closest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'judge.positon_debias'.*did you mean 'judge.position_debias'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'judge.positon_debias'.*did you mean 'judge.position_debias'"
+    ):
         load_config(Outer, None, ["judge.positon_debias=false"])
     with pytest.raises(ConfigError, match=r"unknown config key 'stepz'.*'steps'"):
         load_config(Outer, None, ["stepz=1"])

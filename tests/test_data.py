@@ -32,7 +32,9 @@ def test_splits_are_stable_disjoint_and_sized():
     ex = load_examples(DataConfig())
     cfg = SplitConfig(calibration=0.2, test=0.2, validation=0.1)
     s1, s2 = split_examples(ex, cfg), split_examples(list(reversed(ex)), cfg)
-    assert {k: sorted(e.id for e in v) for k, v in s1.items()} == {k: sorted(e.id for e in v) for k, v in s2.items()}
+    assert {k: sorted(e.id for e in v) for k, v in s1.items()} == {
+        k: sorted(e.id for e in v) for k, v in s2.items()
+    }
     assert abs(len(s1["test"]) / len(ex) - 0.2) < 0.06
     assert abs(len(s1["train"]) / len(ex) - 0.5) < 0.08
     # growing the data set keeps every old article in its split
@@ -42,8 +44,14 @@ def test_splits_are_stable_disjoint_and_sized():
 
 
 def test_duplicate_text_never_straddles_splits():
-    base = [SummExample(id=f"x{i}", article=f"Article number {i}.", references={"neutral": ["s"]}) for i in range(200)]
-    dup = [SummExample(id=f"y{i}", article=f"Article number {i}.", references={"neutral": ["s"]}) for i in range(200)]
+    base = [
+        SummExample(id=f"x{i}", article=f"Article number {i}.", references={"neutral": ["s"]})
+        for i in range(200)
+    ]
+    dup = [
+        SummExample(id=f"y{i}", article=f"Article number {i}.", references={"neutral": ["s"]})
+        for i in range(200)
+    ]
     splits = split_examples(base + dup, SplitConfig(calibration=0.3, test=0.3))
     check_disjoint(splits)
 
@@ -67,7 +75,9 @@ def test_split_config_errors():
 def test_jsonl_loader_field_mapping_and_errors(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"doc_id": "a", "text": "One. Two. Three.", "headline": "One two"}) + "\n")
-    cfg = DataConfig(format="jsonl", path=str(path), fields={"id": "doc_id", "article": "text", "summary": "headline"})
+    cfg = DataConfig(
+        format="jsonl", path=str(path), fields={"id": "doc_id", "article": "text", "summary": "headline"}
+    )
     (ex,) = load_examples(cfg)
     assert ex.id == "a" and ex.neutral == ["One two"] and ex.extractive == ["One. Two."]
     with pytest.raises(DataError, match="missing field"):
@@ -86,8 +96,14 @@ def test_real_loaders(shared_data):
     se = load_examples(DataConfig(format="summeval", path=str(shared_data / "summeval/summeval_dev.jsonl")))
     assert len(se) == 44 and len(se[0].candidates) == 12 and len(se[0].neutral) == 11
     assert "expert_relevance" in se[0].candidates[0].ratings
-    deb = load_examples(DataConfig(format="debian", path=str(shared_data / "debian/debian_synopsis_dev.jsonl"),
-                                   max_articles=50, lead_sentences=1))
+    deb = load_examples(
+        DataConfig(
+            format="debian",
+            path=str(shared_data / "debian/debian_synopsis_dev.jsonl"),
+            max_articles=50,
+            lead_sentences=1,
+        )
+    )
     assert len(deb) == 50 and all(len(e.extractive) == 1 for e in deb)
     xs = load_examples(DataConfig(format="xsumfaith", path=str(shared_data / "xsumfaith/xsumfaith.jsonl")))
     assert xs and xs[0].candidates[0].ratings["faithful"] in (0.0, 1.0)

@@ -19,10 +19,30 @@ from judgeloop.logging import setup_logging
 # command -> "module:ConfigClass:run_function"
 COMMANDS: dict[str, str] = {
     "calibrate": "judgeloop.commands.calibrate:CalibrateConfig:run",
+    "conformal": "judgeloop.commands.conformal:ConformalConfig:run",
+    "gate": "judgeloop.commands.gate:GateConfig:run",
+    "route": "judgeloop.commands.route:RouteConfig:run",
+    "build-raft": "judgeloop.commands.build_raft:BuildRaftConfig:run",
+    "sft": "judgeloop.commands.sft:SftConfig:run",
+    "eval-raft": "judgeloop.commands.eval_raft:EvalRaftConfig:run",
+    "train": "judgeloop.commands.train:FeedbackLoopConfig:run",
+    "ablate": "judgeloop.commands.ablate:FeedbackLoopConfig:run",
+    "train-retriever": "judgeloop.commands.train_retriever:TrainRetrieverConfig:run",
+    "mine-negatives": "judgeloop.commands.mine_negatives:MineNegativesConfig:run",
 }
 
 HELP: dict[str, str] = {
     "calibrate": "score judge preferences, fit Platt/isotonic calibrators, write a calibration report",
+    "conformal": "conformal retrieval sets (per-group thresholds, base rates, ACI) checked over random splits",
+    "gate": "select cheap weak-retrieval signals on calibration data, threshold them, report AUCs and cost",
+    "route": "confidence routing for QA: retrieve only when the probe is unsure; vs four baselines",
+    "build-raft": "build a RAFT set (question, distractors, oracle w.p. p_oracle, quoted reasoning) + stats",
+    "sft": "LoRA SFT of a causal LM on a RAFT set with TRL SFTTrainer (launches recipes/sft_raft.py)",
+    "eval-raft": "answer accuracy with oracle+distractors / distractors / oracle, base vs tuned; quote validity",
+    "train": "run the calibrated feedback loop (online DPO against a judge) once",
+    "ablate": "run the feedback loop per calibration arm and seed; write results.json/md and curves.png",
+    "train-retriever": "zero-shot eval, train a bi-encoder with mined hard negatives, eval again",
+    "mine-negatives": "mine hard negatives for a set of queries with a bi-encoder (JSONL with scores)",
 }
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
-import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -64,7 +63,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(
                 f"config key '{key}' expects a mapping of {_type_name(tp)} fields, got {value!r}"
             )
-        return _build(tp, dict(value), prefix=f"{key}.")
+        return _build(tp, dict(value), prefix=f"{key}.")  # type: ignore[arg-type]
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:

@@ -115,7 +115,9 @@ def read_jsonl(path: str | Path, required: Iterable[str] = ()) -> list[dict[str,
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object") from err
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object"
+                ) from err
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             missing = [k for k in required if k not in row]

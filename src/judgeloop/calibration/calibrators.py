@@ -43,7 +43,9 @@ def _validate(scores: Any, labels: Any, min_points: int, method: str, features: 
             "is not 'ok'/'truncated' before fitting"
         )
     if not np.all((y == 0) | (y == 1)):
-        raise CalibrationError(f"{method}: labels must be 0 or 1, got values {sorted(set(np.unique(y)) - {0.0, 1.0})[:5]}")
+        raise CalibrationError(
+            f"{method}: labels must be 0 or 1, got values {sorted(set(np.unique(y)) - {0.0, 1.0})[:5]}"
+        )
     if s.size < min_points:
         raise CalibrationError(
             f"{method}: calibration set has {s.size} pairs, fewer than min_points={min_points}; "
@@ -106,9 +108,13 @@ class Calibrator:
         Raises:
             CalibrationError: one class only, fewer than ``min_points`` pairs, non-finite scores.
         """
-        s, y, f = _validate(scores, labels, self.min_points, self.method, features if self.uses_features else None)
+        s, y, f = _validate(
+            scores, labels, self.min_points, self.method, features if self.uses_features else None
+        )
         if self.uses_features and f is None:
-            raise CalibrationError(f"{self.method}: needs pair features (length / copy-rate differences); pass features=")
+            raise CalibrationError(
+                f"{self.method}: needs pair features (length / copy-rate differences); pass features="
+            )
         if self.symmetric:
             s, y, f = _symmetrize(s, y, f)
         self.n_fit_ = int(s.size)
@@ -118,7 +124,9 @@ class Calibrator:
     def predict_proba(self, scores: Any, features: Any = None) -> np.ndarray:
         """P(a better than b) for each raw logit (NaN in, NaN out)."""
         if not self.n_fit_:
-            raise RuntimeError(f"{self.method} calibrator is not fitted; call fit() or load_state_dict() first")
+            raise RuntimeError(
+                f"{self.method} calibrator is not fitted; call fit() or load_state_dict() first"
+            )
         s = np.asarray(scores, dtype=float).ravel()
         f = None
         if self.uses_features:
@@ -140,8 +148,13 @@ class Calibrator:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "symmetric": self.symmetric, "min_points": self.min_points,
-                "n_fit_": self.n_fit_, "params": self._params()}
+        return {
+            "method": self.method,
+            "symmetric": self.symmetric,
+            "min_points": self.min_points,
+            "n_fit_": self.n_fit_,
+            "params": self._params(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> Calibrator:
         if state.get("method") != self.method:
@@ -194,8 +207,13 @@ class PlattCalibrator(Calibrator):
 
     method = "platt"
 
-    def __init__(self, symmetric: bool = True, fit_intercept: bool = False, target_smoothing: bool = True,
-                 min_points: int = 10):
+    def __init__(
+        self,
+        symmetric: bool = True,
+        fit_intercept: bool = False,
+        target_smoothing: bool = True,
+        min_points: int = 10,
+    ):
         super().__init__(symmetric, min_points)
         self.fit_intercept = fit_intercept
         self.target_smoothing = target_smoothing
@@ -216,8 +234,12 @@ class PlattCalibrator(Calibrator):
         return expit(self.a_ * s + self.b_)
 
     def _params(self) -> dict[str, Any]:
-        return {"a_": self.a_, "b_": self.b_, "fit_intercept": self.fit_intercept,
-                "target_smoothing": self.target_smoothing}
+        return {
+            "a_": self.a_,
+            "b_": self.b_,
+            "fit_intercept": self.fit_intercept,
+            "target_smoothing": self.target_smoothing,
+        }
 
     def _set_params(self, params: dict[str, Any]) -> None:
         self.a_, self.b_ = float(params["a_"]), float(params["b_"])
@@ -266,7 +288,9 @@ class IsotonicCalibrator(Calibrator):
 
     method = "isotonic"
 
-    def __init__(self, symmetric: bool = True, min_points: int = 10, min_points_warn: int = 200, eps: float = 1e-3):
+    def __init__(
+        self, symmetric: bool = True, min_points: int = 10, min_points_warn: int = 200, eps: float = 1e-3
+    ):
         super().__init__(symmetric, min_points)
         self.min_points_warn = min_points_warn
         self.eps = eps
@@ -280,14 +304,17 @@ class IsotonicCalibrator(Calibrator):
             warnings.warn(
                 f"isotonic calibration on only {s.size} points (< {self.min_points_warn}) tends to overfit; "
                 "prefer Platt scaling or add calibration data",
-                UserWarning, stacklevel=3,
+                UserWarning,
+                stacklevel=3,
             )
         iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0).fit(s, y)
         self.x_ = np.asarray(iso.X_thresholds_, dtype=float)
         self.y_ = np.asarray(iso.y_thresholds_, dtype=float)
 
     def _raw(self, s: np.ndarray) -> np.ndarray:
-        return np.interp(s, self.x_, self.y_)  # np.interp clips outside [x_min, x_max], like out_of_bounds="clip"
+        return np.interp(
+            s, self.x_, self.y_
+        )  # np.interp clips outside [x_min, x_max], like out_of_bounds="clip"
 
     def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
         p = self._raw(s)
@@ -296,7 +323,12 @@ class IsotonicCalibrator(Calibrator):
         return np.clip(p, self.eps, 1.0 - self.eps)
 
     def _params(self) -> dict[str, Any]:
-        return {"x_": self.x_.tolist(), "y_": self.y_.tolist(), "eps": self.eps, "min_points_warn": self.min_points_warn}
+        return {
+            "x_": self.x_.tolist(),
+            "y_": self.y_.tolist(),
+            "eps": self.eps,
+            "min_points_warn": self.min_points_warn,
+        }
 
     def _set_params(self, params: dict[str, Any]) -> None:
         self.x_ = np.asarray(params["x_"], dtype=float)

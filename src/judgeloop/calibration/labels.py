@@ -52,8 +52,11 @@ class LabelStats:
     unrated_dropped: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"pairs_considered": self.pairs_considered, "ties_dropped": self.ties_dropped,
-                "unrated_dropped": self.unrated_dropped}
+        return {
+            "pairs_considered": self.pairs_considered,
+            "ties_dropped": self.ties_dropped,
+            "unrated_dropped": self.unrated_dropped,
+        }
 
 
 def rouge_label(a: str, b: str, references: Sequence[str]) -> int | None:
@@ -65,7 +68,9 @@ def rouge_label(a: str, b: str, references: Sequence[str]) -> int | None:
     return int(ra > rb)
 
 
-def synthetic_candidates(ex: SummExample, others: Sequence[SummExample], rng: random.Random) -> list[Candidate]:
+def synthetic_candidates(
+    ex: SummExample, others: Sequence[SummExample], rng: random.Random
+) -> list[Candidate]:
     """Candidate summaries of varied quality for an example that has none of its own.
 
     Leads of 1-3 sentences, a single random sentence, the last sentence, a truncated reference and a
@@ -136,8 +141,17 @@ def build_labeled_pairs(
             if label is None:
                 stats.ties_dropped += 1
                 continue
-            out.append(LabeledPair(ex.id, ex.article, a.text, b.text, label, tuple(ex.neutral),
-                                   {"system_a": a.system, "system_b": b.system}))
+            out.append(
+                LabeledPair(
+                    ex.id,
+                    ex.article,
+                    a.text,
+                    b.text,
+                    label,
+                    tuple(ex.neutral),
+                    {"system_a": a.system, "system_b": b.system},
+                )
+            )
             kept += 1
     return out, stats
 

@@ -38,7 +38,9 @@ def bin_edges(p: np.ndarray, n_bins: int, strategy: str) -> np.ndarray:
     raise ValueError(f"binning strategy must be 'uniform' or 'quantile', got {strategy!r}")
 
 
-def reliability_bins(p: np.ndarray, y: np.ndarray, n_bins: int = 15, strategy: str = "uniform") -> dict[str, np.ndarray]:
+def reliability_bins(
+    p: np.ndarray, y: np.ndarray, n_bins: int = 15, strategy: str = "uniform"
+) -> dict[str, np.ndarray]:
     """Per-bin count, mean confidence and observed frequency (empty bins have count 0, nan means)."""
     p, y = _check(p, y)
     edges = bin_edges(p, n_bins, strategy)

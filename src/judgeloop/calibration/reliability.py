@@ -20,13 +20,20 @@ def reliability_diagram(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, hist) = plt.subplots(2, 1, figsize=(5.5, 6.5), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    fig, (ax, hist) = plt.subplots(
+        2, 1, figsize=(5.5, 6.5), gridspec_kw={"height_ratios": [3, 1]}, sharex=True
+    )
     ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1, label="perfect")
     for name, p in probs.items():
         bins = reliability_bins(p, labels, n_bins, "uniform")
         ok = bins["count"] > 0
-        ax.plot(bins["confidence"][ok], bins["frequency"][ok], marker="o", markersize=3,
-                label=f"{name} (ECE {ece(p, labels, n_bins):.3f})")
+        ax.plot(
+            bins["confidence"][ok],
+            bins["frequency"][ok],
+            marker="o",
+            markersize=3,
+            label=f"{name} (ECE {ece(p, labels, n_bins):.3f})",
+        )
         hist.hist(p, bins=np.linspace(0, 1, n_bins + 1), histtype="step", label=name)
     ax.set_ylabel("observed P(a better)")
     ax.set_xlim(0, 1)

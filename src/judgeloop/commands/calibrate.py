@@ -67,7 +67,9 @@ class CalibrateConfig:
         unknown = [m for m in self.methods if m not in CALIBRATORS or m == "raw"]
         if unknown:
             valid = sorted(set(CALIBRATORS) - {"raw"})
-            raise ValueError(f"methods has unknown calibrator(s) {unknown}; choose from {valid} (raw is always reported)")
+            raise ValueError(
+                f"methods has unknown calibrator(s) {unknown}; choose from {valid} (raw is always reported)"
+            )
         if not self.methods:
             raise ValueError("methods is empty; list at least one calibrator, e.g. methods=[platt,isotonic]")
         if self.n_bins < 2:
@@ -115,8 +117,12 @@ def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[s
                 status.append(s1 if s1 not in ("ok", "truncated") else s2)
             ok = out.valid & back.valid
             bias_terms.extend((out.scores[ok] + back.scores[ok]).tolist())
-    return {"forward": fwd, "reverse": rev, "status": status,
-            "position_bias": float(np.mean(bias_terms)) if bias_terms else float("nan")}
+    return {
+        "forward": fwd,
+        "reverse": rev,
+        "status": status,
+        "position_bias": float(np.mean(bias_terms)) if bias_terms else float("nan"),
+    }
 
 
 def _valid(scored: dict[str, Any]) -> np.ndarray:
@@ -149,7 +155,9 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
     logger.info("articles: %d calibration, %d test (of %d)", len(fit_ex), len(eval_ex), len(examples))
 
     fit_pairs, fit_label_stats = build_labeled_pairs(fit_ex, cfg.labels, cfg.seed, cfg.max_pairs_per_article)
-    eval_pairs, eval_label_stats = build_labeled_pairs(eval_ex, cfg.labels, cfg.seed + 1, cfg.max_pairs_per_article)
+    eval_pairs, eval_label_stats = build_labeled_pairs(
+        eval_ex, cfg.labels, cfg.seed + 1, cfg.max_pairs_per_article
+    )
     if not fit_pairs or not eval_pairs:
         raise DataError(
             f"no labeled pairs (calibration: {len(fit_pairs)}, test: {len(eval_pairs)}); with labels.type="
@@ -200,22 +208,39 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
         "articles": {"calibration": len(fit_ex), "test": len(eval_ex), "total": len(examples)},
         "methods": methods_report,
         "judge": {
-            "type": cfg.judge.type, "model": cfg.judge.model, "prompt": cfg.judge.prompt,
+            "type": cfg.judge.type,
+            "model": cfg.judge.model,
+            "prompt": cfg.judge.prompt,
             "position_debias": bool(judge.position_debias),
-            "position_bias": {"calibration": fit_scored["position_bias"], "test": eval_scored["position_bias"]},
-            "status": {"calibration": _status_counts(fit_scored["status"]), "test": _status_counts(eval_scored["status"])},
+            "position_bias": {
+                "calibration": fit_scored["position_bias"],
+                "test": eval_scored["position_bias"],
+            },
+            "status": {
+                "calibration": _status_counts(fit_scored["status"]),
+                "test": _status_counts(eval_scored["status"]),
+            },
             "cache": {"hits": judge.stats.cache_hits, "misses": judge.stats.cache_misses},
         },
-        "labels": {"type": cfg.labels.type, "dimension": cfg.labels.dimension,
-                   "calibration": fit_label_stats.as_dict(), "test": eval_label_stats.as_dict(),
-                   "positive_rate_eval_forward": float(y_e.mean()) if y_e.size else float("nan")},
+        "labels": {
+            "type": cfg.labels.type,
+            "dimension": cfg.labels.dimension,
+            "calibration": fit_label_stats.as_dict(),
+            "test": eval_label_stats.as_dict(),
+            "positive_rate_eval_forward": float(y_e.mean()) if y_e.size else float("nan"),
+        },
         "calibrators": {m: c.state_dict() for m, c in calibrators.items()},
         "feature_names": list(FEATURE_NAMES),
     }
 
     rows = []
     for i, p in enumerate(kept_eval + kept_eval):
-        row = {"article_id": p.article_id, "orientation": orient[i], "score": float(s_eval[i]), "label": int(y_eval[i])}
+        row = {
+            "article_id": p.article_id,
+            "orientation": orient[i],
+            "score": float(s_eval[i]),
+            "label": int(y_eval[i]),
+        }
         row.update({f"p_{name}": float(pr[i]) for name, pr in probs.items()})
         rows.append(row)
 
@@ -223,8 +248,13 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
     atomic_write_jsonl(out_dir / "predictions.jsonl", rows)
     for method, cal in calibrators.items():
         cal.save(out_dir / "calibrators" / f"{method}.json")
-    reliability_diagram(probs, y_eval, out_dir / "reliability.png", cfg.n_bins,
-                        title=f"{cfg.judge.type} judge, {cfg.labels.type} labels, {cfg.data.format}")
+    reliability_diagram(
+        probs,
+        y_eval,
+        out_dir / "reliability.png",
+        cfg.n_bins,
+        title=f"{cfg.judge.type} judge, {cfg.labels.type} labels, {cfg.data.format}",
+    )
     atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     atomic_write_text(out_dir / "report.md", render_markdown(report))
     atomic_write_json(out_dir / "report.json", report)
@@ -243,29 +273,32 @@ def render_table(report: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     j = report["judge"]
-    return "\n".join([
-        "# Judge calibration report",
-        "",
-        f"Judge: `{j['type']}` on `{j['model']}` (prompt `{j['prompt']}`, position debiasing "
-        f"{'on' if j['position_debias'] else 'off'}). Labels: `{report['labels']['type']}`"
-        + (f" (`{report['labels']['dimension']}`)" if report["labels"]["type"] == "human" else "") + ".",
-        "",
-        f"Calibrators were fit on {report['n_fit']} pairs from {report['articles']['calibration']} calibration "
-        f"articles and evaluated on {report['n_eval']} predictions ({report['n_eval_pairs']} pairs x 2 orientations) "
-        f"from {report['articles']['test']} disjoint test articles. `raw` is sigmoid(raw logit). "
-        f"ECE uses {report['n_bins']} equal-width bins (`ece_equal_mass`: equal-mass bins).",
-        "",
-        render_table(report),
-        "",
-        f"Position bias (mean s(a,b) + s(b,a), 0 = order-invariant): calibration "
-        f"{j['position_bias']['calibration']:.4f}, test {j['position_bias']['test']:.4f}.",
-        "",
-        f"Judge item status: calibration {j['status']['calibration']}, test {j['status']['test']}. "
-        "Items that are not `ok`/`truncated` are excluded, never scored as a preference.",
-        "",
-        f"Label ties / unrated pairs dropped: calibration {report['labels']['calibration']}, "
-        f"test {report['labels']['test']}.",
-        "",
-        "Every metric can be recomputed from `predictions.jsonl`. ![reliability](reliability.png)",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Judge calibration report",
+            "",
+            f"Judge: `{j['type']}` on `{j['model']}` (prompt `{j['prompt']}`, position debiasing "
+            f"{'on' if j['position_debias'] else 'off'}). Labels: `{report['labels']['type']}`"
+            + (f" (`{report['labels']['dimension']}`)" if report["labels"]["type"] == "human" else "")
+            + ".",
+            "",
+            f"Calibrators were fit on {report['n_fit']} pairs from {report['articles']['calibration']} calibration "
+            f"articles and evaluated on {report['n_eval']} predictions ({report['n_eval_pairs']} pairs x 2 orientations) "
+            f"from {report['articles']['test']} disjoint test articles. `raw` is sigmoid(raw logit). "
+            f"ECE uses {report['n_bins']} equal-width bins (`ece_equal_mass`: equal-mass bins).",
+            "",
+            render_table(report),
+            "",
+            f"Position bias (mean s(a,b) + s(b,a), 0 = order-invariant): calibration "
+            f"{j['position_bias']['calibration']:.4f}, test {j['position_bias']['test']:.4f}.",
+            "",
+            f"Judge item status: calibration {j['status']['calibration']}, test {j['status']['test']}. "
+            "Items that are not `ok`/`truncated` are excluded, never scored as a preference.",
+            "",
+            f"Label ties / unrated pairs dropped: calibration {report['labels']['calibration']}, "
+            f"test {report['labels']['test']}.",
+            "",
+            "Every metric can be recomputed from `predictions.jsonl`. ![reliability](reliability.png)",
+            "",
+        ]
+    )

@@ -17,16 +17,90 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-FIRST = ["Amira", "Bodo", "Carys", "Dalin", "Edda", "Farrel", "Greta", "Hosk", "Ilse", "Joran", "Kesia", "Lorcan",
-         "Mirela", "Nils", "Orla", "Pavo", "Quilla", "Rasmus", "Selin", "Tamsin", "Ulric", "Vesna", "Wendel", "Yara"]
-LAST = ["Abernathy", "Brask", "Castellan", "Dorrow", "Elwin", "Fenmore", "Garrick", "Holloway", "Istvan", "Jarrow",
-        "Kettering", "Lindqvist", "Marlowe", "Norcross", "Oakhurst", "Pellam", "Quarry", "Ravensworth", "Solberg",
-        "Thornbury", "Underhill", "Varga", "Whitcombe", "Yelland"]
-TOWNS = ["Alderbrook", "Brinmoor", "Caskwell", "Dunmere", "Eastholm", "Fallowmere", "Glenharrow", "Hollin Cross",
-         "Ivybridge Vale", "Juniper Bay", "Kestrel Point", "Larkspur", "Millhaven", "Northwick", "Orrin Falls",
-         "Pennyfield", "Queensmoor", "Redwater", "Stonebridge", "Tarrow"]
-DAYS = ["on Monday", "on Tuesday", "on Wednesday", "on Thursday", "on Friday", "at the weekend", "last week",
-        "earlier this month"]
+FIRST = [
+    "Amira",
+    "Bodo",
+    "Carys",
+    "Dalin",
+    "Edda",
+    "Farrel",
+    "Greta",
+    "Hosk",
+    "Ilse",
+    "Joran",
+    "Kesia",
+    "Lorcan",
+    "Mirela",
+    "Nils",
+    "Orla",
+    "Pavo",
+    "Quilla",
+    "Rasmus",
+    "Selin",
+    "Tamsin",
+    "Ulric",
+    "Vesna",
+    "Wendel",
+    "Yara",
+]
+LAST = [
+    "Abernathy",
+    "Brask",
+    "Castellan",
+    "Dorrow",
+    "Elwin",
+    "Fenmore",
+    "Garrick",
+    "Holloway",
+    "Istvan",
+    "Jarrow",
+    "Kettering",
+    "Lindqvist",
+    "Marlowe",
+    "Norcross",
+    "Oakhurst",
+    "Pellam",
+    "Quarry",
+    "Ravensworth",
+    "Solberg",
+    "Thornbury",
+    "Underhill",
+    "Varga",
+    "Whitcombe",
+    "Yelland",
+]
+TOWNS = [
+    "Alderbrook",
+    "Brinmoor",
+    "Caskwell",
+    "Dunmere",
+    "Eastholm",
+    "Fallowmere",
+    "Glenharrow",
+    "Hollin Cross",
+    "Ivybridge Vale",
+    "Juniper Bay",
+    "Kestrel Point",
+    "Larkspur",
+    "Millhaven",
+    "Northwick",
+    "Orrin Falls",
+    "Pennyfield",
+    "Queensmoor",
+    "Redwater",
+    "Stonebridge",
+    "Tarrow",
+]
+DAYS = [
+    "on Monday",
+    "on Tuesday",
+    "on Wednesday",
+    "on Thursday",
+    "on Friday",
+    "at the weekend",
+    "last week",
+    "earlier this month",
+]
 
 
 def _person(rng: random.Random) -> str:
@@ -35,24 +109,36 @@ def _person(rng: random.Random) -> str:
 
 def _council(rng: random.Random) -> dict[str, str]:
     town = rng.choice(TOWNS)
-    thing = rng.choice(["a new footbridge over the river", "a covered market hall", "a cycle lane network",
-                        "a public library extension", "a flood barrier", "a community solar farm"])
+    thing = rng.choice(
+        [
+            "a new footbridge over the river",
+            "a covered market hall",
+            "a cycle lane network",
+            "a public library extension",
+            "a flood barrier",
+            "a community solar farm",
+        ]
+    )
     cost = rng.randint(2, 48)
     people = rng.randint(3, 40) * 100
     mayor = _person(rng)
     day = rng.choice(DAYS)
     votes_for, votes_against = rng.randint(7, 15), rng.randint(1, 6)
-    work = rng.choice(["next spring", "in the autumn", "within eighteen months", "before the end of the year"])
+    work = rng.choice(
+        ["next spring", "in the autumn", "within eighteen months", "before the end of the year"]
+    )
     sentences = [
         f"Residents of {town} have argued for years about how the town should spend its reserve fund.",
         f"The {town} council voted {votes_for} to {votes_against} {day} to build {thing} at a cost of {cost} million crowns.",
         f"Mayor {mayor} said the project would serve about {people} people who currently have no safe alternative.",
-        f"Opponents said the money would be better spent on road repairs and questioned the cost estimate.",
+        "Opponents said the money would be better spent on road repairs and questioned the cost estimate.",
         f"Construction is expected to begin {work}, according to the council's planning office.",
-        f"A public consultation drew more written responses than any previous scheme in the town.",
+        "A public consultation drew more written responses than any previous scheme in the town.",
     ]
-    neutral = (f"{town}'s councillors approved a {cost} million crown plan for {thing}, which should help "
-               f"around {people} residents, with work due to start {work}.")
+    neutral = (
+        f"{town}'s councillors approved a {cost} million crown plan for {thing}, which should help "
+        f"around {people} residents, with work due to start {work}."
+    )
     return {"domain": "council", "sentences": sentences, "neutral": neutral}
 
 
@@ -75,52 +161,89 @@ def _sport(rng: random.Random) -> dict[str, str]:
         f"The result lifts {a} to {place} place in the regional league table.",
         f"{b} will host the return fixture later in the season.",
     ]
-    neutral = (f"A late goal from {scorer} gave {a} a {sa}-{sb} {sport} win over {b}, "
-               f"moving them up to {place} in the league.")
+    neutral = (
+        f"A late goal from {scorer} gave {a} a {sa}-{sb} {sport} win over {b}, "
+        f"moving them up to {place} in the league."
+    )
     return {"domain": "sport", "sentences": sentences, "neutral": neutral}
 
 
 def _science(rng: random.Random) -> dict[str, str]:
     lead = _person(rng)
     town = rng.choice(TOWNS)
-    subject = rng.choice(["a species of freshwater snail", "a soil bacterium", "a variety of winter wheat",
-                          "a colony of cave bats", "a strain of yeast", "a mountain lichen"])
-    finding = rng.choice(["survives twice as long in warm water", "breaks down plastic film within weeks",
-                          "needs a third less irrigation", "navigates using the earth's magnetic field",
-                          "produces an unusual heat-resistant protein", "stores carbon faster than expected"])
+    subject = rng.choice(
+        [
+            "a species of freshwater snail",
+            "a soil bacterium",
+            "a variety of winter wheat",
+            "a colony of cave bats",
+            "a strain of yeast",
+            "a mountain lichen",
+        ]
+    )
+    finding = rng.choice(
+        [
+            "survives twice as long in warm water",
+            "breaks down plastic film within weeks",
+            "needs a third less irrigation",
+            "navigates using the earth's magnetic field",
+            "produces an unusual heat-resistant protein",
+            "stores carbon faster than expected",
+        ]
+    )
     n = rng.randint(3, 60) * 10
     years = rng.randint(2, 9)
     sentences = [
         f"Field stations near {town} have collected samples from the surrounding valleys for more than a decade.",
         f"A team led by {lead} reported that {subject} {finding}, based on {n} samples gathered over {years} years.",
-        f"The researchers said the effect was consistent across seasons and sampling sites.",
-        f"Independent scientists cautioned that the study has not yet been repeated by another laboratory.",
+        "The researchers said the effect was consistent across seasons and sampling sites.",
+        "Independent scientists cautioned that the study has not yet been repeated by another laboratory.",
         f"{lead} said the next step is a larger trial with partners in two other regions.",
-        f"The work was funded by a regional research foundation.",
+        "The work was funded by a regional research foundation.",
     ]
-    neutral = (f"Researchers under {lead} found that {subject} {finding}, though the {years}-year study "
-               f"still awaits independent replication.")
+    neutral = (
+        f"Researchers under {lead} found that {subject} {finding}, though the {years}-year study "
+        f"still awaits independent replication."
+    )
     return {"domain": "science", "sentences": sentences, "neutral": neutral}
 
 
 def _business(rng: random.Random) -> dict[str, str]:
-    firm = rng.choice(["Brask Instruments", "Holloway Textiles", "Northwick Ferries", "Solberg Foods",
-                       "Tarrow Ceramics", "Kestrel Software", "Marlowe Logistics", "Pellam Paper"])
+    firm = rng.choice(
+        [
+            "Brask Instruments",
+            "Holloway Textiles",
+            "Northwick Ferries",
+            "Solberg Foods",
+            "Tarrow Ceramics",
+            "Kestrel Software",
+            "Marlowe Logistics",
+            "Pellam Paper",
+        ]
+    )
     change = rng.randint(3, 35)
     up = rng.random() < 0.5
     jobs = rng.randint(2, 30) * 10
     ceo = _person(rng)
     town = rng.choice(TOWNS)
-    reason = rng.choice(["higher energy prices", "strong export orders", "a new product line",
-                         "weak demand at home", "a delayed factory upgrade", "lower shipping costs"])
+    reason = rng.choice(
+        [
+            "higher energy prices",
+            "strong export orders",
+            "a new product line",
+            "weak demand at home",
+            "a delayed factory upgrade",
+            "lower shipping costs",
+        ]
+    )
     direction = "rose" if up else "fell"
     sentences = [
         f"Shares in several regional manufacturers moved sharply as quarterly results arrived {rng.choice(DAYS)}.",
         f"{firm} said its profit {direction} {change} percent in the quarter, citing {reason}.",
         f"Chief executive {ceo} told analysts the company would {'add' if up else 'cut'} about {jobs} jobs at its {town} site.",
-        f"The company kept its forecast for the full year unchanged.",
-        f"Trade unions said they had not been consulted about the staffing plans.",
-        f"The next results are due in three months.",
+        "The company kept its forecast for the full year unchanged.",
+        "Trade unions said they had not been consulted about the staffing plans.",
+        "The next results are due in three months.",
     ]
     verb = "climbed" if up else "dropped"
     act = "hire" if up else "shed"
@@ -137,10 +260,10 @@ def _weather(rng: random.Random) -> dict[str, str]:
     sentences = [
         f"Forecasters had warned for several days that the weather over {town} would turn {rng.choice(DAYS)}.",
         f"{event.capitalize()} left {homes} homes in {town} without power for up to {hours} hours.",
-        f"Emergency crews cleared fallen trees from the main roads overnight.",
+        "Emergency crews cleared fallen trees from the main roads overnight.",
         f"{official}, who leads the district's emergency team, said no serious injuries had been reported.",
-        f"Schools in the area stayed closed while engineers checked buildings.",
-        f"Residents were asked to report damaged power lines rather than approach them.",
+        "Schools in the area stayed closed while engineers checked buildings.",
+        "Residents were asked to report damaged power lines rather than approach them.",
     ]
     neutral = f"{event.capitalize()} cut electricity to {homes} {town} households for as long as {hours} hours, but nobody was badly hurt."
     return {"domain": "weather", "sentences": sentences, "neutral": neutral}
@@ -149,18 +272,29 @@ def _weather(rng: random.Random) -> dict[str, str]:
 def _culture(rng: random.Random) -> dict[str, str]:
     artist = _person(rng)
     town = rng.choice(TOWNS)
-    work = rng.choice(["a novel about lighthouse keepers", "an opera set in a mining town", "a series of river paintings",
-                       "a documentary about migrating geese", "a collection of harbour songs"])
-    prize = rng.choice(["the Northern Arts Prize", "the Glass Quill Award", "the Meridian Medal", "the Harbour Prize"])
+    work = rng.choice(
+        [
+            "a novel about lighthouse keepers",
+            "an opera set in a mining town",
+            "a series of river paintings",
+            "a documentary about migrating geese",
+            "a collection of harbour songs",
+        ]
+    )
+    prize = rng.choice(
+        ["the Northern Arts Prize", "the Glass Quill Award", "the Meridian Medal", "the Harbour Prize"]
+    )
     money = rng.randint(5, 50) * 1000
     sentences = [
         f"The ceremony in {town} was held in a converted grain store for the first time.",
         f"{artist} won {prize} for {work}, taking home {money} crowns.",
-        f"Judges praised the work's patience and its attention to ordinary lives.",
+        "Judges praised the work's patience and its attention to ordinary lives.",
         f"{artist} said the prize money would fund a workshop for young artists in {town}.",
-        f"Five other works had been shortlisted from more than two hundred entries.",
+        "Five other works had been shortlisted from more than two hundred entries.",
     ]
-    neutral = f"{artist} received {prize} and {money} crowns for {work}, and plans to spend it on a youth workshop."
+    neutral = (
+        f"{artist} received {prize} and {money} crowns for {work}, and plans to spend it on a youth workshop."
+    )
     return {"domain": "culture", "sentences": sentences, "neutral": neutral}
 
 
@@ -191,13 +325,15 @@ def generate_articles(n: int = 600, seed: int = 1234) -> list[dict[str, object]]
         if article in seen:
             continue
         seen.add(article)
-        out.append({
-            "id": f"emb-{len(out):05d}",
-            "article": article,
-            "neutral": item["neutral"],
-            "extractive": " ".join(sentences[:2]),
-            "domain": item["domain"],
-        })
+        out.append(
+            {
+                "id": f"emb-{len(out):05d}",
+                "article": article,
+                "neutral": item["neutral"],
+                "extractive": " ".join(sentences[:2]),
+                "domain": item["domain"],
+            }
+        )
     return out
 
 

@@ -93,7 +93,9 @@ class DataConfig:
         if self.format in ("jsonl", "summeval", "debian", "xsumfaith") and not self.path:
             raise ValueError(f"data.format={self.format} needs data.path=PATH to the JSONL file")
         if self.format == "hf" and not self.name:
-            raise ValueError("data.format=hf needs data.name (e.g. data.name=cnn_dailymail data.hf_config=3.0.0)")
+            raise ValueError(
+                "data.format=hf needs data.name (e.g. data.name=cnn_dailymail data.hf_config=3.0.0)"
+            )
         if self.embedded_size < 1:
             raise ValueError(f"data.embedded_size must be positive, got {self.embedded_size}")
         if self.max_articles is not None and self.max_articles < 1:
@@ -132,7 +134,8 @@ def oracle_extract(article: str, references: list[str], max_sentences: int = 3) 
                 continue
             cand = " ".join(sents[j] for j in sorted([*chosen, i]))
             score = max(
-                (scorer.score(r, cand)["rouge2"].fmeasure + scorer.score(r, cand)["rougeL"].fmeasure) for r in references
+                (scorer.score(r, cand)["rouge2"].fmeasure + scorer.score(r, cand)["rougeL"].fmeasure)
+                for r in references
             )
             gains.append((score, i))
         if not gains:
@@ -165,7 +168,8 @@ def _load_embedded(cfg: DataConfig) -> list[SummExample]:
 
     return [
         SummExample(
-            id=str(r["id"]), article=str(r["article"]),
+            id=str(r["id"]),
+            article=str(r["article"]),
             references={"neutral": [str(r["neutral"])], "extractive": [str(r["extractive"])]},
             meta={"domain": r["domain"]},
         )
@@ -174,11 +178,19 @@ def _load_embedded(cfg: DataConfig) -> list[SummExample]:
 
 
 def _load_jsonl(cfg: DataConfig) -> list[SummExample]:
-    f = {"id": "id", "article": "article", "references": "references", "summary": "summary",
-         "extractive": "extractive", **cfg.fields}
+    f = {
+        "id": "id",
+        "article": "article",
+        "references": "references",
+        "summary": "summary",
+        "extractive": "extractive",
+        **cfg.fields,
+    }
     unknown = set(cfg.fields) - {"id", "article", "references", "summary", "extractive"}
     if unknown:
-        raise DataError(f"data.fields has unknown entries {sorted(unknown)}; valid: id, article, references, summary, extractive")
+        raise DataError(
+            f"data.fields has unknown entries {sorted(unknown)}; valid: id, article, references, summary, extractive"
+        )
     rows = read_jsonl(str(cfg.path), required=[f["article"]])
     out = []
     for i, row in enumerate(rows):
@@ -186,7 +198,9 @@ def _load_jsonl(cfg: DataConfig) -> list[SummExample]:
         refs: list[str] = []
         if f["references"] in row:
             value = row[f["references"]]
-            refs = [value] if isinstance(value, str) else [_check_text(v, f["references"], where) for v in value]
+            refs = (
+                [value] if isinstance(value, str) else [_check_text(v, f["references"], where) for v in value]
+            )
         elif f["summary"] in row:
             refs = [_check_text(row[f["summary"]], f["summary"], where)]
         else:
@@ -198,10 +212,13 @@ def _load_jsonl(cfg: DataConfig) -> list[SummExample]:
         if f["extractive"] in row:
             value = row[f["extractive"]]
             references["extractive"] = [value] if isinstance(value, str) else list(value)
-        out.append(SummExample(
-            id=str(row.get(f["id"], i)), article=_check_text(row[f["article"]], f["article"], where),
-            references=references,
-        ))
+        out.append(
+            SummExample(
+                id=str(row.get(f["id"], i)),
+                article=_check_text(row[f["article"]], f["article"], where),
+                references=references,
+            )
+        )
     return out
 
 
@@ -216,16 +233,26 @@ def _load_summeval(cfg: DataConfig) -> list[SummExample]:
             ratings = {f"expert_{k}": float(v) for k, v in (s.get("expert") or {}).items()}
             ratings.update({f"turker_{k}": float(v) for k, v in (s.get("turker") or {}).items()})
             cands.append(Candidate(text=s["text"], system=str(s.get("system", "")), ratings=ratings))
-        out.append(SummExample(id=str(row["id"]), article=row["article"],
-                               references={"neutral": list(row["references"])}, candidates=cands))
+        out.append(
+            SummExample(
+                id=str(row["id"]),
+                article=row["article"],
+                references={"neutral": list(row["references"])},
+                candidates=cands,
+            )
+        )
     return out
 
 
 def _load_debian(cfg: DataConfig) -> list[SummExample]:
     rows = read_jsonl(str(cfg.path), required=["id", "article", "summary"])
     return [
-        SummExample(id=str(r["id"]), article=r["article"], references={"neutral": [r["summary"]]},
-                    meta={"section": r.get("section", "")})
+        SummExample(
+            id=str(r["id"]),
+            article=r["article"],
+            references={"neutral": [r["summary"]]},
+            meta={"section": r.get("section", "")},
+        )
         for r in rows
     ]
 
@@ -238,7 +265,11 @@ def _load_xsumfaith(cfg: DataConfig) -> list[SummExample]:
     for r in rows:
         cand = Candidate(text=r["summary"], system="xsum", ratings={"faithful": float(r["label"])})
         refs = [r["summary"]] if str(r["label"]) == "1" else []
-        out.append(SummExample(id=str(r["id"]), article=r["article"], references={"neutral": refs}, candidates=[cand]))
+        out.append(
+            SummExample(
+                id=str(r["id"]), article=r["article"], references={"neutral": refs}, candidates=[cand]
+            )
+        )
     return out
 
 
@@ -254,7 +285,10 @@ def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs 
     import datasets
 
     ds = datasets.load_dataset(cfg.name, cfg.hf_config, split=cfg.hf_split)
-    f = {**_HF_DEFAULT_FIELDS.get(str(cfg.name), {"id": "id", "article": "article", "summary": "summary"}), **cfg.fields}
+    f = {
+        **_HF_DEFAULT_FIELDS.get(str(cfg.name), {"id": "id", "article": "article", "summary": "summary"}),
+        **cfg.fields,
+    }
     for key in ("article", "summary"):
         if f[key] not in ds.column_names:
             raise DataError(
@@ -265,8 +299,13 @@ def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs 
     out = []
     for i in range(n):
         row = ds[i]
-        out.append(SummExample(id=str(row.get(f["id"], i)), article=row[f["article"]],
-                               references={"neutral": [row[f["summary"]]]}))
+        out.append(
+            SummExample(
+                id=str(row.get(f["id"], i)),
+                article=row[f["article"]],
+                references={"neutral": [row[f["summary"]]]},
+            )
+        )
     return out
 
 
@@ -293,10 +332,14 @@ def load_examples(cfg: DataConfig) -> list[SummExample]:
             continue
         seen.add(ex.id)
         if not ex.article.strip():
-            raise DataError(f"article '{ex.id}' is empty; remove it from the data or fix the article field mapping")
+            raise DataError(
+                f"article '{ex.id}' is empty; remove it from the data or fix the article field mapping"
+            )
         unique.append(ex)
     if len(unique) < len(examples):
-        logger.info("dropped %d rows with a duplicate id (kept the first of each)", len(examples) - len(unique))
+        logger.info(
+            "dropped %d rows with a duplicate id (kept the first of each)", len(examples) - len(unique)
+        )
     if cfg.max_articles is not None:
         unique = unique[: cfg.max_articles]
     return [_with_extractive(ex, cfg) for ex in unique]

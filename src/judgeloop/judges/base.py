@@ -190,11 +190,19 @@ class Judge:
             and the per-order scores ``forward`` / ``reverse``.
         """
         pairs = list(pairs)
-        forward, st_f = self._score_with_cache(pairs)
         if not self.position_debias:
+            forward, st_f = self._score_with_cache(pairs)
             out = JudgeOutput(scores=forward.copy(), status=st_f, forward=forward)
         else:
-            reverse, st_r = self._score_with_cache([p.swapped() for p in pairs])
+            # both orders of a chunk back to back, so judges that reuse per-article work (the choice
+            # judge's prompt-prefix cache) find it still warm
+            forward, reverse = np.full(len(pairs), np.nan), np.full(len(pairs), np.nan)
+            st_f, st_r = [""] * len(pairs), [""] * len(pairs)
+            for start in range(0, len(pairs), self.batch_size):
+                chunk = pairs[start : start + self.batch_size]
+                end = start + len(chunk)
+                forward[start:end], st_f[start:end] = self._score_with_cache(chunk)
+                reverse[start:end], st_r[start:end] = self._score_with_cache([p.swapped() for p in chunk])
             status = [merge_status(a, b) for a, b in zip(st_f, st_r)]
             scores = combine_orders(forward, reverse)
             scores[[s not in VALID_STATUSES for s in status]] = np.nan

@@ -17,7 +17,7 @@ import torch
 
 def fit_article(
     render_ids: Callable[[str], list[int]], tokenizer: Any, article: str, max_length: int
-) -> tuple[list[int] | None, str]:
+) -> tuple[list[int] | None, str, str]:
     """Token ids of ``render_ids(article)``, shortening the article until they fit ``max_length``.
 
     Args:
@@ -27,23 +27,25 @@ def fit_article(
         max_length: token budget of the full input.
 
     Returns:
-        ``(ids, "ok")``, ``(ids, "truncated")`` or ``(None, "too_long")``.
+        ``(ids, status, article_used)`` with status ``"ok"``, ``"truncated"`` or ``"too_long"``
+        (then ``ids`` is ``None``).
     """
     ids = render_ids(article)
     if len(ids) <= max_length:
-        return ids, "ok"
+        return ids, "ok", article
     overhead = len(render_ids(""))
     if overhead > max_length:
-        return None, "too_long"
+        return None, "too_long", ""
     art_ids = tokenizer.encode(article, add_special_tokens=False)
     keep = min(len(art_ids), max_length - overhead)
     # Re-tokenizing a cut article inside its context can merge tokens differently, so shrink until it fits.
     while keep > 0:
-        ids = render_ids(tokenizer.decode(art_ids[:keep], skip_special_tokens=True))
+        cut = tokenizer.decode(art_ids[:keep], skip_special_tokens=True)
+        ids = render_ids(cut)
         if len(ids) <= max_length:
-            return ids, "truncated"
+            return ids, "truncated", cut
         keep -= max(1, len(ids) - max_length)
-    return render_ids(""), "truncated"
+    return render_ids(""), "truncated", ""
 
 
 def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "left") -> dict[str, torch.Tensor]:

@@ -122,8 +122,14 @@ def _dtype(dtype: str | None) -> Any:
 
     if dtype in (None, "auto"):
         return "auto" if dtype == "auto" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(table)} or 'auto'")
     return table[dtype]
@@ -162,7 +168,9 @@ def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bo
         return build_tiny_model(name)
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(resolve_model_path(name), dtype=_dtype(dtype), **_common_kwargs(trust_remote_code))
+    return AutoModel.from_pretrained(
+        resolve_model_path(name), dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
+    )
 
 
 def load_sequence_classifier(
@@ -175,7 +183,10 @@ def load_sequence_classifier(
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(name), num_labels=num_labels, dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
+        resolve_model_path(name),
+        num_labels=num_labels,
+        dtype=_dtype(dtype),
+        **_common_kwargs(trust_remote_code),
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id

@@ -14,7 +14,17 @@ from typing import Any
 TINY_PREFIX = "judgeloop-tiny/"
 TINY_KINDS = ("causal-lm", "encoder", "reward-model")
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>", "[CLS]", "[SEP]", "[MASK]"]
+SPECIAL_TOKENS = [
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|unk|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -76,22 +86,37 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
         LlamaForSequenceClassification,
     )
 
-    kind = name[len(TINY_PREFIX):]
+    kind = name[len(TINY_PREFIX) :]
     if kind not in TINY_KINDS:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {[TINY_PREFIX + k for k in TINY_KINDS]}")
+        raise ValueError(
+            f"unknown tiny model {name!r}; choose one of {[TINY_PREFIX + k for k in TINY_KINDS]}"
+        )
     tok = build_tiny_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind == "encoder":
             cfg = BertConfig(
-                vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=128, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+                vocab_size=len(tok),
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=512,
+                pad_token_id=tok.pad_token_id,
             )
             return BertModel(cfg).eval()
         llama = LlamaConfig(
-            vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+            vocab_size=len(tok),
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=2048,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=True,
         )
         if kind == "causal-lm":
             return LlamaForCausalLM(llama).eval()

@@ -147,7 +147,10 @@ def _stable_id(prefix: str, text: str) -> str:
 
 
 def load_pairs(
-    path: str | Path, query_field: str = "query", positive_field: str = "positive", title_field: str | None = None
+    path: str | Path,
+    query_field: str = "query",
+    positive_field: str = "positive",
+    title_field: str | None = None,
 ) -> BeirData:
     """Read plain (query, positive) pair JSONL as a :class:`BeirData`.
 
@@ -210,7 +213,9 @@ def check_query_split(
     train_ids, eval_ids = list(train_ids), list(eval_ids)
     both = set(train_ids) & set(eval_ids)
     if both:
-        raise LeakageError(f"query id '{sorted(both)[0]}' is in both the train and eval queries ({len(both)} ids)")
+        raise LeakageError(
+            f"query id '{sorted(both)[0]}' is in both the train and eval queries ({len(both)} ids)"
+        )
     if queries is not None:
         train_text = {_query_key(queries[q]): q for q in train_ids if q in queries}
         for q in eval_ids:

@@ -279,7 +279,9 @@ class ConformalRetriever:
         """Fit the global and per-group thresholds on calibration queries (arrays as in the module doc)."""
         values, q_idx = nonconformity(scores, relevant, num_missing, self.guarantee)
         if values.size == 0:
-            raise ValueError("calibration split holds no relevant documents; cannot fit a conformal threshold")
+            raise ValueError(
+                "calibration split holds no relevant documents; cannot fit a conformal threshold"
+            )
         self.n_cal_ = int(values.size)
         self.threshold_ = conformal_quantile(values, self.alpha)
         self.groups_: dict[str, GroupFit] = {}
@@ -303,7 +305,9 @@ class ConformalRetriever:
             )
             by_group[label] = values[mask]
         self._by_group_n = {k: int(v.size) for k, v in by_group.items()}
-        own = {k: conformal_quantile(v, self.alpha) for k, v in by_group.items() if v.size >= self.min_group_size}
+        own = {
+            k: conformal_quantile(v, self.alpha) for k, v in by_group.items() if v.size >= self.min_group_size
+        }
         for label in sorted(labels):
             self.groups_[label] = self._resolve(label, own)
         return self
@@ -377,7 +381,9 @@ class ConformalRetriever:
         thr = state["threshold_"]
         self.threshold_ = math.inf if thr is None else float(thr)  # JSON stores inf as null
         self.groups_ = {
-            k: GroupFit(int(v["n_cal"]), math.inf if v["threshold"] is None else float(v["threshold"]), v["source"])
+            k: GroupFit(
+                int(v["n_cal"]), math.inf if v["threshold"] is None else float(v["threshold"]), v["source"]
+            )
             for k, v in state["groups_"].items()
         }
         self._by_group_n = {k: v.n_cal for k, v in self.groups_.items()}

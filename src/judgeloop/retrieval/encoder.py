@@ -204,7 +204,12 @@ class BiEncoder(nn.Module):
             ]
             if self.normalize:
                 modules.append(
-                    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+                    {
+                        "idx": 2,
+                        "name": "2",
+                        "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize",
+                    }
                 )
                 (tmp / "2_Normalize").mkdir()
             (tmp / "modules.json").write_text(json.dumps(modules, indent=2))
@@ -225,7 +230,9 @@ class BiEncoder(nn.Module):
                 )
             )
             (tmp / "config_sentence_transformers.json").write_text(
-                json.dumps({"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2)
+                json.dumps(
+                    {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2
+                )
             )
             (tmp / _EXTRA_CONFIG).write_text(
                 json.dumps({"query_max_length": self.query_max_length, "pooling": self.pooling}, indent=2)

@@ -73,7 +73,9 @@ class MiningConfig:
                 f"num_negatives={self.num_negatives} candidates; widen range_max"
             )
         if self.relative_margin is not None and not 0.0 < self.relative_margin <= 1.0:
-            raise ValueError(f"mining.relative_margin={self.relative_margin} must be in (0, 1] (e.g. 0.95) or null")
+            raise ValueError(
+                f"mining.relative_margin={self.relative_margin} must be in (0, 1] (e.g. 0.95) or null"
+            )
         if self.margin is not None and self.margin < 0:
             raise ValueError(f"mining.margin={self.margin} must be >= 0 or null")
         if self.chunk_size < 1:
@@ -94,7 +96,9 @@ def exact_topk(
         (scores, indices), both (Q, min(k, N)), best first.
     """
     if query_emb.shape[-1] != corpus_emb.shape[-1]:
-        raise ValueError(f"query dim {query_emb.shape[-1]} != corpus dim {corpus_emb.shape[-1]}; same encoder?")
+        raise ValueError(
+            f"query dim {query_emb.shape[-1]} != corpus dim {corpus_emb.shape[-1]}; same encoder?"
+        )
     k = min(k, corpus_emb.shape[0])
     scores, indices = [], []
     with torch.inference_mode():
@@ -109,12 +113,16 @@ def exact_topk(
     return torch.cat(scores), torch.cat(indices)
 
 
-def faiss_topk(query_emb: torch.Tensor, corpus_emb: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def faiss_topk(
+    query_emb: torch.Tensor, corpus_emb: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k with a flat FAISS inner-product index (same results as :func:`exact_topk`)."""
     try:
         import faiss
     except ImportError as err:
-        raise ImportError("mining.use_faiss=true needs FAISS: pip install faiss-cpu (or set use_faiss=false)") from err
+        raise ImportError(
+            "mining.use_faiss=true needs FAISS: pip install faiss-cpu (or set use_faiss=false)"
+        ) from err
     k = min(k, corpus_emb.shape[0])
     index = faiss.IndexFlatIP(corpus_emb.shape[1])
     index.add(corpus_emb.float().numpy())
@@ -183,7 +191,10 @@ def mine_hard_negatives(
         out[qid] = kept
     logger.info(
         "mined negatives for %d queries: %d candidates dropped as likely false negatives, %d queries short of %d",
-        len(query_ids), n_filtered, n_short, cfg.num_negatives,
+        len(query_ids),
+        n_filtered,
+        n_short,
+        cfg.num_negatives,
     )
     return out
 

@@ -1,0 +1,112 @@
+"""LoRA SFT of a causal LM on a RAFT set with TRL's SFTTrainer.
+
+    accelerate launch recipes/sft_raft.py --config configs/raft/sft_pubmedqa.yaml [key=value ...]
+    judgeloop sft --config configs/raft/sft_pubmedqa.yaml          # the same, launched for you
+
+Steps: config -> data (RAFT train split as conversational prompt/completion) -> model + tokenizer
+-> LoRA -> SFTTrainer.train -> save the adapter and a train report (loss curve, time, sizes).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from peft import LoraConfig
+from trl import SFTConfig, SFTTrainer
+
+from judgeloop.commands.sft import SftConfig, load_sft_dataset
+from judgeloop.config import load_config, to_dict
+from judgeloop.io import atomic_dir, atomic_write_json
+from judgeloop.logging import get_logger, setup_logging
+from judgeloop.models import load_causal_lm, load_tokenizer
+
+setup_logging()
+logger = get_logger("recipes.sft_raft")
+
+# --- 1. config
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--config", required=True)
+parser.add_argument("overrides", nargs="*")
+args = parser.parse_args()
+cfg = load_config(SftConfig, args.config, args.overrides)
+out = Path(cfg.output_dir)
+
+# --- 2. data: the RAFT train split; loss on the assistant turn only when completion_only
+train_ds = load_sft_dataset(cfg)
+logger.info("training rows: %d (columns %s)", len(train_ds), train_ds.column_names)
+
+# --- 3. model and tokenizer (offline; SmolLM2 comes from the packaged GGUF, dequantized to fp32)
+tokenizer = load_tokenizer(cfg.model)
+model = load_causal_lm(cfg.model)
+
+# --- 4. LoRA on the attention and MLP projections
+peft_config = LoraConfig(
+    r=cfg.lora.r,
+    lora_alpha=cfg.lora.alpha,
+    lora_dropout=cfg.lora.dropout,
+    target_modules=list(cfg.lora.target_modules),
+    task_type="CAUSAL_LM",
+)
+
+# --- 5. trainer
+t = cfg.train
+sft_args = SFTConfig(
+    output_dir=str(out / "trainer"),
+    num_train_epochs=t.num_epochs,
+    max_steps=t.max_steps,
+    per_device_train_batch_size=t.batch_size,
+    gradient_accumulation_steps=t.grad_accum_steps,
+    learning_rate=t.learning_rate,
+    lr_scheduler_type=t.lr_scheduler,
+    warmup_steps=t.warmup_steps,
+    weight_decay=t.weight_decay,
+    logging_steps=t.logging_every_n_steps,
+    logging_first_step=True,
+    save_strategy="no",
+    eval_strategy="no",
+    report_to="none",
+    max_length=cfg.max_length,
+    completion_only_loss=cfg.completion_only,
+    bf16=t.bf16,
+    gradient_checkpointing=t.gradient_checkpointing,
+    seed=cfg.seed,
+    data_seed=cfg.seed,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+)
+trainer = SFTTrainer(
+    model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config
+)
+trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+total = sum(p.numel() for p in trainer.model.parameters())
+logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / total)
+
+start = time.time()
+result = trainer.train()
+elapsed = time.time() - start
+
+# --- 6. save the adapter (atomically) and the report, on the main process
+if trainer.accelerator.is_main_process:
+    with atomic_dir(out / "adapter") as tmp:
+        trainer.model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
+    report = {
+        "model": cfg.model,
+        "adapter_dir": str(out / "adapter"),
+        "num_train_examples": len(train_ds),
+        "num_steps": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "first_logged_loss": losses[0]["loss"] if losses else None,
+        "last_logged_loss": losses[-1]["loss"] if losses else None,
+        "loss_curve": losses,
+        "train_seconds": elapsed,
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "config": to_dict(cfg),
+    }
+    atomic_write_json(out / "train_report.json", report)
+    logger.info("done: %d steps in %.0fs, train loss %.4f -> %s", report["num_steps"], elapsed,
+                result.training_loss, out / "adapter")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("loss_curve", "config")}, indent=2))

@@ -1,0 +1,64 @@
+"""``judgeloop mine-negatives``: encode a corpus and queries with a bi-encoder and write hard negatives
+(``{"query_id", "negatives": [{"doc_id", "score"}]}`` JSONL) for training or RAFT data building."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from judgeloop.commands.train_retriever import NegativesConfig as _Negatives
+from judgeloop.commands.train_retriever import RetrievalDataPaths, RetrieverModelConfig, mine_negatives
+from judgeloop.io import atomic_write_json
+from judgeloop.logging import get_logger
+from judgeloop.retrieval.encoder import BiEncoder
+from judgeloop.retrieval.mining import MiningConfig, save_negatives
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class MineNegativesConfig:
+    output_path: str = "outputs/negatives.jsonl"
+    model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
+    data: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)
+    mining: MiningConfig = field(default_factory=MiningConfig)
+    num_bm25: int = 0
+    batch_size: int = 64
+    embedding_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.output_path:
+            raise ValueError("output_path is empty; set output_path=outputs/negatives.jsonl")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+
+
+def run(cfg: MineNegativesConfig) -> dict[str, Any]:
+    """Mine and save negatives; returns (and writes next to the output) a small summary."""
+    data = cfg.data.load()
+    encoder = BiEncoder.from_pretrained(
+        cfg.model.name,
+        cfg.model.pooling,
+        cfg.model.normalize,
+        cfg.model.max_length,
+        cfg.model.query_max_length,
+    )
+    negatives = mine_negatives(
+        encoder,
+        data,
+        _Negatives(num_bm25=cfg.num_bm25, mining=cfg.mining),
+        cfg.batch_size,
+        cache_dir=cfg.embedding_cache_dir,
+    )
+    save_negatives(cfg.output_path, negatives)
+    counts = [len(v) for v in negatives.values()]
+    summary = {
+        "output_path": cfg.output_path,
+        "num_queries": len(negatives),
+        "mean_negatives": sum(counts) / len(counts) if counts else 0.0,
+        "queries_short": sum(c < cfg.mining.num_negatives for c in counts),
+    }
+    atomic_write_json(Path(cfg.output_path).with_suffix(".summary.json"), summary)
+    logger.info("wrote negatives for %d queries to %s", len(negatives), cfg.output_path)
+    return summary

@@ -1,0 +1,14 @@
+"""``judgeloop train --config CONFIG [k=v ...]``: one run of the calibrated feedback loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.runner import train
+
+__all__ = ["FeedbackLoopConfig", "run"]
+
+
+def run(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+    return train(cfg)

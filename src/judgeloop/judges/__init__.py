@@ -1,0 +1,137 @@
+"""Judges: a batch of (article, summary_a, summary_b) -> raw preference logits with per-item status.
+
+``build_judge(JudgeConfig(...))`` makes one of four extractors, each reading model logits (no text
+is generated or parsed):
+
+* ``choice``: log P(verdict A) - log P(verdict B) of a causal-LM judge prompt (both orders by default);
+* ``likelihood``: difference of length-normalized log-likelihoods of the summaries;
+* ``reward_model``: difference of a scalar sequence-classification head (Bradley-Terry);
+* ``embedding``: difference of cosine similarities to the article or references, times ``scale``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from judgeloop.judges.base import VALID_STATUSES, Judge, JudgeOutput, JudgeStats, Pair, PointwiseJudge, combine_orders
+from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
+
+JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding")
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
+
+
+@dataclass
+class JudgeConfig:
+    """Which judge to build and how (embedded as ``judge:`` in command configs).
+
+    Attributes:
+        type: extractor, one of ``choice``, ``likelihood``, ``reward_model``, ``embedding``.
+        model: hub id or local path (packaged offline sources resolve without network).
+        prompt: template name in ``judgeloop.judges.prompts.PROMPTS`` (``neutral``, ``extractive_bias``,
+            ``length_bias``); used by choice, likelihood and reward_model.
+        position_debias: score both orders and average ``(s(a,b) - s(b,a)) / 2``; ``None`` means on
+            for ``choice`` (the only judge that sees an order) and off otherwise.
+        batch_size: items per forward pass.
+        max_length: token budget of one model input. Only the article (or a reference, for the
+            embedding judge) is cut to fit, counted as status ``truncated``; if the summaries and
+            prompt alone exceed it, the item is ``too_long`` and not scored.
+        embedding_target: ``article`` or ``references`` (embedding judge).
+        scale: embedding judge: cosine difference times ``scale``. 20 is the scale
+            sentence-transformers' MultipleNegativesRankingLoss applies to cosines.
+        dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``).
+        verdict_tokens: choice judge: the two answer labels, each a single token.
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+        cache_size: judged pairs kept in the in-memory cache (0 disables it).
+    """
+
+    type: Literal["choice", "likelihood", "reward_model", "embedding"] = "choice"
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    prompt: str = "neutral"
+    position_debias: bool | None = None
+    batch_size: int = 8
+    max_length: int = 2048
+    embedding_target: Literal["article", "references"] = "article"
+    scale: float = 20.0
+    dtype: str = "float32"
+    verdict_tokens: list[str] = field(default_factory=lambda: ["A", "B"])
+    device: str = "cpu"
+    cache_size: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.type not in JUDGE_TYPES:
+            raise ValueError(f"judge.type={self.type!r} is not a judge; use one of {list(JUDGE_TYPES)}")
+        if not self.model:
+            raise ValueError("judge.model is empty; set a hub id or a local model directory")
+        get_prompt(self.prompt)  # raises naming the closest template
+        if self.batch_size < 1:
+            raise ValueError(f"judge.batch_size={self.batch_size}; it must be at least 1")
+        if self.max_length < 16:
+            raise ValueError(f"judge.max_length={self.max_length}; it must be at least 16 tokens (typical: 2048)")
+        if self.embedding_target not in ("article", "references"):
+            raise ValueError(f"judge.embedding_target={self.embedding_target!r}; use 'article' or 'references'")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"judge.scale={self.scale}; it must be a positive finite number (default 20)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"judge.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}")
+        if len(self.verdict_tokens) != 2:
+            raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; give exactly two labels, e.g. ['A', 'B']")
+        if any(not v.strip() for v in self.verdict_tokens):
+            raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; a label cannot be empty or only spaces")
+        if self.verdict_tokens[0].strip() == self.verdict_tokens[1].strip():
+            raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; the two labels must differ")
+        dev = self.device.split(":")
+        if dev[0] not in ("cpu", "cuda", "mps") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit()):
+            raise ValueError(f"judge.device={self.device!r}; use cpu, cuda, cuda:N or mps")
+        if self.cache_size < 0:
+            raise ValueError(f"judge.cache_size={self.cache_size}; use 0 to disable the cache or a positive size")
+
+    @property
+    def debias(self) -> bool:
+        """Resolved position debiasing: the explicit setting, else on for ``choice`` only."""
+        return self.type == "choice" if self.position_debias is None else self.position_debias
+
+
+def build_judge(cfg: JudgeConfig) -> Judge:
+    """Load the model and build the judge ``cfg`` describes."""
+    common = {
+        "position_debias": cfg.debias,
+        "batch_size": cfg.batch_size,
+        "max_length": cfg.max_length,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "cache_size": cfg.cache_size,
+    }
+    if cfg.type == "choice":
+        from judgeloop.judges.choice import ChoiceJudge
+
+        return ChoiceJudge(cfg.model, prompt=cfg.prompt, verdict_tokens=tuple(cfg.verdict_tokens), **common)
+    if cfg.type == "likelihood":
+        from judgeloop.judges.likelihood import LikelihoodJudge
+
+        return LikelihoodJudge(cfg.model, prompt=cfg.prompt, **common)
+    if cfg.type == "reward_model":
+        from judgeloop.judges.reward_model import RewardModelJudge
+
+        return RewardModelJudge(cfg.model, prompt=cfg.prompt, **common)
+    from judgeloop.judges.embedding import EmbeddingJudge
+
+    return EmbeddingJudge(cfg.model, target=cfg.embedding_target, scale=cfg.scale, **common)
+
+
+__all__ = [
+    "JUDGE_TYPES",
+    "PROMPTS",
+    "VALID_STATUSES",
+    "Judge",
+    "JudgeConfig",
+    "JudgeOutput",
+    "JudgePrompt",
+    "JudgeStats",
+    "Pair",
+    "PointwiseJudge",
+    "build_judge",
+    "combine_orders",
+    "get_prompt",
+]

@@ -1,0 +1,107 @@
+"""The ``likelihood`` judge: how likely a causal LM finds each summary as its reply to "summarize this".
+
+``v(x) = (1/|x|) sum_t log P(x_t | prompt(article), x_<t)`` (length-normalized log-likelihood, so
+longer summaries are not penalized just for having more tokens) and ``s = v(a) - v(b)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from judgeloop.judges.base import PointwiseJudge
+from judgeloop.judges.choice import DEFAULT_MODEL
+from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
+from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch, resolve_device
+from judgeloop.models import load_causal_lm, load_tokenizer
+
+
+class LikelihoodJudge(PointwiseJudge):
+    """Length-normalized log-likelihood difference under a causal LM.
+
+    Args:
+        model: hub id / local path or a loaded causal LM (then pass ``tokenizer``).
+        prompt: template name; its ``summarize`` form is the context the summary continues.
+        max_length: token budget of prompt + summary; only the article is cut (``truncated``);
+            a summary that cannot fit with an empty article is ``too_long``.
+        batch_size: summaries per forward pass.
+    """
+
+    def __init__(
+        self,
+        model: str | Any = DEFAULT_MODEL,
+        tokenizer: Any = None,
+        prompt: str = "neutral",
+        position_debias: bool = False,
+        batch_size: int = 8,
+        max_length: int = 2048,
+        device: str = "cpu",
+        dtype: str = "float32",
+        cache_size: int = 100_000,
+    ):
+        self.prompt = get_prompt(prompt)
+        if isinstance(model, str):
+            model_name = model
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+            model = load_causal_lm(model, dtype=dtype)
+        else:
+            model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+            if tokenizer is None:
+                raise ValueError("LikelihoodJudge got a loaded model but no tokenizer; pass tokenizer=...")
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._chat = has_chat_template(tokenizer)
+        self._logits_to_keep = forward_accepts(self.model, "logits_to_keep")
+        self._position_ids = forward_accepts(self.model, "position_ids")
+        name = f"likelihood|{model_name}|{prompt}|{max_length}"
+        super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
+
+    def context(self, article: str) -> str:
+        """The text the summary continues: the summarize prompt up to the assistant's reply."""
+        return render_chat(self.tokenizer, self.prompt.system, self.prompt.summarize_text(article), marker="Summary:\n")
+
+    def _value_points(self, points: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[float], list[str]]:
+        values = [float("nan")] * len(points)
+        statuses: list[str] = [""] * len(points)
+        seqs, lengths, rows = [], [], []
+        for i, (article, summary, _) in enumerate(points):
+            target = self.tokenizer.encode(summary, add_special_tokens=False)
+            if not target:
+                statuses[i] = "empty_summary"
+                continue
+
+            def render_ids(art: str, target: list[int] = target) -> list[int]:
+                ctx = self.tokenizer.encode(self.context(art), add_special_tokens=not self._chat)
+                return ctx + target
+
+            ids, statuses[i], _ = fit_article(render_ids, self.tokenizer, article, self.max_length)
+            if ids is not None:
+                seqs.append(ids)
+                lengths.append(len(target))
+                rows.append(i)
+        if not seqs:
+            return values, statuses
+        # Left padding aligns every summary at the right edge, so only the last n_max + 1 positions
+        # need logits: position t predicts token t + 1.
+        n_max = max(lengths)
+        batch = {k: v.to(self.device) for k, v in pad_batch(seqs, self.pad_id, side="left").items()}
+        kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        if self._position_ids:
+            kwargs["position_ids"] = batch["position_ids"]
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = n_max + 1
+        with torch.inference_mode():
+            logits = self.model(**kwargs).logits[:, -(n_max + 1) : -1, :]  # (B, n_max, V)
+            targets = batch["input_ids"][:, -n_max:]  # (B, n_max)
+            logp = logits.float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n_max)
+            n = torch.tensor(lengths, device=logp.device)
+            mask = torch.arange(n_max, device=logp.device)[None, :] >= (n_max - n)[:, None]  # summary tokens
+            mean_logp = (logp * mask).sum(-1) / n  # (B,)
+        for row, value in zip(rows, mean_logp.cpu().tolist()):
+            values[row] = value
+        return values, statuses

@@ -1,0 +1,105 @@
+"""The ``reward_model`` judge: a sequence-classification model with one scalar output.
+
+Each summary is scored as the assistant's reply to "summarize this article" (the chat template
+when the tokenizer has one; a text pair ``(prompt, summary)`` otherwise, as BERT-style reward models
+expect). Under the Bradley-Terry model ``P(a over b) = sigmoid(r(a) - r(b))``, so the raw preference
+logit is ``s = r(a) - r(b)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from judgeloop.judges.base import PointwiseJudge
+from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
+from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch, resolve_device
+from judgeloop.models import load_sequence_classifier, load_tokenizer
+
+
+class RewardModelJudge(PointwiseJudge):
+    """Scalar reward difference.
+
+    Args:
+        model: hub id / local path or a loaded sequence classifier with ``num_labels == 1``.
+        tokenizer: required with a loaded model.
+        prompt: template name; its ``summarize`` form is the user turn the summary answers.
+        max_length: token budget per (prompt, summary); only the article is cut.
+    """
+
+    def __init__(
+        self,
+        model: str | Any,
+        tokenizer: Any = None,
+        prompt: str = "neutral",
+        position_debias: bool = False,
+        batch_size: int = 8,
+        max_length: int = 2048,
+        device: str = "cpu",
+        dtype: str = "float32",
+        cache_size: int = 100_000,
+    ):
+        self.prompt = get_prompt(prompt)
+        if isinstance(model, str):
+            model_name = model
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+            model = load_sequence_classifier(model, num_labels=1, dtype=dtype)
+        else:
+            model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+            if tokenizer is None:
+                raise ValueError("RewardModelJudge got a loaded model but no tokenizer; pass tokenizer=...")
+        num_labels = getattr(model.config, "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(
+                f"reward model {model_name!r} has num_labels={num_labels}; the reward_model judge needs a "
+                "single scalar head (num_labels=1)"
+            )
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        if getattr(model.config, "pad_token_id", None) is None:
+            # decoder classifiers pool the last non-pad token and need to know the pad id to find it
+            model.config.pad_token_id = self.pad_id
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self._chat = has_chat_template(tokenizer)
+        self._position_ids = forward_accepts(self.model, "position_ids")
+        name = f"reward_model|{model_name}|{prompt}|{max_length}"
+        super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
+
+    def _features(self, article: str, summary: str) -> dict[str, list[int]]:
+        user = self.prompt.summarize_text(article)
+        if self._chat:
+            text = render_chat(self.tokenizer, self.prompt.system, user, assistant=summary)
+            return {"input_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        enc = self.tokenizer(f"{self.prompt.system}\n\n{user}", summary, add_special_tokens=True)
+        return {k: list(v) for k, v in enc.items() if k in ("input_ids", "token_type_ids")}
+
+    def _value_points(self, points: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[float], list[str]]:
+        values = [float("nan")] * len(points)
+        statuses: list[str] = [""] * len(points)
+        feats, rows = [], []
+        for i, (article, summary, _) in enumerate(points):
+            ids, statuses[i], used = fit_article(
+                lambda art, s=summary: self._features(art, s)["input_ids"], self.tokenizer, article, self.max_length
+            )
+            if ids is not None:
+                feats.append(self._features(used, summary))
+                rows.append(i)
+        if not feats:
+            return values, statuses
+        # right padding: classifiers pool the last non-pad token (decoders) or [CLS] (encoders)
+        batch = pad_batch([f["input_ids"] for f in feats], self.pad_id, side="right")
+        kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        if "token_type_ids" in feats[0]:
+            kwargs["token_type_ids"] = pad_batch([f["token_type_ids"] for f in feats], 0, side="right")["input_ids"]
+        if self._position_ids:
+            kwargs["position_ids"] = batch["position_ids"]
+        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
+        with torch.inference_mode():
+            reward = self.model(**kwargs).logits[:, 0].float()  # (B,)
+        for row, value in zip(rows, reward.cpu().tolist()):
+            values[row] = value
+        return values, statuses

@@ -1,0 +1,67 @@
+"""Atomic checkpoints of everything the loop needs to resume exactly.
+
+A checkpoint directory holds ``policy.safetensors`` (trainable parameters: adapters under LoRA, all
+weights otherwise), ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (python, numpy, torch states),
+``calibrator.json`` and ``state.json`` (step, data cursor, KL coefficient, refit history, metric
+curves, early-stopping state). It is written to a temporary sibling and moved into place, so a run
+killed while saving leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from judgeloop.io import atomic_dir, atomic_write_json
+from judgeloop.loop.policy import load_trainable_state, trainable_state
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_policy(path: str | Path, model: Any) -> None:
+    """Trainable parameters only, written atomically (used for the best-so-far policy too)."""
+    with atomic_dir(path) as tmp:
+        save_file(trainable_state(model), str(tmp / "policy.safetensors"))
+
+
+def load_policy_weights(path: str | Path, model: Any) -> None:
+    load_trainable_state(model, load_file(str(Path(path) / "policy.safetensors")))
+
+
+def save_checkpoint(path: str | Path, model: Any, optimizer: Any, scheduler: Any, calibrator_state: dict[str, Any],
+                    state: dict[str, Any]) -> None:
+    """Write one checkpoint directory atomically (call on the main process only)."""
+    with atomic_dir(path) as tmp:
+        save_file(trainable_state(model), str(tmp / "policy.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        atomic_write_json(tmp / "calibrator.json", calibrator_state)
+        atomic_write_json(tmp / "state.json", state)
+
+
+def load_checkpoint(path: str | Path, model: Any, optimizer: Any, scheduler: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore policy, optimizer, scheduler and RNG from ``path``; return (calibrator_state, loop_state)."""
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"resume_from={path} is not a checkpoint directory (no state.json); "
+                                "pass a directory written under OUTPUT_DIR/checkpoints/")
+    load_policy_weights(path, model)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "calibrator.json").read_text()), json.loads((path / "state.json").read_text())

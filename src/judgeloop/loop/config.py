@@ -1,0 +1,212 @@
+"""The feedback loop's config schema (one typed, nested dataclass; YAML + dotted overrides).
+
+``judgeloop train --config configs/feedback_loop/tiny.yaml loss.beta=0.2`` builds
+:class:`FeedbackLoopConfig`; every value is validated here, at the boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from judgeloop.data import DataConfig, SplitConfig
+from judgeloop.judges import JudgeConfig
+
+ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "oracle")
+
+
+@dataclass
+class PolicyConfig:
+    """The policy being trained and how prompts are built.
+
+    ``lora: true`` trains LoRA adapters (peft); the reference model is then the same base with the
+    adapters disabled, so no second copy of the weights is held. Otherwise the whole model is trained
+    and a frozen copy is the reference. ``sft_steps > 0`` first warms the policy up by supervised
+    fine-tuning on the training articles' neutral references (SFT, then preference tuning); a random
+    tiny model needs it to say anything at all. The warm start uses ``sft_seed``, not the run seed,
+    so every seed of an ablation starts from the same policy (as from one pretrained checkpoint).
+    """
+
+    model: str = "judgeloop-tiny/causal-lm"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
+    use_chat_template: bool = True
+    max_article_tokens: int = 128
+    sft_steps: int = 0
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 16
+    sft_max_tokens: int = 32
+    sft_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sft_steps < 0 or self.sft_batch_size < 1:
+            raise ValueError(f"policy.sft_steps={self.sft_steps} must be >= 0 and policy.sft_batch_size >= 1")
+        if "{article}" not in self.prompt_template:
+            raise ValueError(f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one")
+        if self.max_article_tokens < 8:
+            raise ValueError(f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8")
+        if self.lora and self.lora_r < 1:
+            raise ValueError(f"policy.lora_r={self.lora_r} must be >= 1")
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling for rollouts (two summaries per article); evaluation decodes greedily."""
+
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"generation.temperature={self.temperature} must be > 0 (evaluation is the greedy pass)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generation.top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass
+class LossConfig:
+    """Soft-target DPO plus an explicit KL penalty ``kl_coef * KL(pi || pi_ref)``."""
+
+    beta: float = 0.1
+    target: Literal["soft", "hard"] = "soft"
+    margin: float = 0.0
+    kl_coef: float = 0.05
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_adaptive: bool = False
+    kl_target: float = 1.0
+    kl_horizon: int = 100
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"loss.beta={self.beta} must be > 0")
+        if not 0 <= self.margin < 0.5:
+            raise ValueError(f"loss.margin={self.margin} must be in [0, 0.5); pairs with |p - 0.5| < margin are skipped")
+        if self.kl_coef < 0:
+            raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0")
+        if self.kl_target <= 0 or self.kl_horizon < 1:
+            raise ValueError(f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    scheduler: Literal["constant", "linear"] = "constant"
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+@dataclass
+class LoopCalibrationConfig:
+    """How the judge's raw logit becomes p, and when the calibrator is refit.
+
+    ``method``: the arm. ``raw`` is p = sigmoid(raw logit); ``oracle`` replaces the judge by the
+    neutral ROUGE labeler (logit = ``oracle_scale`` * (ROUGE-L(a) - ROUGE-L(b))), the upper bound.
+    The first fit happens before step 1; refits every ``recalibrate_every_n_steps`` (0 = never) and
+    whenever the ECE monitored every ``monitor_every_n_steps`` on fresh policy samples exceeds
+    ``ece_threshold``. Calibration pairs come only from the ``calibration`` split (checked).
+    """
+
+    method: Literal["raw", "platt", "isotonic", "temperature", "feature_platt", "oracle"] = "platt"
+    labels: Literal["rouge"] = "rouge"
+    recalibrate_every_n_steps: int = 0
+    monitor_every_n_steps: int = 0
+    ece_threshold: float = 0.1
+    num_articles: int = 32
+    pairs_per_article: int = 2
+    holdout_fraction: float = 0.3
+    min_points: int = 10
+    n_bins: int = 10
+    oracle_scale: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.recalibrate_every_n_steps < 0 or self.monitor_every_n_steps < 0:
+            raise ValueError("calibration.recalibrate_every_n_steps and calibration.monitor_every_n_steps must be >= 0 "
+                             "(0 disables)")
+        if self.pairs_per_article < 1:
+            raise ValueError(f"calibration.pairs_per_article={self.pairs_per_article} must be >= 1")
+        if self.num_articles < 2:
+            raise ValueError(f"calibration.num_articles={self.num_articles} must be >= 2")
+        if not 0 < self.holdout_fraction < 1:
+            raise ValueError(f"calibration.holdout_fraction={self.holdout_fraction} must be in (0, 1)")
+
+
+@dataclass
+class AblationConfig:
+    arms: list[str] = field(default_factory=lambda: ["raw", "platt", "isotonic", "oracle"])
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad:
+            raise ValueError(f"ablation.arms has unknown arm(s) {bad}; choose from {list(ARMS)}")
+        if not self.arms or not self.seeds:
+            raise ValueError("ablation.arms and ablation.seeds must not be empty")
+
+
+@dataclass
+class FeedbackLoopConfig:
+    """Everything one run of the calibrated feedback loop needs.
+
+    ``batch_size`` is the number of train articles *per process* per step (two samples each).
+    """
+
+    output_dir: str = "runs/feedback_loop"
+    seed: int = 0
+    cpu: bool = True
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1,
+                                                                                  validation=0.1)))
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+    batch_size: int = 4
+    num_steps: int = 20
+    eval_every_n_steps: int = 10
+    save_every_n_steps: int = 0
+    early_stopping_patience: int = 0
+    num_eval_articles: int = 32
+    num_validation_articles: int = 16
+    eval_batch_size: int = 16
+    resume_from: str | None = None
+    stop_after_n_steps: int | None = None
+    log_with: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps} must be >= 1")
+        if self.eval_every_n_steps < 0 or self.save_every_n_steps < 0 or self.early_stopping_patience < 0:
+            raise ValueError("eval_every_n_steps, save_every_n_steps and early_stopping_patience must be >= 0 (0 disables)")
+        if self.early_stopping_patience and not self.eval_every_n_steps:
+            raise ValueError("early_stopping_patience needs eval_every_n_steps > 0 (stopping is decided at evaluations)")
+        if self.early_stopping_patience and self.data.split.validation <= 0:
+            raise ValueError(
+                f"early_stopping_patience={self.early_stopping_patience} needs a validation split; set "
+                "data.split.validation=0.1 (the test split never chooses a checkpoint)"
+            )
+        if self.stop_after_n_steps is not None and self.stop_after_n_steps < 1:
+            raise ValueError(f"stop_after_n_steps={self.stop_after_n_steps} must be >= 1 or null")
+        bad = [t for t in self.log_with if t not in ("jsonl", "tensorboard")]
+        if bad:
+            raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from ['jsonl', 'tensorboard']")

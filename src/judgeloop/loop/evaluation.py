@@ -1,0 +1,116 @@
+"""Evaluation of the policy on held-out articles (greedy decoding).
+
+Metrics (means over articles): neutral ROUGE-1/2/L (the task's real target), ROUGE-L against the
+extractive references (how far the policy moved toward the judge's style), copy rate (3-grams
+copied from the article) and novel bigram rate, mean length in words, KL(pi || pi_ref) (k1 on one
+sampled summary per article), the judge's win rate of the policy's summary against the reference
+policy's, and the calibrator's ECE on (greedy, sampled) pairs labeled by neutral ROUGE-L.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from judgeloop.calibration import Calibrator
+from judgeloop.data import SummExample
+from judgeloop.judges import Judge
+from judgeloop.loop.config import GenerationConfig
+from judgeloop.loop.losses import kl_per_sequence
+from judgeloop.loop.policy import reference_logprobs
+from judgeloop.loop.recalibration import label_pairs, pair_ece
+from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
+from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
+
+
+def greedy_summaries(model: Any, tokenizer: Any, build_prompt: PromptBuilder, examples: Sequence[SummExample],
+                     gen: GenerationConfig, batch_size: int) -> list[str]:
+    out: list[str] = []
+    for i in range(0, len(examples), batch_size):
+        prompts = [build_prompt(e.article) for e in examples[i: i + batch_size]]
+        out += decode(tokenizer, generate(model, tokenizer, prompts, gen, greedy=True))
+    return out
+
+
+def text_metrics(ex: SummExample, summary: str) -> dict[str, float]:
+    """Per-article text metrics of one summary."""
+    neutral = rouge_max(summary, ex.neutral) if ex.neutral else {"rouge1": np.nan, "rouge2": np.nan, "rougeL": np.nan}
+    extractive = rouge_max(summary, ex.extractive)["rougeL"] if ex.extractive else np.nan
+    return {
+        "rouge_1_neutral": neutral["rouge1"], "rouge_2_neutral": neutral["rouge2"], "rouge_l_neutral": neutral["rougeL"],
+        "rouge_l_extractive": extractive, "copy_rate": copy_rate(summary, ex.article),
+        "novel_bigram_rate": novel_ngram_rate(summary, ex.article, 2), "length": float(len(tokens(summary))),
+    }
+
+
+@torch.no_grad()
+def sampled_kl(model: Any, ref: Any | None, tokenizer: Any, build_prompt: PromptBuilder,
+               examples: Sequence[SummExample], gen: GenerationConfig, batch_size: int, seed: int) -> tuple[list[float], list[str]]:
+    """k1 estimate of KL(pi || pi_ref) per article from one sample of pi each; also returns the samples."""
+    kls: list[float] = []
+    texts: list[str] = []
+    for i in range(0, len(examples), batch_size):
+        prompts = [build_prompt(e.article) for e in examples[i: i + batch_size]]
+        comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed + i)
+        pol, mask = token_logprobs(model, prompts, comps, tokenizer.pad_token_id)
+        refl, _ = reference_logprobs(model, ref, prompts, comps, tokenizer.pad_token_id)
+        kls += kl_per_sequence(pol, refl, mask, "k1").tolist()
+        texts += decode(tokenizer, comps)
+    return kls, texts
+
+
+def evaluate_shard(model: Any, ref: Any | None, tokenizer: Any, build_prompt: PromptBuilder,
+                   examples: Sequence[SummExample], ref_summaries: Sequence[str], judge: Judge,
+                   gen: GenerationConfig, batch_size: int, seed: int) -> list[dict[str, Any]]:
+    """Per-article evaluation rows for this process's shard of ``examples`` (gathered by the caller)."""
+    if not examples:
+        return []
+    was_training = model.training
+    model.eval()
+    greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+    kls, samples = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
+    if was_training:
+        model.train()
+    wins = judge([e.article for e in examples], greedy, list(ref_summaries), [tuple(e.neutral) for e in examples])
+    rows = []
+    for ex, g, s, k, w, ok in zip(examples, greedy, samples, kls, wins.scores, wins.valid):
+        row: dict[str, Any] = {"id": ex.id, "summary": g, "sample": s, "kl": k, **text_metrics(ex, g)}
+        # win = 1, tie = 0.5, loss = 0; a failed judgement (e.g. an empty summary) is None, never a loss
+        row["win"] = (1.0 if w > 0 else 0.5 if w == 0 else 0.0) if ok else None
+        rows.append(row)
+    return rows
+
+
+def aggregate(rows: Sequence[dict[str, Any]], examples_by_id: dict[str, SummExample], train_judge: Judge,
+              calibrator: Calibrator, n_bins: int) -> dict[str, float]:
+    """Mean metrics over all gathered rows, plus the calibrator's ECE on (greedy, sample) pairs."""
+    out: dict[str, float] = {}
+    keys = ["rouge_1_neutral", "rouge_2_neutral", "rouge_l_neutral", "rouge_l_extractive", "copy_rate",
+            "novel_bigram_rate", "length", "kl"]
+    for k in keys:
+        vals = np.array([r[k] for r in rows], dtype=float)
+        out[k] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+    wins = [r["win"] for r in rows if r["win"] is not None]
+    out["win_rate"] = float(np.mean(wins)) if wins else float("nan")
+    out["judge_failures"] = float(sum(r["win"] is None for r in rows))
+    exs = [examples_by_id[r["id"]] for r in rows]
+    pairs = label_pairs(exs, [r["summary"] for r in rows], [r["sample"] for r in rows], train_judge)
+    out["ece"] = pair_ece(calibrator, pairs, n_bins)
+    out["ece_pairs"] = float(len(pairs))
+    return out
+
+
+def validation_rouge_l(model: Any, tokenizer: Any, build_prompt: PromptBuilder, examples: Sequence[SummExample],
+                       gen: GenerationConfig, batch_size: int) -> list[float]:
+    """Neutral ROUGE-L of greedy summaries (the early-stopping criterion; never computed on the test split)."""
+    if not examples:
+        return []
+    was_training = model.training
+    model.eval()
+    greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+    if was_training:
+        model.train()
+    return [rouge_max(g, e.neutral)["rougeL"] if e.neutral else float("nan") for e, g in zip(examples, greedy)]

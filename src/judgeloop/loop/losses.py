@@ -1,0 +1,133 @@
+"""Losses of the feedback loop: DPO with soft (calibrated) targets, and the KL penalty estimators.
+
+Soft-target DPO (Rafailov et al. 2023, eq. 7, with the hard label replaced by a probability p):
+
+    h    = (log pi(a) - log pi_ref(a)) - (log pi(b) - log pi_ref(b))      # summary tokens only
+    loss = -[p * log sigmoid(beta * h) + (1 - p) * log sigmoid(-beta * h)]
+
+At p = 1 this is TRL's ``loss_type="sigmoid"`` DPO loss (label smoothing 0); at p = 0 it is the same
+loss with a and b swapped. Per-pair losses are averaged over the *whole* per-process batch (skipped
+pairs count as zero), so that under DDP the gradient all-reduce gives exactly the full-batch mean.
+
+KL penalty on samples y ~ pi (Schulman, "Approximating KL divergence", 2020,
+http://joschu.net/blog/kl-approx.html), with per-token log-ratio r_t = log pi_ref(y_t) - log pi(y_t):
+
+    k1 = sum_t -r_t                     (unbiased, can be negative per sample)
+    k3 = sum_t (exp(r_t) - 1 - r_t)     (unbiased, never negative; the usual choice as a loss term)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+
+def dpo_margin(
+    policy_logp_a: torch.Tensor, policy_logp_b: torch.Tensor, ref_logp_a: torch.Tensor, ref_logp_b: torch.Tensor
+) -> torch.Tensor:
+    """h = (log pi(a) - log pi_ref(a)) - (log pi(b) - log pi_ref(b)); all inputs (B,) sequence log-probs."""
+    return (policy_logp_a - ref_logp_a) - (policy_logp_b - ref_logp_b)
+
+
+def soft_dpo_loss(
+    h: torch.Tensor,
+    p: torch.Tensor,
+    beta: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-pair soft-target DPO loss.
+
+    Args:
+        h: (B,) log-ratio margins from :func:`dpo_margin`.
+        p: (B,) targets P(a better than b) in [0, 1] (soft, or 0/1 for hard labels).
+        beta: DPO temperature.
+        mask: (B,) 1 for pairs that count, 0 for skipped ones (low confidence, judge failure).
+
+    Returns:
+        (B,) losses, zero where masked. ``log sigmoid`` is evaluated stably with ``F.logsigmoid``.
+    """
+    if h.shape != p.shape:
+        raise ValueError(f"soft_dpo_loss: h has shape {tuple(h.shape)} but p has {tuple(p.shape)}; one target per pair")
+    z = beta * h
+    loss = -(p * F.logsigmoid(z) + (1.0 - p) * F.logsigmoid(-z))  # (B,)
+    if mask is not None:
+        loss = loss * mask.to(loss.dtype)
+    return loss
+
+
+def targets_from_probs(
+    p: torch.Tensor, target: Literal["soft", "hard"] = "soft", margin: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn calibrated probabilities into DPO targets and a keep-mask.
+
+    Args:
+        p: (B,) P(a better than b); NaN where the judge failed (those pairs are skipped, never "b wins").
+        target: ``soft`` keeps p; ``hard`` uses 1[p >= 0.5].
+        margin: skip pairs with |p - 0.5| < margin (a confidence margin).
+
+    Returns:
+        (targets (B,), mask (B,) float).
+    """
+    ok = torch.isfinite(p)
+    safe = torch.where(ok, p, torch.full_like(p, 0.5))
+    mask = ok & ((safe - 0.5).abs() >= margin)
+    t = (safe >= 0.5).to(p.dtype) if target == "hard" else safe
+    return t, mask.to(p.dtype)
+
+
+def kl_per_sequence(
+    policy_token_logp: torch.Tensor,
+    ref_token_logp: torch.Tensor,
+    token_mask: torch.Tensor,
+    estimator: Literal["k1", "k3"] = "k3",
+) -> torch.Tensor:
+    """Sequence-level KL(pi || pi_ref) estimate for samples drawn from pi.
+
+    Args:
+        policy_token_logp: (N, T) log pi(y_t | y_<t) of the sampled tokens.
+        ref_token_logp: (N, T) log pi_ref(y_t | y_<t) of the same tokens (no gradient needed).
+        token_mask: (N, T) 1 on summary tokens, 0 on padding.
+        estimator: ``k1`` (sum of log-ratios) or ``k3`` (sum of exp(r) - 1 - r), see module docstring.
+
+    Returns:
+        (N,) per-sequence estimates; their mean over samples from pi estimates KL(pi || pi_ref).
+    """
+    r = (ref_token_logp - policy_token_logp) * token_mask  # (N, T)
+    if estimator == "k1":
+        per_token = -r
+    elif estimator == "k3":
+        per_token = torch.expm1(r) - r
+    else:
+        raise ValueError(f"loss.kl_estimator must be 'k1' or 'k3', got {estimator!r}")
+    return (per_token * token_mask).sum(-1)
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient toward a target KL (Ziegler et al. 2019, "Fine-Tuning Language Models
+    from Human Preferences", sec. 2.2): ``coef *= 1 + clip((KL - target) / target, -0.2, 0.2) * n / horizon``.
+
+    ``adaptive=False`` keeps ``coef`` fixed. Stateful, with ``state_dict`` / ``load_state_dict``.
+    """
+
+    def __init__(self, init_coef: float, adaptive: bool = False, target: float = 1.0, horizon: int = 100):
+        if init_coef < 0:
+            raise ValueError(f"loss.kl_coef must be >= 0, got {init_coef}")
+        self.coef = float(init_coef)
+        self.adaptive = adaptive
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, kl: float, n_steps: int = 1) -> float:
+        if self.adaptive:
+            error = min(max((kl - self.target) / self.target, -0.2), 0.2)
+            self.coef *= 1.0 + error * n_steps / self.horizon
+        return self.coef
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state: dict[str, float]) -> AdaptiveKLController:
+        self.coef = float(state["coef"])
+        return self

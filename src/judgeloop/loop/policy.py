@@ -1,0 +1,113 @@
+"""The policy and its reference: full fine-tuning with a frozen copy, or LoRA with the adapters disabled.
+
+With LoRA (peft) the reference is the same base weights with the adapters switched off, so no second
+copy of the model is held. Only trainable parameters (the adapters, or everything) are checkpointed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from judgeloop.loop.config import PolicyConfig
+from judgeloop.loop.rollout import token_logprobs
+from judgeloop.logging import get_logger
+from judgeloop.models import load_causal_lm, load_tokenizer
+
+logger = get_logger(__name__)
+
+
+_SFT_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def sft_warmup(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], targets: Sequence[str],
+               cfg: PolicyConfig, seed: int) -> list[float]:
+    """Supervised warm-up before preference tuning (SFT, then DPO): maximize log pi(reference | prompt)
+    on *training* articles for ``cfg.sft_steps`` steps. The reference policy is the warmed-up model.
+    Deterministic given ``seed``, so a resumed run rebuilds the same reference. Returns the losses."""
+    g = torch.Generator().manual_seed(seed)
+    comps = [tokenizer(t, add_special_tokens=False)["input_ids"][: cfg.sft_max_tokens] + [tokenizer.eos_token_id]
+             for t in targets]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_lr)
+    model.train()
+    losses = []
+    for _ in range(cfg.sft_steps):
+        idx = torch.randint(len(prompts), (cfg.sft_batch_size,), generator=g).tolist()
+        logp, mask = token_logprobs(model, [prompts[i] for i in idx], [comps[i] for i in idx], tokenizer.pad_token_id)
+        loss = -(logp.sum() / mask.sum())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def load_policy(cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], list[str]] | None = None
+                ) -> tuple[Any, Any, Any | None]:
+    """Return ``(policy, tokenizer, frozen_reference_or_None)``; the reference is None under LoRA.
+
+    ``sft_data`` = (prompt ids, reference summaries) of training articles for the optional SFT warm-up.
+    """
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_causal_lm(cfg.model, dtype=cfg.dtype)
+    if cfg.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    if cfg.sft_steps and sft_data is not None:
+        key = (cfg.model, cfg.dtype, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch_size, cfg.sft_max_tokens, cfg.sft_seed,
+               len(sft_data[0]), sum(map(len, sft_data[0])))
+        if key not in _SFT_CACHE:  # the ablation runs many arms and seeds from the same warm start
+            losses = sft_warmup(model, tokenizer, sft_data[0], sft_data[1], cfg, cfg.sft_seed)
+            logger.info("SFT warm-up: %d steps, loss %.3f -> %.3f", cfg.sft_steps, losses[0], losses[-1])
+            _SFT_CACHE.clear()
+            _SFT_CACHE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(_SFT_CACHE[key])
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+        ref = None
+    else:
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    model.train()
+    return model, tokenizer, ref
+
+
+@torch.no_grad()
+def reference_logprobs(
+    policy: Any, ref: Any | None, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) token log-probs under pi_ref: the frozen copy, or the policy with its LoRA adapters disabled."""
+    if ref is not None:
+        return token_logprobs(ref, prompts, completions, pad_id)
+    was_training = policy.training
+    policy.eval()
+    with policy.disable_adapter():
+        out = token_logprobs(policy, prompts, completions, pad_id)
+    if was_training:
+        policy.train()
+    return out
+
+
+def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    """The trainable parameters (adapters under LoRA, all weights otherwise), detached copies."""
+    return {n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+    unknown = [n for n in state if n not in params]
+    if missing or unknown:
+        raise ValueError(f"checkpoint does not match the policy: missing {missing[:3]}, unexpected {unknown[:3]}; "
+                         "resume with the same policy.model and policy.lora settings")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)

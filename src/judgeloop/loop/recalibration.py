@@ -1,0 +1,187 @@
+"""Step 5 of the loop: (re)calibrate the judge on fresh policy samples from the ``calibration`` split.
+
+Fresh samples matter: the calibrator maps the judge's logit on the *current* policy's summaries,
+whose distribution drifts as the policy learns. Labels are neutral ROUGE labels (ties dropped).
+Calibration articles never overlap the training articles (:func:`check_calibration_disjoint`).
+ECE before and after a refit are both measured on held-out calibration articles (out of sample).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from judgeloop.calibration import CalibrationError, Calibrator, ece, make_calibrator, pair_features, rouge_label
+from judgeloop.data import LeakageError, SummExample, check_disjoint
+from judgeloop.judges import Judge
+from judgeloop.loop.config import LoopCalibrationConfig
+from judgeloop.loop.oracle import RougeOracleJudge
+
+
+def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequence[SummExample]) -> None:
+    """Raise :class:`LeakageError` if a training article (id or identical text) is used to fit a calibrator."""
+    try:
+        check_disjoint({"train": train, "calibration": calibration})
+    except LeakageError as err:
+        raise LeakageError(f"calibration articles overlap the policy's training articles: {err}. "
+                           "Calibrators must be fitted on the 'calibration' split only") from err
+
+
+def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
+    """The arm's calibrator: ``raw`` and ``oracle`` use p = sigmoid(logit) and are never refit."""
+    method = "raw" if cfg.method in ("raw", "oracle") else cfg.method
+    kwargs: dict[str, Any] = {} if method == "raw" else {"min_points": cfg.min_points}
+    return make_calibrator(method, **kwargs)
+
+
+def needs_fit(cfg: LoopCalibrationConfig) -> bool:
+    return cfg.method not in ("raw", "oracle")
+
+
+def build_training_judge(cfg: LoopCalibrationConfig, judge: Judge) -> Judge:
+    """The judge whose preferences train the policy: the configured one, or the ROUGE oracle."""
+    return RougeOracleJudge(scale=cfg.oracle_scale) if cfg.method == "oracle" else judge
+
+
+def features_for(calibrator: Calibrator, articles: Sequence[str], a: Sequence[str], b: Sequence[str]) -> np.ndarray | None:
+    if not calibrator.uses_features:
+        return None
+    return np.stack([pair_features(x, y, z) for x, y, z in zip(articles, a, b)]) if len(articles) else np.zeros((0, 2))
+
+
+def calibrate(calibrator: Calibrator, scores: np.ndarray, articles: Sequence[str], a: Sequence[str],
+              b: Sequence[str]) -> np.ndarray:
+    """Step 3: raw judge logits -> p = P(a better than b). NaN stays NaN (a failed judgement is skipped)."""
+    return calibrator.predict_proba(scores, features_for(calibrator, articles, a, b))
+
+
+@dataclass
+class CalibrationPairs:
+    """Judged and ROUGE-labeled pairs of policy samples (one orientation per pair)."""
+
+    article_ids: list[str] = field(default_factory=list)
+    articles: list[str] = field(default_factory=list)
+    a: list[str] = field(default_factory=list)
+    b: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    ties_dropped: int = 0
+    judge_failures: int = 0
+
+    def subset(self, keep: np.ndarray) -> CalibrationPairs:
+        idx = np.flatnonzero(keep)
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return CalibrationPairs(pick(self.article_ids), pick(self.articles), pick(self.a), pick(self.b),
+                                pick(self.scores), pick(self.labels))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def label_pairs(examples: Sequence[SummExample], a: Sequence[str], b: Sequence[str], judge: Judge) -> CalibrationPairs:
+    """Judge each (a, b) pair and label it with neutral ROUGE-L; ties and judge failures are dropped and counted."""
+    out = CalibrationPairs()
+    res = judge([e.article for e in examples], list(a), list(b), [tuple(e.neutral) for e in examples])
+    for ex, x, y, s, ok in zip(examples, a, b, res.scores, res.valid):
+        if not ok:
+            out.judge_failures += 1
+            continue
+        lab = rouge_label(x, y, ex.neutral)
+        if lab is None:
+            out.ties_dropped += 1
+            continue
+        out.article_ids.append(ex.id)
+        out.articles.append(ex.article)
+        out.a.append(x)
+        out.b.append(y)
+        out.scores.append(float(s))
+        out.labels.append(int(lab))
+    return out
+
+
+def pair_ece(calibrator: Calibrator, pairs: CalibrationPairs, n_bins: int) -> float:
+    """ECE over both orientations of ``pairs`` (a pairwise calibrator is judged on both)."""
+    if len(pairs) == 0:
+        return float("nan")
+    s = np.asarray(pairs.scores)
+    y = np.asarray(pairs.labels, dtype=float)
+    p1 = calibrate(calibrator, s, pairs.articles, pairs.a, pairs.b)
+    p2 = calibrate(calibrator, -s, pairs.articles, pairs.b, pairs.a)
+    return ece(np.concatenate([p1, p2]), np.concatenate([y, 1 - y]), n_bins=n_bins)
+
+
+@dataclass
+class RefitRecord:
+    step: int
+    reason: str
+    n_fit: int
+    n_holdout: int
+    ece_before: float
+    ece_after: float
+    refit: bool
+    error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def recalibration_reason(step: int, cfg: LoopCalibrationConfig, last_monitored_ece: float | None) -> str | None:
+    """Why the calibrator should be refit at ``step`` (after the update of that step), or None.
+
+    ``schedule``: every ``recalibrate_every_n_steps``; ``ece``: the last monitored ECE exceeded
+    ``ece_threshold``. Arms without a fitted calibrator (raw, oracle) never refit.
+    """
+    if not needs_fit(cfg):
+        return None
+    if cfg.recalibrate_every_n_steps and step % cfg.recalibrate_every_n_steps == 0:
+        return "schedule"
+    if last_monitored_ece is not None and np.isfinite(last_monitored_ece) and last_monitored_ece > cfg.ece_threshold:
+        return "ece"
+    return None
+
+
+def monitor_due(step: int, cfg: LoopCalibrationConfig) -> bool:
+    return bool(needs_fit(cfg) and cfg.monitor_every_n_steps and step % cfg.monitor_every_n_steps == 0)
+
+
+def holdout_mask(article_ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
+    """True for pairs whose article is in the held-out part (stable per article id and seed)."""
+    from judgeloop.data import hash_unit
+
+    return np.array([hash_unit(i, salt=f"holdout{seed}") < fraction for i in article_ids], dtype=bool)
+
+
+def refit(
+    calibrator: Calibrator,
+    pairs: CalibrationPairs,
+    cfg: LoopCalibrationConfig,
+    step: int,
+    reason: str,
+    seed: int,
+    first_fit: bool = False,
+) -> tuple[Calibrator, RefitRecord]:
+    """Fit a new calibrator on the fit part of ``pairs``; ECE before/after on the held-out part.
+
+    On a :class:`CalibrationError` (too few or one-class pairs) the previous calibrator is kept and
+    the failure recorded; on the very first fit there is no previous one, so the error propagates.
+    """
+    held = holdout_mask(pairs.article_ids, cfg.holdout_fraction, seed)
+    fit_pairs, hold_pairs = pairs.subset(~held), pairs.subset(held)
+    before = float("nan") if first_fit else pair_ece(calibrator, hold_pairs, cfg.n_bins)
+    new = build_calibrator(cfg)
+    try:
+        feats = features_for(new, fit_pairs.articles, fit_pairs.a, fit_pairs.b)
+        new.fit(np.asarray(fit_pairs.scores), np.asarray(fit_pairs.labels), feats)
+    except CalibrationError as err:
+        if first_fit:
+            raise CalibrationError(
+                f"initial calibration at step {step} failed: {err}. Raise calibration.num_articles "
+                f"(now {cfg.num_articles}) or lower calibration.min_points (now {cfg.min_points})"
+            ) from err
+        return calibrator, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err))
+    after = pair_ece(new, hold_pairs, cfg.n_bins)
+    return new, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True)
+

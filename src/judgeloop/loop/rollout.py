@@ -1,0 +1,178 @@
+"""Rollout: prompts from articles, batched KV-cached sampling, and per-token log-probs of summaries.
+
+Prompts are left-padded and summaries right-padded, so one forward pass over ``prompt + summary``
+scores a whole batch; only the last ``T + 1`` positions' logits are computed (``logits_to_keep``),
+and log-probs are taken as ``logit[y] - logsumexp(logits)`` so no (N, T, V) log-softmax is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from judgeloop.loop.config import GenerationConfig, PolicyConfig
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 31-bit seed from any parts (run seed, step, phase, rank): sampling is reproducible per step,
+    so a resumed run draws the same samples as an uninterrupted one."""
+    digest = hashlib.sha256("\x00".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+class PromptBuilder:
+    """Article -> prompt token ids: the article is cut to ``max_article_tokens`` (explicit truncation),
+    put in ``prompt_template`` and wrapped in the chat template when the tokenizer has one."""
+
+    def __init__(self, tokenizer: Any, cfg: PolicyConfig):
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self._cache: dict[str, list[int]] = {}
+        self.num_truncated = 0
+
+    def __call__(self, article: str) -> list[int]:
+        key = article
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        tok = self.tokenizer
+        art_ids = tok(article, add_special_tokens=False)["input_ids"]
+        if len(art_ids) > self.cfg.max_article_tokens:
+            self.num_truncated += 1
+            article = tok.decode(art_ids[: self.cfg.max_article_tokens], skip_special_tokens=True)
+        text = self.cfg.prompt_template.format(article=article)
+        if self.cfg.use_chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(text, add_special_tokens=True)["input_ids"]
+        self._cache[key] = ids
+        return ids
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, P) ids and attention mask, padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) ids and mask, padded on the right (T >= 1 even when every sequence is empty)."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+    return ids, mask
+
+
+@dataclass
+class Rollout:
+    """Two sampled summaries per article: ``a[i]`` and ``b[i]`` share ``prompts[i]``."""
+
+    articles: list[str]
+    prompts: list[list[int]]
+    a_ids: list[list[int]]
+    b_ids: list[list[int]]
+    a_text: list[str]
+    b_text: list[str]
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    gen: GenerationConfig,
+    num_samples: int = 1,
+    greedy: bool = False,
+    seed: int | None = None,
+) -> list[list[int]]:
+    """Batched, KV-cached generation; returns ``len(prompts) * num_samples`` completions (sample j of
+    prompt i at index ``i * num_samples + j``), each cut after the first EOS (the EOS is kept: its
+    probability is part of the summary's likelihood).
+    """
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    if seed is not None:
+        torch.manual_seed(seed)
+    # Special tokens other than EOS (pad, bos, chat markers) never belong inside a summary.
+    suppress = [t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id]
+    kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "pad_token_id": tokenizer.pad_token_id,
+                              "eos_token_id": tokenizer.eos_token_id, "use_cache": True,
+                              "suppress_tokens": suppress or None}
+    if greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k or None,
+                      num_return_sequences=num_samples)
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # (N * num_samples, P + T)
+    if was_training:
+        model.train()
+    completions: list[list[int]] = []
+    eos = tokenizer.eos_token_id
+    for row in out[:, ids.shape[1]:].tolist():
+        cut: list[int] = []
+        for t in row:
+            cut.append(t)
+            if t == eos:
+                break
+        while cut and cut[-1] == tokenizer.pad_token_id and tokenizer.pad_token_id != eos:
+            cut.pop()
+        completions.append(cut)
+    return completions
+
+
+def decode(tokenizer: Any, completions: Sequence[Sequence[int]]) -> list[str]:
+    return [tokenizer.decode(c, skip_special_tokens=True).strip() for c in completions]
+
+
+def rollout(model: Any, tokenizer: Any, build_prompt: PromptBuilder, articles: Sequence[str],
+            gen: GenerationConfig, seed: int, num_pairs: int = 1) -> Rollout:
+    """Step 1 of the loop: the policy samples two summaries per article (``2 * num_pairs`` for
+    calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output)."""
+    prompts = [build_prompt(a) for a in articles]
+    comps = generate(model, tokenizer, prompts, gen, num_samples=2 * num_pairs, seed=seed)
+    a_ids, b_ids = comps[0::2], comps[1::2]
+    rep_articles = [a for a in articles for _ in range(num_pairs)]
+    rep_prompts = [p for p in prompts for _ in range(num_pairs)]
+    return Rollout(rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids))
+
+
+def token_logprobs(
+    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t | x, y_<t) for every summary token.
+
+    Returns:
+        (N, T) token log-probs (0 on padding) and the (N, T) float mask of summary tokens.
+    """
+    p_ids, p_mask = left_pad(prompts, pad_id)  # (N, P)
+    c_ids, c_mask = right_pad(completions, pad_id)  # (N, T)
+    ids = torch.cat([p_ids, c_ids], dim=1)  # (N, P + T)
+    attn = torch.cat([p_mask, c_mask], dim=1)
+    # Positions count real tokens only, as generate() does with left padding.
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    device = next(model.parameters()).device
+    T = c_ids.shape[1]
+    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                logits_to_keep=T + 1, use_cache=False)
+    logits = out.logits[:, :-1, :].float()  # (N, T, V): position P-1+t predicts summary token t
+    target = c_ids.to(device)
+    picked = torch.gather(logits, -1, target.unsqueeze(-1)).squeeze(-1)  # (N, T)
+    logp = picked - torch.logsumexp(logits, dim=-1)  # (N, T), no (N, T, V) log-softmax kept
+    m = c_mask.to(device=device, dtype=logp.dtype)
+    return logp * m, m

@@ -1,0 +1,71 @@
+"""QA readers: the SQuAD 2.0 sample and PubMedQA, as questions plus a pool of passages to retrieve from.
+
+Both files live in ``../shared/data`` (see its README). A question's gold passage is kept in the pool
+but never handed to the model directly: the router must retrieve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from judgeloop.io import DataError, read_jsonl
+
+
+@dataclass
+class QAExample:
+    id: str
+    question: str
+    answers: list[str]  # empty = unanswerable
+    gold_passages: list[str] = field(default_factory=list)
+
+
+def read_squad2(path: str | Path, answerable_only: bool = True) -> list[QAExample]:
+    """SQuAD 2.0 rows ``{id, question, context, answers[], is_impossible}``.
+
+    Args:
+        answerable_only: drop unanswerable questions (their gold is the empty answer, which a
+            generative model rarely produces; keep them to measure abstention).
+    """
+    rows = read_jsonl(path, required=["id", "question", "context", "answers", "is_impossible"])
+    out = []
+    for r in rows:
+        if answerable_only and r["is_impossible"]:
+            continue
+        answers = [str(a) for a in r["answers"]] if not r["is_impossible"] else []
+        if not r["is_impossible"] and not answers:
+            raise DataError(f"{path}: answerable question '{r['id']}' has no answers; fix the file")
+        out.append(QAExample(str(r["id"]), str(r["question"]), answers, [str(r["context"])]))
+    if not out:
+        raise DataError(f"{path}: no questions left (answerable_only={answerable_only})")
+    return out
+
+
+def read_pubmedqa(path: str | Path) -> list[QAExample]:
+    """PubMedQA rows ``{id, question, contexts[], final_decision}``; the answer is yes / no / maybe.
+
+    The passage pool is the union of all abstracts' context paragraphs (one passage per abstract,
+    paragraphs joined), so retrieval has to find the right abstract among all questions' abstracts.
+    """
+    rows = read_jsonl(path, required=["id", "question", "contexts", "final_decision"])
+    out = []
+    for r in rows:
+        decision = str(r["final_decision"]).strip().lower()
+        if decision not in ("yes", "no", "maybe"):
+            raise DataError(
+                f"{path}: question '{r['id']}' has final_decision={decision!r}; expected yes/no/maybe"
+            )
+        out.append(
+            QAExample(str(r["id"]), str(r["question"]), [decision], [" ".join(map(str, r["contexts"]))])
+        )
+    return out
+
+
+def passage_pool(examples: Sequence[QAExample]) -> list[str]:
+    """Distinct gold passages of all examples, in first-seen order (the retrieval corpus)."""
+    seen: dict[str, None] = {}
+    for ex in examples:
+        for p in ex.gold_passages:
+            seen.setdefault(p, None)
+    return list(seen)

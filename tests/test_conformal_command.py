@@ -1,0 +1,142 @@
+"""The ``conformal`` and ``gate`` commands end to end on a small synthetic BEIR set with the tiny encoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from judgeloop.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "rho", "tau", "phi", "chi", "psi", "amber", "basalt", "cobalt", "dune", "ember", "flint", "garnet", "heath", "iris", "jade"]  # fmt: skip
+
+
+def _beir(tmp_path: Path, n_queries: int = 60, n_docs: int = 150) -> dict[str, str]:
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(WORDS, 12)) for _ in range(n_docs)]
+    with (tmp_path / "corpus.jsonl").open("w") as fh:
+        for i, t in enumerate(docs):
+            fh.write(json.dumps({"_id": f"d{i}", "title": "", "text": t}) + "\n")
+    qrels = ["query-id\tcorpus-id\tscore"]
+    with (tmp_path / "queries.jsonl").open("w") as fh:
+        for q in range(n_queries):
+            rel = rng.choice(n_docs, 1 + (q % 3 == 0), replace=False)
+            text = " ".join(docs[rel[0]].split()[:4])  # the query quotes its first relevant doc
+            fh.write(
+                json.dumps({"_id": f"q{q}", "text": text, "task": ["qa/a", "qa/b", "chat"][q % 3]}) + "\n"
+            )
+            qrels += [f"q{q}\td{d}\t1" for d in rel]
+    (tmp_path / "qrels.tsv").write_text("\n".join(qrels) + "\n")
+    return {"corpus": str(tmp_path / "corpus.jsonl"), "queries": str(tmp_path / "queries.jsonl"),
+            "qrels": str(tmp_path / "qrels.tsv")}  # fmt: skip
+
+
+def _data_overrides(paths: dict[str, str]) -> list[str]:
+    return [f"data.corpus_path={paths['corpus']}", f"data.queries_path={paths['queries']}",
+            f"data.qrels_path={paths['qrels']}", "encoder.name=judgeloop-tiny/encoder"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for d in ("conformal", "gate", "routing") for p in (ROOT / "configs" / d).glob("*.yaml"))
+)
+def test_shipped_configs_load(path):
+    from judgeloop.commands.conformal import ConformalConfig
+    from judgeloop.commands.gate import GateConfig
+    from judgeloop.commands.route import RouteConfig
+
+    schema = {"conformal": ConformalConfig, "gate": GateConfig, "routing": RouteConfig}[path.parent.name]
+    load_config(schema, path)
+
+
+def test_config_errors():
+    from judgeloop.commands.conformal import ConformalConfig
+    from judgeloop.commands.gate import GateConfig
+    from judgeloop.config import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean 'conformal.alphas'"):
+        load_config(ConformalConfig, None, ["conformal.alpha=[0.1]"])
+    with pytest.raises(ConfigError, match=r"conformal.alphas=\[1.5\] must be"):
+        load_config(ConformalConfig, None, ["conformal.alphas=[1.5]"])
+    with pytest.raises(ConfigError, match="gate.signals has unknown signal"):
+        load_config(GateConfig, None, ["gate.signals=[max_scor]"])
+
+
+def test_conformal_command_end_to_end(tmp_path):
+    from judgeloop.commands.conformal import ConformalConfig, run
+
+    paths = _beir(tmp_path)
+    out = tmp_path / "out"
+    cfg = load_config(
+        ConformalConfig,
+        ROOT / "configs" / "conformal" / "scifact.yaml",
+        _data_overrides(paths)
+        + [
+            "data.group_field=task",
+            "conformal.top_k=20",
+            "conformal.min_group_size=10",
+            "num_trials=5",
+            f"output_dir={out}",
+            f"cache_dir={tmp_path / 'cache'}",
+        ],  # fmt: skip
+    )
+    report = run(cfg)
+    assert [r["alpha"] for r in report["results"]] == [0.05, 0.1, 0.2]
+    saved = json.loads((out / "report.json").read_text())
+    for r in saved["results"]:
+        assert {"alpha", "coverage", "mean_set_size", "groups"} <= set(r)
+        assert set(r["groups"]) == {"qa/a", "qa/b", "chat"}
+        for g in r["groups"].values():
+            assert {"n_cal", "coverage", "mean_set_size", "threshold"} <= set(g)
+            assert g["n_cal"] > 0
+        # ~10 calibration points per group: qa/a and qa/b use their own or their parent's ("qa") threshold
+        assert set(r["groups"]["qa/a"]["threshold_source"]) <= {"own", "parent:qa", "global"}
+        assert set(r["groups"]["chat"]["threshold_source"]) <= {"own", "global"}
+    assert "# Conformal retrieval report" in (out / "report.md").read_text()
+    assert len(list((tmp_path / "cache").glob("emb-*.npy"))) == 2  # corpus + queries cached
+
+    # a single alpha: the keys sit at the top level too
+    one = run(load_config(ConformalConfig, None, _data_overrides(paths) + [
+        "conformal.alphas=[0.2]", "conformal.top_k=20", "num_trials=3", "data.grouping=none",
+        f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}"]))  # fmt: skip
+    assert one["alpha"] == 0.2 and set(one["groups"]) == {"all"} and 0.0 <= one["coverage"] <= 1.0
+
+
+def test_conformal_command_missing_group_field(tmp_path):
+    from judgeloop.commands.conformal import ConformalConfig, run
+    from judgeloop.io import DataError
+
+    paths = _beir(tmp_path, n_queries=12, n_docs=30)
+    cfg = load_config(ConformalConfig, None, _data_overrides(paths) + [
+        "data.group_field=difficulty", "num_trials=1", f"output_dir={tmp_path / 'o'}", "cache_dir=null"])  # fmt: skip
+    with pytest.raises(DataError, match="has no field 'difficulty'"):
+        run(cfg)
+
+
+def test_gate_command_end_to_end(tmp_path):
+    from judgeloop.commands.gate import GateConfig, run
+
+    paths = _beir(tmp_path)
+    out = tmp_path / "gate"
+    cfg = load_config(
+        GateConfig,
+        ROOT / "configs" / "gate" / "scifact.yaml",
+        _data_overrides(paths)
+        + [
+            "second_encoder.name=judgeloop-tiny/encoder",
+            "gate.window_k=5",
+            "gate.min_separation=0.5",
+            "gate.num_bootstrap=50",
+            f"output_dir={out}",
+            "cache_dir=null",
+        ],  # fmt: skip
+    )
+    report = run(cfg)
+    assert set(report["signals"]) == set(cfg.gate.signals)
+    for s in report["signals"].values():
+        assert 0.0 <= s["auc_test"] <= 1.0 and len(s["auc_test_ci95"]) == 2
+    assert report["fit_error"] is None
+    assert 0.0 <= report["gate"]["test"]["escalation_rate"] <= 1.0
+    assert (out / "gate.json").is_file() and "# Weak-retrieval gate report" in (out / "report.md").read_text()

@@ -1,0 +1,278 @@
+"""Feedback loop: soft-target DPO loss, KL estimators, one update, recalibration schedule, leakage, resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from judgeloop.config import ConfigError, load_config
+from judgeloop.data import LeakageError, SummExample
+from judgeloop.loop.config import FeedbackLoopConfig, LoopCalibrationConfig
+from judgeloop.loop.losses import (
+    AdaptiveKLController,
+    dpo_margin,
+    kl_per_sequence,
+    soft_dpo_loss,
+    targets_from_probs,
+)
+from judgeloop.loop.recalibration import (
+    CalibrationPairs,
+    check_calibration_disjoint,
+    monitor_due,
+    recalibration_reason,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "feedback_loop" / "tiny.yaml"
+
+
+def _logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+# --- loss --------------------------------------------------------------------------------------
+
+def test_soft_dpo_loss_hand_computed():
+    h = torch.tensor([0.0, 1.0, -2.0, 3.0])
+    p = torch.tensor([0.5, 1.0, 0.3, 0.0])
+    beta = 0.5
+    got = soft_dpo_loss(h, p, beta)
+    want = [-(pi * _logsig(beta * hi) + (1 - pi) * _logsig(-beta * hi)) for hi, pi in zip(h.tolist(), p.tolist())]
+    assert torch.allclose(got, torch.tensor(want), atol=1e-6)
+    assert got[0].item() == pytest.approx(math.log(2))  # h = 0: no preference expressed
+    masked = soft_dpo_loss(h, p, beta, mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert masked[1].item() == 0.0 and masked[3].item() == 0.0 and masked[2].item() == pytest.approx(want[2], abs=1e-6)
+
+
+def test_dpo_margin_and_target_options():
+    h = dpo_margin(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.5]))
+    assert h.item() == pytest.approx((-1 + 2) - (-3 + 2.5))
+    p = torch.tensor([0.9, 0.55, 0.2, float("nan")])
+    t, m = targets_from_probs(p, "soft", margin=0.1)
+    assert torch.allclose(t[:3], p[:3]) and m.tolist() == [1.0, 0.0, 1.0, 0.0]  # NaN judgement is skipped, not "b wins"
+    t, m = targets_from_probs(p, "hard")
+    assert t[:3].tolist() == [1.0, 1.0, 0.0] and m.tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_soft_dpo_matches_trl_sigmoid_loss_at_p_0_and_1(tmp_path):
+    """At p=1 our loss (with our own log-probs) equals TRL's sigmoid DPO loss; at p=0 it equals TRL's loss
+    with chosen and rejected swapped."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from judgeloop.loop.rollout import token_logprobs
+    from judgeloop.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer("judgeloop-tiny/causal-lm")
+    ref = load_causal_lm("judgeloop-tiny/causal-lm")
+    policy = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prm in policy.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=g))
+    beta = 0.1
+    row = {"prompt": "The river rose overnight.", "chosen": " Floods hit.", "rejected": " Markets fell."}  # equal lengths: no padding
+
+    def trl_loss(r: dict) -> tuple[float, torch.Tensor]:
+        args = DPOConfig(output_dir=str(tmp_path), beta=beta, report_to=[], per_device_train_batch_size=1,
+                         use_cpu=True, loss_type=["sigmoid"])
+        trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list([r]),
+                             processing_class=tok)
+        batch = next(iter(trainer.get_train_dataloader()))
+        with torch.no_grad():
+            return float(trainer.compute_loss(trainer.model, batch)), batch
+
+    loss_p1, batch = trl_loss(row)
+    ids, cm = batch["input_ids"], batch["completion_mask"]
+    prompt = [ids[0][cm[0] == 0].tolist()]
+    chosen = [ids[0][cm[0] == 1].tolist()]
+    rejected = [ids[1][cm[1] == 1].tolist()]
+    with torch.no_grad():
+        lp_c = token_logprobs(policy, prompt, chosen, tok.pad_token_id)[0].sum(-1)
+        lp_r = token_logprobs(policy, prompt, rejected, tok.pad_token_id)[0].sum(-1)
+        rf_c = token_logprobs(ref, prompt, chosen, tok.pad_token_id)[0].sum(-1)
+        rf_r = token_logprobs(ref, prompt, rejected, tok.pad_token_id)[0].sum(-1)
+    h = dpo_margin(lp_c, lp_r, rf_c, rf_r)
+    assert abs(h.item()) > 1e-3  # a non-trivial margin
+    ours_p1 = soft_dpo_loss(h, torch.ones(1), beta).item()
+    assert ours_p1 == pytest.approx(loss_p1, abs=1e-5)
+    loss_swapped, _ = trl_loss({**row, "chosen": row["rejected"], "rejected": row["chosen"]})
+    ours_p0 = soft_dpo_loss(h, torch.zeros(1), beta).item()
+    assert ours_p0 == pytest.approx(loss_swapped, abs=1e-5)
+
+
+# --- KL ----------------------------------------------------------------------------------------
+
+def test_kl_estimators_hand_computed_and_unbiased():
+    # hand-computed: one sequence of two tokens, log pi = [-1, -2], log ref = [-1.5, -1]
+    pol = torch.tensor([[-1.0, -2.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third position is padding
+    r = [-0.5, 1.0]
+    assert kl_per_sequence(pol, ref, mask, "k1").item() == pytest.approx(-sum(r))
+    assert kl_per_sequence(pol, ref, mask, "k3").item() == pytest.approx(sum(math.expm1(x) - x for x in r), abs=1e-6)
+    # known case: single-token sequences sampled from p; both estimators' means approach KL(p || q)
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    kl_true = float((p * (p / q).log()).sum())
+    g = torch.Generator().manual_seed(0)
+    y = torch.multinomial(p, 200_000, replacement=True, generator=g)
+    lp, lq = p.log()[y][:, None], q.log()[y][:, None]
+    ones = torch.ones_like(lp)
+    for est in ("k1", "k3"):
+        assert kl_per_sequence(lp, lq, ones, est).mean().item() == pytest.approx(kl_true, abs=0.01)
+    assert (kl_per_sequence(lp, lq, ones, "k3") >= 0).all()
+
+
+def test_adaptive_kl_controller_moves_toward_target():
+    ctl = AdaptiveKLController(0.1, adaptive=True, target=1.0, horizon=10)
+    assert ctl.update(5.0) == pytest.approx(0.1 * 1.02)  # error clipped to +0.2, times 1/10
+    assert AdaptiveKLController(0.1, adaptive=True, target=1.0, horizon=10).update(0.5) == pytest.approx(0.1 * 0.95)
+    assert AdaptiveKLController(0.1).update(5.0) == 0.1
+    assert AdaptiveKLController(0.1).load_state_dict(ctl.state_dict()).coef == ctl.coef
+
+
+# --- one update ---------------------------------------------------------------------------------
+
+def _tiny_rollout(n: int, seed: int = 0):
+    from judgeloop.loop.rollout import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 900, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    a = [torch.randint(10, 900, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() + [2]
+         for _ in range(n)]
+    b = [torch.randint(10, 900, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() + [2]
+         for _ in range(n)]
+    return Rollout(["x"] * n, prompts, a, b, ["a"] * n, ["b"] * n)
+
+
+def test_parameters_change_after_one_update_and_reference_does_not():
+    from accelerate import Accelerator
+
+    from judgeloop.loop.config import LossConfig
+    from judgeloop.loop.runner import policy_update
+    from judgeloop.models import load_causal_lm
+
+    acc = Accelerator(cpu=True)
+    model = load_causal_lm("judgeloop-tiny/causal-lm").train()
+    ref = copy.deepcopy(model).eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    roll = _tiny_rollout(4)
+    stats = policy_update(acc, model, ref, opt, sched, roll, torch.tensor([0.9, 0.1, 0.7, 0.5]), torch.ones(4), 0.1,
+                          LossConfig(beta=0.1), 1.0, 0)
+    assert stats["loss"] == pytest.approx(math.log(2), abs=1e-5)  # pi == pi_ref at the first step: h = 0, KL = 0
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    assert all(torch.equal(p, ref_before[n]) for n, p in ref.named_parameters())
+
+
+# --- recalibration ------------------------------------------------------------------------------
+
+def test_recalibration_schedule_fires_when_it_should():
+    cfg = LoopCalibrationConfig(method="platt", recalibrate_every_n_steps=3, monitor_every_n_steps=2,
+                                ece_threshold=0.1)
+    fired = [s for s in range(1, 10) if recalibration_reason(s, cfg, None)]
+    assert fired == [3, 6, 9]
+    assert recalibration_reason(4, cfg, 0.25) == "ece"  # monitored ECE above threshold
+    assert recalibration_reason(4, cfg, 0.05) is None
+    assert recalibration_reason(3, cfg, 0.25) == "schedule"
+    assert [s for s in range(1, 7) if monitor_due(s, cfg)] == [2, 4, 6]
+    raw = LoopCalibrationConfig(method="raw", recalibrate_every_n_steps=1, monitor_every_n_steps=1)
+    assert recalibration_reason(3, raw, 0.9) is None and not monitor_due(2, raw)
+    oracle = LoopCalibrationConfig(method="oracle", recalibrate_every_n_steps=1)
+    assert recalibration_reason(1, oracle, None) is None
+
+
+def test_maybe_recalibrate_refits_on_high_monitored_ece():
+    from judgeloop.calibration import make_calibrator
+    from judgeloop.loop.runner import LoopState, maybe_recalibrate
+
+    rng = np.random.default_rng(0)
+    n = 80
+    s = rng.normal(0, 3, n)
+    y = (rng.random(n) < 1 / (1 + np.exp(-s / 3))).astype(int)  # the raw logit is over-confident by 3x
+    pairs = CalibrationPairs([f"c{i}" for i in range(n)], ["art"] * n, [f"a{i}" for i in range(n)],
+                             [f"b{i}" for i in range(n)], s.tolist(), y.tolist())
+    cfg = load_config(FeedbackLoopConfig, TINY, ["calibration.recalibrate_every_n_steps=0",
+                                                 "calibration.monitor_every_n_steps=2", "calibration.ece_threshold=0.05"])
+    calls = []
+
+    def collect(step):
+        calls.append(step)
+        return pairs
+
+    cal = make_calibrator("platt").fit(s, y)
+    cal.a_ = 3.0  # an over-confident calibrator: the monitor must catch it
+    state = LoopState()
+    out = maybe_recalibrate(1, state, cal, collect, cfg)
+    assert out is cal and calls == [] and state.refits == []  # not due
+    out = maybe_recalibrate(2, state, cal, collect, cfg)
+    assert calls == [2] and len(state.refits) == 1 and state.refits[0]["reason"] == "ece"
+    rec = state.refits[0]
+    assert rec["refit"] and rec["ece_after"] < rec["ece_before"]
+    assert out is not cal and out.a_ == pytest.approx(1 / 3, abs=0.2)
+
+
+def test_leakage_check_raises_on_training_articles_in_calibration():
+    train = [SummExample("t1", "Alpha beta gamma.", {"neutral": ["a"]}), SummExample("t2", "Delta.", {"neutral": ["d"]})]
+    calib_ok = [SummExample("c1", "Epsilon zeta.", {"neutral": ["e"]})]
+    check_calibration_disjoint(train, calib_ok)
+    with pytest.raises(LeakageError, match="calibration articles overlap the policy's training articles"):
+        check_calibration_disjoint(train, [*calib_ok, SummExample("t2", "Other text.", {"neutral": ["o"]})])
+    with pytest.raises(LeakageError, match="identical article text"):
+        check_calibration_disjoint(train, [SummExample("c9", "alpha  beta gamma.", {"neutral": ["x"]})])
+
+
+# --- config -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "feedback_loop").glob("*.yaml")), ids=lambda p: p.name)
+def test_feedback_loop_configs_load(path):
+    cfg = load_config(FeedbackLoopConfig, path)
+    assert cfg.num_steps >= 1 and cfg.ablation.arms
+
+
+def test_config_errors_name_the_parameter():
+    with pytest.raises(ConfigError, match="did you mean 'loss.kl_coef'"):
+        load_config(FeedbackLoopConfig, TINY, ["loss.kl_cof=0.1"])
+    with pytest.raises(ConfigError, match="ablation.arms has unknown arm"):
+        load_config(FeedbackLoopConfig, TINY, ["ablation.arms=[raw,calibrated]"])
+    with pytest.raises(ConfigError, match="needs a validation split"):
+        load_config(FeedbackLoopConfig, TINY, ["early_stopping_patience=2", "data.split.validation=0.0"])
+    with pytest.raises(ConfigError, match="loss.margin"):
+        load_config(FeedbackLoopConfig, TINY, ["loss.margin=0.7"])
+
+
+# --- end to end: exact resume -------------------------------------------------------------------
+
+FAST = ["judge.model=judgeloop-tiny/encoder", "judge.cache_size=0", "policy.sft_steps=20", "num_steps=4",
+        "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2", "calibration.num_articles=12",
+        "num_eval_articles=4", "num_validation_articles=4", "progress_bar=false", "log_with=[jsonl]",
+        "data.embedded_size=120", "generation.max_new_tokens=8"]
+
+
+def test_exact_resume_after_interruption(tmp_path):
+    from judgeloop.loop.runner import train
+
+    full = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'full'}"]))
+    part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", "stop_after_n_steps=2"]))
+    assert part["interrupted"] and part["step"] == 2
+    ckpt = Path(part["checkpoint"])
+    assert {"policy.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "calibrator.json",
+            "state.json"} <= {p.name for p in ckpt.iterdir()}
+    resumed = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}",
+                                                          f"resume_from={ckpt}"]))
+    assert resumed["steps_run"] == full["steps_run"] == 4
+    assert resumed["final"] == full["final"]
+    assert resumed["train_log"] == full["train_log"]
+    assert resumed["refits"] == full["refits"] and full["num_refits"] == 2
+    assert (tmp_path / "cut" / "report.json").is_file()

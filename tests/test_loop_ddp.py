@@ -1,0 +1,90 @@
+"""Distributed equivalence: two processes with per-process batch b make the same update as one process with 2b.
+
+Runs ``accelerate launch --multi_gpu --num_processes 2`` with ``Accelerator(cpu=True)`` (gloo); note that
+``accelerate launch --cpu`` would silently start a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = r'''
+import sys
+import torch
+from accelerate import Accelerator
+from judgeloop.loop.config import LossConfig
+from judgeloop.loop.rollout import Rollout
+from judgeloop.loop.runner import policy_update
+from judgeloop.models import load_causal_lm
+import copy
+
+out = sys.argv[1]
+acc = Accelerator(cpu=True)
+n = 4
+g = torch.Generator().manual_seed(0)
+def seq(lo, hi):
+    return torch.randint(10, 900, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+prompts = [seq(4, 9) for _ in range(n)]
+a = [seq(2, 6) + [2] for _ in range(n)]
+b = [seq(2, 6) + [2] for _ in range(n)]
+p = torch.tensor([0.9, 0.2, 0.7, 0.4])
+mask = torch.ones(n)
+per = n // acc.num_processes
+lo, hi = acc.process_index * per, (acc.process_index + 1) * per
+roll = Rollout(["x"] * per, prompts[lo:hi], a[lo:hi], b[lo:hi], ["a"] * per, ["b"] * per)
+model = load_causal_lm("judgeloop-tiny/causal-lm").train()
+ref = copy.deepcopy(model).eval()
+with torch.no_grad():  # move the policy away from the reference so the KL term has a gradient too
+    gen = torch.Generator().manual_seed(1)
+    for prm in model.parameters():
+        prm.add_(0.02 * torch.randn(prm.shape, generator=gen))
+init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+opt = torch.optim.SGD(model.parameters(), lr=0.5)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+model, opt, sched = acc.prepare(model, opt, sched)
+for _ in range(2):
+    stats = policy_update(acc, model, ref, opt, sched, roll, p[lo:hi], mask[lo:hi], 0.1, LossConfig(beta=0.5), 0.0, 0)
+if acc.is_main_process:
+    torch.save({"params": {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+                "init": init, "world": acc.num_processes, "loss": stats["loss"]}, out)
+acc.wait_for_everyone()
+'''
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_double_batch(tmp_path):
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("the accelerate launcher is not installed")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    subprocess.run([sys.executable, str(script), str(one)], check=True, env=_env(), timeout=120)
+    port = str(random.randint(20000, 40000))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, str(script), str(two)]
+    res = subprocess.run(cmd, env=_env(), timeout=180, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r1, r2 = torch.load(one), torch.load(two)
+    assert r1["world"] == 1 and r2["world"] == 2
+    assert r1["params"].keys() == r2["params"].keys()
+    for k in r1["params"]:
+        assert torch.allclose(r1["params"][k], r2["params"][k], atol=1e-6, rtol=1e-5), k
+    moved = [k for k in r1["params"] if not torch.equal(r1["params"][k], r1["init"][k])]
+    assert len(moved) == len(r1["params"])  # the update really moved every parameter
+    assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-6)

@@ -1,0 +1,223 @@
+"""Retriever commands and the saved model: sentence-transformers loads it with the same embeddings;
+``train-retriever`` runs end to end on a tiny encoder, resumes exactly, and rejects bad configs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from judgeloop.config import ConfigError, load_config
+from judgeloop.retrieval.encoder import BiEncoder
+from judgeloop.retrieval.mining import load_negatives
+
+TEXTS = ["a cat sat on the mat", "what pumps blood?", "Insulin regulates blood sugar levels.", "Mars"]
+
+DOCS = [
+    "The cat sat on the warm mat in the sun.",
+    "Dogs bark at the mailman every morning.",
+    "Photosynthesis converts light into chemical energy.",
+    "The stock market fell sharply on Monday.",
+    "Vitamin D deficiency is linked to bone loss.",
+    "Quantum computers use qubits.",
+    "Rain forests hold most land species.",
+    "The heart pumps blood through arteries.",
+    "Insulin regulates blood sugar levels.",
+    "Mars has two small moons.",
+    "Bees pollinate flowering plants.",
+    "Coffee contains caffeine, a stimulant.",
+]
+QUERIES = [
+    "where did the cat sit", "what do dogs do", "how do plants make energy", "what happened to stocks",
+    "what causes bone loss", "what do quantum computers use", "where do species live", "what pumps blood",
+    "what regulates sugar", "how many moons has mars", "who pollinates plants", "what is in coffee",
+]
+
+
+@pytest.fixture
+def beir_dir(tmp_path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "corpus.jsonl").write_text(
+        "".join(json.dumps({"_id": f"d{i}", "title": f"Doc {i}", "text": t}) + "\n" for i, t in enumerate(DOCS))
+    )
+    (root / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": t}) + "\n" for i, t in enumerate(QUERIES))
+    )
+    rows = [f"q{i}\td{i}\t1" for i in range(len(QUERIES))] + ["q7\td8\t1"]  # q7 has two positives
+    (root / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
+    return root
+
+
+def _overrides(beir_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        f"output_dir={out}",
+        "model.name=judgeloop-tiny/encoder",
+        f"data.train.corpus_path={beir_dir / 'corpus.jsonl'}",
+        f"data.train.queries_path={beir_dir / 'queries.jsonl'}",
+        f"data.train.qrels_path={beir_dir / 'qrels.tsv'}",
+        "data.eval_fraction=0.3",
+        "train.batch_size=4",
+        "negatives.mining.num_negatives=2",
+        "negatives.mining.range_max=6",
+        "negatives.mining.relative_margin=null",
+        "eval.batch_size=8",
+        *extra,
+    ]
+
+
+def _cfg(overrides: list[str]):
+    from judgeloop.commands.train_retriever import TrainRetrieverConfig
+
+    return load_config(TrainRetrieverConfig, None, overrides)
+
+
+# ------------------------------------------------------------------------------- saved model layout
+def _st_roundtrip(enc: BiEncoder, path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    enc.save(path)
+    ours = enc.encode(TEXTS, batch_size=2)
+    st = SentenceTransformer(str(path), device="cpu")
+    theirs = st.encode(TEXTS, convert_to_tensor=True, batch_size=2).cpu()
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    reloaded = BiEncoder.from_pretrained(str(path))
+    assert (reloaded.pooling, reloaded.normalize, reloaded.max_length) == (enc.pooling, enc.normalize, enc.max_length)
+    torch.testing.assert_close(reloaded.encode(TEXTS), ours, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_tiny_saved_model_loads_with_sentence_transformers(tmp_path, pooling):
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", pooling=pooling, max_length=64)
+    _st_roundtrip(enc, tmp_path / "model")
+
+
+def test_minilm_saved_model_loads_with_sentence_transformers(tmp_path):
+    enc = BiEncoder.from_pretrained("sentence-transformers/all-MiniLM-L6-v2", max_length=128)
+    _st_roundtrip(enc, tmp_path / "minilm")
+
+
+def test_encoder_rejects_unknown_pooling():
+    with pytest.raises(ValueError, match="pooling='max'"):
+        BiEncoder.from_pretrained("judgeloop-tiny/encoder", pooling="max")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------- train command
+def test_train_retriever_end_to_end(tmp_path, beir_dir):
+    from judgeloop.commands.train_retriever import run
+
+    out = tmp_path / "out"
+    cfg = _cfg(_overrides(beir_dir, out, "train.num_epochs=2", "negatives.remine_every_n_epochs=1",
+                          "train.gradcache_chunk_size=2", "loss.symmetric=true"))
+    before_weights = {k: v.clone() for k, v in BiEncoder.from_pretrained("judgeloop-tiny/encoder").state_dict().items()}
+    report = run(cfg)
+    saved = json.loads((out / "report.json").read_text())
+    for side in ("before", "after"):
+        assert {"ndcg@10", "recall@10", "mrr@10"} <= set(saved[side])
+    assert report["steps"] == saved["steps"] > 0
+    assert (out / "report.md").read_text().startswith("# Retriever training report")
+    # mined at the start and re-mined after epoch 1; positives never appear as negatives
+    for name in ("epoch_0.jsonl", "epoch_1.jsonl"):
+        negs = load_negatives(out / "negatives" / name)
+        assert negs and all(len(v) == 2 for v in negs.values())
+        assert all(d != f"d{q[1:]}" for q, v in negs.items() for d, _ in v)
+        assert all(d != "d8" for d, _ in negs.get("q7", []))
+    trained = BiEncoder.from_pretrained(str(out / "model"))
+    changed = [k for k, v in trained.state_dict().items() if k in before_weights and not torch.equal(v, before_weights[k])]
+    assert changed, "no parameter changed after training"
+
+
+def test_train_retriever_resumes_exactly(tmp_path, beir_dir):
+    from judgeloop.commands.train_retriever import run
+
+    common = ["train.num_epochs=2", "train.checkpoint_every_n_steps=1", "train.keep_checkpoints=10"]
+    full = tmp_path / "full"
+    run(_cfg(_overrides(beir_dir, full, *common)))
+    steps = sorted(int(p.name.split("_")[1]) for p in (full / "checkpoints").glob("step_*"))
+    assert len(steps) >= 3
+    # "interrupt" after the second step: keep only its checkpoint
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step_2", part / "checkpoints" / "step_2")
+    state = json.loads((part / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    if state.get("negatives_path"):
+        (part / "negatives").mkdir()
+        shutil.copy(state["negatives_path"], part / "negatives" / Path(state["negatives_path"]).name)
+        state["negatives_path"] = str(part / "negatives" / Path(state["negatives_path"]).name)
+        (part / "checkpoints" / "step_2" / "trainer_state.json").write_text(json.dumps(state))
+    resumed = run(_cfg(_overrides(beir_dir, part, *common)))
+    assert resumed["steps"] == steps[-1]
+    a = BiEncoder.from_pretrained(str(full / "model")).state_dict()
+    b = BiEncoder.from_pretrained(str(part / "model")).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
+def test_mine_negatives_command(tmp_path, beir_dir):
+    from judgeloop.commands.mine_negatives import MineNegativesConfig, run
+
+    cfg = load_config(MineNegativesConfig, None, [
+        f"output_path={tmp_path / 'negs.jsonl'}", "model.name=judgeloop-tiny/encoder",
+        f"data.corpus_path={beir_dir / 'corpus.jsonl'}", f"data.queries_path={beir_dir / 'queries.jsonl'}",
+        f"data.qrels_path={beir_dir / 'qrels.tsv'}", "mining.num_negatives=2", "mining.range_max=5",
+        "mining.relative_margin=null", "num_bm25=1",
+    ])
+    summary = run(cfg)
+    negs = load_negatives(tmp_path / "negs.jsonl")
+    assert summary["num_queries"] == len(negs) == len(QUERIES)
+    assert all(2 <= len(v) <= 3 for v in negs.values())  # 2 dense + up to 1 BM25
+
+
+def test_scifact_config_split_is_leak_free(repo, shared_data):
+    from judgeloop.commands.train_retriever import TrainRetrieverConfig, load_retrieval_data
+
+    cfg = load_config(TrainRetrieverConfig, repo / "configs" / "retriever" / "scifact.yaml")
+    cfg.data.train.corpus_path = str(shared_data / "scifact" / "corpus.jsonl")
+    cfg.data.train.queries_path = str(shared_data / "scifact" / "queries_train.jsonl")
+    cfg.data.train.qrels_path = str(shared_data / "scifact" / "qrels_train.tsv")
+    train, held = load_retrieval_data(cfg.data)
+    assert len(train.queries) + len(held.queries) == 505
+    assert 60 <= len(held.queries) <= 140
+    assert not set(train.queries) & set(held.queries)
+
+
+# ---------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.batch_size=1", "train.batch_size=1"),
+        ("loss.tau=0", "loss.tau=0"),
+        ("data.train.pairs_path=x.jsonl", "either pairs_path or"),
+        ("eval.metrics=[ndcg@10]", "must include"),
+        ("negatives.mining.range_max=1", "widen range_max"),
+        ("train.keep_checkpoints=0", "keep_checkpoints=0"),
+    ],
+)
+def test_config_errors_name_the_parameter(tmp_path, beir_dir, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(_overrides(beir_dir, tmp_path / "o", override))
+
+
+def test_missing_qrels_path_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="missing \\['qrels_path'\\]"):
+        _cfg(["data.train.corpus_path=c.jsonl", "data.train.queries_path=q.jsonl"])
+
+
+def test_cli_suggests_the_closest_key(repo, capsys):
+    from judgeloop.cli import main
+
+    rc = main(["train-retriever", "--config", str(repo / "configs/retriever/scifact.yaml"),
+               "negatives.mining.num_negative=3"])
+    assert rc == 2
+    assert "did you mean 'negatives.mining.num_negatives'" in capsys.readouterr().err
+
+
+def test_no_training_data_is_a_data_error(tmp_path):
+    from judgeloop.commands.train_retriever import run
+    from judgeloop.io import DataError
+
+    with pytest.raises(DataError, match="no data given"):
+        run(_cfg([f"output_dir={tmp_path}", "model.name=judgeloop-tiny/encoder"]))
