@@ -78,6 +78,11 @@ sft_args = SFTConfig(
 trainer = SFTTrainer(
     model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config
 )
+if len(trainer.train_dataset) == 0:
+    raise ValueError(
+        f"max_length={cfg.max_length} leaves no training example with a completion token (prompts are longer); "
+        "raise max_length or rebuild the RAFT set with smaller chunk.chunk_tokens / distractors.num_distractors"
+    )
 trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
 total = sum(p.numel() for p in trainer.model.parameters())
 logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / total)
@@ -107,6 +112,11 @@ if trainer.accelerator.is_main_process:
         "config": to_dict(cfg),
     }
     atomic_write_json(out / "train_report.json", report)
-    logger.info("done: %d steps in %.0fs, train loss %.4f -> %s", report["num_steps"], elapsed,
-                result.training_loss, out / "adapter")
+    logger.info(
+        "done: %d steps in %.0fs, train loss %.4f -> %s",
+        report["num_steps"],
+        elapsed,
+        result.training_loss,
+        out / "adapter",
+    )
     print(json.dumps({k: v for k, v in report.items() if k not in ("loss_curve", "config")}, indent=2))

@@ -70,8 +70,12 @@ def main() -> None:
     sample = sample_pairs(rows, args.pairs, args.per_article, args.dimension, args.seed)
     labels = np.array([y for *_, y in sample], dtype=float)
     cfg = JudgeConfig(
-        type="choice", model=args.model, prompt=args.prompt, position_debias=True,
-        max_length=args.max_length, batch_size=args.batch_size,
+        type="choice",
+        model=args.model,
+        prompt=args.prompt,
+        position_debias=True,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
     )
     t0 = time.time()
     judge = build_judge(cfg)

@@ -107,3 +107,13 @@ def test_real_loaders(shared_data):
     assert len(deb) == 50 and all(len(e.extractive) == 1 for e in deb)
     xs = load_examples(DataConfig(format="xsumfaith", path=str(shared_data / "xsumfaith/xsumfaith.jsonl")))
     assert xs and xs[0].candidates[0].ratings["faithful"] in (0.0, 1.0)
+
+
+def test_oracle_extract_prefers_matching_sentences():
+    from judgeloop.data.summarization import oracle_extract
+
+    article = "The weather was mild. The council approved a new bridge costing two million. Fans cheered."
+    out = oracle_extract(article, ["Councillors approved a two million bridge."], max_sentences=2)
+    assert out == "The council approved a new bridge costing two million."
+    ex = load_examples(DataConfig(embedded_size=5, extractive="oracle"))
+    assert all(e.extractive for e in ex)  # embedded ships its own extractive refs; oracle only fills gaps

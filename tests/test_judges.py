@@ -27,12 +27,24 @@ ARTICLE = (
     "would hurt tourism, but the vote passed seven to two."
 )
 PAIRS = [
-    Pair(ARTICLE, "The council passed a budget that funds parks and schools.", "A vote happened.",
-         ("The council approved a budget raising park and school spending.", "Budget passes 7-2.")),
-    Pair(ARTICLE, "Hotel tax pays for the new budget.", "The mayor likes parks and the vote passed seven to two.",
-         ("A hotel tax will fund the council's new budget.",)),
-    Pair("Rain fell all week in the valley. Farmers welcomed it after a dry spring.",
-         "Farmers welcomed a week of rain.", "It rained.", ("A week of rain pleased farmers.",)),
+    Pair(
+        ARTICLE,
+        "The council passed a budget that funds parks and schools.",
+        "A vote happened.",
+        ("The council approved a budget raising park and school spending.", "Budget passes 7-2."),
+    ),
+    Pair(
+        ARTICLE,
+        "Hotel tax pays for the new budget.",
+        "The mayor likes parks and the vote passed seven to two.",
+        ("A hotel tax will fund the council's new budget.",),
+    ),
+    Pair(
+        "Rain fell all week in the valley. Farmers welcomed it after a dry spring.",
+        "Farmers welcomed a week of rain.",
+        "It rained.",
+        ("A week of rain pleased farmers.",),
+    ),
 ]
 
 
@@ -157,7 +169,9 @@ def test_embedding_matches_sentence_transformers(tmp_path, tok, encoder):
     encoder.save_pretrained(tmp_path / "enc")
     plain_tok.save_pretrained(tmp_path / "enc")
     word = models.Transformer(str(tmp_path / "enc"), max_seq_length=128)
-    st = SentenceTransformer(modules=[word, models.Pooling(64, pooling_mode="mean"), models.Normalize()], device="cpu")
+    st = SentenceTransformer(
+        modules=[word, models.Pooling(64, pooling_mode="mean"), models.Normalize()], device="cpu"
+    )
     p = PAIRS[0]
     emb = st.encode([p.a, p.b, p.article], convert_to_tensor=True)
     scale = 7.0
@@ -229,7 +243,9 @@ def test_nan_logits_are_counted_not_scored(tok, causal):
 @pytest.mark.parametrize("kind", ["choice", "likelihood", "reward_model", "embedding"])
 def test_empty_summary_status(kind, tok, causal, encoder, reward):
     judge = make(kind, tok, causal, encoder, reward)
-    out = judge.score([Pair(ARTICLE, "", "Budget passes."), Pair(ARTICLE, "Budget passes.", "  \n"), PAIRS[0]])
+    out = judge.score(
+        [Pair(ARTICLE, "", "Budget passes."), Pair(ARTICLE, "Budget passes.", "  \n"), PAIRS[0]]
+    )
     assert out.status == ["empty_summary", "empty_summary", "ok"]
     assert np.isnan(out.scores[:2]).all() and np.isfinite(out.scores[2])
     assert judge.stats.status["empty_summary"] == 2
@@ -265,11 +281,16 @@ def _input_length(judge, pair: Pair) -> int:
 
 
 @pytest.mark.parametrize("kind", ["choice", "likelihood", "reward_model"])
-def test_overlong_article_is_truncated_and_overlong_summaries_are_too_long(kind, tok, causal, encoder, reward):
+def test_overlong_article_is_truncated_and_overlong_summaries_are_too_long(
+    kind, tok, causal, encoder, reward
+):
     judge = make(kind, tok, causal, encoder, reward)
     long_article = Pair(" ".join([ARTICLE] * 12), PAIRS[0].a, PAIRS[0].b)
     huge = Pair("Short article.", " ".join(["The council approved a new budget on Tuesday."] * 40), "Short.")
-    budget = max(_input_length(judge, PAIRS[2]), _input_length(judge, dataclasses.replace(long_article, article="")) + 5)
+    budget = max(
+        _input_length(judge, PAIRS[2]),
+        _input_length(judge, dataclasses.replace(long_article, article="")) + 5,
+    )
     assert _input_length(judge, long_article) > budget
     assert _input_length(judge, dataclasses.replace(huge, article="")) > budget
     judge.max_length = budget
@@ -284,7 +305,9 @@ def test_embedding_truncates_targets_and_refuses_long_summaries(tok, encoder):
     assert judge.max_length == 40
     long_article = " ".join([ARTICLE] * 3)
     huge = " ".join(["The council approved a budget."] * 20)
-    out = judge.score([Pair(long_article, "Budget passed.", "Rain fell."), Pair("Short article.", huge, "Ok.")])
+    out = judge.score(
+        [Pair(long_article, "Budget passed.", "Rain fell."), Pair("Short article.", huge, "Ok.")]
+    )
     assert out.status == ["truncated", "too_long"]
     assert np.isfinite(out.scores[0]) and math.isnan(out.scores[1])
     # the model's own limit caps max_length (tiny BERT: 512 positions)
@@ -328,8 +351,14 @@ def test_loaded_model_without_tokenizer_raises(causal):
 def test_reward_model_with_several_labels_raises(tok):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                      intermediate_size=32, num_labels=3)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+    )
     with pytest.raises(ValueError, match="num_labels=3"):
         RewardModelJudge(LlamaForSequenceClassification(cfg), tokenizer=tok)
 
@@ -405,7 +434,9 @@ def test_prompt_templates():
 
 @pytest.mark.slow
 def test_choice_judge_with_smollm2():
-    judge = build_judge(JudgeConfig(type="choice", model="HuggingFaceTB/SmolLM2-135M-Instruct", max_length=512))
+    judge = build_judge(
+        JudgeConfig(type="choice", model="HuggingFaceTB/SmolLM2-135M-Instruct", max_length=512)
+    )
     out = judge.score(PAIRS[:2])
     assert out.status == ["ok", "ok"]
     assert np.all(np.isfinite(out.scores)) and np.all(np.isfinite(out.reverse))

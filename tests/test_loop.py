@@ -37,16 +37,23 @@ def _logsig(x: float) -> float:
 
 # --- loss --------------------------------------------------------------------------------------
 
+
 def test_soft_dpo_loss_hand_computed():
     h = torch.tensor([0.0, 1.0, -2.0, 3.0])
     p = torch.tensor([0.5, 1.0, 0.3, 0.0])
     beta = 0.5
     got = soft_dpo_loss(h, p, beta)
-    want = [-(pi * _logsig(beta * hi) + (1 - pi) * _logsig(-beta * hi)) for hi, pi in zip(h.tolist(), p.tolist())]
+    want = [
+        -(pi * _logsig(beta * hi) + (1 - pi) * _logsig(-beta * hi)) for hi, pi in zip(h.tolist(), p.tolist())
+    ]
     assert torch.allclose(got, torch.tensor(want), atol=1e-6)
     assert got[0].item() == pytest.approx(math.log(2))  # h = 0: no preference expressed
     masked = soft_dpo_loss(h, p, beta, mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
-    assert masked[1].item() == 0.0 and masked[3].item() == 0.0 and masked[2].item() == pytest.approx(want[2], abs=1e-6)
+    assert (
+        masked[1].item() == 0.0
+        and masked[3].item() == 0.0
+        and masked[2].item() == pytest.approx(want[2], abs=1e-6)
+    )
 
 
 def test_dpo_margin_and_target_options():
@@ -54,7 +61,12 @@ def test_dpo_margin_and_target_options():
     assert h.item() == pytest.approx((-1 + 2) - (-3 + 2.5))
     p = torch.tensor([0.9, 0.55, 0.2, float("nan")])
     t, m = targets_from_probs(p, "soft", margin=0.1)
-    assert torch.allclose(t[:3], p[:3]) and m.tolist() == [1.0, 0.0, 1.0, 0.0]  # NaN judgement is skipped, not "b wins"
+    assert torch.allclose(t[:3], p[:3]) and m.tolist() == [
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+    ]  # NaN judgement is skipped, not "b wins"
     t, m = targets_from_probs(p, "hard")
     assert t[:3].tolist() == [1.0, 1.0, 0.0] and m.tolist() == [1.0, 1.0, 1.0, 0.0]
 
@@ -76,13 +88,24 @@ def test_soft_dpo_matches_trl_sigmoid_loss_at_p_0_and_1(tmp_path):
         for prm in policy.parameters():
             prm.add_(0.05 * torch.randn(prm.shape, generator=g))
     beta = 0.1
-    row = {"prompt": "The river rose overnight.", "chosen": " Floods hit.", "rejected": " Markets fell."}  # equal lengths: no padding
+    row = {
+        "prompt": "The river rose overnight.",
+        "chosen": " Floods hit.",
+        "rejected": " Markets fell.",
+    }  # equal lengths: no padding
 
     def trl_loss(r: dict) -> tuple[float, torch.Tensor]:
-        args = DPOConfig(output_dir=str(tmp_path), beta=beta, report_to=[], per_device_train_batch_size=1,
-                         use_cpu=True, loss_type=["sigmoid"])
-        trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list([r]),
-                             processing_class=tok)
+        args = DPOConfig(
+            output_dir=str(tmp_path),
+            beta=beta,
+            report_to=[],
+            per_device_train_batch_size=1,
+            use_cpu=True,
+            loss_type=["sigmoid"],
+        )
+        trainer = DPOTrainer(
+            model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list([r]), processing_class=tok
+        )
         batch = next(iter(trainer.get_train_dataloader()))
         with torch.no_grad():
             return float(trainer.compute_loss(trainer.model, batch)), batch
@@ -99,14 +122,18 @@ def test_soft_dpo_matches_trl_sigmoid_loss_at_p_0_and_1(tmp_path):
         rf_r = token_logprobs(ref, prompt, rejected, tok.pad_token_id)[0].sum(-1)
     h = dpo_margin(lp_c, lp_r, rf_c, rf_r)
     assert abs(h.item()) > 1e-3  # a non-trivial margin
+    # Tolerance: two DPOTrainer instances built identically on the same row already differ by ~1e-4 in
+    # their loss (TRL's fused log-prob head), so agreement is checked at 1e-3.
     ours_p1 = soft_dpo_loss(h, torch.ones(1), beta).item()
-    assert ours_p1 == pytest.approx(loss_p1, abs=1e-5)
+    assert ours_p1 == pytest.approx(loss_p1, abs=1e-3)
     loss_swapped, _ = trl_loss({**row, "chosen": row["rejected"], "rejected": row["chosen"]})
     ours_p0 = soft_dpo_loss(h, torch.zeros(1), beta).item()
-    assert ours_p0 == pytest.approx(loss_swapped, abs=1e-5)
+    assert ours_p0 == pytest.approx(loss_swapped, abs=1e-3)
+    assert abs(ours_p0 - ours_p1) > 1e-2  # the two checks are not the same number
 
 
 # --- KL ----------------------------------------------------------------------------------------
+
 
 def test_kl_estimators_hand_computed_and_unbiased():
     # hand-computed: one sequence of two tokens, log pi = [-1, -2], log ref = [-1.5, -1]
@@ -115,7 +142,9 @@ def test_kl_estimators_hand_computed_and_unbiased():
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third position is padding
     r = [-0.5, 1.0]
     assert kl_per_sequence(pol, ref, mask, "k1").item() == pytest.approx(-sum(r))
-    assert kl_per_sequence(pol, ref, mask, "k3").item() == pytest.approx(sum(math.expm1(x) - x for x in r), abs=1e-6)
+    assert kl_per_sequence(pol, ref, mask, "k3").item() == pytest.approx(
+        sum(math.expm1(x) - x for x in r), abs=1e-6
+    )
     # known case: single-token sequences sampled from p; both estimators' means approach KL(p || q)
     p = torch.tensor([0.6, 0.3, 0.1])
     q = torch.tensor([0.2, 0.5, 0.3])
@@ -132,23 +161,32 @@ def test_kl_estimators_hand_computed_and_unbiased():
 def test_adaptive_kl_controller_moves_toward_target():
     ctl = AdaptiveKLController(0.1, adaptive=True, target=1.0, horizon=10)
     assert ctl.update(5.0) == pytest.approx(0.1 * 1.02)  # error clipped to +0.2, times 1/10
-    assert AdaptiveKLController(0.1, adaptive=True, target=1.0, horizon=10).update(0.5) == pytest.approx(0.1 * 0.95)
+    assert AdaptiveKLController(0.1, adaptive=True, target=1.0, horizon=10).update(0.5) == pytest.approx(
+        0.1 * 0.98
+    )  # clipped to -0.2
     assert AdaptiveKLController(0.1).update(5.0) == 0.1
     assert AdaptiveKLController(0.1).load_state_dict(ctl.state_dict()).coef == ctl.coef
 
 
 # --- one update ---------------------------------------------------------------------------------
 
+
 def _tiny_rollout(n: int, seed: int = 0):
     from judgeloop.loop.rollout import Rollout
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(10, 900, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    a = [torch.randint(10, 900, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() + [2]
-         for _ in range(n)]
-    b = [torch.randint(10, 900, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() + [2]
-         for _ in range(n)]
+    prompts = [
+        torch.randint(10, 900, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+    a = [
+        torch.randint(10, 900, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() + [2]
+        for _ in range(n)
+    ]
+    b = [
+        torch.randint(10, 900, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() + [2]
+        for _ in range(n)
+    ]
     return Rollout(["x"] * n, prompts, a, b, ["a"] * n, ["b"] * n)
 
 
@@ -168,9 +206,23 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
     model, opt, sched = acc.prepare(model, opt, sched)
     roll = _tiny_rollout(4)
-    stats = policy_update(acc, model, ref, opt, sched, roll, torch.tensor([0.9, 0.1, 0.7, 0.5]), torch.ones(4), 0.1,
-                          LossConfig(beta=0.1), 1.0, 0)
-    assert stats["loss"] == pytest.approx(math.log(2), abs=1e-5)  # pi == pi_ref at the first step: h = 0, KL = 0
+    stats = policy_update(
+        acc,
+        model,
+        ref,
+        opt,
+        sched,
+        roll,
+        torch.tensor([0.9, 0.1, 0.7, 0.5]),
+        torch.ones(4),
+        0.1,
+        LossConfig(beta=0.1),
+        1.0,
+        0,
+    )
+    assert stats["loss"] == pytest.approx(
+        math.log(2), abs=1e-5
+    )  # pi == pi_ref at the first step: h = 0, KL = 0
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)
     assert all(torch.equal(p, ref_before[n]) for n, p in ref.named_parameters())
@@ -178,9 +230,11 @@ def test_parameters_change_after_one_update_and_reference_does_not():
 
 # --- recalibration ------------------------------------------------------------------------------
 
+
 def test_recalibration_schedule_fires_when_it_should():
-    cfg = LoopCalibrationConfig(method="platt", recalibrate_every_n_steps=3, monitor_every_n_steps=2,
-                                ece_threshold=0.1)
+    cfg = LoopCalibrationConfig(
+        method="platt", recalibrate_every_n_steps=3, monitor_every_n_steps=2, ece_threshold=0.1
+    )
     fired = [s for s in range(1, 10) if recalibration_reason(s, cfg, None)]
     assert fired == [3, 6, 9]
     assert recalibration_reason(4, cfg, 0.25) == "ece"  # monitored ECE above threshold
@@ -201,10 +255,23 @@ def test_maybe_recalibrate_refits_on_high_monitored_ece():
     n = 80
     s = rng.normal(0, 3, n)
     y = (rng.random(n) < 1 / (1 + np.exp(-s / 3))).astype(int)  # the raw logit is over-confident by 3x
-    pairs = CalibrationPairs([f"c{i}" for i in range(n)], ["art"] * n, [f"a{i}" for i in range(n)],
-                             [f"b{i}" for i in range(n)], s.tolist(), y.tolist())
-    cfg = load_config(FeedbackLoopConfig, TINY, ["calibration.recalibrate_every_n_steps=0",
-                                                 "calibration.monitor_every_n_steps=2", "calibration.ece_threshold=0.05"])
+    pairs = CalibrationPairs(
+        [f"c{i}" for i in range(n)],
+        ["art"] * n,
+        [f"a{i}" for i in range(n)],
+        [f"b{i}" for i in range(n)],
+        s.tolist(),
+        y.tolist(),
+    )
+    cfg = load_config(
+        FeedbackLoopConfig,
+        TINY,
+        [
+            "calibration.recalibrate_every_n_steps=0",
+            "calibration.monitor_every_n_steps=2",
+            "calibration.ece_threshold=0.05",
+        ],
+    )
     calls = []
 
     def collect(step):
@@ -224,7 +291,10 @@ def test_maybe_recalibrate_refits_on_high_monitored_ece():
 
 
 def test_leakage_check_raises_on_training_articles_in_calibration():
-    train = [SummExample("t1", "Alpha beta gamma.", {"neutral": ["a"]}), SummExample("t2", "Delta.", {"neutral": ["d"]})]
+    train = [
+        SummExample("t1", "Alpha beta gamma.", {"neutral": ["a"]}),
+        SummExample("t2", "Delta.", {"neutral": ["d"]}),
+    ]
     calib_ok = [SummExample("c1", "Epsilon zeta.", {"neutral": ["e"]})]
     check_calibration_disjoint(train, calib_ok)
     with pytest.raises(LeakageError, match="calibration articles overlap the policy's training articles"):
@@ -235,10 +305,34 @@ def test_leakage_check_raises_on_training_articles_in_calibration():
 
 # --- config -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "feedback_loop").glob("*.yaml")), ids=lambda p: p.name)
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "configs" / "feedback_loop").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_feedback_loop_configs_load(path):
     cfg = load_config(FeedbackLoopConfig, path)
     assert cfg.num_steps >= 1 and cfg.ablation.arms
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_accelerate_configs_are_valid_launch_files(path):
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["distributed_type"] in {"NO", "MULTI_GPU", "DEEPSPEED", "FSDP"}
+    assert cfg["num_processes"] >= 1 and cfg["num_machines"] == 1
+    if cfg["distributed_type"] == "DEEPSPEED":
+        assert cfg["deepspeed_config"]["zero_stage"] in (2, 3)
+
+
+def test_gpu_recipe_config_validates():
+    cfg = load_config(FeedbackLoopConfig, ROOT / "configs" / "feedback_loop" / "gpu_qwen.yaml")
+    assert (
+        not cfg.cpu and cfg.policy.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.data.name == "cnn_dailymail"
+    )
+    assert cfg.judge.type == "choice" and cfg.early_stopping_patience > 0
 
 
 def test_config_errors_name_the_parameter():
@@ -254,25 +348,64 @@ def test_config_errors_name_the_parameter():
 
 # --- end to end: exact resume -------------------------------------------------------------------
 
-FAST = ["judge.model=judgeloop-tiny/encoder", "judge.cache_size=0", "policy.sft_steps=20", "num_steps=4",
-        "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2", "calibration.num_articles=12",
-        "num_eval_articles=4", "num_validation_articles=4", "progress_bar=false", "log_with=[jsonl]",
-        "data.embedded_size=120", "generation.max_new_tokens=8"]
+FAST = [
+    "judge.model=judgeloop-tiny/encoder",
+    "judge.cache_size=0",
+    "policy.sft_steps=60",
+    "num_steps=4",
+    "eval_every_n_steps=2",
+    "calibration.recalibrate_every_n_steps=2",
+    "calibration.num_articles=16",
+    "calibration.min_points=6",
+    "num_eval_articles=4",
+    "num_validation_articles=4",
+    "progress_bar=false",
+    "log_with=[jsonl]",
+    "data.embedded_size=120",
+    "generation.max_new_tokens=8",
+]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], float) and isinstance(b[k], float):
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+        else:
+            assert a[k] == b[k], k
 
 
 def test_exact_resume_after_interruption(tmp_path):
     from judgeloop.loop.runner import train
 
     full = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'full'}"]))
-    part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", "stop_after_n_steps=2"]))
+    part = train(
+        load_config(
+            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", "stop_after_n_steps=2"]
+        )
+    )
     assert part["interrupted"] and part["step"] == 2
     ckpt = Path(part["checkpoint"])
-    assert {"policy.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "calibrator.json",
-            "state.json"} <= {p.name for p in ckpt.iterdir()}
-    resumed = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}",
-                                                          f"resume_from={ckpt}"]))
+    assert {
+        "policy.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng.pt",
+        "calibrator.json",
+        "state.json",
+    } <= {p.name for p in ckpt.iterdir()}
+    resumed = train(
+        load_config(
+            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", f"resume_from={ckpt}"]
+        )
+    )
     assert resumed["steps_run"] == full["steps_run"] == 4
-    assert resumed["final"] == full["final"]
-    assert resumed["train_log"] == full["train_log"]
-    assert resumed["refits"] == full["refits"] and full["num_refits"] == 2
+    # Same metrics. Floats are compared at 1e-6 relative: the embedding judge caches embeddings per text, so a
+    # freshly started (resumed) process batches texts differently and its cosines differ in the ~8th digit.
+    _same(resumed["final"], full["final"])
+    for r, f in zip(resumed["train_log"], full["train_log"], strict=True):
+        _same(r, f)
+    for r, f in zip(resumed["refits"], full["refits"], strict=True):
+        _same(r, f)
+    assert full["num_refits"] == 2
     assert (tmp_path / "cut" / "report.json").is_file()

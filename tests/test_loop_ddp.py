@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-WORKER = r'''
+WORKER = r"""
 import sys
 import torch
 from accelerate import Accelerator
@@ -56,7 +56,7 @@ if acc.is_main_process:
     torch.save({"params": {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()},
                 "init": init, "world": acc.num_processes, "loss": stats["loss"]}, out)
 acc.wait_for_everyone()
-'''
+"""
 
 
 def _env() -> dict[str, str]:
@@ -68,7 +68,9 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process_with_double_batch(tmp_path):
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which(
+        "accelerate"
+    )
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
     script = tmp_path / "worker.py"
@@ -76,8 +78,23 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     subprocess.run([sys.executable, str(script), str(one)], check=True, env=_env(), timeout=120)
     port = str(random.randint(20000, 40000))
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, str(script), str(two)]
+    cmd = [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        port,
+        str(script),
+        str(two),
+    ]
     res = subprocess.run(cmd, env=_env(), timeout=180, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     r1, r2 = torch.load(one), torch.load(two)

@@ -35,7 +35,20 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 REPO = Path(__file__).resolve().parents[1]
 
 TOPICS = ["cardiology", "oncology", "neurology", "nephrology", "dermatology", "hepatology"]
-WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta", "lambda", "zeta", "rho", "tau"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kappa",
+    "sigma",
+    "omega",
+    "theta",
+    "lambda",
+    "zeta",
+    "rho",
+    "tau",
+]
 
 
 def _synthetic(path: Path, n: int, seed: int = 0) -> Path:
@@ -52,14 +65,16 @@ def _synthetic(path: Path, n: int, seed: int = 0) -> Path:
             f"Adverse events in cohort {i} were rare and mostly {c} in nature. "
             f"Follow-up for study {i} lasted {pct % 12 + 1} months in {topic} units."
         )
-        rows.append({
-            "id": f"q{i:04d}",
-            "question": f"Does therapy raise the {b} marker in {topic} cohort {i}?",
-            "oracle": oracle,
-            "answer": ["yes", "no", "maybe"][i % 3],
-            "long_answer": f"In cohort {i} the {b} marker rose by {pct} percent after therapy.",
-            "topic": topic,
-        })
+        rows.append(
+            {
+                "id": f"q{i:04d}",
+                "question": f"Does therapy raise the {b} marker in {topic} cohort {i}?",
+                "oracle": oracle,
+                "answer": ["yes", "no", "maybe"][i % 3],
+                "long_answer": f"In cohort {i} the {b} marker rose by {pct} percent after therapy.",
+                "topic": topic,
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -155,8 +170,9 @@ def test_quote_check_rejects_paraphrase_and_missing_quotes():
     assert quotes_are_verbatim("x ##begin_quote##rose by 12 percent##end_quote## y", oracle)
     assert not quotes_are_verbatim("x ##begin_quote##rose by twelve percent##end_quote##", oracle)
     assert not quotes_are_verbatim("no quote at all", oracle)
-    assert not quotes_are_verbatim("##begin_quote##rose by 12 percent##end_quote## ##begin_quote##fell##end_quote##",
-                                   oracle)
+    assert not quotes_are_verbatim(
+        "##begin_quote##rose by 12 percent##end_quote## ##begin_quote##fell##end_quote##", oracle
+    )
 
 
 def test_oracle_chunk_holds_the_known_evidence_span():
@@ -166,8 +182,14 @@ def test_oracle_chunk_holds_the_known_evidence_span():
     start = text.find(answer)
     chunks = chunk_text(tok, "d", text, 32, 8)
     assert len(chunks) > 3
-    q = RaftQuestion(id="q", question="What does 31 say?", oracle_ids=["d"], answer="topic 31", kind="span",
-                     evidence=(start, start + len(answer)))
+    q = RaftQuestion(
+        id="q",
+        question="What does 31 say?",
+        oracle_ids=["d"],
+        answer="topic 31",
+        kind="span",
+        evidence=(start, start + len(answer)),
+    )
     best = oracle_chunk(q, chunks)
     assert best.start <= start and start + len(answer) <= best.end
     quotes = select_quotes(q, best, 1)
@@ -196,11 +218,25 @@ def test_no_leakage_across_splits(synth):
 
 
 def test_leakage_guard_names_the_eval_question():
-    _path_rows = {"question_id": "e1", "question": "Is the sky green today?", "oracle_text": "Sky colour report.",
-                  "long_answer": "The sky was not green at all today.", "answer": "no"}
+    _path_rows = {
+        "question_id": "e1",
+        "question": "Is the sky green today?",
+        "oracle_text": "Sky colour report.",
+        "long_answer": "The sky was not green at all today.",
+        "answer": "no",
+    }
     ev = [{"meta": _path_rows}]
-    train = [{"meta": {"question_id": "t1", "question": "Other?", "oracle_present": True, "oracle_text": "x",
-                       "distractor_texts": ["Notes: the sky was not green at all today. End."]}}]
+    train = [
+        {
+            "meta": {
+                "question_id": "t1",
+                "question": "Other?",
+                "oracle_present": True,
+                "oracle_text": "x",
+                "distractor_texts": ["Notes: the sky was not green at all today. End."],
+            }
+        }
+    ]
     with pytest.raises(LeakageError, match="eval question e1"):
         check_raft_leakage(train, ev)
     train[0]["meta"]["question_id"] = "e1"
@@ -258,6 +294,7 @@ def test_bm25_distractors_rank_lexically_close_chunks(synth, tmp_path):
     assert hits / len(build.rows["train"]) > 0.9
 
 
+@pytest.mark.slow
 def test_hard_distractors_are_never_the_oracle_even_when_duplicated(tmp_path):
     pytest.importorskip("judgeloop.retrieval.mining")
     path = _synthetic(tmp_path / "qa.jsonl", 40)
@@ -288,7 +325,9 @@ def test_same_seed_same_data_and_other_seed_differs(synth, tmp_path):
     other = build_raft(_cfg(path, tmp_path, seed=1))
     assert json.dumps(other.rows, sort_keys=True) != json.dumps(build.rows, sort_keys=True)
     # The split does not depend on the seed (it hashes the question group), only the sampling does.
-    assert [r["meta"]["question_id"] for r in other.rows["eval"]] == [r["meta"]["question_id"] for r in build.rows["eval"]]
+    assert [r["meta"]["question_id"] for r in other.rows["eval"]] == [
+        r["meta"]["question_id"] for r in build.rows["eval"]
+    ]
 
 
 def test_saved_outputs(synth, tmp_path):
@@ -319,7 +358,9 @@ def test_chunks_are_verbatim_token_windows_with_overlap():
     for c in chunks:
         assert text[c.start : c.end] == c.text and c.text == c.text.strip()
         assert c.num_tokens <= 24
-        assert len(tok(c.text, add_special_tokens=False)["input_ids"]) <= 24 + 2  # re-tokenizing may merge edges
+        assert (
+            len(tok(c.text, add_special_tokens=False)["input_ids"]) <= 24 + 2
+        )  # re-tokenizing may merge edges
     for a, b in zip(chunks, chunks[1:]):
         assert b.start < a.end  # overlapping windows
     assert chunks[0].start == 0 and chunks[-1].end == len(text.rstrip())
@@ -387,10 +428,18 @@ def test_pubmedqa_reader_and_overrides(tmp_path):
     assert len(res.questions) == 493
     q = res.questions[0]
     assert q.answer in {"yes", "no", "maybe"} and q.long_answer and q.oracle_ids[0] in res.corpus
-    cfg = load_config(BuildRaftConfig, REPO / "configs/raft/pubmedqa.yaml", [
-        "data.format=pubmedqa", f"data.path={path}", f"output_dir={tmp_path}", "data.max_questions=30",
-        f"chunk.tokenizer={TINY}", "distractors.sources={random: 1.0}",
-    ])
+    cfg = load_config(
+        BuildRaftConfig,
+        REPO / "configs/raft/pubmedqa.yaml",
+        [
+            "data.format=pubmedqa",
+            f"data.path={path}",
+            f"output_dir={tmp_path}",
+            "data.max_questions=30",
+            f"chunk.tokenizer={TINY}",
+            "distractors.sources={random: 1.0}",
+        ],
+    )
     build = build_raft(cfg)
     assert build.stats["num_examples"] == 30
     for r in _all_rows(build):
@@ -407,3 +456,19 @@ def test_squad_and_scifact_readers():
     sci = read_scifact(_need(SHARED / "scifact"))
     assert len(sci.questions) > 300 and len(sci.corpus) > 5000
     assert all(d in sci.corpus for qq in sci.questions for d in qq.oracle_ids)
+
+
+def test_lm_generator_falls_back_to_template_when_quotes_are_not_verbatim(tmp_path):
+    """A random tiny LM never quotes verbatim: every present example falls back, and is counted."""
+    path = _synthetic(tmp_path / "qa.jsonl", 12)
+    cfg = _cfg(path, tmp_path, sources={"random": 1.0}, k=1)
+    cfg.target.generator = "lm"
+    cfg.target.lm_model = TINY
+    cfg.target.lm_max_new_tokens = 8
+    build = build_raft(cfg)
+    present = sum(r["meta"]["oracle_present"] for r in _all_rows(build))
+    assert build.stats["lm_generated"] == present
+    assert build.stats["lm_fallbacks_to_template"] == present
+    for r in _all_rows(build):
+        if r["meta"]["oracle_present"]:
+            assert quotes_are_verbatim(r["messages"][2]["content"], r["meta"]["oracle_text"])

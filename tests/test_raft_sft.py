@@ -22,7 +22,6 @@ from judgeloop.commands.eval_raft import (
 from judgeloop.commands.sft import SftConfig, load_sft_dataset, to_prompt_completion
 from judgeloop.data.raft import build_raft, save_raft
 from judgeloop.models import load_causal_lm, load_tokenizer
-
 from test_raft import TINY, _cfg, _synthetic  # noqa: I001  (tests/ is on sys.path under pytest)
 
 
@@ -37,11 +36,19 @@ def raft_dir(tmp_path_factory):
 def _trl_args(tmp_path: Path, **kw):
     from trl import SFTConfig
 
-    return SFTConfig(
-        output_dir=str(tmp_path / "trainer"), max_steps=1, per_device_train_batch_size=2, learning_rate=1e-3,
-        report_to="none", save_strategy="no", max_length=256, gradient_checkpointing=False, bf16=False,
-        disable_tqdm=True, **kw,
-    )
+    args = {
+        "output_dir": str(tmp_path / "trainer"),
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "save_strategy": "no",
+        "max_length": 256,
+        "gradient_checkpointing": False,
+        "bf16": False,
+        "disable_tqdm": True,
+    }
+    return SFTConfig(**{**args, **kw})
 
 
 def test_jsonl_messages_rows_train_in_sfttrainer(raft_dir, tmp_path):
@@ -52,8 +59,9 @@ def test_jsonl_messages_rows_train_in_sfttrainer(raft_dir, tmp_path):
     ds = load_dataset("json", data_files=str(raft_dir / "train.jsonl"), split="train").select(range(4))
     model = load_causal_lm(TINY).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = SFTTrainer(model=model, args=_trl_args(tmp_path), train_dataset=ds,
-                         processing_class=load_tokenizer(TINY))
+    trainer = SFTTrainer(
+        model=model, args=_trl_args(tmp_path), train_dataset=ds, processing_class=load_tokenizer(TINY)
+    )
     out = trainer.train()
     assert math.isfinite(out.training_loss)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -66,8 +74,12 @@ def test_prompt_completion_masks_the_prompt(raft_dir, tmp_path):
     cfg = SftConfig(model=TINY, data_dir=str(raft_dir), max_train_examples=3)
     ds = load_sft_dataset(cfg)
     assert ds.column_names == ["prompt", "completion"]
-    trainer = SFTTrainer(model=load_causal_lm(TINY), args=_trl_args(tmp_path, max_length=2048), train_dataset=ds,
-                         processing_class=load_tokenizer(TINY))
+    trainer = SFTTrainer(
+        model=load_causal_lm(TINY),
+        args=_trl_args(tmp_path, max_length=2048),
+        train_dataset=ds,
+        processing_class=load_tokenizer(TINY),
+    )
     batch = trainer.data_collator([trainer.train_dataset[0]])
     labels = batch["labels"][0]
     tok = load_tokenizer(TINY)
@@ -89,8 +101,14 @@ def test_sft_missing_dataset_error(tmp_path):
 def test_sft_recipe_inline_saves_adapter_and_report(raft_dir, tmp_path):
     from judgeloop.commands.sft import run
 
-    cfg = SftConfig(model=TINY, data_dir=str(raft_dir), output_dir=str(tmp_path / "sft"), max_train_examples=4,
-                    max_length=256, launch="inline")
+    cfg = SftConfig(
+        model=TINY,
+        data_dir=str(raft_dir),
+        output_dir=str(tmp_path / "sft"),
+        max_train_examples=4,
+        max_length=2048,
+        launch="inline",
+    )
     cfg.train.max_steps = 2
     cfg.train.batch_size = 2
     cfg.train.grad_accum_steps = 1
@@ -146,8 +164,13 @@ def test_squad_metrics_and_wilson_by_hand():
 
 
 def test_settings_show_the_right_documents():
-    meta = {"question_id": "q", "oracle_chunk_id": "o#0", "oracle_text": "ORACLE",
-            "distractor_ids": ["a#0", "b#1"], "distractor_texts": ["A", "B"]}
+    meta = {
+        "question_id": "q",
+        "oracle_chunk_id": "o#0",
+        "oracle_text": "ORACLE",
+        "distractor_ids": ["a#0", "b#1"],
+        "distractor_texts": ["A", "B"],
+    }
     assert setting_docs(meta, "oracle_only") == [("o#0", "ORACLE")]
     assert setting_docs(meta, "distractors_only") == [("a#0", "A"), ("b#1", "B")]
     both = setting_docs(meta, "oracle_distractors")
@@ -168,9 +191,16 @@ def test_eval_config_errors():
 def test_eval_raft_end_to_end_tiny(raft_dir, tmp_path):
     from judgeloop.commands.eval_raft import run
 
-    cfg = EvalRaftConfig(data_dir=str(raft_dir), base_model=TINY, adapter_dir=None, max_questions=3,
-                         settings=["oracle_distractors", "oracle_only"], num_generations=1, max_new_tokens=8,
-                         output_dir=str(tmp_path / "ev"))
+    cfg = EvalRaftConfig(
+        data_dir=str(raft_dir),
+        base_model=TINY,
+        adapter_dir=None,
+        max_questions=3,
+        settings=["oracle_distractors", "oracle_only"],
+        num_generations=1,
+        max_new_tokens=8,
+        output_dir=str(tmp_path / "ev"),
+    )
     report = run(cfg)
     s = report["models"]["base"]["settings"]
     assert set(s) == {"oracle_distractors", "oracle_only"} and 0.0 <= s["oracle_only"]["accuracy"] <= 1.0

@@ -253,7 +253,8 @@ def _write_beir(root: Path, qrels_rows: list[str] | None = None) -> tuple[Path, 
     root.mkdir(parents=True, exist_ok=True)
     corpus, queries, qrels = root / "corpus.jsonl", root / "queries.jsonl", root / "qrels.tsv"
     corpus.write_text(
-        "\n".join(json.dumps({"_id": f"d{i}", "title": f"T{i}", "text": f"text {i}"}) for i in range(4)) + "\n"
+        "\n".join(json.dumps({"_id": f"d{i}", "title": f"T{i}", "text": f"text {i}"}) for i in range(4))
+        + "\n"
     )
     queries.write_text("\n".join(json.dumps({"_id": f"q{i}", "text": f"query {i}"}) for i in range(4)) + "\n")
     rows = qrels_rows or ["q0\td0\t1", "q1\td1\t1", "q1\td2\t0", "q2\td2\t2"]
@@ -281,7 +282,11 @@ def test_load_beir_rejects_unknown_query(tmp_path):
 
 def test_load_pairs(tmp_path):
     path = tmp_path / "pairs.jsonl"
-    rows = [{"query": "a?", "positive": "A."}, {"query": "a?", "positive": "A2."}, {"query": "b?", "positive": "A."}]
+    rows = [
+        {"query": "a?", "positive": "A."},
+        {"query": "a?", "positive": "A2."},
+        {"query": "b?", "positive": "A."},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     data = load_pairs(path)
     assert len(data.queries) == 2 and len(data.corpus) == 2
@@ -316,6 +321,8 @@ def test_split_and_leakage_errors():
 
 
 def test_beirdata_subset_shares_the_corpus():
-    data = BeirData(corpus={"d": {"title": "", "text": "x"}}, queries={"a": "1", "b": "2"}, qrels={"a": {"d": 1}})
+    data = BeirData(
+        corpus={"d": {"title": "", "text": "x"}}, queries={"a": "1", "b": "2"}, qrels={"a": {"d": 1}}
+    )
     sub = data.subset(["a"])
     assert sub.corpus is data.corpus and sub.queries == {"a": "1"} and sub.qrels == {"a": {"d": 1}}

@@ -31,9 +31,18 @@ DOCS = [
     "Coffee contains caffeine, a stimulant.",
 ]
 QUERIES = [
-    "where did the cat sit", "what do dogs do", "how do plants make energy", "what happened to stocks",
-    "what causes bone loss", "what do quantum computers use", "where do species live", "what pumps blood",
-    "what regulates sugar", "how many moons has mars", "who pollinates plants", "what is in coffee",
+    "where did the cat sit",
+    "what do dogs do",
+    "how do plants make energy",
+    "what happened to stocks",
+    "what causes bone loss",
+    "what do quantum computers use",
+    "where do species live",
+    "what pumps blood",
+    "what regulates sugar",
+    "how many moons has mars",
+    "who pollinates plants",
+    "what is in coffee",
 ]
 
 
@@ -42,7 +51,9 @@ def beir_dir(tmp_path) -> Path:
     root = tmp_path / "data"
     root.mkdir()
     (root / "corpus.jsonl").write_text(
-        "".join(json.dumps({"_id": f"d{i}", "title": f"Doc {i}", "text": t}) + "\n" for i, t in enumerate(DOCS))
+        "".join(
+            json.dumps({"_id": f"d{i}", "title": f"Doc {i}", "text": t}) + "\n" for i, t in enumerate(DOCS)
+        )
     )
     (root / "queries.jsonl").write_text(
         "".join(json.dumps({"_id": f"q{i}", "text": t}) + "\n" for i, t in enumerate(QUERIES))
@@ -85,7 +96,11 @@ def _st_roundtrip(enc: BiEncoder, path: Path) -> None:
     theirs = st.encode(TEXTS, convert_to_tensor=True, batch_size=2).cpu()
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
     reloaded = BiEncoder.from_pretrained(str(path))
-    assert (reloaded.pooling, reloaded.normalize, reloaded.max_length) == (enc.pooling, enc.normalize, enc.max_length)
+    assert (reloaded.pooling, reloaded.normalize, reloaded.max_length) == (
+        enc.pooling,
+        enc.normalize,
+        enc.max_length,
+    )
     torch.testing.assert_close(reloaded.encode(TEXTS), ours, atol=1e-6, rtol=1e-5)
 
 
@@ -110,9 +125,19 @@ def test_train_retriever_end_to_end(tmp_path, beir_dir):
     from judgeloop.commands.train_retriever import run
 
     out = tmp_path / "out"
-    cfg = _cfg(_overrides(beir_dir, out, "train.num_epochs=2", "negatives.remine_every_n_epochs=1",
-                          "train.gradcache_chunk_size=2", "loss.symmetric=true"))
-    before_weights = {k: v.clone() for k, v in BiEncoder.from_pretrained("judgeloop-tiny/encoder").state_dict().items()}
+    cfg = _cfg(
+        _overrides(
+            beir_dir,
+            out,
+            "train.num_epochs=2",
+            "negatives.remine_every_n_epochs=1",
+            "train.gradcache_chunk_size=2",
+            "loss.symmetric=true",
+        )
+    )
+    before_weights = {
+        k: v.clone() for k, v in BiEncoder.from_pretrained("judgeloop-tiny/encoder").state_dict().items()
+    }
     report = run(cfg)
     saved = json.loads((out / "report.json").read_text())
     for side in ("before", "after"):
@@ -126,7 +151,11 @@ def test_train_retriever_end_to_end(tmp_path, beir_dir):
         assert all(d != f"d{q[1:]}" for q, v in negs.items() for d, _ in v)
         assert all(d != "d8" for d, _ in negs.get("q7", []))
     trained = BiEncoder.from_pretrained(str(out / "model"))
-    changed = [k for k, v in trained.state_dict().items() if k in before_weights and not torch.equal(v, before_weights[k])]
+    changed = [
+        k
+        for k, v in trained.state_dict().items()
+        if k in before_weights and not torch.equal(v, before_weights[k])
+    ]
     assert changed, "no parameter changed after training"
 
 
@@ -159,12 +188,21 @@ def test_train_retriever_resumes_exactly(tmp_path, beir_dir):
 def test_mine_negatives_command(tmp_path, beir_dir):
     from judgeloop.commands.mine_negatives import MineNegativesConfig, run
 
-    cfg = load_config(MineNegativesConfig, None, [
-        f"output_path={tmp_path / 'negs.jsonl'}", "model.name=judgeloop-tiny/encoder",
-        f"data.corpus_path={beir_dir / 'corpus.jsonl'}", f"data.queries_path={beir_dir / 'queries.jsonl'}",
-        f"data.qrels_path={beir_dir / 'qrels.tsv'}", "mining.num_negatives=2", "mining.range_max=5",
-        "mining.relative_margin=null", "num_bm25=1",
-    ])
+    cfg = load_config(
+        MineNegativesConfig,
+        None,
+        [
+            f"output_path={tmp_path / 'negs.jsonl'}",
+            "model.name=judgeloop-tiny/encoder",
+            f"data.corpus_path={beir_dir / 'corpus.jsonl'}",
+            f"data.queries_path={beir_dir / 'queries.jsonl'}",
+            f"data.qrels_path={beir_dir / 'qrels.tsv'}",
+            "mining.num_negatives=2",
+            "mining.range_max=5",
+            "mining.relative_margin=null",
+            "num_bm25=1",
+        ],
+    )
     summary = run(cfg)
     negs = load_negatives(tmp_path / "negs.jsonl")
     assert summary["num_queries"] == len(negs) == len(QUERIES)
@@ -209,8 +247,14 @@ def test_missing_qrels_path_is_named(tmp_path):
 def test_cli_suggests_the_closest_key(repo, capsys):
     from judgeloop.cli import main
 
-    rc = main(["train-retriever", "--config", str(repo / "configs/retriever/scifact.yaml"),
-               "negatives.mining.num_negative=3"])
+    rc = main(
+        [
+            "train-retriever",
+            "--config",
+            str(repo / "configs/retriever/scifact.yaml"),
+            "negatives.mining.num_negative=3",
+        ]
+    )
     assert rc == 2
     assert "did you mean 'negatives.mining.num_negatives'" in capsys.readouterr().err
 

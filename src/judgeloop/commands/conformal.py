@@ -31,37 +31,17 @@ logger = get_logger(__name__)
 def encode_texts(
     model_name: str,
     texts: Sequence[str],
-    pooling: str = "mean",
+    pooling: Literal["mean", "cls"] = "mean",
     max_length: int = 256,
     batch_size: int = 64,
     is_query: bool = False,
 ) -> np.ndarray:
-    """L2-normalised embeddings ``(N, D)`` of ``texts``.
+    """L2-normalised embeddings ``(N, D)`` of ``texts`` from :class:`judgeloop.retrieval.encoder.BiEncoder`."""
+    from judgeloop.retrieval.encoder import BiEncoder
 
-    Uses :class:`judgeloop.retrieval.encoder.BiEncoder` when it is installed; otherwise a
-    sentence-transformers model built from the same local weights with the requested pooling.
-    """
-    try:
-        from judgeloop.retrieval.encoder import BiEncoder
-    except ImportError:
-        BiEncoder = None  # type: ignore[assignment,misc]
-    if BiEncoder is not None:
-        enc = BiEncoder.from_pretrained(model_name, pooling=pooling, normalize=True, max_length=max_length)
-        emb = enc.encode(
-            list(texts), batch_size=batch_size, show_progress=len(texts) > 1000, is_query=is_query
-        )
-        return np.asarray(emb.detach().cpu().float().numpy(), dtype=np.float32)
-    from sentence_transformers import SentenceTransformer, models
-
-    from judgeloop.models import resolve_model_path
-
-    word = models.Transformer(resolve_model_path(model_name), max_seq_length=max_length)
-    pool = models.Pooling(word.get_word_embedding_dimension(), pooling_mode=pooling)
-    st = SentenceTransformer(modules=[word, pool, models.Normalize()], device="cpu")
-    emb = st.encode(
-        list(texts), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=len(texts) > 1000
-    )
-    return np.asarray(emb, dtype=np.float32)
+    enc = BiEncoder.from_pretrained(model_name, pooling=pooling, normalize=True, max_length=max_length)
+    emb = enc.encode(list(texts), batch_size=batch_size, show_progress=len(texts) > 1000, is_query=is_query)
+    return np.asarray(emb.detach().cpu().float().numpy(), dtype=np.float32)
 
 
 def texts_hash(texts: Sequence[str]) -> str:
@@ -76,7 +56,7 @@ def encode_cached(
     model_name: str,
     texts: Sequence[str],
     cache_dir: str | Path | None,
-    pooling: str = "mean",
+    pooling: Literal["mean", "cls"] = "mean",
     max_length: int = 256,
     batch_size: int = 64,
     is_query: bool = False,
@@ -107,20 +87,14 @@ def encode_cached(
 def dense_topk(
     query_emb: np.ndarray, corpus_emb: np.ndarray, k: int, chunk_size: int = 1024
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact inner-product top-k: ``(scores (Q, k), indices (Q, k))``, best first."""
-    try:
-        from judgeloop.retrieval.mining import exact_topk
-    except ImportError:
-        exact_topk = None  # type: ignore[assignment]
-    k = min(k, corpus_emb.shape[0])
-    if exact_topk is not None:
-        import torch
+    """Exact inner-product top-k (:func:`judgeloop.retrieval.mining.exact_topk`) on numpy arrays:
+    ``(scores (Q, k), indices (Q, k))``, best first."""
+    import torch
 
-        scores, idx = exact_topk(torch.from_numpy(query_emb), torch.from_numpy(corpus_emb), k, chunk_size)
-        return np.asarray(scores.numpy(), dtype=np.float64), np.asarray(idx.numpy(), dtype=np.int64)
-    sims = query_emb @ corpus_emb.T  # (Q, N)
-    idx = np.argsort(-sims, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(sims, idx, axis=1).astype(np.float64), idx.astype(np.int64)
+    from judgeloop.retrieval.mining import exact_topk
+
+    scores, idx = exact_topk(torch.from_numpy(query_emb), torch.from_numpy(corpus_emb), k, chunk_size)
+    return np.asarray(scores.numpy(), dtype=np.float64), np.asarray(idx.numpy(), dtype=np.int64)
 
 
 def build_bm25(corpus_texts: Sequence[str]) -> Any:
@@ -482,7 +456,7 @@ def run(cfg: ConformalConfig) -> dict[str, Any]:
     n_rel = rq.relevant.sum() + rq.num_missing.sum()
     recall_k = float(rq.relevant.sum() / n_rel)
     k_br = min(c.base_rate_k, rq.relevant.shape[1])
-    success = rq.relevant[:, :k_br].any(axis=1)
+    success = np.asarray(rq.relevant[:, :k_br].any(axis=1), dtype=bool)  # (Q,)
     logger.info(
         "%d queries, %d docs, recall@%d = %.4f", len(rq.query_ids), len(rq.doc_ids), c.top_k, recall_k
     )

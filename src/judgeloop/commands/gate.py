@@ -22,7 +22,6 @@ from judgeloop.commands.conformal import (
     RetrievalDataConfig,
     bm25_topk,
     build_bm25,
-    encode_texts,
     load_retrieval_data,
     retrieve_dense,
 )
@@ -111,9 +110,13 @@ def run(cfg: GateConfig) -> dict[str, Any]:
         rq2 = retrieve_dense(beir, cfg.second_encoder, g.window_k, cfg.cache_dir)
         assert rq2.doc_ids == rq.doc_ids
         inputs.dense2_ids = rq2.indices
-        t0 = time.perf_counter()  # the per-query cost: encode queries with the second encoder (uncached)
+        # the per-query cost: encode the queries with the second encoder and search its index (model loaded)
+        from judgeloop.retrieval.encoder import BiEncoder
+
         e = cfg.second_encoder
-        encode_texts(e.name, rq.query_texts, e.pooling, e.max_length, e.batch_size, is_query=True)
+        enc = BiEncoder.from_pretrained(e.name, pooling=e.pooling, normalize=True, max_length=e.max_length)
+        t0 = time.perf_counter()
+        enc.encode(rq.query_texts, batch_size=e.batch_size, is_query=True)
         timing["dense_agreement"] = (time.perf_counter() - t0) / len(rq.query_ids)
     signals = compute_signals(inputs, g.signals)
 
@@ -158,8 +161,8 @@ def run(cfg: GateConfig) -> dict[str, Any]:
             "n_cal": int(cal.size),
             "n_test": int(test.size),
         },  # fmt: skip
-        "primary_encoder": f"{cfg.encoder.name} ({cfg.encoder.pooling} pooling)",
-        "second_encoder": f"{cfg.second_encoder.name} ({cfg.second_encoder.pooling} pooling)",
+        "primary_encoder": _describe(cfg.encoder),
+        "second_encoder": _describe(cfg.second_encoder),
         "window_k": g.window_k,
         "weak_rate_cal": float(weak[cal].mean()),
         "weak_rate_test": float(weak[test].mean()),
@@ -198,6 +201,10 @@ def run(cfg: GateConfig) -> dict[str, Any]:
     return report
 
 
+def _describe(e: EncoderConfig) -> str:
+    return f"{e.name} ({e.pooling} pooling, {e.max_length} tokens)"
+
+
 def _f(x: Any, nd: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
@@ -230,8 +237,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"**No gate fitted:** {report['fit_error']}"]
     else:
         gt = report["gate"]
-        thr = ", ".join(f"{k} {'>=' if gt['orientation'][k] < 0 else '<='} "
-                        f"{_f(gt['orientation'][k] * gt['thresholds'][k], 4)}" for k in gt["signals"])  # fmt: skip
+        parts = []
+        for k in gt["signals"]:
+            t = gt["thresholds"][k]
+            if t is None or (isinstance(t, float) and math.isinf(t)):
+                parts.append(f"{k} never fires (the joint search gave it no threshold)")
+            else:
+                parts.append(
+                    f"{k} {'>=' if gt['orientation'][k] < 0 else '<='} {_f(gt['orientation'][k] * t, 4)}"
+                )
+        thr = " or ".join(parts)
         lines += [
             "",
             f"## Gate: escalate when {thr} ({gt['threshold_rule']}, combine={gt['combine']})",

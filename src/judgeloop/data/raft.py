@@ -155,7 +155,9 @@ class DistractorConfig:
             raise ValueError(f"distractors.num_distractors={self.num_distractors} must be >= 0")
         unknown = sorted(set(self.sources) - set(SOURCES))
         if unknown:
-            raise ValueError(f"distractors.sources has unknown source(s) {unknown}; choose from {list(SOURCES)}")
+            raise ValueError(
+                f"distractors.sources has unknown source(s) {unknown}; choose from {list(SOURCES)}"
+            )
         if any(w < 0 for w in self.sources.values()) or sum(self.sources.values()) <= 0:
             raise ValueError(
                 f"distractors.sources={self.sources} needs non-negative weights with a positive sum, "
@@ -185,7 +187,9 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if self.max_quotes < 1:
-            raise ValueError(f"target.max_quotes={self.max_quotes} must be >= 1; every answer quotes the oracle")
+            raise ValueError(
+                f"target.max_quotes={self.max_quotes} must be >= 1; every answer quotes the oracle"
+            )
         if self.lm_max_new_tokens < 8:
             raise ValueError(f"target.lm_max_new_tokens={self.lm_max_new_tokens} is too small; use >= 8")
         if not self.abstain_text.strip():
@@ -201,7 +205,9 @@ class PromptConfig:
 class BuildRaftConfig:
     """``judgeloop build-raft``: read, split, chunk, sample distractors, write targets, save."""
 
-    data: RaftDataConfig = field(default_factory=lambda: RaftDataConfig(path="../shared/data/pubmedqa/pubmedqa_dev.jsonl"))
+    data: RaftDataConfig = field(
+        default_factory=lambda: RaftDataConfig(path="../shared/data/pubmedqa/pubmedqa_dev.jsonl")
+    )
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     split: RaftSplitConfig = field(default_factory=RaftSplitConfig)
     distractors: DistractorConfig = field(default_factory=DistractorConfig)
@@ -271,8 +277,9 @@ def read_questions(cfg: RaftDataConfig) -> tuple[ReadResult, dict[str, int]]:
 # ------------------------------------------------------------------------------------------- 2. splitting
 
 
-def split_questions(questions: Sequence[RaftQuestion], cfg: RaftSplitConfig,
-                    corpus: Mapping[str, RaftDoc] | None = None) -> dict[str, list[RaftQuestion]]:
+def split_questions(
+    questions: Sequence[RaftQuestion], cfg: RaftSplitConfig, corpus: Mapping[str, RaftDoc] | None = None
+) -> dict[str, list[RaftQuestion]]:
     """Assign questions to ``train`` / ``eval`` by connected group (shared oracle doc, or topic).
 
     A group's key is its smallest member key, hashed with ``cfg.salt``; the group goes to ``eval`` when
@@ -295,7 +302,9 @@ def split_questions(questions: Sequence[RaftQuestion], cfg: RaftSplitConfig,
     for q in questions:
         keys = [f"doc:{d}" for d in q.oracle_ids]
         if cfg.group_by == "topic":
-            topic = q.topic or (corpus[q.oracle_ids[0]].topic if corpus and q.oracle_ids[0] in corpus else None)
+            topic = q.topic or (
+                corpus[q.oracle_ids[0]].topic if corpus and q.oracle_ids[0] in corpus else None
+            )
             if topic:
                 keys.append(f"topic:{topic}")
         for k in keys[1:]:
@@ -313,8 +322,7 @@ def split_questions(questions: Sequence[RaftQuestion], cfg: RaftSplitConfig,
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP = frozenset(
-    "a an and are as at be by for from has have in is it its of on or that the this to was were with which "
-    "we our not no yes these those than there their been between after before during".split()
+    ["a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "with", "which", "we", "our", "not", "no", "yes", "these", "those", "than", "there", "their", "been", "between", "after", "before", "during"]
 )
 _SENT = re.compile(r"[^.!?]+(?:[.!?]+|$)")
 
@@ -329,7 +337,10 @@ def _overlap(a: set[str], b: set[str]) -> float:
 
 def chunk_corpus(tokenizer: Any, corpus: Mapping[str, RaftDoc], cfg: ChunkConfig) -> dict[str, list[Chunk]]:
     """``doc_id -> chunks`` (document order) for every document in ``corpus``."""
-    return {d: chunk_text(tokenizer, d, doc.text, cfg.chunk_tokens, cfg.overlap_tokens) for d, doc in corpus.items()}
+    return {
+        d: chunk_text(tokenizer, d, doc.text, cfg.chunk_tokens, cfg.overlap_tokens)
+        for d, doc in corpus.items()
+    }
 
 
 def evidence_reference(q: RaftQuestion) -> str:
@@ -443,8 +454,13 @@ class LMGenerator:
     are replaced by the template's reasoning; ``num_fallbacks_`` counts them.
     """
 
-    def __init__(self, model_name: str, max_new_tokens: int = 96, batch_size: int = 4,
-                 fallback: TemplateGenerator | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_new_tokens: int = 96,
+        batch_size: int = 4,
+        fallback: TemplateGenerator | None = None,
+    ) -> None:
         from judgeloop.models import load_causal_lm, load_tokenizer
 
         self.model = load_causal_lm(model_name).eval()
@@ -462,8 +478,9 @@ class LMGenerator:
             f"Explain in one or two sentences why the answer is correct. Copy the supporting sentence from the "
             f"document exactly, between {BEGIN_QUOTE} and {END_QUOTE}."
         )
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True
+        )
 
     def reasoning(self, items: Sequence[tuple[RaftQuestion, Chunk, list[str]]]) -> list[str]:
         import torch
@@ -471,12 +488,20 @@ class LMGenerator:
         out: list[str] = []
         for start in range(0, len(items), self.batch_size):
             batch = items[start : start + self.batch_size]
-            enc = self.tokenizer([self._prompt(q, c) for q, c, _ in batch], return_tensors="pt", padding=True,
-                                 add_special_tokens=False)
+            enc = self.tokenizer(
+                [self._prompt(q, c) for q, c, _ in batch],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            )
             with torch.inference_mode():
-                gen = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                          pad_token_id=self.tokenizer.pad_token_id)
-            texts = self.tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                gen = self.model.generate(
+                    **enc,
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+            texts = self.tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for (q, chunk, quotes), text in zip(batch, texts):
                 self.num_generated_ += 1
                 text = text.split(ANSWER_MARKER)[0].strip()
@@ -508,9 +533,13 @@ def render_user(question: str, kind: str, docs: Sequence[tuple[str, str]]) -> st
     return "\n\n".join(parts)
 
 
-def render_messages(system: str, question: str, kind: str, docs: Sequence[tuple[str, str]],
-                    target: str | None = None) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": render_user(question, kind, docs)}]
+def render_messages(
+    system: str, question: str, kind: str, docs: Sequence[tuple[str, str]], target: str | None = None
+) -> list[dict[str, str]]:
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": render_user(question, kind, docs)},
+    ]
     if target is not None:
         msgs.append({"role": "assistant", "content": target})
     return msgs
@@ -533,8 +562,13 @@ def _bm25_rank(queries: Sequence[str], texts: Sequence[str], depth: int) -> list
     return [[int(i) for i in row] for row in docs]
 
 
-def _hard_rank(questions: Sequence[RaftQuestion], pool: Sequence[Chunk], positives: Mapping[str, set[str]],
-               cfg: HardNegativeConfig, depth: int) -> dict[str, list[str]]:
+def _hard_rank(
+    questions: Sequence[RaftQuestion],
+    pool: Sequence[Chunk],
+    positives: Mapping[str, set[str]],
+    cfg: HardNegativeConfig,
+    depth: int,
+) -> dict[str, list[str]]:
     """Hard negatives per question from the retriever issue's miner (chunk ids, best first)."""
     try:
         from judgeloop.retrieval.encoder import BiEncoder
@@ -545,17 +579,25 @@ def _hard_rank(questions: Sequence[RaftQuestion], pool: Sequence[Chunk], positiv
             f"remove 'hard' from distractors.sources or install the retriever module ({err})"
         ) from err
     encoder = BiEncoder.from_pretrained(cfg.encoder, max_length=cfg.max_length)
-    query_emb = encoder.encode([q.question for q in questions], batch_size=cfg.batch_size, is_query=True)  # (Q, D)
+    query_emb = encoder.encode(
+        [q.question for q in questions], batch_size=cfg.batch_size, is_query=True
+    )  # (Q, D)
     doc_emb = encoder.encode([c.text for c in pool], batch_size=cfg.batch_size)  # (N, D)
     # Keep ``depth`` negatives from ranks [0, depth + 10) unless the config says otherwise.
     mining: dict[str, Any] = {"num_negatives": depth, "range_min": 0, "range_max": depth + 10, **cfg.mining}
     try:
         mining_cfg = MiningConfig(**mining)
     except TypeError as err:
-        raise ValueError(f"distractors.hard.mining={cfg.mining} has a key MiningConfig does not take: {err}") from err
+        raise ValueError(
+            f"distractors.hard.mining={cfg.mining} has a key MiningConfig does not take: {err}"
+        ) from err
     mined = mine_hard_negatives(
-        [q.id for q in questions], query_emb, [c.id for c in pool], doc_emb,
-        {k: set(v) for k, v in positives.items()}, mining_cfg,
+        [q.id for q in questions],
+        query_emb,
+        [c.id for c in pool],
+        doc_emb,
+        {k: set(v) for k, v in positives.items()},
+        mining_cfg,
     )
     return {qid: [doc_id for doc_id, _score in negs][:depth] for qid, negs in mined.items()}
 
@@ -568,8 +610,14 @@ class DistractorSampler:
     distractor for ``qid`` (every chunk of its oracle documents and any chunk with the same text).
     """
 
-    def __init__(self, questions: Sequence[RaftQuestion], pool: Sequence[Chunk], topics: Mapping[str, str | None],
-                 excluded: Mapping[str, set[str]], cfg: DistractorConfig) -> None:
+    def __init__(
+        self,
+        questions: Sequence[RaftQuestion],
+        pool: Sequence[Chunk],
+        topics: Mapping[str, str | None],
+        excluded: Mapping[str, set[str]],
+        cfg: DistractorConfig,
+    ) -> None:
         self.questions = list(questions)
         self.pool = list(pool)
         self.by_id = {c.id: c for c in self.pool}
@@ -602,7 +650,9 @@ class DistractorSampler:
             self.ranked["same_source"] = {}
             for q in self.questions:
                 t = q.topic or topics.get(q.oracle_ids[0])
-                self.ranked["same_source"][q.id] = [c for c in by_topic.get(t, []) if c not in excluded[q.id]] if t else []
+                self.ranked["same_source"][q.id] = (
+                    [c for c in by_topic.get(t, []) if c not in excluded[q.id]] if t else []
+                )
         self.source_names = sorted(weights)
         self.source_weights = [weights[s] for s in self.source_names]
 
@@ -656,19 +706,31 @@ class RaftBuild:
     stats: dict[str, Any]
 
 
-def _leak_strings(eval_qs: Sequence[RaftQuestion], oracle_of: Mapping[str, Chunk], min_chars: int) -> list[str]:
+def _leak_strings(
+    eval_qs: Sequence[RaftQuestion], oracle_of: Mapping[str, Chunk], min_chars: int
+) -> list[str]:
     out = []
     for q in eval_qs:
         out.append(_norm(q.question))
         out.append(_norm(oracle_of[q.id].text))
-        for ans in (q.long_answer, q.answer):
-            if ans and len(ans.strip()) >= min_chars:
-                out.append(_norm(ans))
+        out += _answer_needles(q.kind, q.answer, q.long_answer or "", min_chars)
     return [s for s in out if s]
 
 
-def check_raft_leakage(train_rows: Sequence[Mapping[str, Any]], eval_rows: Sequence[Mapping[str, Any]],
-                       min_chars: int = 20) -> None:
+def _answer_needles(kind: str, answer: str, long_answer: str, min_chars: int) -> list[str]:
+    """Answer texts that must not appear in training documents.
+
+    Long answers (reasoning / conclusions) always count when at least ``min_chars`` long. Extracted
+    span answers (SQuAD) do not: they are phrases of the oracle that recur across an article's other
+    paragraphs by nature (use ``split.group_by=topic`` to keep whole articles apart instead).
+    """
+    texts = [long_answer] + ([answer] if kind in ("free", "title") else [])
+    return [_norm(t) for t in texts if t and len(t.strip()) >= min_chars]
+
+
+def check_raft_leakage(
+    train_rows: Sequence[Mapping[str, Any]], eval_rows: Sequence[Mapping[str, Any]], min_chars: int = 20
+) -> None:
     """Raise :class:`LeakageError` if an evaluation question, long answer or oracle chunk appears in
     a training example's documents, or a question id / text is in both splits."""
     train_ids = {r["meta"]["question_id"] for r in train_rows}
@@ -679,12 +741,13 @@ def check_raft_leakage(train_rows: Sequence[Mapping[str, Any]], eval_rows: Seque
         if m["question_id"] in train_ids:
             raise LeakageError(f"question id '{m['question_id']}' is in both the train and eval splits")
         if _norm(m["question"]) in train_q:
-            raise LeakageError(f"eval question {m['question_id']} ({m['question'][:60]!r}) is also a training question")
+            raise LeakageError(
+                f"eval question {m['question_id']} ({m['question'][:60]!r}) is also a training question"
+            )
         needles.append((m["question_id"], _norm(m["question"])))
         needles.append((m["question_id"], _norm(m["oracle_text"])))
-        for ans in (m["long_answer"], m["answer"]):
-            if ans and len(ans.strip()) >= min_chars:
-                needles.append((m["question_id"], _norm(ans)))
+        for needle in _answer_needles(m.get("kind", "free"), m["answer"], m["long_answer"], min_chars):
+            needles.append((m["question_id"], needle))
     for r in train_rows:
         m = r["meta"]
         docs = [_norm(t) for t in m["distractor_texts"]]
@@ -705,8 +768,12 @@ def _percentiles(values: Sequence[int]) -> dict[str, float]:
     import numpy as np
 
     arr = np.asarray(values)
-    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p95": float(np.percentile(arr, 95)),
-            "max": int(arr.max())}
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p95": float(np.percentile(arr, 95)),
+        "max": int(arr.max()),
+    }
 
 
 def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
@@ -724,7 +791,9 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
 
     read, counts = read_questions(cfg.data)
     if len(read.questions) < 2:
-        raise ValueError(f"data: only {len(read.questions)} question(s) after de-duplication; need at least 2")
+        raise ValueError(
+            f"data: only {len(read.questions)} question(s) after de-duplication; need at least 2"
+        )
     splits = split_questions(read.questions, cfg.split, read.corpus)
     if not splits["train"] or not splits["eval"]:
         raise ValueError(
@@ -767,8 +836,13 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
     gen = generator
     if gen is None:
         fallback = TemplateGenerator(cfg.target.include_long_answer)
-        gen = fallback if cfg.target.generator == "template" else LMGenerator(
-            cfg.target.lm_model, cfg.target.lm_max_new_tokens, cfg.target.lm_batch_size, fallback)
+        gen = (
+            fallback
+            if cfg.target.generator == "template"
+            else LMGenerator(
+                cfg.target.lm_model, cfg.target.lm_max_new_tokens, cfg.target.lm_batch_size, fallback
+            )
+        )
 
     rows: dict[str, list[dict[str, Any]]] = {}
     source_requested: Counter[str] = Counter()
@@ -812,32 +886,41 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
             if present:
                 reasoning, answer = reasons[q.id], q.answer
                 if not quotes_are_verbatim(reasoning, oracle.text):
-                    raise AssertionError(f"question {q.id}: a quote in the target is not verbatim in the oracle")
+                    raise AssertionError(
+                        f"question {q.id}: a quote in the target is not verbatim in the oracle"
+                    )
             else:
                 reasoning, answer = absent_reasoning(q, cfg.target)
-            messages = render_messages(cfg.prompt.system, q.question, q.kind, [(cid, by_id[cid]) for cid in order],
-                                       render_target(reasoning, answer))
-            split_rows.append({
-                "messages": messages,
-                "meta": {
-                    "question_id": q.id,
-                    "split": s,
-                    "question": q.question,
-                    "kind": q.kind,
-                    "answer": q.answer,
-                    "long_answer": q.long_answer or "",
-                    "target_answer": answer,
-                    "oracle_present": present,
-                    "oracle_ids": list(q.oracle_ids),
-                    "oracle_chunk_id": oracle.id,
-                    "oracle_text": oracle.text,
-                    "quotes": extract_quotes(reasoning) if present else [],
-                    "distractor_ids": [cid for cid, _, _ in picked],
-                    "distractor_texts": [by_id[cid] for cid, _, _ in picked],
-                    "distractor_sources": [real for _, _, real in picked],
-                    "doc_order": order,
-                },
-            })
+            messages = render_messages(
+                cfg.prompt.system,
+                q.question,
+                q.kind,
+                [(cid, by_id[cid]) for cid in order],
+                render_target(reasoning, answer),
+            )
+            split_rows.append(
+                {
+                    "messages": messages,
+                    "meta": {
+                        "question_id": q.id,
+                        "split": s,
+                        "question": q.question,
+                        "kind": q.kind,
+                        "answer": q.answer,
+                        "long_answer": q.long_answer or "",
+                        "target_answer": answer,
+                        "oracle_present": present,
+                        "oracle_ids": list(q.oracle_ids),
+                        "oracle_chunk_id": oracle.id,
+                        "oracle_text": oracle.text,
+                        "quotes": extract_quotes(reasoning) if present else [],
+                        "distractor_ids": [cid for cid, _, _ in picked],
+                        "distractor_texts": [by_id[cid] for cid, _, _ in picked],
+                        "distractor_sources": [real for _, _, real in picked],
+                        "doc_order": order,
+                    },
+                }
+            )
         rows[s] = split_rows
     check_raft_leakage(rows["train"], rows["eval"], cfg.split.leak_min_chars)
 
@@ -849,8 +932,11 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
             full.append(f)
             prompt.append(p)
             completion.append(f - p)
-        out: dict[str, Any] = {"total": _percentiles(full), "prompt": _percentiles(prompt),
-                               "completion": _percentiles(completion)}
+        out: dict[str, Any] = {
+            "total": _percentiles(full),
+            "prompt": _percentiles(prompt),
+            "completion": _percentiles(completion),
+        }
         if cfg.max_length is not None:
             out["num_over_max_length"] = sum(v > cfg.max_length for v in full)
         return out
@@ -862,7 +948,8 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
         "num_eval": len(rows["eval"]),
         "p_oracle": cfg.p_oracle,
         "oracle_rate": sum(r["meta"]["oracle_present"] for r in rows["train"]) / max(1, n_train),
-        "oracle_rate_eval": sum(r["meta"]["oracle_present"] for r in rows["eval"]) / max(1, len(rows["eval"])),
+        "oracle_rate_eval": sum(r["meta"]["oracle_present"] for r in rows["eval"])
+        / max(1, len(rows["eval"])),
         "num_distractors": cfg.distractors.num_distractors,
         "distractor_sources_requested": dict(sorted(source_requested.items())),
         "distractor_sources_realized": dict(sorted(source_realized.items())),
@@ -883,7 +970,9 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
 
 
 def _count_tokens(tokenizer: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> int:
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

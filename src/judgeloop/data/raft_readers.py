@@ -71,7 +71,9 @@ def read_pubmedqa(path: str | Path) -> ReadResult:
     for row in rows:
         decision = str(row["final_decision"]).strip().lower()
         if decision not in ("yes", "no", "maybe"):
-            raise DataError(f"{path}: id {row['id']}: final_decision {row['final_decision']!r} is not yes/no/maybe")
+            raise DataError(
+                f"{path}: id {row['id']}: final_decision {row['final_decision']!r} is not yes/no/maybe"
+            )
         doc_id = f"pubmed:{row['id']}"
         contexts = row["contexts"] if isinstance(row["contexts"], list) else [str(row["contexts"])]
         corpus[doc_id] = RaftDoc(id=doc_id, text=" ".join(str(c).strip() for c in contexts))
@@ -95,8 +97,10 @@ def read_squad(path: str | Path) -> ReadResult:
     skipped = {"unanswerable": 0, "answer_not_in_context": 0}
     for row in rows:
         doc_id = f"{row['title']}#p{row['paragraph_index']}"
-        corpus.setdefault(doc_id, RaftDoc(id=doc_id, text=str(row["context"]), title=str(row["title"]),
-                                          topic=str(row["title"])))
+        corpus.setdefault(
+            doc_id,
+            RaftDoc(id=doc_id, text=str(row["context"]), title=str(row["title"]), topic=str(row["title"])),
+        )
         answers = [a["text"] if isinstance(a, Mapping) else str(a) for a in row["answers"]]
         if row.get("is_impossible") or not answers:
             skipped["unanswerable"] += 1
@@ -145,8 +149,11 @@ def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
             skipped["no_evidence"] += 1
             continue
         title = corpus[oracle[0]].title or oracle[0]
-        questions.append(RaftQuestion(id=qid, question=str(r["text"]).strip(), oracle_ids=oracle, answer=title,
-                                      kind="title"))
+        questions.append(
+            RaftQuestion(
+                id=qid, question=str(r["text"]).strip(), oracle_ids=oracle, answer=title, kind="title"
+            )
+        )
     return ReadResult(questions, corpus, skipped)
 
 
@@ -161,7 +168,9 @@ def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResul
         oracles = row[names["oracle"]]
         oracles = [oracles] if isinstance(oracles, str) else list(oracles)
         if not oracles:
-            raise DataError(f"{path}: id {qid}: field '{names['oracle']}' is empty; every question needs an oracle")
+            raise DataError(
+                f"{path}: id {qid}: field '{names['oracle']}' is empty; every question needs an oracle"
+            )
         topic = row.get(names["topic"])
         ids = []
         for i, text in enumerate(oracles):
@@ -194,6 +203,10 @@ def read_corpus_jsonl(path: str | Path) -> dict[str, RaftDoc]:
         if doc_id is None or "text" not in r:
             raise DataError(f"{path}:{lineno}: corpus rows need 'id' (or '_id') and 'text'; got {sorted(r)}")
         topic = r.get("topic")
-        out[str(doc_id)] = RaftDoc(id=str(doc_id), text=str(r["text"]), title=str(r.get("title", "")),
-                                   topic=None if topic is None else str(topic))
+        out[str(doc_id)] = RaftDoc(
+            id=str(doc_id),
+            text=str(r["text"]),
+            title=str(r.get("title", "")),
+            topic=None if topic is None else str(topic),
+        )
     return out

@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from judgeloop.judges.base import VALID_STATUSES, Judge, JudgeOutput, JudgeStats, Pair, PointwiseJudge, combine_orders
+from judgeloop.judges.base import (
+    VALID_STATUSES,
+    Judge,
+    JudgeOutput,
+    JudgeStats,
+    Pair,
+    PointwiseJudge,
+    combine_orders,
+)
 from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
 
 JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding")
@@ -68,24 +76,34 @@ class JudgeConfig:
         if self.batch_size < 1:
             raise ValueError(f"judge.batch_size={self.batch_size}; it must be at least 1")
         if self.max_length < 16:
-            raise ValueError(f"judge.max_length={self.max_length}; it must be at least 16 tokens (typical: 2048)")
+            raise ValueError(
+                f"judge.max_length={self.max_length}; it must be at least 16 tokens (typical: 2048)"
+            )
         if self.embedding_target not in ("article", "references"):
-            raise ValueError(f"judge.embedding_target={self.embedding_target!r}; use 'article' or 'references'")
+            raise ValueError(
+                f"judge.embedding_target={self.embedding_target!r}; use 'article' or 'references'"
+            )
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"judge.scale={self.scale}; it must be a positive finite number (default 20)")
         if self.dtype not in DTYPES:
             raise ValueError(f"judge.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}")
         if len(self.verdict_tokens) != 2:
-            raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; give exactly two labels, e.g. ['A', 'B']")
+            raise ValueError(
+                f"judge.verdict_tokens={self.verdict_tokens!r}; give exactly two labels, e.g. ['A', 'B']"
+            )
         if any(not v.strip() for v in self.verdict_tokens):
-            raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; a label cannot be empty or only spaces")
+            raise ValueError(
+                f"judge.verdict_tokens={self.verdict_tokens!r}; a label cannot be empty or only spaces"
+            )
         if self.verdict_tokens[0].strip() == self.verdict_tokens[1].strip():
             raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; the two labels must differ")
         dev = self.device.split(":")
         if dev[0] not in ("cpu", "cuda", "mps") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit()):
             raise ValueError(f"judge.device={self.device!r}; use cpu, cuda, cuda:N or mps")
         if self.cache_size < 0:
-            raise ValueError(f"judge.cache_size={self.cache_size}; use 0 to disable the cache or a positive size")
+            raise ValueError(
+                f"judge.cache_size={self.cache_size}; use 0 to disable the cache or a positive size"
+            )
 
     @property
     def debias(self) -> bool:
@@ -95,7 +113,7 @@ class JudgeConfig:
 
 def build_judge(cfg: JudgeConfig) -> Judge:
     """Load the model and build the judge ``cfg`` describes."""
-    common = {
+    common: dict[str, Any] = {
         "position_debias": cfg.debias,
         "batch_size": cfg.batch_size,
         "max_length": cfg.max_length,

@@ -124,7 +124,9 @@ class Judge:
             0 disables it.
     """
 
-    def __init__(self, name: str, position_debias: bool = False, batch_size: int = 8, cache_size: int = 100_000):
+    def __init__(
+        self, name: str, position_debias: bool = False, batch_size: int = 8, cache_size: int = 100_000
+    ):
         if batch_size < 1:
             raise ValueError(f"judge batch_size={batch_size}; it must be at least 1")
         if cache_size < 0:
@@ -164,7 +166,9 @@ class Judge:
             batch = [pairs[i] for i in idx]
             vals, stats = self._score_ordered(batch)
             if len(vals) != len(batch) or len(stats) != len(batch):
-                raise RuntimeError(f"{type(self).__name__}._score_ordered returned {len(vals)} scores for {len(batch)} pairs")
+                raise RuntimeError(
+                    f"{type(self).__name__}._score_ordered returned {len(vals)} scores for {len(batch)} pairs"
+                )
             for i, v, st in zip(idx, vals, stats):
                 v = float(v)
                 if st in VALID_STATUSES and not math.isfinite(v):
@@ -218,11 +222,15 @@ class Judge:
         references: Sequence[Sequence[str]] | None = None,
     ) -> JudgeOutput:
         if not (len(articles) == len(a) == len(b)):
-            raise ValueError(f"judge got {len(articles)} articles, {len(a)} a-summaries, {len(b)} b-summaries; lengths must match")
+            raise ValueError(
+                f"judge got {len(articles)} articles, {len(a)} a-summaries, {len(b)} b-summaries; lengths must match"
+            )
         if references is None:
             references = [()] * len(articles)
         elif len(references) != len(articles):
-            raise ValueError(f"judge got {len(references)} reference lists for {len(articles)} articles; lengths must match")
+            raise ValueError(
+                f"judge got {len(references)} reference lists for {len(articles)} articles; lengths must match"
+            )
         return self.score([Pair(x, y, z, tuple(r)) for x, y, z, r in zip(articles, a, b, references)])
 
 
@@ -234,11 +242,15 @@ class PointwiseJudge(Judge):
     Position debiasing is pointless here (the judge never sees an order) and off by default.
     """
 
-    def __init__(self, name: str, position_debias: bool = False, batch_size: int = 8, cache_size: int = 100_000):
+    def __init__(
+        self, name: str, position_debias: bool = False, batch_size: int = 8, cache_size: int = 100_000
+    ):
         super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
         self._values: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
-    def _value_points(self, points: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[float], list[str]]:
+    def _value_points(
+        self, points: Sequence[tuple[str, str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[str]]:
         """Value and status of each (article, summary, references) point."""
         raise NotImplementedError
 

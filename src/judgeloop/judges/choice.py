@@ -34,7 +34,9 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def verdict_token_ids(tokenizer: Any, verdict_tokens: Sequence[str]) -> tuple[int, int]:
     """Ids of the two verdict strings; each must be exactly one token, and they must differ."""
     if len(verdict_tokens) != 2:
-        raise ValueError(f"judge.verdict_tokens={list(verdict_tokens)!r}; give exactly two strings, e.g. ['A', 'B']")
+        raise ValueError(
+            f"judge.verdict_tokens={list(verdict_tokens)!r}; give exactly two strings, e.g. ['A', 'B']"
+        )
     ids = []
     for v in verdict_tokens:
         enc = tokenizer.encode(v, add_special_tokens=False)
@@ -46,7 +48,9 @@ def verdict_token_ids(tokenizer: Any, verdict_tokens: Sequence[str]) -> tuple[in
             )
         ids.append(enc[0])
     if ids[0] == ids[1]:
-        raise ValueError(f"judge.verdict_tokens={list(verdict_tokens)!r} map to the same token id {ids[0]}; use two different labels")
+        raise ValueError(
+            f"judge.verdict_tokens={list(verdict_tokens)!r} map to the same token id {ids[0]}; use two different labels"
+        )
     return ids[0], ids[1]
 
 
@@ -100,7 +104,9 @@ class ChoiceJudge(Judge):
         self._chat = has_chat_template(tokenizer)
         self._logits_to_keep = forward_accepts(self.model, "logits_to_keep")
         self._position_ids = forward_accepts(self.model, "position_ids")
-        self._cache_kw = next((k for k in ("cache", "past_key_values") if forward_accepts(self.model, k)), None)
+        self._cache_kw = next(
+            (k for k in ("cache", "past_key_values") if forward_accepts(self.model, k)), None
+        )
         self.prefix_cache_size = prefix_cache_size if (self._cache_kw and self._position_ids) else 0
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
         self.prefix_hits = 0
@@ -187,12 +193,14 @@ class ChoiceJudge(Judge):
             prefix = list(prefix_t)
             suffixes = [seqs[i][len(prefix) :] for i in rows]
             batch = pad_batch(suffixes, self.pad_id, side="left")
-            mask = torch.cat([torch.ones((len(rows), len(prefix)), dtype=torch.long), batch["attention_mask"]], 1)
+            mask = torch.cat(
+                [torch.ones((len(rows), len(prefix)), dtype=torch.long), batch["attention_mask"]], 1
+            )
             batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, len(prefix) :]
             batch["attention_mask"] = mask
             batch = {k: v.to(self.device) for k, v in batch.items()}
             kwargs = self._model_kwargs(batch)
-            if prefix:
+            if prefix and self._cache_kw is not None:
                 cache = copy.deepcopy(self._prefix_cache(prefix))
                 if len(rows) > 1:
                     cache.batch_repeat_interleave(len(rows))

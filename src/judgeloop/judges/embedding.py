@@ -133,7 +133,9 @@ class EmbeddingJudge(PointwiseJudge):
                 )
         return super()._score_ordered(pairs)
 
-    def _value_points(self, points: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[float], list[str]]:
+    def _value_points(
+        self, points: Sequence[tuple[str, str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[str]]:
         if self.target == "references":
             targets = [list(refs) for _, _, refs in points]
         else:
@@ -148,6 +150,8 @@ class EmbeddingJudge(PointwiseJudge):
                 status = merge_status(status, t_status)
                 cosines.append(float(s_vec @ t_vec))
             k += len(group)
-            values.append(self.scale * sum(cosines) / len(cosines) if status in VALID_STATUSES else float("nan"))
+            values.append(
+                self.scale * sum(cosines) / len(cosines) if status in VALID_STATUSES else float("nan")
+            )
             statuses.append(status)
         return values, statuses

@@ -63,9 +63,13 @@ class LikelihoodJudge(PointwiseJudge):
 
     def context(self, article: str) -> str:
         """The text the summary continues: the summarize prompt up to the assistant's reply."""
-        return render_chat(self.tokenizer, self.prompt.system, self.prompt.summarize_text(article), marker="Summary:\n")
+        return render_chat(
+            self.tokenizer, self.prompt.system, self.prompt.summarize_text(article), marker="Summary:\n"
+        )
 
-    def _value_points(self, points: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[float], list[str]]:
+    def _value_points(
+        self, points: Sequence[tuple[str, str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[str]]:
         values = [float("nan")] * len(points)
         statuses: list[str] = [""] * len(points)
         seqs, lengths, rows = [], [], []

@@ -101,7 +101,9 @@ def get_prompt(name: str) -> JudgePrompt:
     if name not in PROMPTS:
         close = difflib.get_close_matches(name, list(PROMPTS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"judge.prompt={name!r} is not a known template{hint} (choose one of {sorted(PROMPTS)})")
+        raise ValueError(
+            f"judge.prompt={name!r} is not a known template{hint} (choose one of {sorted(PROMPTS)})"
+        )
     return PROMPTS[name]
 
 
@@ -109,7 +111,9 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer: Any, system: str, user: str, assistant: str | None = None, marker: str = "Answer:") -> str:
+def render_chat(
+    tokenizer: Any, system: str, user: str, assistant: str | None = None, marker: str = "Answer:"
+) -> str:
     """Render one exchange as text.
 
     With a chat template: system + user messages, then either the generation prompt

@@ -77,14 +77,18 @@ class RewardModelJudge(PointwiseJudge):
         enc = self.tokenizer(f"{self.prompt.system}\n\n{user}", summary, add_special_tokens=True)
         return {k: list(v) for k, v in enc.items() if k in ("input_ids", "token_type_ids")}
 
-    def _value_points(self, points: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[float], list[str]]:
+    def _value_points(
+        self, points: Sequence[tuple[str, str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[str]]:
         values = [float("nan")] * len(points)
         statuses: list[str] = [""] * len(points)
         feats, rows = [], []
         for i, (article, summary, _) in enumerate(points):
-            ids, statuses[i], used = fit_article(
-                lambda art, s=summary: self._features(art, s)["input_ids"], self.tokenizer, article, self.max_length
-            )
+
+            def render_ids(art: str, summary: str = summary) -> list[int]:
+                return self._features(art, summary)["input_ids"]
+
+            ids, statuses[i], used = fit_article(render_ids, self.tokenizer, article, self.max_length)
             if ids is not None:
                 feats.append(self._features(used, summary))
                 rows.append(i)
@@ -94,7 +98,9 @@ class RewardModelJudge(PointwiseJudge):
         batch = pad_batch([f["input_ids"] for f in feats], self.pad_id, side="right")
         kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         if "token_type_ids" in feats[0]:
-            kwargs["token_type_ids"] = pad_batch([f["token_type_ids"] for f in feats], 0, side="right")["input_ids"]
+            kwargs["token_type_ids"] = pad_batch([f["token_type_ids"] for f in feats], 0, side="right")[
+                "input_ids"
+            ]
         if self._position_ids:
             kwargs["position_ids"] = batch["position_ids"]
         kwargs = {k: v.to(self.device) for k, v in kwargs.items()}

@@ -22,8 +22,18 @@ from judgeloop.loop.config import FeedbackLoopConfig
 
 logger = get_logger(__name__)
 
-FINAL_METRICS = ("rouge_l_neutral", "rouge_1_neutral", "rouge_2_neutral", "rouge_l_extractive", "copy_rate",
-                 "novel_bigram_rate", "length", "kl", "win_rate", "ece")
+FINAL_METRICS = (
+    "rouge_l_neutral",
+    "rouge_1_neutral",
+    "rouge_2_neutral",
+    "rouge_l_extractive",
+    "copy_rate",
+    "novel_bigram_rate",
+    "length",
+    "kl",
+    "win_rate",
+    "ece",
+)
 TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "kl", "win_rate", "ece")
 
 
@@ -45,8 +55,16 @@ def summarize(values: Sequence[float | None]) -> dict[str, Any]:
 
 def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConfig:
     out = Path(cfg.output_dir) / arm / f"seed{seed}"
-    return replace(cfg, [f"calibration.method={arm}", f"seed={seed}", f"output_dir={out}", "resume_from=null",
-                         "stop_after_n_steps=null"])
+    return replace(
+        cfg,
+        [
+            f"calibration.method={arm}",
+            f"seed={seed}",
+            f"output_dir={out}",
+            "resume_from=null",
+            "stop_after_n_steps=null",
+        ],
+    )
 
 
 def run_ablation(cfg: FeedbackLoopConfig) -> dict[str, Any]:
@@ -67,15 +85,31 @@ def run_ablation(cfg: FeedbackLoopConfig) -> dict[str, Any]:
             "num_refits_per_seed": [r["num_refits"] for r in runs],
             "refits": refits,
             "kept_steps": [r["kept_step"] for r in runs],
-            "curves": [{"seed": r["seed"], "steps": [h["step"] for h in r["history"]],
-                        **{m: [h.get(m) for h in r["history"]] for m in ("rouge_l_neutral", "rouge_l_extractive",
-                                                                            "kl", "ece", "win_rate")}}
-                       for r in runs],
+            "curves": [
+                {
+                    "seed": r["seed"],
+                    "steps": [h["step"] for h in r["history"]],
+                    **{
+                        m: [h.get(m) for h in r["history"]]
+                        for m in ("rouge_l_neutral", "rouge_l_extractive", "kl", "ece", "win_rate")
+                    },
+                }
+                for r in runs
+            ],
         }
-    results = {"arms": arms, "seeds": list(cfg.ablation.seeds), "num_steps": cfg.num_steps,
-               "judge": {"type": cfg.judge.type, "model": cfg.judge.model, "prompt": cfg.judge.prompt,
-                         "embedding_target": cfg.judge.embedding_target},
-               "policy": cfg.policy.model, "data": {"format": cfg.data.format, "path": cfg.data.path}}
+    results = {
+        "arms": arms,
+        "seeds": list(cfg.ablation.seeds),
+        "num_steps": cfg.num_steps,
+        "judge": {
+            "type": cfg.judge.type,
+            "model": cfg.judge.model,
+            "prompt": cfg.judge.prompt,
+            "embedding_target": cfg.judge.embedding_target,
+        },
+        "policy": cfg.policy.model,
+        "data": {"format": cfg.data.format, "path": cfg.data.path},
+    }
     out = Path(cfg.output_dir)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "results.md", results_table(results))
@@ -109,10 +143,16 @@ def results_table(results: dict[str, Any]) -> str:
         ref_txt = str(res["num_refits"])
         if before and after:
             ref_txt += f" ({np.mean(before):.3f} -> {np.mean(after):.3f})"
-        lines.append(f"| {arm} | " + " | ".join(_fmt(res["final"][m]) for m in TABLE_METRICS) + f" | {ref_txt} |")
-    lines += ["", "rouge_l_neutral: the task's real target; rouge_l_extractive / copy_rate: the judge's style; "
-              "kl: KL(pi || pi_ref) per summary; win_rate: the judge's preference for the policy over the "
-              "reference policy; ece: the arm's calibrator on fresh (greedy, sampled) pairs.", ""]
+        lines.append(
+            f"| {arm} | " + " | ".join(_fmt(res["final"][m]) for m in TABLE_METRICS) + f" | {ref_txt} |"
+        )
+    lines += [
+        "",
+        "rouge_l_neutral: the task's real target; rouge_l_extractive / copy_rate: the judge's style; "
+        "kl: KL(pi || pi_ref) per summary; win_rate: the judge's preference for the policy over the "
+        "reference policy; ece: the arm's calibrator on fresh (greedy, sampled) pairs.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -128,7 +168,15 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
         for j, curve in enumerate(res["curves"]):
             for ax, key in zip(axes, ("rouge_l_neutral", "rouge_l_extractive")):
                 ys = [np.nan if v is None else v for v in curve[key]]
-                ax.plot(curve["steps"], ys, color=color, alpha=0.8, label=arm if j == 0 else None, marker="o", ms=3)
+                ax.plot(
+                    curve["steps"],
+                    ys,
+                    color=color,
+                    alpha=0.8,
+                    label=arm if j == 0 else None,
+                    marker="o",
+                    ms=3,
+                )
     axes[0].set_title("neutral ROUGE-L (task target)")
     axes[1].set_title("extractive ROUGE-L (judge's style)")
     for ax in axes:

@@ -42,8 +42,14 @@ def load_policy_weights(path: str | Path, model: Any) -> None:
     load_trainable_state(model, load_file(str(Path(path) / "policy.safetensors")))
 
 
-def save_checkpoint(path: str | Path, model: Any, optimizer: Any, scheduler: Any, calibrator_state: dict[str, Any],
-                    state: dict[str, Any]) -> None:
+def save_checkpoint(
+    path: str | Path,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    calibrator_state: dict[str, Any],
+    state: dict[str, Any],
+) -> None:
     """Write one checkpoint directory atomically (call on the main process only)."""
     with atomic_dir(path) as tmp:
         save_file(trainable_state(model), str(tmp / "policy.safetensors"))
@@ -54,12 +60,16 @@ def save_checkpoint(path: str | Path, model: Any, optimizer: Any, scheduler: Any
         atomic_write_json(tmp / "state.json", state)
 
 
-def load_checkpoint(path: str | Path, model: Any, optimizer: Any, scheduler: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_checkpoint(
+    path: str | Path, model: Any, optimizer: Any, scheduler: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore policy, optimizer, scheduler and RNG from ``path``; return (calibrator_state, loop_state)."""
     path = Path(path)
     if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"resume_from={path} is not a checkpoint directory (no state.json); "
-                                "pass a directory written under OUTPUT_DIR/checkpoints/")
+        raise FileNotFoundError(
+            f"resume_from={path} is not a checkpoint directory (no state.json); "
+            "pass a directory written under OUTPUT_DIR/checkpoints/"
+        )
     load_policy_weights(path, model)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))

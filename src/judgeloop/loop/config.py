@@ -47,9 +47,13 @@ class PolicyConfig:
         if self.sft_steps < 0 or self.sft_batch_size < 1:
             raise ValueError(f"policy.sft_steps={self.sft_steps} must be >= 0 and policy.sft_batch_size >= 1")
         if "{article}" not in self.prompt_template:
-            raise ValueError(f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one")
+            raise ValueError(
+                f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
+            )
         if self.max_article_tokens < 8:
-            raise ValueError(f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8")
+            raise ValueError(
+                f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8"
+            )
         if self.lora and self.lora_r < 1:
             raise ValueError(f"policy.lora_r={self.lora_r} must be >= 1")
 
@@ -67,7 +71,9 @@ class GenerationConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"generation.max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature <= 0:
-            raise ValueError(f"generation.temperature={self.temperature} must be > 0 (evaluation is the greedy pass)")
+            raise ValueError(
+                f"generation.temperature={self.temperature} must be > 0 (evaluation is the greedy pass)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p={self.top_p} must be in (0, 1]")
 
@@ -89,11 +95,15 @@ class LossConfig:
         if self.beta <= 0:
             raise ValueError(f"loss.beta={self.beta} must be > 0")
         if not 0 <= self.margin < 0.5:
-            raise ValueError(f"loss.margin={self.margin} must be in [0, 0.5); pairs with |p - 0.5| < margin are skipped")
+            raise ValueError(
+                f"loss.margin={self.margin} must be in [0, 0.5); pairs with |p - 0.5| < margin are skipped"
+            )
         if self.kl_coef < 0:
             raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0")
         if self.kl_target <= 0 or self.kl_horizon < 1:
-            raise ValueError(f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1")
+            raise ValueError(
+                f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1"
+            )
 
 
 @dataclass
@@ -136,8 +146,10 @@ class LoopCalibrationConfig:
 
     def __post_init__(self) -> None:
         if self.recalibrate_every_n_steps < 0 or self.monitor_every_n_steps < 0:
-            raise ValueError("calibration.recalibrate_every_n_steps and calibration.monitor_every_n_steps must be >= 0 "
-                             "(0 disables)")
+            raise ValueError(
+                "calibration.recalibrate_every_n_steps and calibration.monitor_every_n_steps must be >= 0 "
+                "(0 disables)"
+            )
         if self.pairs_per_article < 1:
             raise ValueError(f"calibration.pairs_per_article={self.pairs_per_article} must be >= 1")
         if self.num_articles < 2:
@@ -171,8 +183,9 @@ class FeedbackLoopConfig:
     cpu: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1,
-                                                                                  validation=0.1)))
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1, validation=0.1))
+    )
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -197,9 +210,13 @@ class FeedbackLoopConfig:
         if self.num_steps < 1:
             raise ValueError(f"num_steps={self.num_steps} must be >= 1")
         if self.eval_every_n_steps < 0 or self.save_every_n_steps < 0 or self.early_stopping_patience < 0:
-            raise ValueError("eval_every_n_steps, save_every_n_steps and early_stopping_patience must be >= 0 (0 disables)")
+            raise ValueError(
+                "eval_every_n_steps, save_every_n_steps and early_stopping_patience must be >= 0 (0 disables)"
+            )
         if self.early_stopping_patience and not self.eval_every_n_steps:
-            raise ValueError("early_stopping_patience needs eval_every_n_steps > 0 (stopping is decided at evaluations)")
+            raise ValueError(
+                "early_stopping_patience needs eval_every_n_steps > 0 (stopping is decided at evaluations)"
+            )
         if self.early_stopping_patience and self.data.split.validation <= 0:
             raise ValueError(
                 f"early_stopping_patience={self.early_stopping_patience} needs a validation split; set "

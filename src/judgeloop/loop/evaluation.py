@@ -26,34 +26,56 @@ from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logpro
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 
 
-def greedy_summaries(model: Any, tokenizer: Any, build_prompt: PromptBuilder, examples: Sequence[SummExample],
-                     gen: GenerationConfig, batch_size: int) -> list[str]:
+def greedy_summaries(
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    examples: Sequence[SummExample],
+    gen: GenerationConfig,
+    batch_size: int,
+) -> list[str]:
     out: list[str] = []
     for i in range(0, len(examples), batch_size):
-        prompts = [build_prompt(e.article) for e in examples[i: i + batch_size]]
+        prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
         out += decode(tokenizer, generate(model, tokenizer, prompts, gen, greedy=True))
     return out
 
 
 def text_metrics(ex: SummExample, summary: str) -> dict[str, float]:
     """Per-article text metrics of one summary."""
-    neutral = rouge_max(summary, ex.neutral) if ex.neutral else {"rouge1": np.nan, "rouge2": np.nan, "rougeL": np.nan}
+    neutral = (
+        rouge_max(summary, ex.neutral)
+        if ex.neutral
+        else {"rouge1": np.nan, "rouge2": np.nan, "rougeL": np.nan}
+    )
     extractive = rouge_max(summary, ex.extractive)["rougeL"] if ex.extractive else np.nan
     return {
-        "rouge_1_neutral": neutral["rouge1"], "rouge_2_neutral": neutral["rouge2"], "rouge_l_neutral": neutral["rougeL"],
-        "rouge_l_extractive": extractive, "copy_rate": copy_rate(summary, ex.article),
-        "novel_bigram_rate": novel_ngram_rate(summary, ex.article, 2), "length": float(len(tokens(summary))),
+        "rouge_1_neutral": neutral["rouge1"],
+        "rouge_2_neutral": neutral["rouge2"],
+        "rouge_l_neutral": neutral["rougeL"],
+        "rouge_l_extractive": extractive,
+        "copy_rate": copy_rate(summary, ex.article),
+        "novel_bigram_rate": novel_ngram_rate(summary, ex.article, 2),
+        "length": float(len(tokens(summary))),
     }
 
 
 @torch.no_grad()
-def sampled_kl(model: Any, ref: Any | None, tokenizer: Any, build_prompt: PromptBuilder,
-               examples: Sequence[SummExample], gen: GenerationConfig, batch_size: int, seed: int) -> tuple[list[float], list[str]]:
+def sampled_kl(
+    model: Any,
+    ref: Any | None,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    examples: Sequence[SummExample],
+    gen: GenerationConfig,
+    batch_size: int,
+    seed: int,
+) -> tuple[list[float], list[str]]:
     """k1 estimate of KL(pi || pi_ref) per article from one sample of pi each; also returns the samples."""
     kls: list[float] = []
     texts: list[str] = []
     for i in range(0, len(examples), batch_size):
-        prompts = [build_prompt(e.article) for e in examples[i: i + batch_size]]
+        prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
         comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed + i)
         pol, mask = token_logprobs(model, prompts, comps, tokenizer.pad_token_id)
         refl, _ = reference_logprobs(model, ref, prompts, comps, tokenizer.pad_token_id)
@@ -62,9 +84,18 @@ def sampled_kl(model: Any, ref: Any | None, tokenizer: Any, build_prompt: Prompt
     return kls, texts
 
 
-def evaluate_shard(model: Any, ref: Any | None, tokenizer: Any, build_prompt: PromptBuilder,
-                   examples: Sequence[SummExample], ref_summaries: Sequence[str], judge: Judge,
-                   gen: GenerationConfig, batch_size: int, seed: int) -> list[dict[str, Any]]:
+def evaluate_shard(
+    model: Any,
+    ref: Any | None,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    examples: Sequence[SummExample],
+    ref_summaries: Sequence[str],
+    judge: Judge,
+    gen: GenerationConfig,
+    batch_size: int,
+    seed: int,
+) -> list[dict[str, Any]]:
     """Per-article evaluation rows for this process's shard of ``examples`` (gathered by the caller)."""
     if not examples:
         return []
@@ -74,7 +105,9 @@ def evaluate_shard(model: Any, ref: Any | None, tokenizer: Any, build_prompt: Pr
     kls, samples = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
     if was_training:
         model.train()
-    wins = judge([e.article for e in examples], greedy, list(ref_summaries), [tuple(e.neutral) for e in examples])
+    wins = judge(
+        [e.article for e in examples], greedy, list(ref_summaries), [tuple(e.neutral) for e in examples]
+    )
     rows = []
     for ex, g, s, k, w, ok in zip(examples, greedy, samples, kls, wins.scores, wins.valid):
         row: dict[str, Any] = {"id": ex.id, "summary": g, "sample": s, "kl": k, **text_metrics(ex, g)}
@@ -84,12 +117,25 @@ def evaluate_shard(model: Any, ref: Any | None, tokenizer: Any, build_prompt: Pr
     return rows
 
 
-def aggregate(rows: Sequence[dict[str, Any]], examples_by_id: dict[str, SummExample], train_judge: Judge,
-              calibrator: Calibrator, n_bins: int) -> dict[str, float]:
+def aggregate(
+    rows: Sequence[dict[str, Any]],
+    examples_by_id: dict[str, SummExample],
+    train_judge: Judge,
+    calibrator: Calibrator,
+    n_bins: int,
+) -> dict[str, float]:
     """Mean metrics over all gathered rows, plus the calibrator's ECE on (greedy, sample) pairs."""
     out: dict[str, float] = {}
-    keys = ["rouge_1_neutral", "rouge_2_neutral", "rouge_l_neutral", "rouge_l_extractive", "copy_rate",
-            "novel_bigram_rate", "length", "kl"]
+    keys = [
+        "rouge_1_neutral",
+        "rouge_2_neutral",
+        "rouge_l_neutral",
+        "rouge_l_extractive",
+        "copy_rate",
+        "novel_bigram_rate",
+        "length",
+        "kl",
+    ]
     for k in keys:
         vals = np.array([r[k] for r in rows], dtype=float)
         out[k] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
@@ -103,8 +149,14 @@ def aggregate(rows: Sequence[dict[str, Any]], examples_by_id: dict[str, SummExam
     return out
 
 
-def validation_rouge_l(model: Any, tokenizer: Any, build_prompt: PromptBuilder, examples: Sequence[SummExample],
-                       gen: GenerationConfig, batch_size: int) -> list[float]:
+def validation_rouge_l(
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    examples: Sequence[SummExample],
+    gen: GenerationConfig,
+    batch_size: int,
+) -> list[float]:
     """Neutral ROUGE-L of greedy summaries (the early-stopping criterion; never computed on the test split)."""
     if not examples:
         return []
@@ -113,4 +165,6 @@ def validation_rouge_l(model: Any, tokenizer: Any, build_prompt: PromptBuilder, 
     greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
     if was_training:
         model.train()
-    return [rouge_max(g, e.neutral)["rougeL"] if e.neutral else float("nan") for e, g in zip(examples, greedy)]
+    return [
+        rouge_max(g, e.neutral)["rougeL"] if e.neutral else float("nan") for e, g in zip(examples, greedy)
+    ]

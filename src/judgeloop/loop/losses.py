@@ -25,7 +25,10 @@ import torch.nn.functional as F
 
 
 def dpo_margin(
-    policy_logp_a: torch.Tensor, policy_logp_b: torch.Tensor, ref_logp_a: torch.Tensor, ref_logp_b: torch.Tensor
+    policy_logp_a: torch.Tensor,
+    policy_logp_b: torch.Tensor,
+    ref_logp_a: torch.Tensor,
+    ref_logp_b: torch.Tensor,
 ) -> torch.Tensor:
     """h = (log pi(a) - log pi_ref(a)) - (log pi(b) - log pi_ref(b)); all inputs (B,) sequence log-probs."""
     return (policy_logp_a - ref_logp_a) - (policy_logp_b - ref_logp_b)
@@ -49,7 +52,9 @@ def soft_dpo_loss(
         (B,) losses, zero where masked. ``log sigmoid`` is evaluated stably with ``F.logsigmoid``.
     """
     if h.shape != p.shape:
-        raise ValueError(f"soft_dpo_loss: h has shape {tuple(h.shape)} but p has {tuple(p.shape)}; one target per pair")
+        raise ValueError(
+            f"soft_dpo_loss: h has shape {tuple(h.shape)} but p has {tuple(p.shape)}; one target per pair"
+        )
     z = beta * h
     loss = -(p * F.logsigmoid(z) + (1.0 - p) * F.logsigmoid(-z))  # (B,)
     if mask is not None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from judgeloop.logging import get_logger
 from judgeloop.loop.config import PolicyConfig
 from judgeloop.loop.rollout import token_logprobs
-from judgeloop.logging import get_logger
 from judgeloop.models import load_causal_lm, load_tokenizer
 
 logger = get_logger(__name__)
@@ -23,20 +23,30 @@ logger = get_logger(__name__)
 _SFT_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def sft_warmup(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], targets: Sequence[str],
-               cfg: PolicyConfig, seed: int) -> list[float]:
+def sft_warmup(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    targets: Sequence[str],
+    cfg: PolicyConfig,
+    seed: int,
+) -> list[float]:
     """Supervised warm-up before preference tuning (SFT, then DPO): maximize log pi(reference | prompt)
     on *training* articles for ``cfg.sft_steps`` steps. The reference policy is the warmed-up model.
     Deterministic given ``seed``, so a resumed run rebuilds the same reference. Returns the losses."""
     g = torch.Generator().manual_seed(seed)
-    comps = [tokenizer(t, add_special_tokens=False)["input_ids"][: cfg.sft_max_tokens] + [tokenizer.eos_token_id]
-             for t in targets]
+    comps = [
+        tokenizer(t, add_special_tokens=False)["input_ids"][: cfg.sft_max_tokens] + [tokenizer.eos_token_id]
+        for t in targets
+    ]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_lr)
     model.train()
     losses = []
     for _ in range(cfg.sft_steps):
         idx = torch.randint(len(prompts), (cfg.sft_batch_size,), generator=g).tolist()
-        logp, mask = token_logprobs(model, [prompts[i] for i in idx], [comps[i] for i in idx], tokenizer.pad_token_id)
+        logp, mask = token_logprobs(
+            model, [prompts[i] for i in idx], [comps[i] for i in idx], tokenizer.pad_token_id
+        )
         loss = -(logp.sum() / mask.sum())
         loss.backward()
         opt.step()
@@ -45,8 +55,9 @@ def sft_warmup(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], tar
     return losses
 
 
-def load_policy(cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], list[str]] | None = None
-                ) -> tuple[Any, Any, Any | None]:
+def load_policy(
+    cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], list[str]] | None = None
+) -> tuple[Any, Any, Any | None]:
     """Return ``(policy, tokenizer, frozen_reference_or_None)``; the reference is None under LoRA.
 
     ``sft_data`` = (prompt ids, reference summaries) of training articles for the optional SFT warm-up.
@@ -57,8 +68,17 @@ def load_policy(cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], l
     if cfg.dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     if cfg.sft_steps and sft_data is not None:
-        key = (cfg.model, cfg.dtype, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch_size, cfg.sft_max_tokens, cfg.sft_seed,
-               len(sft_data[0]), sum(map(len, sft_data[0])))
+        key = (
+            cfg.model,
+            cfg.dtype,
+            cfg.sft_steps,
+            cfg.sft_lr,
+            cfg.sft_batch_size,
+            cfg.sft_max_tokens,
+            cfg.sft_seed,
+            len(sft_data[0]),
+            sum(map(len, sft_data[0])),
+        )
         if key not in _SFT_CACHE:  # the ablation runs many arms and seeds from the same warm start
             losses = sft_warmup(model, tokenizer, sft_data[0], sft_data[1], cfg, cfg.sft_seed)
             logger.info("SFT warm-up: %d steps, loss %.3f -> %.3f", cfg.sft_steps, losses[0], losses[-1])
@@ -68,8 +88,13 @@ def load_policy(cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], l
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=list(cfg.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, lora)
         ref = None
     else:
@@ -82,7 +107,11 @@ def load_policy(cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], l
 
 @torch.no_grad()
 def reference_logprobs(
-    policy: Any, ref: Any | None, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+    policy: Any,
+    ref: Any | None,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, T) token log-probs under pi_ref: the frozen copy, or the policy with its LoRA adapters disabled."""
     if ref is not None:
@@ -106,8 +135,10 @@ def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]
     unknown = [n for n in state if n not in params]
     if missing or unknown:
-        raise ValueError(f"checkpoint does not match the policy: missing {missing[:3]}, unexpected {unknown[:3]}; "
-                         "resume with the same policy.model and policy.lora settings")
+        raise ValueError(
+            f"checkpoint does not match the policy: missing {missing[:3]}, unexpected {unknown[:3]}; "
+            "resume with the same policy.model and policy.lora settings"
+        )
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t)

@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from judgeloop.calibration import CalibrationError, Calibrator, ece, make_calibrator, pair_features, rouge_label
+from judgeloop.calibration import (
+    CalibrationError,
+    Calibrator,
+    ece,
+    make_calibrator,
+    pair_features,
+    rouge_label,
+)
 from judgeloop.data import LeakageError, SummExample, check_disjoint
 from judgeloop.judges import Judge
 from judgeloop.loop.config import LoopCalibrationConfig
@@ -26,8 +33,10 @@ def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequen
     try:
         check_disjoint({"train": train, "calibration": calibration})
     except LeakageError as err:
-        raise LeakageError(f"calibration articles overlap the policy's training articles: {err}. "
-                           "Calibrators must be fitted on the 'calibration' split only") from err
+        raise LeakageError(
+            f"calibration articles overlap the policy's training articles: {err}. "
+            "Calibrators must be fitted on the 'calibration' split only"
+        ) from err
 
 
 def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
@@ -46,14 +55,21 @@ def build_training_judge(cfg: LoopCalibrationConfig, judge: Judge) -> Judge:
     return RougeOracleJudge(scale=cfg.oracle_scale) if cfg.method == "oracle" else judge
 
 
-def features_for(calibrator: Calibrator, articles: Sequence[str], a: Sequence[str], b: Sequence[str]) -> np.ndarray | None:
+def features_for(
+    calibrator: Calibrator, articles: Sequence[str], a: Sequence[str], b: Sequence[str]
+) -> np.ndarray | None:
     if not calibrator.uses_features:
         return None
-    return np.stack([pair_features(x, y, z) for x, y, z in zip(articles, a, b)]) if len(articles) else np.zeros((0, 2))
+    return (
+        np.stack([pair_features(x, y, z) for x, y, z in zip(articles, a, b)])
+        if len(articles)
+        else np.zeros((0, 2))
+    )
 
 
-def calibrate(calibrator: Calibrator, scores: np.ndarray, articles: Sequence[str], a: Sequence[str],
-              b: Sequence[str]) -> np.ndarray:
+def calibrate(
+    calibrator: Calibrator, scores: np.ndarray, articles: Sequence[str], a: Sequence[str], b: Sequence[str]
+) -> np.ndarray:
     """Step 3: raw judge logits -> p = P(a better than b). NaN stays NaN (a failed judgement is skipped)."""
     return calibrator.predict_proba(scores, features_for(calibrator, articles, a, b))
 
@@ -74,14 +90,22 @@ class CalibrationPairs:
     def subset(self, keep: np.ndarray) -> CalibrationPairs:
         idx = np.flatnonzero(keep)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        return CalibrationPairs(pick(self.article_ids), pick(self.articles), pick(self.a), pick(self.b),
-                                pick(self.scores), pick(self.labels))
+        return CalibrationPairs(
+            pick(self.article_ids),
+            pick(self.articles),
+            pick(self.a),
+            pick(self.b),
+            pick(self.scores),
+            pick(self.labels),
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
 
 
-def label_pairs(examples: Sequence[SummExample], a: Sequence[str], b: Sequence[str], judge: Judge) -> CalibrationPairs:
+def label_pairs(
+    examples: Sequence[SummExample], a: Sequence[str], b: Sequence[str], judge: Judge
+) -> CalibrationPairs:
     """Judge each (a, b) pair and label it with neutral ROUGE-L; ties and judge failures are dropped and counted."""
     out = CalibrationPairs()
     res = judge([e.article for e in examples], list(a), list(b), [tuple(e.neutral) for e in examples])
@@ -128,7 +152,9 @@ class RefitRecord:
         return asdict(self)
 
 
-def recalibration_reason(step: int, cfg: LoopCalibrationConfig, last_monitored_ece: float | None) -> str | None:
+def recalibration_reason(
+    step: int, cfg: LoopCalibrationConfig, last_monitored_ece: float | None
+) -> str | None:
     """Why the calibrator should be refit at ``step`` (after the update of that step), or None.
 
     ``schedule``: every ``recalibrate_every_n_steps``; ``ece``: the last monitored ECE exceeded
@@ -138,7 +164,11 @@ def recalibration_reason(step: int, cfg: LoopCalibrationConfig, last_monitored_e
         return None
     if cfg.recalibrate_every_n_steps and step % cfg.recalibrate_every_n_steps == 0:
         return "schedule"
-    if last_monitored_ece is not None and np.isfinite(last_monitored_ece) and last_monitored_ece > cfg.ece_threshold:
+    if (
+        last_monitored_ece is not None
+        and np.isfinite(last_monitored_ece)
+        and last_monitored_ece > cfg.ece_threshold
+    ):
         return "ece"
     return None
 
@@ -181,7 +211,8 @@ def refit(
                 f"initial calibration at step {step} failed: {err}. Raise calibration.num_articles "
                 f"(now {cfg.num_articles}) or lower calibration.min_points (now {cfg.min_points})"
             ) from err
-        return calibrator, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err))
+        return calibrator, RefitRecord(
+            step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err)
+        )
     after = pair_ece(new, hold_pairs, cfg.n_bins)
     return new, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True)
-

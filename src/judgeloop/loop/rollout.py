@@ -46,7 +46,9 @@ class PromptBuilder:
             article = tok.decode(art_ids[: self.cfg.max_article_tokens], skip_special_tokens=True)
         text = self.cfg.prompt_template.format(article=article)
         if self.cfg.use_chat_template and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tok(text, add_special_tokens=True)["input_ids"]
@@ -61,8 +63,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -109,14 +111,23 @@ def generate(
         torch.manual_seed(seed)
     # Special tokens other than EOS (pad, bos, chat markers) never belong inside a summary.
     suppress = [t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id]
-    kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "pad_token_id": tokenizer.pad_token_id,
-                              "eos_token_id": tokenizer.eos_token_id, "use_cache": True,
-                              "suppress_tokens": suppress or None}
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": gen.max_new_tokens,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "use_cache": True,
+        "suppress_tokens": suppress or None,
+    }
     if greedy:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
-        kwargs.update(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k or None,
-                      num_return_sequences=num_samples)
+        kwargs.update(
+            do_sample=True,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k or None,
+            num_return_sequences=num_samples,
+        )
     was_training = model.training
     model.eval()
     out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # (N * num_samples, P + T)
@@ -124,7 +135,7 @@ def generate(
         model.train()
     completions: list[list[int]] = []
     eos = tokenizer.eos_token_id
-    for row in out[:, ids.shape[1]:].tolist():
+    for row in out[:, ids.shape[1] :].tolist():
         cut: list[int] = []
         for t in row:
             cut.append(t)
@@ -140,8 +151,15 @@ def decode(tokenizer: Any, completions: Sequence[Sequence[int]]) -> list[str]:
     return [tokenizer.decode(c, skip_special_tokens=True).strip() for c in completions]
 
 
-def rollout(model: Any, tokenizer: Any, build_prompt: PromptBuilder, articles: Sequence[str],
-            gen: GenerationConfig, seed: int, num_pairs: int = 1) -> Rollout:
+def rollout(
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    articles: Sequence[str],
+    gen: GenerationConfig,
+    seed: int,
+    num_pairs: int = 1,
+) -> Rollout:
     """Step 1 of the loop: the policy samples two summaries per article (``2 * num_pairs`` for
     calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output)."""
     prompts = [build_prompt(a) for a in articles]
@@ -149,7 +167,9 @@ def rollout(model: Any, tokenizer: Any, build_prompt: PromptBuilder, articles: S
     a_ids, b_ids = comps[0::2], comps[1::2]
     rep_articles = [a for a in articles for _ in range(num_pairs)]
     rep_prompts = [p for p in prompts for _ in range(num_pairs)]
-    return Rollout(rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids))
+    return Rollout(
+        rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids)
+    )
 
 
 def token_logprobs(
@@ -168,8 +188,13 @@ def token_logprobs(
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     device = next(model.parameters()).device
     T = c_ids.shape[1]
-    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
-                logits_to_keep=T + 1, use_cache=False)
+    out = model(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        position_ids=pos.to(device),
+        logits_to_keep=T + 1,
+        use_cache=False,
+    )
     logits = out.logits[:, :-1, :].float()  # (N, T, V): position P-1+t predicts summary token t
     target = c_ids.to(device)
     picked = torch.gather(logits, -1, target.unsqueeze(-1)).squeeze(-1)  # (N, T)

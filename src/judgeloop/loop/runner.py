@@ -14,6 +14,7 @@ Runs unchanged under ``accelerate launch`` (each process takes its share of ever
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,11 +32,16 @@ from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.io import atomic_write_json, atomic_write_text
 from judgeloop.judges import Judge, build_judge
 from judgeloop.logging import get_logger
-from judgeloop.models import load_tokenizer
 from judgeloop.loop.checkpoint import load_checkpoint, load_policy_weights, save_checkpoint, save_policy
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
 from judgeloop.loop.evaluation import aggregate, evaluate_shard, greedy_summaries, validation_rouge_l
-from judgeloop.loop.losses import AdaptiveKLController, dpo_margin, kl_per_sequence, soft_dpo_loss, targets_from_probs
+from judgeloop.loop.losses import (
+    AdaptiveKLController,
+    dpo_margin,
+    kl_per_sequence,
+    soft_dpo_loss,
+    targets_from_probs,
+)
 from judgeloop.loop.policy import load_policy, reference_logprobs
 from judgeloop.loop.recalibration import (
     CalibrationPairs,
@@ -52,6 +58,7 @@ from judgeloop.loop.recalibration import (
 )
 from judgeloop.loop.rollout import PromptBuilder, Rollout, derive_seed, rollout, token_logprobs
 from judgeloop.loop.tracking import make_trackers
+from judgeloop.models import load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -89,14 +96,22 @@ class Splits:
 def load_splits(cfg: FeedbackLoopConfig) -> Splits:
     """Load the articles, split them by stable hash, and check the calibration/train disjointness."""
     parts = split_examples(load_examples(cfg.data), cfg.data.split)
-    splits = Splits(parts["train"], parts["calibration"], parts["validation"][: cfg.num_validation_articles],
-                    parts["test"][: cfg.num_eval_articles])
+    splits = Splits(
+        parts["train"],
+        parts["calibration"],
+        parts["validation"][: cfg.num_validation_articles],
+        parts["test"][: cfg.num_eval_articles],
+    )
     for name in ("train", "calibration", "test"):
         if not getattr(splits, name):
-            raise ValueError(f"the '{name}' split is empty; use more articles (data.max_articles) or change "
-                             f"data.split fractions (now {cfg.data.split})")
+            raise ValueError(
+                f"the '{name}' split is empty; use more articles (data.max_articles) or change "
+                f"data.split fractions (now {cfg.data.split})"
+            )
     if len(splits.train) < cfg.batch_size:
-        raise ValueError(f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}")
+        raise ValueError(
+            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}"
+        )
     check_calibration_disjoint(splits.train, splits.calibration)
     return splits
 
@@ -107,32 +122,45 @@ def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def shard(items: Sequence[Any], accelerator: Accelerator) -> list[Any]:
-    return list(items[accelerator.process_index:: accelerator.num_processes])
+    return list(items[accelerator.process_index :: accelerator.num_processes])
 
 
-def next_batch(state: LoopState, train: Sequence[SummExample], cfg: FeedbackLoopConfig,
-               accelerator: Accelerator) -> list[SummExample]:
+def next_batch(
+    state: LoopState, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
+) -> list[SummExample]:
     """This process's share of the next global batch (a seeded permutation per epoch; the cursor is checkpointed)."""
     global_bs = cfg.batch_size * accelerator.num_processes
     if state.cursor + global_bs > len(train):
         state.epoch, state.cursor = state.epoch + 1, 0
     order = np.random.RandomState(derive_seed(cfg.seed, "order", state.epoch)).permutation(len(train))
-    idx = order[state.cursor: state.cursor + global_bs]
+    idx = order[state.cursor : state.cursor + global_bs]
     state.cursor += global_bs
-    mine = idx[accelerator.process_index * cfg.batch_size: (accelerator.process_index + 1) * cfg.batch_size]
+    mine = idx[accelerator.process_index * cfg.batch_size : (accelerator.process_index + 1) * cfg.batch_size]
     return [train[i] for i in mine]
 
 
 # --- the five steps -------------------------------------------------------------------------------
+
 
 def judge_step(judge: Judge, batch: Sequence[SummExample], roll: Rollout) -> Any:
     """Step 2: raw preference logits for each (a, b) pair (both orders when the judge debiases position)."""
     return judge(roll.articles, roll.a_text, roll.b_text, [tuple(e.neutral) for e in batch])
 
 
-def policy_update(accelerator: Accelerator, model: Any, ref: Any | None, optimizer: Any, scheduler: Any,
-                  roll: Rollout, targets: torch.Tensor, mask: torch.Tensor, kl_coef: float, loss_cfg: LossConfig,
-                  max_grad_norm: float, pad_id: int) -> dict[str, float]:
+def policy_update(
+    accelerator: Accelerator,
+    model: Any,
+    ref: Any | None,
+    optimizer: Any,
+    scheduler: Any,
+    roll: Rollout,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    loss_cfg: LossConfig,
+    max_grad_norm: float,
+    pad_id: int,
+) -> dict[str, float]:
     """Step 4: one optimizer step of soft-target DPO + kl_coef * KL(pi || pi_ref) on this process's pairs.
 
     The DPO term is summed over pairs and divided by the per-process batch size (skipped pairs count
@@ -153,8 +181,9 @@ def policy_update(accelerator: Accelerator, model: Any, ref: Any | None, optimiz
     accelerator.backward(loss)
     grad_norm = float("nan")
     if max_grad_norm > 0:
-        grad_norm = float(accelerator.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], max_grad_norm))
+        grad_norm = float(
+            accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        )
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -170,23 +199,42 @@ def policy_update(accelerator: Accelerator, model: Any, ref: Any | None, optimiz
     return out
 
 
-def collect_calibration_pairs(accelerator: Accelerator, model: Any, tokenizer: Any, build_prompt: PromptBuilder,
-                              judge: Judge, calibration: Sequence[SummExample], cfg: FeedbackLoopConfig,
-                              step: int) -> CalibrationPairs:
+def collect_calibration_pairs(
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    judge: Judge,
+    calibration: Sequence[SummExample],
+    cfg: FeedbackLoopConfig,
+    step: int,
+) -> CalibrationPairs:
     """Fresh pairs for the calibrator: two samples of the *current* policy per calibration article,
     judged and ROUGE-labeled (articles drawn from the calibration split only)."""
     n = min(cfg.calibration.num_articles, len(calibration))
-    pick = np.random.RandomState(derive_seed(cfg.seed, "calib_articles", step)).permutation(len(calibration))[:n]
+    pick = np.random.RandomState(derive_seed(cfg.seed, "calib_articles", step)).permutation(len(calibration))[
+        :n
+    ]
     mine = shard([calibration[i] for i in sorted(pick)], accelerator)
     rows: list[dict[str, Any]] = []
     if mine:
-        roll = rollout(accelerator.unwrap_model(model), tokenizer, build_prompt, [e.article for e in mine],
-                       cfg.generation, seed=derive_seed(cfg.seed, "calib", step, accelerator.process_index),
-                       num_pairs=cfg.calibration.pairs_per_article)
+        roll = rollout(
+            accelerator.unwrap_model(model),
+            tokenizer,
+            build_prompt,
+            [e.article for e in mine],
+            cfg.generation,
+            seed=derive_seed(cfg.seed, "calib", step, accelerator.process_index),
+            num_pairs=cfg.calibration.pairs_per_article,
+        )
         exs = [e for e in mine for _ in range(cfg.calibration.pairs_per_article)]
         pairs = label_pairs(exs, roll.a_text, roll.b_text, judge)
-        rows = [{"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab}
-                for i, a, x, y, s, lab in zip(pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels)]
+        rows = [
+            {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab}
+            for i, a, x, y, s, lab in zip(
+                pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels
+            )
+        ]
         rows.append({"ties": pairs.ties_dropped, "failures": pairs.judge_failures})
     all_rows = gather_object(rows) if accelerator.num_processes > 1 else rows
     out = CalibrationPairs()
@@ -204,8 +252,9 @@ def collect_calibration_pairs(accelerator: Accelerator, model: Any, tokenizer: A
     return out
 
 
-def maybe_recalibrate(step: int, state: LoopState, calibrator: Calibrator, collect: Any,
-                      cfg: FeedbackLoopConfig) -> Calibrator:
+def maybe_recalibrate(
+    step: int, state: LoopState, calibrator: Calibrator, collect: Any, cfg: FeedbackLoopConfig
+) -> Calibrator:
     """Step 5: monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold."""
     pairs = None
     if monitor_due(step, cfg.calibration):
@@ -217,32 +266,69 @@ def maybe_recalibrate(step: int, state: LoopState, calibrator: Calibrator, colle
         return calibrator
     pairs = pairs if pairs is not None else collect(step)
     calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed)
-    state.refits.append(finite_or_none({**record.as_dict(), "ties_dropped": pairs.ties_dropped,
-                                        "judge_failures": pairs.judge_failures}))
+    state.refits.append(
+        finite_or_none(
+            {**record.as_dict(), "ties_dropped": pairs.ties_dropped, "judge_failures": pairs.judge_failures}
+        )
+    )
     state.last_monitored_ece = None
-    logger.info("step %d: recalibrated (%s) on %d pairs; held-out ECE %.4f -> %.4f%s", step, reason, record.n_fit,
-                record.ece_before, record.ece_after, "" if record.refit else f" (kept old: {record.error})")
+    logger.info(
+        "step %d: recalibrated (%s) on %d pairs; held-out ECE %.4f -> %.4f%s",
+        step,
+        reason,
+        record.n_fit,
+        record.ece_before,
+        record.ece_after,
+        "" if record.refit else f" (kept old: {record.error})",
+    )
     return calibrator
 
 
 # --- evaluation and early stopping -----------------------------------------------------------------
 
-def run_evaluation(accelerator: Accelerator, model: Any, ref: Any | None, tokenizer: Any, build_prompt: PromptBuilder,
-                   splits: Splits, state: LoopState, judge: Judge, train_judge: Judge, calibrator: Calibrator,
-                   cfg: FeedbackLoopConfig, step: int) -> dict[str, float]:
+
+def run_evaluation(
+    accelerator: Accelerator,
+    model: Any,
+    ref: Any | None,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    splits: Splits,
+    state: LoopState,
+    judge: Judge,
+    train_judge: Judge,
+    calibrator: Calibrator,
+    cfg: FeedbackLoopConfig,
+    step: int,
+) -> dict[str, float]:
     """Test-split metrics (reported, never used to choose a checkpoint) and validation ROUGE-L."""
     unwrapped = accelerator.unwrap_model(model)
     ids = list(range(len(splits.test)))
     mine = shard(ids, accelerator)
-    rows = evaluate_shard(unwrapped, ref, tokenizer, build_prompt, [splits.test[i] for i in mine],
-                          [state.ref_summaries[i] for i in mine], judge, cfg.generation, cfg.eval_batch_size,
-                          seed=derive_seed(cfg.seed, "eval", step, accelerator.process_index))
+    rows = evaluate_shard(
+        unwrapped,
+        ref,
+        tokenizer,
+        build_prompt,
+        [splits.test[i] for i in mine],
+        [state.ref_summaries[i] for i in mine],
+        judge,
+        cfg.generation,
+        cfg.eval_batch_size,
+        seed=derive_seed(cfg.seed, "eval", step, accelerator.process_index),
+    )
     rows = gather_object(rows) if accelerator.num_processes > 1 else rows
     by_id = {e.id: e for e in splits.test}
     metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.n_bins)
     if splits.validation:
-        val = validation_rouge_l(unwrapped, tokenizer, build_prompt, shard(splits.validation, accelerator),
-                                 cfg.generation, cfg.eval_batch_size)
+        val = validation_rouge_l(
+            unwrapped,
+            tokenizer,
+            build_prompt,
+            shard(splits.validation, accelerator),
+            cfg.generation,
+            cfg.eval_batch_size,
+        )
         val = gather_object(val) if accelerator.num_processes > 1 else val
         metrics["val_rouge_l_neutral"] = float(np.nanmean(val))
     metrics["step"] = step
@@ -250,8 +336,9 @@ def run_evaluation(accelerator: Accelerator, model: Any, ref: Any | None, tokeni
     return finite_or_none(metrics)
 
 
-def early_stopping(metrics: dict[str, float], state: LoopState, cfg: FeedbackLoopConfig, accelerator: Accelerator,
-                   model: Any) -> bool:
+def early_stopping(
+    metrics: dict[str, float], state: LoopState, cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any
+) -> bool:
     """Track the best validation ROUGE-L (saving that policy); True when patience is exhausted."""
     val = metrics.get("val_rouge_l_neutral")
     if val is None:
@@ -268,6 +355,7 @@ def early_stopping(metrics: dict[str, float], state: LoopState, cfg: FeedbackLoo
 
 # --- set-up -------------------------------------------------------------------------------------
 
+
 def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -283,8 +371,15 @@ def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def reference_summaries(accelerator: Accelerator, model: Any, ref: Any | None, tokenizer: Any,
-                        build_prompt: PromptBuilder, test: Sequence[SummExample], cfg: FeedbackLoopConfig) -> list[str]:
+def reference_summaries(
+    accelerator: Accelerator,
+    model: Any,
+    ref: Any | None,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    test: Sequence[SummExample],
+    cfg: FeedbackLoopConfig,
+) -> list[str]:
     """Greedy summaries of the reference policy on the test articles (computed once: pi_ref never changes)."""
     unwrapped = accelerator.unwrap_model(model)
     mine = shard(list(range(len(test))), accelerator)
@@ -293,7 +388,9 @@ def reference_summaries(accelerator: Accelerator, model: Any, ref: Any | None, t
         out = greedy_summaries(ref, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size)
     else:
         with unwrapped.disable_adapter():
-            out = greedy_summaries(unwrapped, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size)
+            out = greedy_summaries(
+                unwrapped, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size
+            )
     pairs = list(zip(mine, out))
     pairs = gather_object(pairs) if accelerator.num_processes > 1 else pairs
     texts = dict(pairs)
@@ -307,7 +404,9 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     ``report.json`` (final metrics of the kept policy, curves, refits, early-stopping decision).
     """
     out_dir = Path(cfg.output_dir)
-    accelerator = Accelerator(cpu=cfg.cpu, log_with=make_trackers(cfg.log_with, out_dir), project_dir=str(out_dir))
+    accelerator = Accelerator(
+        cpu=cfg.cpu, log_with=make_trackers(cfg.log_with, out_dir), project_dir=str(out_dir)
+    )
     if accelerator.is_main_process:
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     accelerator.init_trackers("feedback_loop")
@@ -317,40 +416,76 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     splits = load_splits(cfg)
     tokenizer = load_tokenizer(cfg.policy.model)
     build_prompt = PromptBuilder(tokenizer, cfg.policy)
-    sft = ([build_prompt(e.article) for e in splits.train], [e.neutral[0] if e.neutral else "" for e in splits.train])
+    sft = (
+        [build_prompt(e.article) for e in splits.train],
+        [e.neutral[0] if e.neutral else "" for e in splits.train],
+    )
     model, tokenizer, ref = load_policy(cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None)
     if ref is not None:
         ref.to(accelerator.device)
-    judge = build_judge(cfg.judge)
+    judge_cfg = cfg.judge
+    if accelerator.device.type == "cuda" and judge_cfg.device.startswith("cuda"):
+        judge_cfg = dataclasses.replace(
+            judge_cfg, device=str(accelerator.device)
+        )  # one judge per process's GPU
+    judge = build_judge(judge_cfg)
     train_judge = build_training_judge(cfg.calibration, judge)
     optimizer, scheduler = make_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     pad_id = tokenizer.pad_token_id
-    kl_ctl = AdaptiveKLController(cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon)
+    kl_ctl = AdaptiveKLController(
+        cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
+    )
 
     def collect(step: int) -> CalibrationPairs:
-        return collect_calibration_pairs(accelerator, model, tokenizer, build_prompt, train_judge,
-                                         splits.calibration, cfg, step)
+        return collect_calibration_pairs(
+            accelerator, model, tokenizer, build_prompt, train_judge, splits.calibration, cfg, step
+        )
 
     def evaluate(step: int) -> dict[str, float]:
-        return run_evaluation(accelerator, model, ref, tokenizer, build_prompt, splits, state, judge, train_judge,
-                              calibrator, cfg, step)
+        return run_evaluation(
+            accelerator,
+            model,
+            ref,
+            tokenizer,
+            build_prompt,
+            splits,
+            state,
+            judge,
+            train_judge,
+            calibrator,
+            cfg,
+            step,
+        )
 
     state = LoopState(kl_coef=kl_ctl.coef)
     calibrator = build_calibrator(cfg.calibration)
     if cfg.resume_from:
-        cal_state, saved = load_checkpoint(cfg.resume_from, accelerator.unwrap_model(model), optimizer, scheduler)
+        cal_state, saved = load_checkpoint(
+            cfg.resume_from, accelerator.unwrap_model(model), optimizer, scheduler
+        )
         state = LoopState(**saved)
         calibrator = calibrator_from_state(cal_state)
         kl_ctl.coef = state.kl_coef
         logger.info("resumed from %s at step %d", cfg.resume_from, state.step)
     else:
-        state.ref_summaries = reference_summaries(accelerator, model, ref, tokenizer, build_prompt, splits.test, cfg)
+        state.ref_summaries = reference_summaries(
+            accelerator, model, ref, tokenizer, build_prompt, splits.test, cfg
+        )
         if needs_fit(cfg.calibration):  # the first fit, on samples of the initial policy
             pairs = collect(0)
-            calibrator, record = refit(calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True)
-            state.refits.append(finite_or_none({**record.as_dict(), "ties_dropped": pairs.ties_dropped,
-                                                "judge_failures": pairs.judge_failures}))
+            calibrator, record = refit(
+                calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True
+            )
+            state.refits.append(
+                finite_or_none(
+                    {
+                        **record.as_dict(),
+                        "ties_dropped": pairs.ties_dropped,
+                        "judge_failures": pairs.judge_failures,
+                    }
+                )
+            )
         if cfg.eval_every_n_steps:
             metrics = evaluate(0)
             state.history.append(metrics)
@@ -366,15 +501,39 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     while state.step < cfg.num_steps and not state.stopped_early:
         step = state.step + 1
         batch = next_batch(state, splits.train, cfg, accelerator)
-        roll = rollout(accelerator.unwrap_model(model), tokenizer, build_prompt, [e.article for e in batch],
-                       cfg.generation, seed=derive_seed(cfg.seed, "rollout", step, accelerator.process_index))
+        roll = rollout(
+            accelerator.unwrap_model(model),
+            tokenizer,
+            build_prompt,
+            [e.article for e in batch],
+            cfg.generation,
+            seed=derive_seed(cfg.seed, "rollout", step, accelerator.process_index),
+        )
         judged = judge_step(train_judge, batch, roll)
         p = calibrate(calibrator, judged.scores, roll.articles, roll.a_text, roll.b_text)
-        targets, mask = targets_from_probs(torch.tensor(p, dtype=torch.float32), cfg.loss.target, cfg.loss.margin)
-        stats = policy_update(accelerator, model, ref, optimizer, scheduler, roll, targets, mask, kl_ctl.coef,
-                              cfg.loss, cfg.optim.max_grad_norm, pad_id)
-        stats.update(kl_coef=kl_ctl.coef, p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
-                     judge_failures=float((~judged.valid).sum()), lr=float(scheduler.get_last_lr()[0]))
+        targets, mask = targets_from_probs(
+            torch.tensor(p, dtype=torch.float32), cfg.loss.target, cfg.loss.margin
+        )
+        stats = policy_update(
+            accelerator,
+            model,
+            ref,
+            optimizer,
+            scheduler,
+            roll,
+            targets,
+            mask,
+            kl_ctl.coef,
+            cfg.loss,
+            cfg.optim.max_grad_norm,
+            pad_id,
+        )
+        stats.update(
+            kl_coef=kl_ctl.coef,
+            p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
+            judge_failures=float((~judged.valid).sum()),
+            lr=float(scheduler.get_last_lr()[0]),
+        )
         kl_ctl.update(stats["kl"])
         state.kl_coef = kl_ctl.coef
         state.step = step
@@ -387,14 +546,26 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
             accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
             if early_stopping(metrics, state, cfg, accelerator, model):
                 state.stopped_early = True
-                logger.info("early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
-                            "(best %.4f at step %d)", step, cfg.early_stopping_patience, state.best_val, state.best_step)
+                logger.info(
+                    "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
+                    "(best %.4f at step %d)",
+                    step,
+                    cfg.early_stopping_patience,
+                    state.best_val,
+                    state.best_step,
+                )
         steps_this_run += 1
         interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
         if (cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0) or interrupted:
             if accelerator.is_main_process:
-                save_checkpoint(out_dir / "checkpoints" / f"step_{step}", accelerator.unwrap_model(model), optimizer,
-                                scheduler, calibrator.state_dict(), state.as_dict())
+                save_checkpoint(
+                    out_dir / "checkpoints" / f"step_{step}",
+                    accelerator.unwrap_model(model),
+                    optimizer,
+                    scheduler,
+                    calibrator.state_dict(),
+                    state.as_dict(),
+                )
             accelerator.wait_for_everyone()
         if bar is not None:
             bar.update(1)
@@ -403,8 +574,11 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
             if bar is not None:
                 bar.close()
             accelerator.end_training()
-            return {"interrupted": True, "step": state.step,
-                    "checkpoint": str(out_dir / "checkpoints" / f"step_{state.step}")}
+            return {
+                "interrupted": True,
+                "step": state.step,
+                "checkpoint": str(out_dir / "checkpoints" / f"step_{state.step}"),
+            }
     if bar is not None:
         bar.close()
 
@@ -412,8 +586,9 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     kept_step, why = state.step, "last step (early stopping off)"
     if cfg.early_stopping_patience:
         kept_step = state.best_step
-        why = (f"best validation ROUGE-L {state.best_val:.4f}; "
-               + ("stopped early" if state.stopped_early else "ran all steps"))
+        why = f"best validation ROUGE-L {state.best_val:.4f}; " + (
+            "stopped early" if state.stopped_early else "ran all steps"
+        )
         if kept_step != state.step:
             accelerator.wait_for_everyone()
             load_policy_weights(out_dir / "best_policy", accelerator.unwrap_model(model))
@@ -423,9 +598,16 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
         final["step"] = kept_step
         state.history.append(final)
     report = {
-        "arm": cfg.calibration.method, "seed": cfg.seed, "steps_run": state.step, "kept_step": kept_step,
-        "kept_reason": why, "stopped_early": state.stopped_early, "final": final, "history": state.history,
-        "train_log": state.train_log, "refits": state.refits,
+        "arm": cfg.calibration.method,
+        "seed": cfg.seed,
+        "steps_run": state.step,
+        "kept_step": kept_step,
+        "kept_reason": why,
+        "stopped_early": state.stopped_early,
+        "final": final,
+        "history": state.history,
+        "train_log": state.train_log,
+        "refits": state.refits,
         "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
         "judge_stats": {"status": dict(train_judge.stats.status), "cache_hits": train_judge.stats.cache_hits},
         "prompts_truncated": build_prompt.num_truncated,
@@ -434,4 +616,3 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
         atomic_write_json(out_dir / "report.json", report)
     accelerator.end_training()
     return report
-

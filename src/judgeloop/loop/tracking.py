@@ -34,8 +34,10 @@ class JSONLTracker(GeneralTracker):
         pass  # the resolved config is written next to the outputs as config.yaml
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in values.items()}}
+        row = {
+            "step": step,
+            **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()},
+        }
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
 

@@ -1,0 +1,332 @@
+"""Retriever speed vs sentence-transformers: training pairs/s and mining queries/s, with peak RSS.
+
+    .venv/bin/python scripts/bench_retriever.py [--steps 5 --batch-size 8 --max-length 128 --json out.json]
+
+* train: the same (query, positive, hard negative) triplets from SciFact, same model, batch size,
+  max length, learning rate and number of steps, through this project's InfoNCE step
+  (``judgeloop.commands.train_retriever.train_step``) and through sentence-transformers'
+  ``SentenceTransformerTrainer`` + ``MultipleNegativesRankingLoss`` (scale 20 = our tau 0.05).
+  Throughput is the median over steps after the first (warm-up) of pairs per second.
+* mining: the same queries and corpus subset through ``judgeloop`` (encode + exact top-k + filter)
+  and ``sentence_transformers.util.mine_hard_negatives`` (same window, negatives, relative margin);
+  throughput is queries per second end to end, including encoding, median of ``--repeats`` runs.
+
+Each measurement runs in its own subprocess, so peak RSS (``ru_maxrss``) is per side.
+The triplets' negatives come from BM25 (``bm25s``) so that building them costs no encoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("JUDGELOOP_SHARED_DATA", REPO.parent / "shared" / "data")) / "scifact"
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _load(args):
+    from judgeloop.retrieval import load_beir
+
+    data = load_beir(DATA / "corpus.jsonl", DATA / "queries_train.jsonl", DATA / "qrels_train.tsv")
+    qids = sorted(data.queries)[: args.num_queries]
+    return data.subset(qids)
+
+
+def _triplets(args):
+    from judgeloop.retrieval.beir import doc_text
+    from judgeloop.retrieval.bm25 import bm25_negatives
+
+    data = _load(args)
+    negs = bm25_negatives(data, 1)
+    pos = data.positives()
+    rows = []
+    for q in data.queries:
+        if q in pos and negs.get(q):
+            rows.append((q, sorted(pos[q])[0], negs[q][0][0]))
+    need = args.batch_size * args.steps
+    rows = (rows * (need // max(1, len(rows)) + 1))[:need]
+    texts = [(data.queries[q], doc_text(data.corpus[p]), doc_text(data.corpus[n])) for q, p, n in rows]
+    return data, rows, texts
+
+
+def train_ours(args) -> dict:
+    import random
+
+    import torch
+    from accelerate import Accelerator
+
+    from judgeloop.commands.train_retriever import Example, TrainRetrieverConfig, train_step
+    from judgeloop.config import load_config
+    from judgeloop.retrieval import BiEncoder
+
+    data, rows, _ = _triplets(args)
+    negatives = {q: [(n, 0.0)] for q, _, n in rows}
+    cfg = load_config(
+        TrainRetrieverConfig,
+        None,
+        [
+            f"train.batch_size={args.batch_size}",
+            "negatives.mining.num_negatives=1",
+            "negatives.mining.range_max=5",
+            f"train.learning_rate={args.lr}",
+        ],
+    )
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
+    opt = torch.optim.AdamW(enc.parameters(), lr=args.lr)
+    model, opt = acc.prepare(enc, opt)
+    model.train()
+    times = []
+    for s in range(args.steps):
+        batch = [Example(q, p) for q, p, _ in rows[s * args.batch_size : (s + 1) * args.batch_size]]
+        t = time.perf_counter()
+        train_step(model, enc, batch, data, negatives, cfg, acc, random.Random(s))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return {"step_seconds": times, "peak_rss_mb": _peak_rss_mb()}
+
+
+def train_peer(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from transformers import TrainerCallback
+
+    from judgeloop.models import resolve_model_path
+
+    _, _, texts = _triplets(args)
+    ds = Dataset.from_dict(
+        {
+            "anchor": [t[0] for t in texts],
+            "positive": [t[1] for t in texts],
+            "negative": [t[2] for t in texts],
+        }
+    )
+    torch.manual_seed(0)
+    model = SentenceTransformer(resolve_model_path(MODEL), device="cpu")
+    model.max_seq_length = args.max_length
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_retriever_st"
+    targs = SentenceTransformerTrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        warmup_steps=0,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        dataloader_drop_last=True,
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = SentenceTransformerTrainer(
+        model=model,
+        args=targs,
+        train_dataset=ds,
+        loss=MultipleNegativesRankingLoss(model, scale=20.0),
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    return {"step_seconds": times, "peak_rss_mb": _peak_rss_mb()}
+
+
+def _mining_inputs(args):
+    from judgeloop.retrieval.beir import doc_text
+
+    data = _load(args)
+    pos = data.positives()
+    judged = sorted({d for v in pos.values() for d in v})
+    others = [d for d in sorted(data.corpus) if d not in set(judged)]
+    doc_ids = (judged + others)[: max(args.num_docs, len(judged))]
+    qids = [q for q in data.queries if q in pos]
+    return data, qids, doc_ids, pos, [doc_text(data.corpus[d]) for d in doc_ids]
+
+
+def mine_ours(args) -> dict:
+    from judgeloop.retrieval import BiEncoder, MiningConfig, mine_hard_negatives
+
+    data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
+    enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
+    cfg = MiningConfig(num_negatives=3, range_max=30, relative_margin=0.95)
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        d_emb = enc.encode(doc_texts, batch_size=64)
+        q_emb = enc.encode([data.queries[q] for q in qids], batch_size=64, is_query=True)
+        negs = mine_hard_negatives(qids, q_emb, doc_ids, d_emb, pos, cfg)
+        times.append(time.perf_counter() - t)
+    return {
+        "seconds": times,
+        "num_queries": len(qids),
+        "num_docs": len(doc_ids),
+        "mean_negatives": sum(len(v) for v in negs.values()) / len(negs),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def mine_peer(args) -> dict:
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.util import mine_hard_negatives
+
+    from judgeloop.models import resolve_model_path
+    from judgeloop.retrieval.beir import doc_text
+
+    data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
+    model = SentenceTransformer(resolve_model_path(MODEL), device="cpu")
+    model.max_seq_length = args.max_length
+    # one (query, positive) row per query, as ST mines per pair
+    ds = Dataset.from_dict(
+        {
+            "query": [data.queries[q] for q in qids],
+            "answer": [doc_text(data.corpus[sorted(pos[q])[0]]) for q in qids],
+        }
+    )
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        out = mine_hard_negatives(
+            ds,
+            model,
+            corpus=doc_texts,
+            range_max=30,
+            num_negatives=3,
+            relative_margin=0.05,
+            sampling_strategy="top",
+            batch_size=64,
+            output_format="n-tuple",
+            verbose=False,
+        )
+        times.append(time.perf_counter() - t)
+    return {
+        "seconds": times,
+        "num_queries": len(qids),
+        "num_docs": len(doc_ids),
+        "rows_out": len(out),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+ROLES = {"train-ours": train_ours, "train-peer": train_peer, "mine-ours": mine_ours, "mine-peer": mine_peer}
+
+
+def _child(role: str, argv: list[str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--role", role, *argv], capture_output=True, text=True, cwd=REPO
+    )
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{role} failed with exit code {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--num-queries", type=int, default=200, help="SciFact train queries used")
+    p.add_argument("--num-docs", type=int, default=1000, help="corpus size for mining (judged docs first)")
+    p.add_argument("--repeats", type=int, default=1, help="mining repetitions (median taken)")
+    p.add_argument("--only", choices=["train", "mining"], default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--role", choices=sorted(ROLES), default=None, help=argparse.SUPPRESS)
+    args, _ = p.parse_known_args()
+    if args.role:
+        import torch
+
+        torch.manual_seed(0)
+        print(json.dumps(ROLES[args.role](args)))
+        return 0
+    if not DATA.is_dir():
+        raise SystemExit(f"SciFact not found at {DATA}; set JUDGELOOP_SHARED_DATA")
+    argv = [a for a in sys.argv[1:] if not a.startswith("--json") and a != str(args.json)]
+    result: dict = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "role")},
+        "torch_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    if args.only in (None, "train"):
+        ours, peer = _child("train-ours", argv), _child("train-peer", argv)
+        tp = {}
+        for name, r in (("ours", ours), ("peer", peer)):
+            steps = r["step_seconds"][1:] or r["step_seconds"]
+            tp[name] = {
+                "pairs_per_s": args.batch_size / statistics.median(steps),
+                "peak_rss_mb": r["peak_rss_mb"],
+                "step_seconds": r["step_seconds"],
+            }
+        result["train"] = {
+            **tp,
+            "ratio": {
+                "throughput": tp["ours"]["pairs_per_s"] / tp["peer"]["pairs_per_s"],
+                "peak_rss": tp["ours"]["peak_rss_mb"] / tp["peer"]["peak_rss_mb"],
+            },
+        }
+        print(
+            f"train  ours {tp['ours']['pairs_per_s']:.2f} pairs/s ({tp['ours']['peak_rss_mb']:.0f} MB)  "
+            f"sentence-transformers {tp['peer']['pairs_per_s']:.2f} pairs/s ({tp['peer']['peak_rss_mb']:.0f} MB)"
+        )
+    if args.only in (None, "mining"):
+        ours, peer = _child("mine-ours", argv), _child("mine-peer", argv)
+        mp = {}
+        for name, r in (("ours", ours), ("peer", peer)):
+            mp[name] = {
+                "queries_per_s": r["num_queries"] / statistics.median(r["seconds"]),
+                "peak_rss_mb": r["peak_rss_mb"],
+                "seconds": r["seconds"],
+                "num_queries": r["num_queries"],
+                "num_docs": r["num_docs"],
+            }
+        result["mining"] = {
+            **mp,
+            "ratio": {
+                "throughput": mp["ours"]["queries_per_s"] / mp["peer"]["queries_per_s"],
+                "peak_rss": mp["ours"]["peak_rss_mb"] / mp["peer"]["peak_rss_mb"],
+            },
+        }
+        print(
+            f"mining ours {mp['ours']['queries_per_s']:.2f} queries/s ({mp['ours']['peak_rss_mb']:.0f} MB)  "
+            f"sentence-transformers {mp['peer']['queries_per_s']:.2f} queries/s ({mp['peer']['peak_rss_mb']:.0f} MB)"
+        )
+    print(
+        json.dumps(
+            {k: v["ratio"] for k, v in result.items() if isinstance(v, dict) and "ratio" in v}, indent=2
+        )
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
