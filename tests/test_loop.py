@@ -220,9 +220,8 @@ def test_parameters_change_after_one_update_and_reference_does_not():
         1.0,
         0,
     )
-    assert stats["loss"] == pytest.approx(
-        math.log(2), abs=1e-5
-    )  # pi == pi_ref at the first step: h = 0, KL = 0
+    # pi == pi_ref at the first step: h = 0 and KL = 0 up to float noise (train- vs eval-mode attention kernels)
+    assert stats["loss"] == pytest.approx(math.log(2), abs=1e-3)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)
     assert all(torch.equal(p, ref_before[n]) for n, p in ref.named_parameters())

@@ -265,3 +265,31 @@ def test_no_training_data_is_a_data_error(tmp_path):
 
     with pytest.raises(DataError, match="no data given"):
         run(_cfg([f"output_dir={tmp_path}", "model.name=judgeloop-tiny/encoder"]))
+
+
+def test_embedding_cache_serves_a_subset_without_reencoding(tmp_path):
+    from judgeloop.commands.train_retriever import encode_texts
+
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
+    cache = tmp_path / "cache"
+    full = encode_texts(enc, DOCS, 4, False, cache_dir=str(cache))
+    files = sorted(cache.glob("*.pt"))
+    assert len(files) == 1
+    sub = encode_texts(enc, DOCS[3:7], 4, False, cache_dir=str(cache))
+    torch.testing.assert_close(sub, full[3:7])
+    assert sorted(cache.glob("*.pt")) == files  # served from the full-corpus file
+    # a changed model (or max length) is a different fingerprint: never served stale embeddings
+    enc.max_length = 16
+    encode_texts(enc, DOCS[:2], 4, False, cache_dir=str(cache))
+    assert len(list(cache.glob("*.pt"))) == 2
+
+
+def test_max_corpus_docs_keeps_every_judged_document():
+    from judgeloop.commands.train_retriever import _shrink_corpus
+    from judgeloop.retrieval.beir import BeirData
+
+    corpus = {f"d{i}": {"title": "", "text": str(i)} for i in range(50)}
+    data = BeirData(corpus, {"a": "x", "b": "y"}, {"a": {"d40": 1}, "b": {"d41": 1, "d42": 0}})
+    train, held = _shrink_corpus(data.subset(["a"]), data.subset(["b"]), 10, "s")
+    assert train.corpus is held.corpus and len(train.corpus) == 10
+    assert {"d40", "d41", "d42"} <= set(train.corpus)

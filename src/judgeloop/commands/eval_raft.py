@@ -122,7 +122,9 @@ def _batched_last_logits(model: Any, tokenizer: Any, texts: Sequence[str], batch
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
             # logits_to_keep=1: only the last position goes through the LM head (V is ~50k for SmolLM2).
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[:, -1, :]
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[
+                :, -1, :
+            ]
         rows.append(torch.log_softmax(logits.float(), dim=-1))
     return torch.cat(rows)
 

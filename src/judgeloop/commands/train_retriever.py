@@ -407,7 +407,9 @@ def make_batches(
     batches: list[list[Example]] = []
     pending = order
     while pending:
-        batch, seen, rest = [], set(), []
+        batch: list[Example] = []
+        seen: set[str] = set()
+        rest: list[Example] = []
         for ex in pending:
             if len(batch) < batch_size and ex.query_id not in seen:
                 batch.append(ex)

@@ -322,7 +322,50 @@ def split_questions(
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP = frozenset(
-    ["a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "with", "which", "we", "our", "not", "no", "yes", "these", "those", "than", "there", "their", "been", "between", "after", "before", "during"]
+    [
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "by",
+        "for",
+        "from",
+        "has",
+        "have",
+        "in",
+        "is",
+        "it",
+        "its",
+        "of",
+        "on",
+        "or",
+        "that",
+        "the",
+        "this",
+        "to",
+        "was",
+        "were",
+        "with",
+        "which",
+        "we",
+        "our",
+        "not",
+        "no",
+        "yes",
+        "these",
+        "those",
+        "than",
+        "there",
+        "their",
+        "been",
+        "between",
+        "after",
+        "before",
+        "during",
+    ]
 )
 _SENT = re.compile(r"[^.!?]+(?:[.!?]+|$)")
 

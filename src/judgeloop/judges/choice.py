@@ -179,8 +179,7 @@ class ChoiceJudge(Judge):
         """Next-token logits at the answer position (the end of each prompt): (B, V).
 
         Without prefix reuse: one left-padded batch. With it: prompts are grouped by their shared
-        prefix; each group runs only its suffixes on a copy of the prefix's cache, left-padded after
-        the prefix (the padding holes are masked out and positions count real tokens only).
+        prefix, and each group runs only its suffixes on a copy of the prefix's cache.
         """
         if not self.prefix_cache_size:
             batch = {k: v.to(self.device) for k, v in pad_batch(seqs, self.pad_id, side="left").items()}
@@ -188,29 +187,38 @@ class ChoiceJudge(Judge):
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (ids, n) in enumerate(zip(seqs, prefix_lens)):
             groups.setdefault(tuple(ids[:n]), []).append(i)
-        out = torch.empty((len(seqs), 0))
+        parts: dict[int, torch.Tensor] = {}
         for prefix_t, rows in groups.items():
-            prefix = list(prefix_t)
-            suffixes = [seqs[i][len(prefix) :] for i in rows]
-            batch = pad_batch(suffixes, self.pad_id, side="left")
-            mask = torch.cat(
-                [torch.ones((len(rows), len(prefix)), dtype=torch.long), batch["attention_mask"]], 1
-            )
-            batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, len(prefix) :]
-            batch["attention_mask"] = mask
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            kwargs = self._model_kwargs(batch)
-            if prefix and self._cache_kw is not None:
-                cache = copy.deepcopy(self._prefix_cache(prefix))
-                if len(rows) > 1:
-                    cache.batch_repeat_interleave(len(rows))
-                kwargs[self._cache_kw] = cache
-                kwargs["use_cache"] = True
-            logits = self.model(**kwargs).logits[:, -1, :]  # (b, V)
-            if out.shape[1] == 0:
-                out = torch.empty((len(seqs), logits.shape[-1]), dtype=logits.dtype, device=logits.device)
-            out[rows] = logits
-        return out
+            n = len(prefix_t)
+            cache = self._prefix_cache(list(prefix_t)) if n else None
+            # a cache type that cannot be repeated along the batch gets one suffix per forward pass
+            one_by_one = cache is not None and not hasattr(cache, "batch_repeat_interleave")
+            for chunk in [[r] for r in rows] if one_by_one else [rows]:
+                logits = self._suffix_logits(cache, n, [seqs[i][n:] for i in chunk])  # (b, V)
+                parts.update(zip(chunk, logits))
+        return torch.stack([parts[i] for i in range(len(seqs))])
+
+    def _suffix_logits(self, cache: Any, n_prefix: int, suffixes: list[list[int]]) -> torch.Tensor:
+        """Answer-position logits (b, V) of each ``prefix + suffix``, given the prefix's cache.
+
+        Suffixes are left padded after the prefix: the padding holes are masked out and position
+        ids count real tokens only, so each row sees exactly its own unpadded prompt.
+        """
+        batch = pad_batch(suffixes, self.pad_id, side="left")
+        mask = torch.cat(
+            [torch.ones((len(suffixes), n_prefix), dtype=torch.long), batch["attention_mask"]], 1
+        )
+        batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, n_prefix:]
+        batch["attention_mask"] = mask  # (b, P + S)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        kwargs = self._model_kwargs(batch)
+        if cache is not None and self._cache_kw is not None:
+            cache = copy.deepcopy(cache)  # the forward pass appends to it
+            if len(suffixes) > 1:
+                cache.batch_repeat_interleave(len(suffixes))
+            kwargs[self._cache_kw] = cache
+            kwargs["use_cache"] = True
+        return self.model(**kwargs).logits[:, -1, :]
 
     def _score_ordered(self, pairs: Sequence[Pair]) -> tuple[list[float], list[str]]:
         scores = [float("nan")] * len(pairs)

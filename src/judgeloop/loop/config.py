@@ -181,6 +181,7 @@ class FeedbackLoopConfig:
     output_dir: str = "runs/feedback_loop"
     seed: int = 0
     cpu: bool = True
+    mixed_precision: Literal["no", "bf16"] = "no"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     data: DataConfig = field(

@@ -405,8 +405,18 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     """
     out_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
-        cpu=cfg.cpu, log_with=make_trackers(cfg.log_with, out_dir), project_dir=str(out_dir)
+        cpu=cfg.cpu,
+        mixed_precision=cfg.mixed_precision,
+        log_with=make_trackers(cfg.log_with, out_dir),
+        project_dir=str(out_dir),
     )
+    # bf16 autocast (when mixed_precision=bf16) covers generation, the reference pass and evaluation too,
+    # not only the prepared model's forward; master weights and optimizer state stay fp32.
+    with accelerator.autocast():
+        return _train(cfg, accelerator, out_dir)
+
+
+def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
     if accelerator.is_main_process:
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     accelerator.init_trackers("feedback_loop")

@@ -191,7 +191,8 @@ def split_queries(
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1); e.g. data.eval_fraction=0.2")
     first_for_text: dict[str, str] = {}
-    train, held = [], []
+    train: list[str] = []
+    held: list[str] = []
     for qid in query_ids:
         key = qid
         if queries is not None:

@@ -125,7 +125,8 @@ class BiEncoder(nn.Module):
 
     @property
     def dim(self) -> int:
-        return int(self.model.config.hidden_size)
+        config: Any = self.model.config
+        return int(config.hidden_size)
 
     @property
     def device(self) -> torch.device:
@@ -195,7 +196,7 @@ class BiEncoder(nn.Module):
         """Write weights, tokenizer and sentence-transformers module files to ``path`` (atomically)."""
         path = Path(path)
         with atomic_dir(path) as tmp:
-            model = self.model.module if hasattr(self.model, "module") else self.model
+            model: Any = getattr(self.model, "module", self.model)
             model.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             modules = [

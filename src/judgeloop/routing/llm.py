@@ -50,16 +50,24 @@ def chat_prompt(tokenizer: Any, text: str) -> str:
 
 
 def generate(
-    model: Any, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 16, batch_size: int = 8
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int = 16,
+    batch_size: int = 8,
+    desc: str = "generate",
 ) -> list[Generation]:
     """Greedy generation for chat ``prompts`` with per-token log-probabilities (left-padded batches)."""
     import torch
+    from tqdm.auto import tqdm
 
     tokenizer.padding_side = "left"
     eos = tokenizer.eos_token_id
     out: list[Generation] = []
     model.eval()
-    for start in range(0, len(prompts), batch_size):
+    for start in tqdm(
+        range(0, len(prompts), batch_size), desc=desc, unit="batch", disable=len(prompts) <= batch_size
+    ):
         batch = [chat_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
         t0 = time.perf_counter()
@@ -146,7 +154,7 @@ def probe(
     """Closed-book answers and confidences ``(Q,)`` (NaN = none)."""
     template = PROBE_LOGIT if kind == "logit" else PROBE_VERBAL
     prompts = [template.format(instruction=instruction, question=q) for q in questions]
-    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, desc="probe")
     answers, conf = [], np.full(len(gens), math.nan)
     for i, g in enumerate(gens):
         if kind == "logit":
@@ -176,5 +184,5 @@ def answer_with_passages(
         )
         for q, ps in zip(questions, passages)
     ]
-    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, desc="answer with passages")
     return [g.text for g in gens], gens
