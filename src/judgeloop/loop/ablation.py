@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from judgeloop.calibration import CalibrationError
 from judgeloop.config import replace
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
@@ -73,10 +74,25 @@ def run_ablation(cfg: FeedbackLoopConfig) -> dict[str, Any]:
 
     arms: dict[str, Any] = {}
     for arm in cfg.ablation.arms:
-        runs = []
+        runs, failed = [], []
         for seed in cfg.ablation.seeds:
             logger.info("ablation: arm=%s seed=%d", arm, seed)
-            runs.append(train(arm_config(cfg, arm, seed)))
+            try:
+                runs.append(train(arm_config(cfg, arm, seed)))
+            except CalibrationError as err:  # a failed run is reported as failed, never as numbers
+                logger.error("ablation: arm=%s seed=%d failed: %s", arm, seed, err)
+                failed.append({"seed": seed, "error": str(err)})
+        if not runs:
+            arms[arm] = {
+                "failed": failed,
+                "final": {m: summarize([]) for m in FINAL_METRICS},
+                "num_refits": 0,
+                "num_refits_per_seed": [],
+                "refits": [],
+                "kept_steps": [],
+                "curves": [],
+            }
+            continue
         final = {m: summarize([r["final"].get(m) for r in runs]) for m in FINAL_METRICS}
         refits = [r["refits"] for r in runs]
         arms[arm] = {
@@ -85,6 +101,7 @@ def run_ablation(cfg: FeedbackLoopConfig) -> dict[str, Any]:
             "num_refits_per_seed": [r["num_refits"] for r in runs],
             "refits": refits,
             "kept_steps": [r["kept_step"] for r in runs],
+            "failed": failed,
             "curves": [
                 {
                     "seed": r["seed"],

@@ -404,11 +404,11 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     ``report.json`` (final metrics of the kept policy, curves, refits, early-stopping decision).
     """
     out_dir = Path(cfg.output_dir)
+    # mixed_precision is passed only when asked for: accelerate refuses to re-set it once its process-wide
+    # state exists (e.g. a second run in the same process, as in the ablation).
+    amp = {} if cfg.mixed_precision == "no" else {"mixed_precision": cfg.mixed_precision}
     accelerator = Accelerator(
-        cpu=cfg.cpu,
-        mixed_precision=cfg.mixed_precision,
-        log_with=make_trackers(cfg.log_with, out_dir),
-        project_dir=str(out_dir),
+        cpu=cfg.cpu, log_with=make_trackers(cfg.log_with, out_dir), project_dir=str(out_dir), **amp
     )
     # bf16 autocast (when mixed_precision=bf16) covers generation, the reference pass and evaluation too,
     # not only the prepared model's forward; master weights and optimizer state stay fp32.
