@@ -442,3 +442,12 @@ def test_choice_judge_with_smollm2():
     assert np.all(np.isfinite(out.scores)) and np.all(np.isfinite(out.reverse))
     assert math.isfinite(out.position_bias())
     assert 0.0 < judge.mean_verdict_mass <= 1.0
+
+
+def test_embedding_cache_size_zero_keeps_nothing():
+    from judgeloop.judges import JudgeConfig, build_judge
+
+    judge = build_judge(JudgeConfig(type="embedding", model="judgeloop-tiny/encoder", cache_size=0))
+    out = judge(["The council met."], ["The council met today."], ["Fans cheered."])
+    assert out.valid.all()
+    assert len(judge._embeddings) == 0

@@ -119,7 +119,9 @@ class EmbeddingJudge(PointwiseJudge):
                 status = "ok" if n <= self.max_length else ("truncated" if is_target else "too_long")
                 self._embeddings[(text, is_target)] = (vec, status)
         result = [self._embeddings[(t, is_target)] for t in texts]
-        while self.cache_size and len(self._embeddings) > max(self.cache_size, len(texts)):
+        if not self.cache_size:  # cache disabled: keep embeddings only for the duration of this call
+            self._embeddings.clear()
+        while len(self._embeddings) > self.cache_size:
             self._embeddings.popitem(last=False)
         return result
 
