@@ -110,7 +110,15 @@ def test_soft_dpo_matches_trl_sigmoid_loss_at_p_0_and_1(tmp_path):
         with torch.no_grad():
             return float(trainer.compute_loss(trainer.model, batch)), batch
 
-    loss_p1, batch = trl_loss(row)
+    try:
+        loss_p1, batch = trl_loss(row)
+        loss_swapped, _ = trl_loss({**row, "chosen": row["rejected"], "rejected": row["chosen"]})
+    finally:
+        # TRL's trainer leaves accelerate's process-wide state behind; reset it so later tests start clean.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     ids, cm = batch["input_ids"], batch["completion_mask"]
     prompt = [ids[0][cm[0] == 0].tolist()]
     chosen = [ids[0][cm[0] == 1].tolist()]
@@ -126,7 +134,6 @@ def test_soft_dpo_matches_trl_sigmoid_loss_at_p_0_and_1(tmp_path):
     # their loss (TRL's fused log-prob head), so agreement is checked at 1e-3.
     ours_p1 = soft_dpo_loss(h, torch.ones(1), beta).item()
     assert ours_p1 == pytest.approx(loss_p1, abs=1e-3)
-    loss_swapped, _ = trl_loss({**row, "chosen": row["rejected"], "rejected": row["chosen"]})
     ours_p0 = soft_dpo_loss(h, torch.zeros(1), beta).item()
     assert ours_p0 == pytest.approx(loss_swapped, abs=1e-3)
     assert abs(ours_p0 - ours_p1) > 1e-2  # the two checks are not the same number

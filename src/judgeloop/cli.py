@@ -53,14 +53,18 @@ def resolve_command(name: str) -> tuple[type, Any]:
 
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise SystemExit(f"judgeloop: unknown command '{name}'{hint} (commands: {', '.join(sorted(COMMANDS))})")
+        raise SystemExit(
+            f"judgeloop: unknown command '{name}'{hint} (commands: {', '.join(sorted(COMMANDS))})"
+        )
     module_name, cls_name, fn_name = COMMANDS[name].split(":")
     module = importlib.import_module(module_name)
     return getattr(module, cls_name), getattr(module, fn_name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="judgeloop", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="judgeloop", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in sorted(COMMANDS):
         p = sub.add_parser(name, help=HELP.get(name, ""))

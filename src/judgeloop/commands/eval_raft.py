@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
-import string
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from judgeloop.data.raft import (
 )
 from judgeloop.io import atomic_write_json, atomic_write_text, read_jsonl
 from judgeloop.logging import get_logger
+from judgeloop.metrics.qa import exact_match, token_f1
 
 logger = get_logger(__name__)
 
@@ -176,30 +175,6 @@ def score_choices(
             # token full[k] is predicted at position k - 1
             out[i, j] = sum(float(lp[k - 1, full[k]]) for k in range(len(base), len(full)))
     return out
-
-
-def _normalize_answer(s: str) -> str:
-    """SQuAD normalization: lower case, drop punctuation, articles and extra whitespace."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def exact_match(prediction: str, gold: str) -> float:
-    return float(_normalize_answer(prediction) == _normalize_answer(gold))
-
-
-def token_f1(prediction: str, gold: str) -> float:
-    """SQuAD token F1 between normalized prediction and gold."""
-    p, g = _normalize_answer(prediction).split(), _normalize_answer(gold).split()
-    if not p or not g:
-        return float(p == g)
-    common = sum((Counter(p) & Counter(g)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(p), common / len(g)
-    return 2 * precision * recall / (precision + recall)
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
