@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     schema, run = resolve_command(args.command)
     try:
-        cfg = load_config(schema, args.config, args.overrides)
+        cfg: Any = load_config(schema, args.config, args.overrides)
     except ConfigError as err:
         sys.stderr.write(f"judgeloop {args.command}: config error: {err}\n")
         return 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 FIRST = [
     "Amira",
@@ -107,7 +108,7 @@ def _person(rng: random.Random) -> str:
     return f"{rng.choice(FIRST)} {rng.choice(LAST)}"
 
 
-def _council(rng: random.Random) -> dict[str, str]:
+def _council(rng: random.Random) -> dict[str, Any]:
     town = rng.choice(TOWNS)
     thing = rng.choice(
         [
@@ -142,7 +143,7 @@ def _council(rng: random.Random) -> dict[str, str]:
     return {"domain": "council", "sentences": sentences, "neutral": neutral}
 
 
-def _sport(rng: random.Random) -> dict[str, str]:
+def _sport(rng: random.Random) -> dict[str, Any]:
     a, b = rng.sample(TOWNS, 2)
     sport = rng.choice(["football", "hockey", "rugby", "handball"])
     sa, sb = rng.randint(1, 6), rng.randint(0, 5)
@@ -168,7 +169,7 @@ def _sport(rng: random.Random) -> dict[str, str]:
     return {"domain": "sport", "sentences": sentences, "neutral": neutral}
 
 
-def _science(rng: random.Random) -> dict[str, str]:
+def _science(rng: random.Random) -> dict[str, Any]:
     lead = _person(rng)
     town = rng.choice(TOWNS)
     subject = rng.choice(
@@ -208,7 +209,7 @@ def _science(rng: random.Random) -> dict[str, str]:
     return {"domain": "science", "sentences": sentences, "neutral": neutral}
 
 
-def _business(rng: random.Random) -> dict[str, str]:
+def _business(rng: random.Random) -> dict[str, Any]:
     firm = rng.choice(
         [
             "Brask Instruments",
@@ -251,7 +252,7 @@ def _business(rng: random.Random) -> dict[str, str]:
     return {"domain": "business", "sentences": sentences, "neutral": neutral}
 
 
-def _weather(rng: random.Random) -> dict[str, str]:
+def _weather(rng: random.Random) -> dict[str, Any]:
     town = rng.choice(TOWNS)
     event = rng.choice(["a storm", "heavy snowfall", "a heatwave", "flash flooding", "gale-force winds"])
     homes = rng.randint(1, 90) * 10
@@ -269,7 +270,7 @@ def _weather(rng: random.Random) -> dict[str, str]:
     return {"domain": "weather", "sentences": sentences, "neutral": neutral}
 
 
-def _culture(rng: random.Random) -> dict[str, str]:
+def _culture(rng: random.Random) -> dict[str, Any]:
     artist = _person(rng)
     town = rng.choice(TOWNS)
     work = rng.choice(
