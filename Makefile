@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.judgeloop-installed
 
-.PHONY: demo test install lint clean
+.PHONY: demo calibration-demo test install lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,8 +21,13 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# The main job: the raw-vs-calibrated feedback-loop ablation on the embedded corpus (about 12 minutes on 2 CPU cores).
 demo: $(STAMP)
-	$(VENV)/bin/judgeloop calibrate --config configs/calibrate/embedded_embedding.yaml output_dir=runs/demo
+	$(VENV)/bin/judgeloop ablate --config configs/feedback_loop/quickstart.yaml output_dir=runs/demo
+
+# The judge calibration lab on the embedded corpus (under a minute).
+calibration-demo: $(STAMP)
+	$(VENV)/bin/judgeloop calibrate --config configs/calibrate/embedded_embedding.yaml output_dir=runs/calibration_demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
