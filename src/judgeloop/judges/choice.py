@@ -25,8 +25,8 @@ import torch
 
 from judgeloop.judges.base import Judge, Pair
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch, resolve_device
-from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.judges.tokens import fit_article, forward_accepts, load_judge_model, pad_batch, resolve_device
+from judgeloop.models import load_causal_lm
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -86,14 +86,9 @@ class ChoiceJudge(Judge):
         prefix_cache_size: int = 4,
     ):
         self.prompt = get_prompt(prompt)
-        if isinstance(model, str):
-            model_name = model
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-            model = load_causal_lm(model, dtype=dtype)
-        else:
-            model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-            if tokenizer is None:
-                raise ValueError("ChoiceJudge got a loaded model but no tokenizer; pass tokenizer=...")
+        model, tokenizer, model_name = load_judge_model(
+            model, tokenizer, load_causal_lm, dtype, "ChoiceJudge"
+        )
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer

@@ -14,8 +14,8 @@ import torch
 from judgeloop.judges.base import PointwiseJudge
 from judgeloop.judges.choice import DEFAULT_MODEL
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch, resolve_device
-from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.judges.tokens import fit_article, forward_accepts, load_judge_model, pad_batch, resolve_device
+from judgeloop.models import load_causal_lm
 
 
 class LikelihoodJudge(PointwiseJudge):
@@ -42,14 +42,9 @@ class LikelihoodJudge(PointwiseJudge):
         cache_size: int = 100_000,
     ):
         self.prompt = get_prompt(prompt)
-        if isinstance(model, str):
-            model_name = model
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-            model = load_causal_lm(model, dtype=dtype)
-        else:
-            model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-            if tokenizer is None:
-                raise ValueError("LikelihoodJudge got a loaded model but no tokenizer; pass tokenizer=...")
+        model, tokenizer, model_name = load_judge_model(
+            model, tokenizer, load_causal_lm, dtype, "LikelihoodJudge"
+        )
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer

@@ -15,8 +15,8 @@ import torch
 
 from judgeloop.judges.base import PointwiseJudge
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch, resolve_device
-from judgeloop.models import load_sequence_classifier, load_tokenizer
+from judgeloop.judges.tokens import fit_article, forward_accepts, load_judge_model, pad_batch, resolve_device
+from judgeloop.models import load_sequence_classifier
 
 
 class RewardModelJudge(PointwiseJudge):
@@ -42,14 +42,10 @@ class RewardModelJudge(PointwiseJudge):
         cache_size: int = 100_000,
     ):
         self.prompt = get_prompt(prompt)
-        if isinstance(model, str):
-            model_name = model
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-            model = load_sequence_classifier(model, num_labels=1, dtype=dtype)
-        else:
-            model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-            if tokenizer is None:
-                raise ValueError("RewardModelJudge got a loaded model but no tokenizer; pass tokenizer=...")
+        # num_labels defaults to 1 in load_sequence_classifier: a scalar head
+        model, tokenizer, model_name = load_judge_model(
+            model, tokenizer, load_sequence_classifier, dtype, "RewardModelJudge"
+        )
         num_labels = getattr(model.config, "num_labels", 1)
         if num_labels != 1:
             raise ValueError(

@@ -95,3 +95,18 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"judge.device={device!r} but MPS is not available; use judge.device=cpu")
     return dev
+
+
+def load_judge_model(
+    model: str | Any, tokenizer: Any, loader: Callable[..., Any], dtype: str, judge: str
+) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, name)`` for a judge given a hub id / path, or an already loaded model + tokenizer."""
+    from judgeloop.models import load_tokenizer
+
+    if isinstance(model, str):
+        tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+        return loader(model, dtype=dtype), tok, model
+    if tokenizer is None:
+        raise ValueError(f"{judge} got a loaded model but no tokenizer; pass tokenizer=...")
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return model, tokenizer, name
