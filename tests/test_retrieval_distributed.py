@@ -32,6 +32,9 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
         loss.backward()
         out = {"loss": loss.detach(), "q": q.grad, "p": p.grad, "n": n.grad}
         torch.save(out, f"{out_file}.{symmetric}.{rank}")
+    # Both ranks finish their backward collectives before either tears gloo down; without this a rank that
+    # exits first can abort its peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
