@@ -74,7 +74,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
     from judgeloop.loop.policy import load_policy
     from judgeloop.loop.recalibration import build_calibrator, calibrate
     from judgeloop.loop.rollout import rollout
-    from judgeloop.loop.runner import judge_step, make_optimizer, policy_update
+    from judgeloop.loop.runner import JudgePrefetch, judge_step, make_optimizer, policy_update
 
     cfg = _cfg(args)
     exs, builder, _ = _prompts(cfg, args.batch_size * (args.steps + 1))
@@ -85,12 +85,19 @@ def worker_ours(args: argparse.Namespace) -> dict:
     opt, sched = make_optimizer(model, cfg)
     model, opt, sched = acc.prepare(model, opt, sched)
     times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
+    # as in the loop (runner._train): the next batch's article embeddings are computed on a background
+    # thread while this batch generates and updates (``judge_prefetch``; --no-prefetch turns it off)
+    prefetch = JudgePrefetch(judge, enabled=not args.no_prefetch)
+    prefetch.start(exs[: args.batch_size])
     for step in range(args.steps + 1):
         batch = exs[step * args.batch_size : (step + 1) * args.batch_size]
         t0 = time.perf_counter()
         roll = rollout(model, tok, builder, [e.article for e in batch], cfg.generation, seed=step)
         t1 = time.perf_counter()
+        prefetch.wait()
         judged = judge_step(judge, batch, roll)
+        if step < args.steps:
+            prefetch.start(exs[(step + 1) * args.batch_size : (step + 2) * args.batch_size])
         p = calibrate(cal, judged.scores, roll.articles, roll.a_text, roll.b_text)
         t2 = time.perf_counter()
         targets, mask = targets_from_probs(torch.tensor(p, dtype=torch.float32), "hard")
@@ -114,6 +121,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
             phases["rollout"] += t1 - t0
             phases["judge"] += t2 - t1
             phases["update"] += t3 - t2
+    prefetch.close()
     return {"step_times": times, "phases_s": phases, "peak_rss_mb": _peak_rss_mb()}
 
 
@@ -202,6 +210,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--json", default=None, help="write {ours, peer, ratio} here")
+    ap.add_argument("--no-prefetch", action="store_true", help="ours without the judge prefetch thread")
     ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -230,7 +239,7 @@ def main() -> int:
                     str(args.batch_size),
                     "--max-new-tokens",
                     str(args.max_new_tokens),
-                ]
+                ] + (["--no-prefetch"] if args.no_prefetch else [])
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
                 print(
@@ -266,6 +275,7 @@ def main() -> int:
                     "repeats": args.repeats,
                     "batch_size": args.batch_size,
                     "max_new_tokens": args.max_new_tokens,
+                    "prefetch": not args.no_prefetch,
                 },
             },
         )

@@ -451,3 +451,40 @@ def test_embedding_cache_size_zero_keeps_nothing():
     out = judge(["The council met."], ["The council met today."], ["Fans cheered."])
     assert out.valid.all()
     assert len(judge._embeddings) == 0
+
+
+# --- prepare: summary-independent work ahead of time -------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["article", "references"])
+def test_prepare_moves_work_but_not_scores(tok, causal, encoder, target):
+    import threading
+
+    arts = [
+        f"Article {i} about the council meeting on road repairs and the budget for {i} towns."
+        for i in range(6)
+    ]
+    refs = [(f"The council discussed roads in {i} towns.",) for i in range(6)]
+    a = [f"Council meets about roads {i}." for i in range(6)]
+    b = [f"Budget for {i} towns was set." for i in range(6)]
+    plain = EmbeddingJudge(encoder, tokenizer=tok, target=target)
+    expected = plain(arts, a, b, refs).scores
+
+    judge = EmbeddingJudge(encoder, tokenizer=tok, target=target)
+    assert judge.can_prepare
+    judge.prepare(arts[:3], refs[:3])
+    targets = arts[:3] if target == "article" else [r[0] for r in refs[:3]]
+    assert all((t, True) in judge._embeddings for t in targets)
+    # a concurrent prepare of the other half while scoring: the lock serializes them, scores are identical
+    th = threading.Thread(target=judge.prepare, args=(arts[3:], refs[3:]))
+    th.start()
+    got = judge(arts, a, b, refs).scores
+    th.join()
+    np.testing.assert_array_equal(got, expected)
+    # nothing to prepare when the cache is off; the base judge has no prepare step
+    off = EmbeddingJudge(encoder, tokenizer=tok, target=target, cache_size=0)
+    off.prepare(arts, refs)
+    assert not off._embeddings
+    assert not ChoiceJudge(causal, tokenizer=tok).can_prepare
+    with pytest.raises(ValueError, match="reference lists"):
+        judge.prepare(arts, refs[:2])

@@ -415,3 +415,91 @@ def test_exact_resume_after_interruption(tmp_path):
         _same(r, f)
     assert full["num_refits"] == 2
     assert (tmp_path / "cut" / "report.json").is_file()
+
+
+def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
+    """The next batch's article embeddings computed on a background thread give the same run."""
+    from judgeloop.loop.runner import train
+
+    cached = [o for o in FAST if not o.startswith("judge.cache_size")] + [
+        "num_steps=3",
+        "eval_every_n_steps=0",
+    ]
+    runs = {
+        on: train(
+            load_config(
+                FeedbackLoopConfig,
+                TINY,
+                [*cached, f"output_dir={tmp_path / str(on)}", f"judge_prefetch={on}"],
+            )
+        )
+        for on in (True, False)
+    }
+    assert runs[True]["steps_run"] == runs[False]["steps_run"] == 3
+    for r, f in zip(runs[True]["train_log"], runs[False]["train_log"], strict=True):
+        _same(r, f)
+    _same(runs[True]["final"], runs[False]["final"])
+
+
+def test_early_stopping_unit():
+    """Patience counts evaluations without improvement; the best policy is saved when validation improves."""
+    from accelerate import Accelerator
+
+    from judgeloop.loop.runner import LoopState, early_stopping
+    from judgeloop.models import load_causal_lm
+
+    acc = Accelerator(cpu=True)
+    model = load_causal_lm("judgeloop-tiny/causal-lm")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}", "early_stopping_patience=2"])
+        state = LoopState()
+        decisions = [
+            early_stopping({"val_rouge_l_neutral": v, "step": s}, state, cfg, acc, model)
+            for s, v in [(0, 0.10), (2, 0.20), (4, 0.15), (6, 0.20), (8, 0.19)]
+        ]
+        assert decisions == [False, False, False, True, True]  # 0.20 again is not an improvement
+        assert (state.best_step, state.best_val, state.bad_evals) == (2, 0.20, 3)
+        assert (Path(out) / "best_policy" / "policy.safetensors").is_file()
+        # patience 0 never stops and saves nothing
+        cfg0 = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}/off"])
+        s0 = LoopState()
+        assert not any(
+            early_stopping({"val_rouge_l_neutral": v, "step": i}, s0, cfg0, acc, model)
+            for i, v in enumerate([0.3, 0.1, 0.1, 0.1])
+        )
+        assert not (Path(out) / "off" / "best_policy").exists()
+
+
+def test_early_stopping_restores_the_best_validation_policy(tmp_path):
+    """A learning rate far too high makes validation ROUGE-L fall: the run stops early, keeps the best
+    validation step (chosen without the test split), and exports that policy, not the last one."""
+    from safetensors.torch import load_file
+
+    from judgeloop.loop.runner import train
+
+    over = [
+        *FAST,
+        f"output_dir={tmp_path}",
+        "num_steps=8",
+        "eval_every_n_steps=1",
+        "early_stopping_patience=2",
+        "optim.lr=0.3",
+        "calibration.recalibrate_every_n_steps=0",
+    ]
+    rep = train(load_config(FeedbackLoopConfig, TINY, over))
+    vals = [(h["step"], h["val_rouge_l_neutral"]) for h in rep["history"]]
+    best_step, best_val = max(vals, key=lambda sv: (sv[1], -sv[0]))
+    assert rep["stopped_early"] and rep["steps_run"] < 8
+    assert rep["kept_step"] == best_step and rep["kept_step"] != rep["steps_run"]
+    assert rep["final"]["step"] == best_step and rep["final"]["val_rouge_l_neutral"] == best_val
+    # exactly `patience` evaluations without improvement after the best one
+    assert sum(1 for s, _ in vals if s > best_step) == 2
+    assert "best validation ROUGE-L" in rep["kept_reason"]
+    # the exported policy is the best checkpoint's weights
+    best = load_file(str(tmp_path / "best_policy" / "policy.safetensors"))
+    exported = load_file(str(tmp_path / "policy" / "model.safetensors"))
+    for k, v in best.items():
+        torch.testing.assert_close(exported[k], v, rtol=0, atol=0)
+    assert (tmp_path / "policy" / "calibrator.json").is_file()

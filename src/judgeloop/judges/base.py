@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -137,11 +138,33 @@ class Judge:
         self.cache_size = cache_size
         self._cache: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.stats = JudgeStats()
+        # one caller at a time: the training loop may run :meth:`prepare` on a background thread
+        self._lock = threading.RLock()
 
     # --- to implement -------------------------------------------------------------------------
     def _score_ordered(self, pairs: Sequence[Pair]) -> tuple[list[float], list[str]]:
         """Raw logit per pair for the order given (positive = ``a``), and a status per pair."""
         raise NotImplementedError
+
+    def _prepare(self, articles: Sequence[str], references: Sequence[tuple[str, ...]]) -> None:
+        """Precompute (and cache) the summary-independent work for these articles. Default: nothing."""
+
+    @property
+    def can_prepare(self) -> bool:
+        """True when :meth:`prepare` does real work (a subclass overrides :meth:`_prepare`)."""
+        return type(self)._prepare is not Judge._prepare
+
+    def prepare(self, articles: Sequence[str], references: Sequence[Sequence[str]] | None = None) -> None:
+        """Do ahead of time what a later :meth:`score` on these articles would do whatever the summaries:
+        an embedding judge embeds the articles (or references). Scores are unchanged; only the work
+        moves, so a training loop can run it on a background thread while the policy updates.
+        Thread-safe against :meth:`score`.
+        """
+        refs = [tuple(r) for r in references] if references is not None else [()] * len(articles)
+        if len(refs) != len(articles):
+            raise ValueError(f"prepare got {len(refs)} reference lists for {len(articles)} articles")
+        with self._lock:
+            self._prepare(articles, refs)
 
     # --- shared machinery ---------------------------------------------------------------------
     def _key(self, p: Pair) -> str:
@@ -193,7 +216,10 @@ class Judge:
             :class:`JudgeOutput` with ``scores`` (positive = ``a`` preferred), per-item ``status``,
             and the per-order scores ``forward`` / ``reverse``.
         """
-        pairs = list(pairs)
+        with self._lock:
+            return self._score(list(pairs))
+
+    def _score(self, pairs: list[Pair]) -> JudgeOutput:
         if not self.position_debias:
             forward, st_f = self._score_with_cache(pairs)
             out = JudgeOutput(scores=forward.copy(), status=st_f, forward=forward)

@@ -125,6 +125,14 @@ class EmbeddingJudge(PointwiseJudge):
             self._embeddings.popitem(last=False)
         return result
 
+    def _prepare(self, articles: Sequence[str], references: Sequence[tuple[str, ...]]) -> None:
+        if not self.cache_size:  # nothing would survive until the judge call
+            return
+        if self.target == "references":
+            self.embed([r for refs in references for r in refs], is_target=True)
+        else:
+            self.embed(list(articles), is_target=True)
+
     def _score_ordered(self, pairs: Sequence[Pair]) -> tuple[list[float], list[str]]:
         if self.target == "references":
             missing = sum(1 for p in pairs if not p.references)

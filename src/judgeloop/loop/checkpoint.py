@@ -38,6 +38,16 @@ def save_policy(path: str | Path, model: Any) -> None:
         save_file(trainable_state(model), str(tmp / "policy.safetensors"))
 
 
+def export_policy(path: str | Path, model: Any, tokenizer: Any, calibrator_state: dict[str, Any]) -> None:
+    """The trained policy in the ``transformers`` / ``peft`` layout (``from_pretrained`` loads it: the
+    LoRA adapters under LoRA, the full model otherwise), its tokenizer, and the final calibrator.
+    Written atomically."""
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        atomic_write_json(tmp / "calibrator.json", calibrator_state)
+
+
 def load_policy_weights(path: str | Path, model: Any) -> None:
     load_trainable_state(model, load_file(str(Path(path) / "policy.safetensors")))
 

@@ -176,6 +176,9 @@ class FeedbackLoopConfig:
     """Everything one run of the calibrated feedback loop needs.
 
     ``batch_size`` is the number of train articles *per process* per step (two samples each).
+    ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
+    judge's article embeddings) on a background thread during the policy update; scores are the same.
+    ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     """
 
     output_dir: str = "runs/feedback_loop"
@@ -197,6 +200,8 @@ class FeedbackLoopConfig:
     eval_every_n_steps: int = 10
     save_every_n_steps: int = 0
     early_stopping_patience: int = 0
+    judge_prefetch: bool = True
+    save_final_policy: bool = True
     num_eval_articles: int = 32
     num_validation_articles: int = 16
     eval_batch_size: int = 16

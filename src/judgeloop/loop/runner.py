@@ -14,6 +14,7 @@ Runs unchanged under ``accelerate launch`` (each process takes its share of ever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -32,7 +33,13 @@ from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.io import atomic_write_json, atomic_write_text
 from judgeloop.judges import Judge, build_judge
 from judgeloop.logging import get_logger
-from judgeloop.loop.checkpoint import load_checkpoint, load_policy_weights, save_checkpoint, save_policy
+from judgeloop.loop.checkpoint import (
+    export_policy,
+    load_checkpoint,
+    load_policy_weights,
+    save_checkpoint,
+    save_policy,
+)
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
 from judgeloop.loop.evaluation import aggregate, evaluate_shard, greedy_summaries, validation_rouge_l
 from judgeloop.loop.losses import (
@@ -125,18 +132,84 @@ def shard(items: Sequence[Any], accelerator: Accelerator) -> list[Any]:
     return list(items[accelerator.process_index :: accelerator.num_processes])
 
 
+def _batch_at(
+    epoch: int, cursor: int, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
+) -> tuple[list[SummExample], int, int]:
+    """This process's share of the global batch at (epoch, cursor), and the (epoch, cursor) after it."""
+    global_bs = cfg.batch_size * accelerator.num_processes
+    if cursor + global_bs > len(train):
+        epoch, cursor = epoch + 1, 0
+    order = np.random.RandomState(derive_seed(cfg.seed, "order", epoch)).permutation(len(train))
+    idx = order[cursor : cursor + global_bs]
+    mine = idx[accelerator.process_index * cfg.batch_size : (accelerator.process_index + 1) * cfg.batch_size]
+    return [train[i] for i in mine], epoch, cursor + global_bs
+
+
 def next_batch(
     state: LoopState, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
 ) -> list[SummExample]:
     """This process's share of the next global batch (a seeded permutation per epoch; the cursor is checkpointed)."""
-    global_bs = cfg.batch_size * accelerator.num_processes
-    if state.cursor + global_bs > len(train):
-        state.epoch, state.cursor = state.epoch + 1, 0
-    order = np.random.RandomState(derive_seed(cfg.seed, "order", state.epoch)).permutation(len(train))
-    idx = order[state.cursor : state.cursor + global_bs]
-    state.cursor += global_bs
-    mine = idx[accelerator.process_index * cfg.batch_size : (accelerator.process_index + 1) * cfg.batch_size]
-    return [train[i] for i in mine]
+    batch, state.epoch, state.cursor = _batch_at(state.epoch, state.cursor, train, cfg, accelerator)
+    return batch
+
+
+def peek_batch(
+    state: LoopState, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
+) -> list[SummExample]:
+    """The batch :func:`next_batch` will return next, without moving the cursor."""
+    return _batch_at(state.epoch, state.cursor, train, cfg, accelerator)[0]
+
+
+class JudgePrefetch:
+    """The summary-independent half of step 2, one step ahead.
+
+    While the policy generates and updates on batch t, a background thread lets the judge do for
+    batch t+1 what does not depend on the summaries (an embedding judge embeds the articles or
+    references, :meth:`Judge.prepare`). The judge call of step t+1 then finds that work cached.
+    Scores are unchanged (same texts, same batching); only when the work runs moves. The thread
+    re-enters the caller's autocast state, since autocast is thread-local. A no-op for judges with
+    nothing to prepare, or with ``enabled=False``.
+    """
+
+    def __init__(self, judge: Judge, enabled: bool = True):
+        self.judge = judge
+        self._pool = None
+        if enabled and judge.can_prepare:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge-prefetch")
+        self._future: Any = None
+
+    def start(self, batch: Sequence[SummExample]) -> None:
+        """Begin preparing ``batch`` in the background (after waiting for any earlier request)."""
+        if self._pool is None or not batch:
+            return
+        self.wait()
+        autocast = [
+            (dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)
+        ]
+        articles = [e.article for e in batch]
+        refs = [tuple(e.neutral) for e in batch]
+
+        def work() -> None:
+            with contextlib.ExitStack() as stack:
+                for dev, dtype in autocast:
+                    stack.enter_context(torch.autocast(dev, dtype=dtype))
+                self.judge.prepare(articles, refs)
+
+        self._future = self._pool.submit(work)
+
+    def wait(self) -> None:
+        """Block until the pending request is done (re-raising its error, if any)."""
+        if self._future is not None:
+            future, self._future = self._future, None
+            future.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._future = None
 
 
 # --- the five steps -------------------------------------------------------------------------------
@@ -401,7 +474,8 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     """Run the feedback loop described by ``cfg``; returns (and writes) the run report.
 
     Writes under ``cfg.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_N``,
-    ``report.json`` (final metrics of the kept policy, curves, refits, early-stopping decision).
+    ``report.json`` (final metrics of the kept policy, curves, refits, early-stopping decision) and
+    ``policy/`` (the kept policy, its tokenizer and the final calibrator, when ``save_final_policy``).
     """
     out_dir = Path(cfg.output_dir)
     # mixed_precision is passed only when asked for: accelerate refuses to re-set it once its process-wide
@@ -508,6 +582,9 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
 
         bar = tqdm(total=cfg.num_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
     steps_this_run = 0
+    prefetch = JudgePrefetch(train_judge, cfg.judge_prefetch)
+    if state.step < cfg.num_steps:
+        prefetch.start(peek_batch(state, splits.train, cfg, accelerator))  # overlaps the first rollout
     while state.step < cfg.num_steps and not state.stopped_early:
         step = state.step + 1
         batch = next_batch(state, splits.train, cfg, accelerator)
@@ -519,7 +596,10 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
             cfg.generation,
             seed=derive_seed(cfg.seed, "rollout", step, accelerator.process_index),
         )
+        prefetch.wait()
         judged = judge_step(train_judge, batch, roll)
+        if step < cfg.num_steps:  # the next batch's article-side judge work runs during this update
+            prefetch.start(peek_batch(state, splits.train, cfg, accelerator))
         p = calibrate(calibrator, judged.scores, roll.articles, roll.a_text, roll.b_text)
         targets, mask = targets_from_probs(
             torch.tensor(p, dtype=torch.float32), cfg.loss.target, cfg.loss.margin
@@ -581,6 +661,7 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", kl=f"{stats['kl']:.3f}")
         if interrupted and state.step < cfg.num_steps:
+            prefetch.close()
             if bar is not None:
                 bar.close()
             accelerator.end_training()
@@ -589,6 +670,7 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
                 "step": state.step,
                 "checkpoint": str(out_dir / "checkpoints" / f"step_{state.step}"),
             }
+    prefetch.close()
     if bar is not None:
         bar.close()
 
@@ -623,6 +705,10 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         "prompts_truncated": build_prompt.num_truncated,
     }
     if accelerator.is_main_process:
+        if cfg.save_final_policy:
+            export_policy(
+                out_dir / "policy", accelerator.unwrap_model(model), tokenizer, calibrator.state_dict()
+            )
         atomic_write_json(out_dir / "report.json", report)
     accelerator.end_training()
     return report
