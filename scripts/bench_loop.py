@@ -10,6 +10,10 @@ hard targets from the raw judge (the ``raw`` arm with ``loss.target=hard``, no e
 recalibration) to do the same work. Each measurement runs in a fresh subprocess (peak RSS is per
 process), alternating ours and TRL's; the first step of each run is warm-up and not timed.
 Prints median step time, prompts/s and peak RSS for each and the ratios ours / peer.
+
+``--config configs/feedback_loop/quickstart.yaml`` runs the same comparison at the quickstart's scale:
+SmolLM2-135M-Instruct with LoRA on both sides (TRL gets the same ``peft_config`` and, like our loop,
+uses the base with adapters disabled as its reference); samples then stop at EOS on both sides.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def _cfg(args: argparse.Namespace):
 
     return load_config(
         FeedbackLoopConfig,
-        CONFIG,
+        args.config,
         [
             "policy.sft_steps=0",
             f"batch_size={args.batch_size}",
@@ -137,8 +141,23 @@ def worker_peer(args: argparse.Namespace) -> dict:
 
     cfg = _cfg(args)
     exs, builder, tok = _prompts(cfg, args.batch_size * (args.steps + 1))
-    model, tok, _ = load_policy(cfg.policy, 0)
-    ref = copy.deepcopy(model).eval()
+    peft_config = None
+    if cfg.policy.lora:  # TRL gets the same LoRA set-up; its reference is then the base with adapters off
+        from peft import LoraConfig
+
+        from judgeloop.models import load_causal_lm
+
+        model, ref = load_causal_lm(cfg.policy.model, dtype=cfg.policy.dtype), None
+        peft_config = LoraConfig(
+            r=cfg.policy.lora_r,
+            lora_alpha=cfg.policy.lora_alpha,
+            lora_dropout=cfg.policy.lora_dropout,
+            target_modules=list(cfg.policy.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+    else:
+        model, tok, _ = load_policy(cfg.policy, 0)
+        ref = copy.deepcopy(model).eval()
     judge = build_judge(cfg.judge)
 
     def judge_reward(prompts, completions, article, **kwargs):
@@ -184,6 +203,7 @@ def worker_peer(args: argparse.Namespace) -> dict:
             args=targs,
             train_dataset=ds,
             processing_class=tok,
+            peft_config=peft_config,
             callbacks=[Timer()],
         )
         trainer.train()
@@ -205,6 +225,7 @@ def summarize(runs: list[dict], batch_size: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(CONFIG), help="feedback-loop config (default: the tiny one)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -239,6 +260,8 @@ def main() -> int:
                     str(args.batch_size),
                     "--max-new-tokens",
                     str(args.max_new_tokens),
+                    "--config",
+                    args.config,
                 ] + (["--no-prefetch"] if args.no_prefetch else [])
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
@@ -276,6 +299,7 @@ def main() -> int:
                     "batch_size": args.batch_size,
                     "max_new_tokens": args.max_new_tokens,
                     "prefetch": not args.no_prefetch,
+                    "config": args.config,
                 },
             },
         )

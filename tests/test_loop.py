@@ -503,3 +503,45 @@ def test_early_stopping_restores_the_best_validation_policy(tmp_path):
     for k, v in best.items():
         torch.testing.assert_close(exported[k], v, rtol=0, atol=0)
     assert (tmp_path / "policy" / "calibrator.json").is_file()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompt_logprobs_equal_the_plain_pass(lora):
+    """Running each prompt once for its two samples gives the same log-probs and gradients as the
+    plain pass over prompt + summary for every sample (prompts and summaries of different lengths)."""
+    from judgeloop.loop.rollout import token_logprobs
+    from judgeloop.models import load_causal_lm
+
+    model = load_causal_lm("judgeloop-tiny/causal-lm")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+    g = torch.Generator().manual_seed(3)
+
+    def seq(lo, hi):
+        return torch.randint(10, 900, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    B = 5
+    prompts = [seq(3, 25) for _ in range(B)]
+    comps = [seq(1, 10) + [2] for _ in range(2 * B)]
+    comps[3] = []  # an empty sample: all-padding row
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        if shared:
+            lp, m = token_logprobs(model, prompts, comps, 0, samples_per_prompt=2)
+        else:
+            lp, m = token_logprobs(model, prompts + prompts, comps, 0)
+        (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((lp.detach(), m, grads))
+    (lp0, m0, g0), (lp1, m1, g1) = results
+    assert torch.equal(m0, m1) and m0[3].sum() == 0
+    torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        token_logprobs(model, prompts, comps[:-1], 0, samples_per_prompt=2)

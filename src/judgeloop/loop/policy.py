@@ -112,14 +112,15 @@ def reference_logprobs(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     pad_id: int,
+    samples_per_prompt: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, T) token log-probs under pi_ref: the frozen copy, or the policy with its LoRA adapters disabled."""
     if ref is not None:
-        return token_logprobs(ref, prompts, completions, pad_id)
+        return token_logprobs(ref, prompts, completions, pad_id, samples_per_prompt)
     was_training = policy.training
     policy.eval()
     with policy.disable_adapter():
-        out = token_logprobs(policy, prompts, completions, pad_id)
+        out = token_logprobs(policy, prompts, completions, pad_id, samples_per_prompt)
     if was_training:
         policy.train()
     return out

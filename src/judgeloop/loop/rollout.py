@@ -3,6 +3,7 @@
 Prompts are left-padded and summaries right-padded, so one forward pass over ``prompt + summary``
 scores a whole batch; only the last ``T + 1`` positions' logits are computed (``logits_to_keep``),
 and log-probs are taken as ``logit[y] - logsumexp(logits)`` so no (N, T, V) log-softmax is kept.
+The two samples of an article share one pass over its prompt (``samples_per_prompt=2``).
 """
 
 from __future__ import annotations
@@ -173,13 +174,26 @@ def rollout(
 
 
 def token_logprobs(
-    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    samples_per_prompt: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) for every summary token.
+
+    With ``samples_per_prompt = k > 1`` there are ``k * len(prompts)`` completions in blocks
+    (completion ``j * len(prompts) + i`` answers prompt ``i``, as the loop's ``a_ids + b_ids``), and
+    each prompt is run once: its keys/values are computed for the batch of prompts, repeated k times,
+    and the summaries attend to them. Gradients flow through the cached keys/values, so values and
+    gradients equal the plain ``k * (P + T)`` pass up to float rounding, at ``P + k * T`` tokens of
+    work and activation memory per article.
 
     Returns:
         (N, T) token log-probs (0 on padding) and the (N, T) float mask of summary tokens.
     """
+    if samples_per_prompt > 1:
+        return _shared_prompt_logprobs(model, prompts, completions, pad_id, samples_per_prompt)
     p_ids, p_mask = left_pad(prompts, pad_id)  # (N, P)
     c_ids, c_mask = right_pad(completions, pad_id)  # (N, T)
     ids = torch.cat([p_ids, c_ids], dim=1)  # (N, P + T)
@@ -196,8 +210,66 @@ def token_logprobs(
         use_cache=False,
     )
     logits = out.logits[:, :-1, :].float()  # (N, T, V): position P-1+t predicts summary token t
-    target = c_ids.to(device)
+    return _picked_logprobs(logits, c_ids.to(device), c_mask.to(device))
+
+
+def _picked_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     picked = torch.gather(logits, -1, target.unsqueeze(-1)).squeeze(-1)  # (N, T)
     logp = picked - torch.logsumexp(logits, dim=-1)  # (N, T), no (N, T, V) log-softmax kept
-    m = c_mask.to(device=device, dtype=logp.dtype)
+    m = mask.to(dtype=logp.dtype)
     return logp * m, m
+
+
+def _cache_kwarg(model: Any) -> str:
+    """``cache`` on recent transformers, ``past_key_values`` before it was renamed."""
+    import inspect
+
+    base = model.module if hasattr(model, "module") else model  # DDP
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _shared_prompt_logprobs(
+    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, N = len(prompts), len(completions)
+    if k * B != N:
+        raise ValueError(f"{N} completions for {B} prompts and samples_per_prompt={k}; expected {k * B}")
+    device = next(model.parameters()).device
+    # interleave so that prompt i's k samples are adjacent (the cache is repeated row by row)
+    order = torch.tensor([j * B + i for i in range(B) for j in range(k)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(N)
+    p_ids, p_mask = left_pad(prompts, pad_id)  # (B, P)
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    kw = _cache_kwarg(model)
+    first = model(
+        input_ids=p_ids.to(device),
+        attention_mask=p_mask.to(device),
+        position_ids=p_pos.to(device),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = first.past_key_values
+    cache.batch_repeat_interleave(k)  # (B, ...) -> (k * B, ...), differentiable
+    c_ids, c_mask = right_pad([completions[int(o)] for o in order], pad_id)  # (N, T), interleaved
+    T = c_ids.shape[1]
+    attn = torch.cat([p_mask.repeat_interleave(k, 0), c_mask], dim=1)  # (N, P + T)
+    c_pos = p_mask.sum(-1).repeat_interleave(k)[:, None] + torch.arange(T)[None, :]
+    rest = model(
+        input_ids=c_ids.to(device),
+        attention_mask=attn.to(device),
+        position_ids=c_pos.to(device),
+        use_cache=True,
+        logits_to_keep=T,
+        **{kw: cache},
+    )
+    # the prompt's last position predicts summary token 0; summary position t predicts token t + 1
+    logits = torch.cat(
+        [first.logits[:, -1:, :].float().repeat_interleave(k, 0), rest.logits[:, :-1, :].float()], dim=1
+    )  # (N, T, V)
+    logp, m = _picked_logprobs(logits, c_ids.to(device), c_mask.to(device))
+    inverse = inverse.to(device)
+    return logp[inverse], m[inverse]

@@ -241,11 +241,10 @@ def policy_update(
     full-batch gradient when every process has the same batch size.
     """
     B = len(roll.prompts)
-    prompts = roll.prompts + roll.prompts  # (2B) a-samples then b-samples
-    comps = roll.a_ids + roll.b_ids
+    comps = roll.a_ids + roll.b_ids  # (2B) a-samples then b-samples; each prompt is run once for both
     device = accelerator.device
-    ref_tok, _ = reference_logprobs(accelerator.unwrap_model(model), ref, prompts, comps, pad_id)  # (2B, T)
-    pol_tok, tok_mask = token_logprobs(model, prompts, comps, pad_id)  # (2B, T), one pass for a and b
+    ref_tok, _ = reference_logprobs(accelerator.unwrap_model(model), ref, roll.prompts, comps, pad_id, 2)
+    pol_tok, tok_mask = token_logprobs(model, roll.prompts, comps, pad_id, samples_per_prompt=2)  # (2B, T)
     seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2B,)
     h = dpo_margin(seq_pol[:B], seq_pol[B:], seq_ref[:B], seq_ref[B:])  # (B,)
     dpo = soft_dpo_loss(h, targets.to(device), loss_cfg.beta, mask.to(device)).sum() / B
