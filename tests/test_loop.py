@@ -545,3 +545,19 @@ def test_shared_prompt_logprobs_equal_the_plain_pass(lora):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="samples_per_prompt"):
         token_logprobs(model, prompts, comps[:-1], 0, samples_per_prompt=2)
+
+
+def test_sampling_with_one_prefill_per_prompt_gives_the_same_samples():
+    """generate(num_samples=2) prefills each prompt once and repeats its cache; the samples equal those of
+    prefilling each copy of the prompt (same seed, same random draws)."""
+    from judgeloop.loop.config import GenerationConfig
+    from judgeloop.loop.rollout import generate
+    from judgeloop.models import load_causal_lm, load_tokenizer
+
+    model, tok = load_causal_lm("judgeloop-tiny/causal-lm"), load_tokenizer("judgeloop-tiny/causal-lm")
+    prompts = [tok.encode(f"Summarize: the council {'met and voted ' * n}today.") for n in (1, 4, 7)]
+    gen = GenerationConfig(max_new_tokens=10, temperature=1.0)
+    shared = generate(model, tok, prompts, gen, num_samples=2, seed=11)
+    copies = generate(model, tok, [p for p in prompts for _ in range(2)], gen, num_samples=1, seed=11)
+    assert len(shared) == 6 and shared == copies
+    assert len({tuple(c) for c in shared}) > 1  # really sampled

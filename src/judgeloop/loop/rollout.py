@@ -131,7 +131,26 @@ def generate(
         )
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # (N * num_samples, P + T)
+    device = next(model.parameters()).device
+    if not greedy and num_samples > 1 and ids.shape[1] > 1:
+        # Prefill each prompt once (all but its last token) and repeat its KV cache for its samples, instead
+        # of prefilling num_samples copies; generate() then starts from the last prompt token. Same samples.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pre = model(
+            input_ids=ids[:, :-1].to(device),
+            attention_mask=mask[:, :-1].to(device),
+            position_ids=pos[:, :-1].to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = pre.past_key_values
+        cache.batch_repeat_interleave(num_samples)
+        kwargs.pop("num_return_sequences")
+        kwargs[_cache_kwarg(model)] = cache
+        ids, mask = ids.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+    else:
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)  # (N*k, P+T)
     if was_training:
         model.train()
     completions: list[list[int]] = []
