@@ -293,3 +293,28 @@ def test_max_corpus_docs_keeps_every_judged_document():
     train, held = _shrink_corpus(data.subset(["a"]), data.subset(["b"]), 10, "s")
     assert train.corpus is held.corpus and len(train.corpus) == 10
     assert {"d40", "d41", "d42"} <= set(train.corpus)
+
+
+def test_loss_masks_mark_known_positives_per_process_and_gathered():
+    from accelerate import Accelerator
+
+    from judgeloop.commands.train_retriever import Example, loss_masks
+    from judgeloop.retrieval.beir import BeirData
+
+    corpus = {f"d{i}": {"title": "", "text": f"doc {i}"} for i in range(6)}
+    # q1 is answered by d1 and d2: when the batch holds (q1, d1) and (q1, d2), each is not the other's negative
+    data = BeirData(corpus, {"q0": "a", "q1": "b"}, {"q0": {"d0": 1}, "q1": {"d1": 1, "d2": 1, "d5": 0}})
+    batch = [Example("q0", "d0"), Example("q1", "d1"), Example("q1", "d2")]
+    doc_ids = ["d0", "d1", "d2", "d3", "d2", "d5"]  # positives, then one mined negative per query
+    acc = Accelerator(cpu=True)
+    local, none = loss_masks(batch, doc_ids, data, acc, gather=False)
+    assert none is None
+    assert local.tolist() == [
+        [True, False, False, False, False, False],
+        [False, True, True, False, True, False],  # d2 (a positive) never a negative for q1; d5 graded 0 is
+        [False, True, True, False, True, False],
+    ]
+    # gathered, on one process: the same candidates, and the (positive, query) mask for the symmetric term
+    gathered, qmask = loss_masks(batch, doc_ids, data, acc, gather=True)
+    assert torch.equal(gathered, local)
+    assert qmask.tolist() == [[True, False, False], [False, True, True], [False, True, True]]

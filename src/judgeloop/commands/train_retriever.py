@@ -457,6 +457,33 @@ def positive_mask(batch: Sequence[Example], doc_ids: Sequence[str], data: BeirDa
     )
 
 
+def loss_masks(
+    batch: Sequence[Example], doc_ids: Sequence[str], data: BeirData, accelerator: Any, gather: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Known positives among the candidates, for :func:`info_nce_loss`'s ``mask`` and ``query_mask``.
+
+    Without gathering the candidates are this process's ``[positives; negatives]``. With gathering they
+    are every process's, in the order the loss gathers them (all positives by rank, then all
+    negatives), so a document that is another process's positive is not a negative here either.
+    """
+    b = len(batch)
+    if not gather:
+        return positive_mask(batch, doc_ids, data).to(accelerator.device), None
+    from accelerate.utils import gather_object
+
+    pos_ids, neg_ids = list(doc_ids[:b]), list(doc_ids[b:])
+    all_pos, all_neg = gather_object(pos_ids), gather_object(neg_ids)
+    all_queries = gather_object([ex.query_id for ex in batch])
+    positives = data.positives()
+    query_mask = torch.tensor(
+        [[d in positives.get(q, ()) for q in all_queries] for d in pos_ids], dtype=torch.bool
+    )
+    return (
+        positive_mask(batch, all_pos + all_neg, data).to(accelerator.device),
+        query_mask.to(accelerator.device),
+    )
+
+
 def train_step(
     model: Any,
     encoder: BiEncoder,
@@ -475,10 +502,10 @@ def train_step(
     )
     queries, pos, neg, doc_ids = batch_texts(batch, data, negatives, k, rng)
     gather = cfg.loss.gather_across_processes and accelerator.num_processes > 1
-    mask = None if gather else positive_mask(batch, doc_ids, data).to(accelerator.device)
+    mask, query_mask = loss_masks(batch, doc_ids, data, accelerator, gather)
 
     def loss_fn(q: torch.Tensor, p: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
-        return info_nce_loss(q, p, n, cfg.loss.tau, cfg.loss.symmetric, gather, mask)
+        return info_nce_loss(q, p, n, cfg.loss.tau, cfg.loss.symmetric, gather, mask, query_mask)
 
     def feats(texts: list[str], is_query: bool) -> dict[str, torch.Tensor]:
         return {k_: v.to(accelerator.device) for k_, v in encoder.tokenize(texts, is_query=is_query).items()}

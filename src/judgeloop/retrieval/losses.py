@@ -42,6 +42,7 @@ def info_nce_loss(
     symmetric: bool = False,
     gather_across_processes: bool = False,
     mask: torch.Tensor | None = None,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """InfoNCE with in-batch and hard negatives.
 
@@ -53,9 +54,15 @@ def info_nce_loss(
         symmetric: also score each positive against all queries (doc -> query) and average.
         gather_across_processes: use the documents (and, for the symmetric term, queries) of every
             process as negatives; gradients flow back to the owning process.
-        mask: optional (B, B + B*k) bool, True where a candidate must be ignored (e.g. it is another
+        mask: optional (B, N) bool, True where a candidate must be ignored (e.g. it is another
             positive of the query: a duplicate document in the batch is not a negative). Columns are
-            ``[positives; negatives]`` of this process only; when gathering, pass None.
+            the candidates ``[positives; negatives]``: this process's (N = B + B*k), or, when gathering,
+            every process's in rank order (all positives of ranks 0..W-1, then all negatives).
+            A query's own positive is never masked.
+        query_mask: for the symmetric term, optional (B, B_q) bool, True where this process's
+            positive i is also a positive of query j (queries of every process when gathering).
+            Without gathering it defaults to ``mask[:, :B].T``; with gathering and a ``mask`` it is
+            required.
 
     Returns:
         Scalar mean loss over this process's queries.
@@ -67,8 +74,6 @@ def info_nce_loss(
     b = query_emb.shape[0]
     offset = 0
     if gather_across_processes:
-        if mask is not None:
-            raise ValueError("mask is per-process; pass mask=None with gather_across_processes=True")
         import torch.distributed as dist
 
         all_pos = gather_with_grad(pos_emb)
@@ -79,20 +84,32 @@ def info_nce_loss(
         all_pos, all_neg = pos_emb, neg_emb
     docs = all_pos if all_neg is None else torch.cat([all_pos, all_neg], dim=0)  # (N, D)
     logits = query_emb @ docs.T / tau  # (B, N)
+    labels = torch.arange(b, device=logits.device) + offset
+    rows = torch.arange(b, device=logits.device)
     if mask is not None:
         if mask.shape != logits.shape:
             raise ValueError(f"mask shape {tuple(mask.shape)} must be (B, N) = {tuple(logits.shape)}")
-        target_cols = torch.arange(b, device=logits.device)
-        keep_target = torch.zeros_like(mask)
-        keep_target[torch.arange(b), target_cols] = True
-        logits = logits.masked_fill(mask & ~keep_target, float("-inf"))
-    labels = torch.arange(b, device=logits.device) + offset
+        mask = mask.to(logits.device).clone()
+        mask[rows, labels] = False  # the query's own positive stays the target
+        logits = logits.masked_fill(mask, float("-inf"))
     loss = F.cross_entropy(logits, labels)
     if symmetric:
         all_q = gather_with_grad(query_emb) if gather_across_processes else query_emb
-        logits_d = pos_emb @ all_q.T / tau  # (B, B_global): positive -> queries
-        if mask is not None:
-            qmask = mask[:, :b].T  # doc j is another positive of query i -> skip that query for doc j
-            logits_d = logits_d.masked_fill(qmask & ~keep_target[:, :b], float("-inf"))
+        logits_d = pos_emb @ all_q.T / tau  # (B, B_q): positive -> queries
+        if query_mask is None and mask is not None:
+            if gather_across_processes and all_pos.shape[0] != b:
+                raise ValueError(
+                    "symmetric=True with a mask across processes needs query_mask (B, B_global): which "
+                    "gathered queries each local positive also answers"
+                )
+            query_mask = mask[:, :b].T  # doc i is another positive of query j -> skip query j for doc i
+        if query_mask is not None:
+            if query_mask.shape != logits_d.shape:
+                raise ValueError(
+                    f"query_mask shape {tuple(query_mask.shape)} must be (B, B_q) = {tuple(logits_d.shape)}"
+                )
+            query_mask = query_mask.to(logits_d.device).clone()
+            query_mask[rows, labels] = False
+            logits_d = logits_d.masked_fill(query_mask, float("-inf"))
         loss = 0.5 * (loss + F.cross_entropy(logits_d, labels))
     return loss
