@@ -318,3 +318,20 @@ def test_loss_masks_mark_known_positives_per_process_and_gathered():
     gathered, qmask = loss_masks(batch, doc_ids, data, acc, gather=True)
     assert torch.equal(gathered, local)
     assert qmask.tolist() == [[True, False, False], [False, True, True], [False, True, True]]
+
+
+def test_recipe_runs_the_library_loop(tmp_path, beir_dir, repo, capsys):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "recipe_train_retriever", repo / "recipes" / "train_retriever.py"
+    )
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text("train:\n  num_epochs: 1\n")
+    assert recipe.main(["--config", str(cfg_path), *_overrides(beir_dir, tmp_path / "out")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) == {"before", "after", "delta"}
+    assert (tmp_path / "out" / "report.json").is_file() and (tmp_path / "out" / "model").is_dir()

@@ -8,7 +8,7 @@ The loop, one named function per step:
 
 Outputs under ``output_dir``: ``report.json`` / ``report.md``, ``model/`` (sentence-transformers
 layout), ``negatives/epoch_<e>.jsonl`` (mined negatives with scores), ``checkpoints/step_<n>/``.
-The same steps are wired top-to-bottom in ``recipes/train_retriever.py`` for ``accelerate launch``.
+``recipes/train_retriever.py`` launches ``run`` under ``accelerate launch``.
 """
 
 from __future__ import annotations
