@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -335,3 +336,34 @@ def test_recipe_runs_the_library_loop(tmp_path, beir_dir, repo, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert set(printed) == {"before", "after", "delta"}
     assert (tmp_path / "out" / "report.json").is_file() and (tmp_path / "out" / "model").is_dir()
+
+
+def test_bf16_encoding_and_training_stay_close_to_float32(tmp_path, beir_dir):
+    """bf16 autocast (train.mixed_precision / eval.precision) changes embeddings by bf16 rounding only,
+    returns float32, and keys the embedding cache separately."""
+    from judgeloop.commands.train_retriever import _model_fingerprint, run
+
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder")
+    texts = [f"document number {i} about proteins and cells" for i in range(10)]
+    full = enc.encode(texts)
+    fp32_key = _model_fingerprint(enc, False)
+    enc.encode_precision = "bf16"
+    half = enc.encode(texts)
+    assert half.dtype == torch.float32
+    assert (half - full).abs().max() < 0.05 and not torch.equal(half, full)
+    assert _model_fingerprint(enc, False) != fp32_key
+    with pytest.raises(ValueError, match="encode_precision"):
+        BiEncoder(enc.model, enc.tokenizer, encode_precision="fp8")
+    from accelerate.state import AcceleratorState, GradientState
+
+    # accelerate keeps its state per process: start clean, and leave no bf16 state to later tests
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        report = run(
+            _cfg(_overrides(beir_dir, tmp_path / "bf16", "train.mixed_precision=bf16", "eval.precision=bf16"))
+        )
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert all(math.isfinite(v) for v in report["after"].values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from judgeloop.commands.train_retriever import NegativesConfig as _Negatives
 from judgeloop.commands.train_retriever import RetrievalDataPaths, RetrieverModelConfig, mine_negatives
@@ -26,8 +26,13 @@ class MineNegativesConfig:
     num_bm25: int = 0
     batch_size: int = 64
     embedding_cache_dir: str | None = None
+    precision: Literal["no", "bf16"] = (
+        "no"  # "bf16": encode under bfloat16 autocast (2-3x faster on CPUs with AMX, on GPUs)
+    )
 
     def __post_init__(self) -> None:
+        if self.precision not in ("no", "bf16"):
+            raise ValueError(f"precision={self.precision!r}; use 'no' (float32) or 'bf16'")
         if not self.output_path:
             raise ValueError("output_path is empty; set output_path=outputs/negatives.jsonl")
         if self.batch_size < 1:
@@ -44,6 +49,7 @@ def run(cfg: MineNegativesConfig) -> dict[str, Any]:
         cfg.model.max_length,
         cfg.model.query_max_length,
     )
+    encoder.encode_precision = cfg.precision
     negatives = mine_negatives(
         encoder,
         data,

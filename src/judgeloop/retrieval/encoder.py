@@ -66,6 +66,8 @@ class BiEncoder(nn.Module):
         normalize: L2-normalize embeddings, so dot product = cosine similarity.
         max_length: truncation length for documents (and queries unless ``query_max_length`` is set).
         query_max_length: truncation length for queries (queries are short; a smaller value is faster).
+        encode_precision: ``"bf16"`` runs :meth:`encode` (evaluation, mining) under bfloat16 autocast,
+            2-3x faster on CPUs with AMX and on GPUs; embeddings are returned in float32 either way.
     """
 
     def __init__(
@@ -76,8 +78,11 @@ class BiEncoder(nn.Module):
         normalize: bool = True,
         max_length: int = 256,
         query_max_length: int | None = None,
+        encode_precision: Literal["no", "bf16"] = "no",
     ) -> None:
         super().__init__()
+        if encode_precision not in ("no", "bf16"):
+            raise ValueError(f"encode_precision={encode_precision!r}; use 'no' (float32) or 'bf16'")
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling={pooling!r} is not supported; use 'mean' or 'cls'")
         if max_length < 1 or (query_max_length is not None and query_max_length < 1):
@@ -88,6 +93,7 @@ class BiEncoder(nn.Module):
         self.normalize = normalize
         self.max_length = max_length
         self.query_max_length = query_max_length
+        self.encode_precision = encode_precision
 
     @classmethod
     def from_pretrained(
@@ -146,8 +152,10 @@ class BiEncoder(nn.Module):
         if self.pooling == "cls":
             emb = hidden[:, 0]
         else:
+            hidden = hidden.float()  # pool in float32 (bf16 under autocast)
             mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
             emb = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        emb = emb.float()
         return F.normalize(emb, p=2, dim=-1) if self.normalize else emb
 
     def embed(self, texts: Sequence[str], is_query: bool = False) -> torch.Tensor:
@@ -186,7 +194,10 @@ class BiEncoder(nn.Module):
             )
             for start in bar:
                 idx = order[start : start + batch_size]
-                emb = self.embed([texts[i] for i in idx], is_query=is_query)
+                with torch.autocast(
+                    self.device.type, dtype=torch.bfloat16, enabled=self.encode_precision == "bf16"
+                ):
+                    emb = self.embed([texts[i] for i in idx], is_query=is_query)
                 out[idx] = emb.float().cpu()
         finally:
             self.train(was_training)
