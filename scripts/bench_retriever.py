@@ -12,6 +12,9 @@
   throughput is queries per second end to end, including encoding, median of ``--repeats`` runs.
 
 Each measurement runs in its own subprocess, so peak RSS (``ru_maxrss``) is per side.
+``--precision bf16`` runs our side under bfloat16 autocast (fast on CPUs with AMX); ``--peer-precision
+bf16`` gives sentence-transformers its own bf16 (the Trainer's ``bf16=True``; bfloat16 weights when
+mining), so the two precision choices can be compared separately from the two implementations.
 The triplets' negatives come from BM25 (``bm25s``) so that building them costs no encoding.
 """
 
@@ -84,7 +87,7 @@ def train_ours(args) -> dict:
         ],
     )
     torch.manual_seed(0)
-    acc = Accelerator(cpu=True)
+    acc = Accelerator(cpu=True, **({"mixed_precision": "bf16"} if args.precision == "bf16" else {}))
     enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
     opt = torch.optim.AdamW(enc.parameters(), lr=args.lr)
     model, opt = acc.prepare(enc, opt)
@@ -146,6 +149,7 @@ def train_peer(args) -> dict:
         dataloader_drop_last=True,
         use_cpu=True,
         seed=0,
+        bf16=args.peer_precision == "bf16",
     )
     trainer = SentenceTransformerTrainer(
         model=model,
@@ -175,6 +179,7 @@ def mine_ours(args) -> dict:
 
     data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
     enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
+    enc.encode_precision = args.precision
     cfg = MiningConfig(num_negatives=3, range_max=30, relative_margin=0.95)
     times = []
     for _ in range(args.repeats):
@@ -201,7 +206,11 @@ def mine_peer(args) -> dict:
     from judgeloop.retrieval.beir import doc_text
 
     data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
-    model = SentenceTransformer(resolve_model_path(MODEL), device="cpu")
+    model = SentenceTransformer(
+        resolve_model_path(MODEL),
+        device="cpu",
+        model_kwargs={"torch_dtype": "bfloat16"} if args.peer_precision == "bf16" else None,
+    )
     model.max_seq_length = args.max_length
     # one (query, positive) row per query, as ST mines per pair
     ds = Dataset.from_dict(
@@ -258,6 +267,18 @@ def main() -> int:
     p.add_argument("--num-docs", type=int, default=1000, help="corpus size for mining (judged docs first)")
     p.add_argument("--repeats", type=int, default=1, help="mining repetitions (median taken)")
     p.add_argument("--only", choices=["train", "mining"], default=None)
+    p.add_argument(
+        "--precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="ours: bf16 autocast for training (train.mixed_precision) and encoding (eval.precision)",
+    )
+    p.add_argument(
+        "--peer-precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="sentence-transformers: Trainer bf16=True for training, bfloat16 weights for mining",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--role", choices=sorted(ROLES), default=None, help=argparse.SUPPRESS)
     args, _ = p.parse_known_args()
