@@ -561,3 +561,32 @@ def test_sampling_with_one_prefill_per_prompt_gives_the_same_samples():
     copies = generate(model, tok, [p for p in prompts for _ in range(2)], gen, num_samples=1, seed=11)
     assert len(shared) == 6 and shared == copies
     assert len({tuple(c) for c in shared}) > 1  # really sampled
+
+
+def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
+    """mixed_precision=bf16 (autocast over generation, both passes and the judge) runs end to end with
+    finite losses; master weights stay float32."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from judgeloop.loop.runner import train
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        over = [
+            *FAST,
+            f"output_dir={tmp_path}",
+            "num_steps=2",
+            "eval_every_n_steps=2",
+            "mixed_precision=bf16",
+        ]
+        rep = train(load_config(FeedbackLoopConfig, TINY, over))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert rep["steps_run"] == 2
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) for r in rep["train_log"])
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "policy" / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.float32}
