@@ -142,6 +142,26 @@ def test_exact_topk_matches_a_full_sort():
     assert torch.equal(i, ref_i)
 
 
+def test_faiss_topk_and_mining_match_the_exact_path():
+    pytest.importorskip("faiss")
+    from judgeloop.retrieval.mining import faiss_topk
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.nn.functional.normalize(torch.randn(9, 16, generator=g), dim=-1)
+    c = torch.nn.functional.normalize(torch.randn(80, 16, generator=g), dim=-1)
+    s, i = faiss_topk(q, c, 12)
+    ref_s, ref_i = exact_topk(q, c, 12, chunk_size=7)
+    torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-5)
+    assert torch.equal(i, ref_i)
+    doc_ids = [f"d{j}" for j in range(80)]
+    qids = [f"q{j}" for j in range(9)]
+    positives = {f"q{j}": {f"d{j}"} for j in range(9)}
+    kw = {"num_negatives": 3, "range_max": 10, "relative_margin": 0.95}
+    exact = mine_hard_negatives(qids, q, doc_ids, c, positives, MiningConfig(**kw))
+    fast = mine_hard_negatives(qids, q, doc_ids, c, positives, MiningConfig(**kw, use_faiss=True))
+    assert [[d for d, _ in exact[x]] for x in qids] == [[d for d, _ in fast[x]] for x in qids]
+
+
 def _mining_case():
     # one query, scores against docs: pos 0.8, a 0.79 (near-duplicate), b 0.7, c 0.5, d 0.2
     query = torch.tensor([[1.0, 0.0]])
