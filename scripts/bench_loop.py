@@ -82,7 +82,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
 
     cfg = _cfg(args)
     exs, builder, _ = _prompts(cfg, args.batch_size * (args.steps + 1))
-    acc = Accelerator(cpu=True)
+    acc = Accelerator(cpu=True, **({"mixed_precision": "bf16"} if args.precision == "bf16" else {}))
     model, tok, ref = load_policy(cfg.policy, 0)
     judge = build_judge(cfg.judge)
     cal = build_calibrator(cfg.calibration)
@@ -91,6 +91,8 @@ def worker_ours(args: argparse.Namespace) -> dict:
     times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
     # as in the loop (runner._train): the next batch's article embeddings are computed on a background
     # thread while this batch generates and updates (``judge_prefetch``; --no-prefetch turns it off)
+    autocast = acc.autocast()  # as runner.train: generation, both passes and the judge (bf16 when asked)
+    autocast.__enter__()
     prefetch = JudgePrefetch(judge, enabled=not args.no_prefetch)
     prefetch.start(exs[: args.batch_size])
     for step in range(args.steps + 1):
@@ -126,6 +128,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
             phases["judge"] += t2 - t1
             phases["update"] += t3 - t2
     prefetch.close()
+    autocast.__exit__(None, None, None)
     return {"step_times": times, "phases_s": phases, "peak_rss_mb": _peak_rss_mb()}
 
 
@@ -194,7 +197,7 @@ def worker_peer(args: argparse.Namespace) -> dict:
             seed=0,
             lr_scheduler_type="constant",
             max_grad_norm=cfg.optim.max_grad_norm,
-            bf16=False,
+            bf16=args.precision == "bf16",
         )
         trainer = OnlineDPOTrainer(
             model=model,
@@ -232,6 +235,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--json", default=None, help="write {ours, peer, ratio} here")
     ap.add_argument("--no-prefetch", action="store_true", help="ours without the judge prefetch thread")
+    ap.add_argument(
+        "--precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="both sides: bf16 autocast (ours: mixed_precision=bf16; TRL: bf16=True)",
+    )
     ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -262,6 +271,8 @@ def main() -> int:
                     str(args.max_new_tokens),
                     "--config",
                     args.config,
+                    "--precision",
+                    args.precision,
                 ] + (["--no-prefetch"] if args.no_prefetch else [])
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
@@ -300,6 +311,7 @@ def main() -> int:
                     "max_new_tokens": args.max_new_tokens,
                     "prefetch": not args.no_prefetch,
                     "config": args.config,
+                    "precision": args.precision,
                 },
             },
         )
