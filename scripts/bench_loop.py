@@ -89,11 +89,11 @@ def worker_ours(args: argparse.Namespace) -> dict:
     opt, sched = make_optimizer(model, cfg)
     model, opt, sched = acc.prepare(model, opt, sched)
     times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
-    # as in the loop (runner._train): the next batch's article embeddings are computed on a background
-    # thread while this batch generates and updates (``judge_prefetch``; --no-prefetch turns it off)
+    # as in the loop (runner._train): with --prefetch (or a GPU judge, the loop's default) the next batch's
+    # article embeddings are computed on a background thread while this batch generates and updates
     autocast = acc.autocast()  # as runner.train: generation, both passes and the judge (bf16 when asked)
     autocast.__enter__()
-    prefetch = JudgePrefetch(judge, enabled=not args.no_prefetch)
+    prefetch = JudgePrefetch(judge, enabled=True if args.prefetch else None)  # None: the loop's auto rule
     prefetch.start(exs[: args.batch_size])
     for step in range(args.steps + 1):
         batch = exs[step * args.batch_size : (step + 1) * args.batch_size]
@@ -234,7 +234,11 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--json", default=None, help="write {ours, peer, ratio} here")
-    ap.add_argument("--no-prefetch", action="store_true", help="ours without the judge prefetch thread")
+    ap.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="ours: force the judge prefetch thread on (the loop's default turns it on only for a GPU judge)",
+    )
     ap.add_argument(
         "--precision",
         choices=["no", "bf16"],
@@ -273,7 +277,7 @@ def main() -> int:
                     args.config,
                     "--precision",
                     args.precision,
-                ] + (["--no-prefetch"] if args.no_prefetch else [])
+                ] + (["--prefetch"] if args.prefetch else [])
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
                 print(
@@ -309,7 +313,7 @@ def main() -> int:
                     "repeats": args.repeats,
                     "batch_size": args.batch_size,
                     "max_new_tokens": args.max_new_tokens,
-                    "prefetch": not args.no_prefetch,
+                    "prefetch": args.prefetch,
                     "config": args.config,
                     "precision": args.precision,
                 },

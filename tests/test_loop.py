@@ -436,6 +436,14 @@ def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
         for on in (True, False)
     }
     assert runs[True]["steps_run"] == runs[False]["steps_run"] == 3
+    # auto (unset): off for a CPU judge, whose thread pool would share the policy's cores
+    from judgeloop.judges import build_judge
+    from judgeloop.loop.runner import JudgePrefetch
+
+    cfg = load_config(FeedbackLoopConfig, TINY, cached)
+    assert cfg.judge_prefetch is None
+    judge = build_judge(cfg.judge)
+    assert JudgePrefetch(judge)._pool is None and JudgePrefetch(judge, True)._pool is not None
     for r, f in zip(runs[True]["train_log"], runs[False]["train_log"], strict=True):
         _same(r, f)
     _same(runs[True]["final"], runs[False]["final"])

@@ -178,6 +178,8 @@ class FeedbackLoopConfig:
     ``batch_size`` is the number of train articles *per process* per step (two samples each).
     ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
     judge's article embeddings) on a background thread during the policy update; scores are the same.
+    Unset (auto), it is on only when the judge runs on a GPU: on CPU the two thread pools would
+    share the same cores.
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     """
 
@@ -200,7 +202,7 @@ class FeedbackLoopConfig:
     eval_every_n_steps: int = 10
     save_every_n_steps: int = 0
     early_stopping_patience: int = 0
-    judge_prefetch: bool = True
+    judge_prefetch: bool | None = None
     save_final_policy: bool = True
     num_eval_articles: int = 32
     num_validation_articles: int = 16

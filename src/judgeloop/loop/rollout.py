@@ -143,7 +143,7 @@ def generate(
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = pre.past_key_values
+        cache = _output_cache(pre)
         cache.batch_repeat_interleave(num_samples)
         kwargs.pop("num_return_sequences")
         kwargs[_cache_kwarg(model)] = cache
@@ -250,6 +250,11 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def _output_cache(out: Any) -> Any:
+    """The KV cache a forward returned (``cache`` on recent transformers, ``past_key_values`` before)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
 def _shared_prompt_logprobs(
     model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +276,7 @@ def _shared_prompt_logprobs(
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = first.past_key_values
+    cache = _output_cache(first)
     cache.batch_repeat_interleave(k)  # (B, ...) -> (k * B, ...), differentiable
     c_ids, c_mask = right_pad([completions[int(o)] for o in order], pad_id)  # (N, T), interleaved
     T = c_ids.shape[1]
