@@ -49,6 +49,7 @@ def _cfg(args: argparse.Namespace):
             "loss.kl_coef=0.0",
             "log_with=[jsonl]",
             "progress_bar=false",
+            *args.set,
         ],
     )
 
@@ -229,6 +230,13 @@ def summarize(runs: list[dict], batch_size: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(CONFIG), help="feedback-loop config (default: the tiny one)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override applied to both sides, e.g. --set policy.dtype=bfloat16 (repeatable)",
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -277,6 +285,7 @@ def main() -> int:
                     args.config,
                     "--precision",
                     args.precision,
+                    *[f"--set={kv}" for kv in args.set],
                 ] + (["--prefetch"] if args.prefetch else [])
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
@@ -316,6 +325,7 @@ def main() -> int:
                     "prefetch": args.prefetch,
                     "config": args.config,
                     "precision": args.precision,
+                    "overrides": args.set,
                 },
             },
         )
