@@ -348,8 +348,15 @@ def test_bf16_encoding_and_training_stay_close_to_float32(tmp_path, beir_dir):
     full = enc.encode(texts)
     fp32_key = _model_fingerprint(enc, False)
     enc.encode_precision = "bf16"
+    weights = {k: v.clone() for k, v in enc.model.state_dict().items()}
+    model_before = enc.model
     half = enc.encode(texts)
     assert half.dtype == torch.float32
+    # encoding ran on a bf16 copy: the encoder's own (training) weights are the same fp32 tensors
+    assert enc.model is model_before
+    assert all(
+        torch.equal(v, weights[k]) and v.dtype == torch.float32 for k, v in enc.model.state_dict().items()
+    )
     assert (half - full).abs().max() < 0.05 and not torch.equal(half, full)
     assert _model_fingerprint(enc, False) != fp32_key
     with pytest.raises(ValueError, match="encode_precision"):

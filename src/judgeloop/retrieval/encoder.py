@@ -66,7 +66,7 @@ class BiEncoder(nn.Module):
         normalize: L2-normalize embeddings, so dot product = cosine similarity.
         max_length: truncation length for documents (and queries unless ``query_max_length`` is set).
         query_max_length: truncation length for queries (queries are short; a smaller value is faster).
-        encode_precision: ``"bf16"`` runs :meth:`encode` (evaluation, mining) under bfloat16 autocast,
+        encode_precision: ``"bf16"`` runs :meth:`encode` (evaluation, mining) on a bfloat16 copy of the weights,
             2.6x faster on MiniLM on a 2-core CPU with AMX; embeddings are returned in float32 either way.
     """
 
@@ -185,6 +185,17 @@ class BiEncoder(nn.Module):
         self.eval()
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         out = torch.empty(len(texts), self.dim, dtype=torch.float32)
+        runner = self
+        if self.encode_precision == "bf16" and self.model.dtype == torch.float32:
+            # A bf16 copy of the weights for this call (half the fp32 size): cheaper than autocast, which
+            # re-casts every weight at every batch. The training weights stay untouched in fp32.
+            import copy
+
+            with torch.inference_mode(False), torch.no_grad():
+                half = copy.deepcopy(getattr(self.model, "module", self.model)).to(torch.bfloat16).eval()
+            runner = BiEncoder(
+                half, self.tokenizer, self.pooling, self.normalize, self.max_length, self.query_max_length
+            )
         try:
             bar = tqdm(
                 range(0, len(texts), batch_size),
@@ -194,10 +205,7 @@ class BiEncoder(nn.Module):
             )
             for start in bar:
                 idx = order[start : start + batch_size]
-                with torch.autocast(
-                    self.device.type, dtype=torch.bfloat16, enabled=self.encode_precision == "bf16"
-                ):
-                    emb = self.embed([texts[i] for i in idx], is_query=is_query)
+                emb = runner.embed([texts[i] for i in idx], is_query=is_query)
                 out[idx] = emb.float().cpu()
         finally:
             self.train(was_training)
