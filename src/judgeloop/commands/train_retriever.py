@@ -477,8 +477,11 @@ def loss_masks(
     from accelerate.utils import gather_object
 
     pos_ids, neg_ids = list(doc_ids[:b]), list(doc_ids[b:])
-    all_pos, all_neg = gather_object(pos_ids), gather_object(neg_ids)
-    all_queries = gather_object([ex.query_id for ex in batch])
+    # one collective per step: every process's (positives, negatives, queries), in rank order
+    per_rank = gather_object([(pos_ids, neg_ids, [ex.query_id for ex in batch])])
+    all_pos = [d for r in per_rank for d in r[0]]
+    all_neg = [d for r in per_rank for d in r[1]]
+    all_queries = [q for r in per_rank for q in r[2]]
     positives = data.positives()
     query_mask = torch.tensor(
         [[d in positives.get(q, ()) for q in all_queries] for d in pos_ids], dtype=torch.bool
