@@ -590,92 +590,93 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
     prefetch = JudgePrefetch(train_judge, cfg.judge_prefetch)
     if state.step < cfg.num_steps:
         prefetch.start(peek_batch(state, splits.train, cfg, accelerator))  # overlaps the first rollout
-    while state.step < cfg.num_steps and not state.stopped_early:
-        step = state.step + 1
-        batch = next_batch(state, splits.train, cfg, accelerator)
-        roll = rollout(
-            accelerator.unwrap_model(model),
-            tokenizer,
-            build_prompt,
-            [e.article for e in batch],
-            cfg.generation,
-            seed=derive_seed(cfg.seed, "rollout", step, accelerator.process_index),
-        )
-        prefetch.wait()
-        judged = judge_step(train_judge, batch, roll)
-        if step < cfg.num_steps:  # the next batch's article-side judge work runs during this update
-            prefetch.start(peek_batch(state, splits.train, cfg, accelerator))
-        p = calibrate(calibrator, judged.scores, roll.articles, roll.a_text, roll.b_text)
-        targets, mask = targets_from_probs(
-            torch.tensor(p, dtype=torch.float32), cfg.loss.target, cfg.loss.margin
-        )
-        stats = policy_update(
-            accelerator,
-            model,
-            ref,
-            optimizer,
-            scheduler,
-            roll,
-            targets,
-            mask,
-            kl_ctl.coef,
-            cfg.loss,
-            cfg.optim.max_grad_norm,
-            pad_id,
-        )
-        stats.update(
-            kl_coef=kl_ctl.coef,
-            p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
-            judge_failures=float((~judged.valid).sum()),
-            lr=float(scheduler.get_last_lr()[0]),
-        )
-        kl_ctl.update(stats["kl"])
-        state.kl_coef = kl_ctl.coef
-        state.step = step
-        state.train_log.append(finite_or_none({"step": step, **stats}))
-        accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=step)
-        calibrator = maybe_recalibrate(step, state, calibrator, collect, cfg)
-        if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
-            metrics = evaluate(step)
-            state.history.append(metrics)
-            accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-            if early_stopping(metrics, state, cfg, accelerator, model):
-                state.stopped_early = True
-                logger.info(
-                    "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
-                    "(best %.4f at step %d)",
-                    step,
-                    cfg.early_stopping_patience,
-                    state.best_val,
-                    state.best_step,
-                )
-        steps_this_run += 1
-        interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
-        if (cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0) or interrupted:
-            if accelerator.is_main_process:
-                save_checkpoint(
-                    out_dir / "checkpoints" / f"step_{step}",
-                    accelerator.unwrap_model(model),
-                    optimizer,
-                    scheduler,
-                    calibrator.state_dict(),
-                    state.as_dict(),
-                )
-            accelerator.wait_for_everyone()
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", kl=f"{stats['kl']:.3f}")
-        if interrupted and state.step < cfg.num_steps:
-            prefetch.close()
+    try:
+        while state.step < cfg.num_steps and not state.stopped_early:
+            step = state.step + 1
+            batch = next_batch(state, splits.train, cfg, accelerator)
+            roll = rollout(
+                accelerator.unwrap_model(model),
+                tokenizer,
+                build_prompt,
+                [e.article for e in batch],
+                cfg.generation,
+                seed=derive_seed(cfg.seed, "rollout", step, accelerator.process_index),
+            )
+            prefetch.wait()
+            judged = judge_step(train_judge, batch, roll)
+            if step < cfg.num_steps:  # the next batch's article-side judge work runs during this update
+                prefetch.start(peek_batch(state, splits.train, cfg, accelerator))
+            p = calibrate(calibrator, judged.scores, roll.articles, roll.a_text, roll.b_text)
+            targets, mask = targets_from_probs(
+                torch.tensor(p, dtype=torch.float32), cfg.loss.target, cfg.loss.margin
+            )
+            stats = policy_update(
+                accelerator,
+                model,
+                ref,
+                optimizer,
+                scheduler,
+                roll,
+                targets,
+                mask,
+                kl_ctl.coef,
+                cfg.loss,
+                cfg.optim.max_grad_norm,
+                pad_id,
+            )
+            stats.update(
+                kl_coef=kl_ctl.coef,
+                p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
+                judge_failures=float((~judged.valid).sum()),
+                lr=float(scheduler.get_last_lr()[0]),
+            )
+            kl_ctl.update(stats["kl"])
+            state.kl_coef = kl_ctl.coef
+            state.step = step
+            state.train_log.append(finite_or_none({"step": step, **stats}))
+            accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=step)
+            calibrator = maybe_recalibrate(step, state, calibrator, collect, cfg)
+            if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
+                metrics = evaluate(step)
+                state.history.append(metrics)
+                accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+                if early_stopping(metrics, state, cfg, accelerator, model):
+                    state.stopped_early = True
+                    logger.info(
+                        "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
+                        "(best %.4f at step %d)",
+                        step,
+                        cfg.early_stopping_patience,
+                        state.best_val,
+                        state.best_step,
+                    )
+            steps_this_run += 1
+            interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
+            if (cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0) or interrupted:
+                if accelerator.is_main_process:
+                    save_checkpoint(
+                        out_dir / "checkpoints" / f"step_{step}",
+                        accelerator.unwrap_model(model),
+                        optimizer,
+                        scheduler,
+                        calibrator.state_dict(),
+                        state.as_dict(),
+                    )
+                accelerator.wait_for_everyone()
             if bar is not None:
-                bar.close()
-            accelerator.end_training()
-            return {
-                "interrupted": True,
-                "step": state.step,
-                "checkpoint": str(out_dir / "checkpoints" / f"step_{state.step}"),
-            }
-    prefetch.close()
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", kl=f"{stats['kl']:.3f}")
+            if interrupted and state.step < cfg.num_steps:
+                if bar is not None:
+                    bar.close()
+                accelerator.end_training()
+                return {
+                    "interrupted": True,
+                    "step": state.step,
+                    "checkpoint": str(out_dir / "checkpoints" / f"step_{state.step}"),
+                }
+    finally:  # also on an error or an interruption: no prefetch thread outlives the run
+        prefetch.close()
     if bar is not None:
         bar.close()
 
