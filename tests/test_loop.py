@@ -449,7 +449,7 @@ def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
     _same(runs[True]["final"], runs[False]["final"])
 
 
-def test_early_stopping_unit():
+def test_early_stopping_unit(tmp_path):
     """Patience counts evaluations without improvement; the best policy is saved when validation improves."""
     from accelerate import Accelerator
 
@@ -458,26 +458,24 @@ def test_early_stopping_unit():
 
     acc = Accelerator(cpu=True)
     model = load_causal_lm("judgeloop-tiny/causal-lm")
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}", "early_stopping_patience=2"])
-        state = LoopState()
-        decisions = [
-            early_stopping({"val_rouge_l_neutral": v, "step": s}, state, cfg, acc, model)
-            for s, v in [(0, 0.10), (2, 0.20), (4, 0.15), (6, 0.20), (8, 0.19)]
-        ]
-        assert decisions == [False, False, False, True, True]  # 0.20 again is not an improvement
-        assert (state.best_step, state.best_val, state.bad_evals) == (2, 0.20, 3)
-        assert (Path(out) / "best_policy" / "policy.safetensors").is_file()
-        # patience 0 never stops and saves nothing
-        cfg0 = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}/off"])
-        s0 = LoopState()
-        assert not any(
-            early_stopping({"val_rouge_l_neutral": v, "step": i}, s0, cfg0, acc, model)
-            for i, v in enumerate([0.3, 0.1, 0.1, 0.1])
-        )
-        assert not (Path(out) / "off" / "best_policy").exists()
+    out = tmp_path
+    cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}", "early_stopping_patience=2"])
+    state = LoopState()
+    decisions = [
+        early_stopping({"val_rouge_l_neutral": v, "step": s}, state, cfg, acc, model)
+        for s, v in [(0, 0.10), (2, 0.20), (4, 0.15), (6, 0.20), (8, 0.19)]
+    ]
+    assert decisions == [False, False, False, True, True]  # 0.20 again is not an improvement
+    assert (state.best_step, state.best_val, state.bad_evals) == (2, 0.20, 3)
+    assert (out / "best_policy" / "policy.safetensors").is_file()
+    # patience 0 never stops and saves nothing
+    cfg0 = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}/off"])
+    s0 = LoopState()
+    assert not any(
+        early_stopping({"val_rouge_l_neutral": v, "step": i}, s0, cfg0, acc, model)
+        for i, v in enumerate([0.3, 0.1, 0.1, 0.1])
+    )
+    assert not (out / "off" / "best_policy").exists()
 
 
 def test_early_stopping_restores_the_best_validation_policy(tmp_path):
