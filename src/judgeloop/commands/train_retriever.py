@@ -178,7 +178,7 @@ class RetrieverEvalConfig:
     top_k: int = 100
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     embedding_cache_dir: str | None = None
-    # bf16 weights (a copy) when encoding for evaluation and mining (2.1-2.6x on MiniLM on a 2-core CPU with AMX)
+    # bf16 weights (a copy) when encoding for evaluation and mining (2-2.6x on MiniLM on a 2-core CPU with AMX)
     precision: Literal["no", "bf16"] = "no"
 
     def __post_init__(self) -> None:
