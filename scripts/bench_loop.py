@@ -90,10 +90,11 @@ def worker_ours(args: argparse.Namespace) -> dict:
     opt, sched = make_optimizer(model, cfg)
     model, opt, sched = acc.prepare(model, opt, sched)
     times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
-    # as in the loop (runner._train): with --prefetch (or a GPU judge, the loop's default) the next batch's
+    # as in the loop (runner.train): with judge_prefetch (the tiny config sets it) the next batch's
     # article embeddings are computed on a background thread while this batch generates and updates
     with acc.autocast():  # as runner.train: generation, both passes and the judge (bf16 when asked)
-        prefetch = JudgePrefetch(judge, enabled=True if args.prefetch else None)  # None: the loop's auto rule
+        enabled = cfg.judge_prefetch if args.prefetch == "config" else args.prefetch == "on"
+        prefetch = JudgePrefetch(judge, enabled, cfg.judge_prefetch_threads)
         prefetch.start(exs[: args.batch_size])
         for step in range(args.steps + 1):
             batch = exs[step * args.batch_size : (step + 1) * args.batch_size]
@@ -161,22 +162,40 @@ def worker_peer(args: argparse.Namespace) -> dict:
         model, tok, _ = load_policy(cfg.policy, 0)
         ref = copy.deepcopy(model).eval()
     judge = build_judge(cfg.judge)
+    # where TRL's step goes: the judge and generate() are the same code our loop runs; the rest is the loop
+    spent = {"judge": 0.0, "generate": 0.0}
 
     def judge_reward(prompts, completions, article, **kwargs):
         # the judge's pointwise value v(summary) = scale * cos(summary, article); s(a, b) = v(a) - v(b)
+        t = time.perf_counter()
         vals = judge._values_for([(a, c, ()) for a, c in zip(article, completions)])
+        spent["judge"] += time.perf_counter() - t
         return [v if st in ("ok", "truncated") else -1e3 for v, st in vals]
+
+    inner_generate = model.generate  # TRL calls it on this model (through peft's wrapper under LoRA)
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = inner_generate(*a, **k)
+        spent["generate"] += time.perf_counter() - t
+        return out
+
+    model.generate = timed_generate
 
     prompts = [tok.decode(builder(e.article)) for e in exs]
     ds = Dataset.from_list([{"prompt": p, "article": e.article} for p, e in zip(prompts, exs)])
     times: list[float] = []
+    phases = {"judge": 0.0, "generate": 0.0}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.before = time.perf_counter(), dict(spent)
 
         def on_step_end(self, a, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            if len(times) > 1:  # the first step is warm-up, as for the step times
+                for k in phases:
+                    phases[k] += spent[k] - self.before[k]
 
     with tempfile.TemporaryDirectory() as out:
         targs = OnlineDPOConfig(
@@ -209,7 +228,7 @@ def worker_peer(args: argparse.Namespace) -> dict:
             callbacks=[Timer()],
         )
         trainer.train()
-    return {"step_times": times[1:], "peak_rss_mb": _peak_rss_mb()}
+    return {"step_times": times[1:], "phases_s": phases, "peak_rss_mb": _peak_rss_mb()}
 
 
 def summarize(runs: list[dict], batch_size: int) -> dict:
@@ -242,8 +261,9 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write {ours, peer, ratio} here")
     ap.add_argument(
         "--prefetch",
-        action="store_true",
-        help="ours: force the judge prefetch thread on (the loop's default turns it on only for a GPU judge)",
+        choices=["config", "on", "off"],
+        default="config",
+        help="ours: the judge prefetch thread as the config says (tiny: on, with the cores split), or forced",
     )
     ap.add_argument(
         "--precision",
@@ -284,7 +304,9 @@ def main() -> int:
                     "--precision",
                     args.precision,
                     *[f"--set={kv}" for kv in args.set],
-                ] + (["--prefetch"] if args.prefetch else [])
+                    "--prefetch",
+                    args.prefetch,
+                ]
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
                 print(
@@ -301,11 +323,17 @@ def main() -> int:
     for name, s in (("ours", ours), ("trl", peer)):
         print(f"{name:6} {s['median_step_s']:14.3f} {s['prompts_per_s']:10.2f} {s['peak_rss_mb']:12.0f}")
     print(f"ratio ours/trl: throughput {ratio['throughput']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x")
-    if "phases_s" in ours:
-        print(
-            "ours, time per phase (s, all timed steps):",
-            {k: round(v, 2) for k, v in ours["phases_s"].items()},
-        )
+    print("ours, time per phase (s, all timed steps):", {k: round(v, 2) for k, v in ours["phases_s"].items()})
+    total = sum(sum(r["step_times"]) for r in results["peer"])
+    shared = peer["phases_s"]["judge"] + peer["phases_s"]["generate"]
+    print(
+        "trl, time per phase (s, all timed steps):",
+        {k: round(v, 2) for k, v in peer["phases_s"].items()},
+        f"of {total:.2f}: the judge and generate(), which both loops run alike, are {shared / total:.0%} of "
+        f"TRL's step, so a loop that only did the rest faster, without running them on spare cores, gains at "
+        f"most {total / shared:.2f}x",
+    )
+    peer["shared_share"] = shared / total
     if args.json:
         from judgeloop.io import atomic_write_json
 

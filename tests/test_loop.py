@@ -418,35 +418,73 @@ def test_exact_resume_after_interruption(tmp_path):
 
 
 def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
-    """The next batch's article embeddings computed on a background thread give the same run."""
+    """The next batch's article embeddings computed on a background thread give the same run.
+
+    Run on one intra-op thread, so that no core split happens and the comparison can be exact: with
+    several threads the split gives the policy fewer threads, which changes float rounding only.
+    """
     from judgeloop.loop.runner import train
 
     cached = [o for o in FAST if not o.startswith("judge.cache_size")] + [
         "num_steps=3",
         "eval_every_n_steps=0",
     ]
-    runs = {
-        on: train(
-            load_config(
-                FeedbackLoopConfig,
-                TINY,
-                [*cached, f"output_dir={tmp_path / str(on)}", f"judge_prefetch={on}"],
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = {
+            on: train(
+                load_config(
+                    FeedbackLoopConfig,
+                    TINY,
+                    [*cached, f"output_dir={tmp_path / str(on)}", f"judge_prefetch={on}"],
+                )
             )
-        )
-        for on in (True, False)
-    }
+            for on in (True, False)
+        }
+    finally:
+        torch.set_num_threads(threads)
     assert runs[True]["steps_run"] == runs[False]["steps_run"] == 3
-    # auto (unset): off for a CPU judge, whose thread pool would share the policy's cores
-    from judgeloop.judges import build_judge
-    from judgeloop.loop.runner import JudgePrefetch
-
-    cfg = load_config(FeedbackLoopConfig, TINY, cached)
-    assert cfg.judge_prefetch is None
-    judge = build_judge(cfg.judge)
-    assert JudgePrefetch(judge)._pool is None and JudgePrefetch(judge, True)._pool is not None
     for r, f in zip(runs[True]["train_log"], runs[False]["train_log"], strict=True):
         _same(r, f)
     _same(runs[True]["final"], runs[False]["final"])
+
+
+def test_judge_prefetch_auto_rule_and_core_split():
+    """Auto is off for a CPU judge; when on, the CPU cores are split between the judge thread and the
+    caller while it runs, and the caller's count comes back on close."""
+    from judgeloop.judges import build_judge
+    from judgeloop.loop.runner import JudgePrefetch
+
+    threads_before = torch.get_num_threads()
+    cfg = load_config(FeedbackLoopConfig, TINY, [o for o in FAST if not o.startswith("judge.cache_size")])
+    judge = build_judge(cfg.judge)
+    no_cache = build_judge(load_config(FeedbackLoopConfig, TINY, FAST).judge)  # judge.cache_size=0
+    assert not no_cache.can_prepare and JudgePrefetch(no_cache, True)._pool is None  # nothing would survive
+    assert torch.get_num_threads() == threads_before
+    auto = JudgePrefetch(judge)
+    assert auto._pool is None
+    auto.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # a 4-core split, whatever this machine has: thread counts are only settings
+    try:
+        on = JudgePrefetch(judge, True)
+        try:
+            assert on._pool is not None
+            assert torch.get_num_threads() == 2  # the caller's half
+            assert on._pool.submit(torch.get_num_threads).result() == 2  # the judge thread's half
+        finally:
+            on.close()
+        assert torch.get_num_threads() == 4
+        three = JudgePrefetch(judge, True, threads=3)
+        try:
+            assert torch.get_num_threads() == 1
+            assert three._pool.submit(torch.get_num_threads).result() == 3
+        finally:
+            three.close()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_early_stopping_unit(tmp_path):

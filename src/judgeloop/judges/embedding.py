@@ -125,6 +125,10 @@ class EmbeddingJudge(PointwiseJudge):
             self._embeddings.popitem(last=False)
         return result
 
+    @property
+    def can_prepare(self) -> bool:
+        return bool(self.cache_size)  # without a cache nothing prepared would survive until the judge call
+
     def _prepare(self, articles: Sequence[str], references: Sequence[tuple[str, ...]]) -> None:
         if not self.cache_size:  # nothing would survive until the judge call
             return

@@ -178,8 +178,10 @@ class FeedbackLoopConfig:
     ``batch_size`` is the number of train articles *per process* per step (two samples each).
     ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
     judge's article embeddings) on a background thread during the policy update; scores are the same.
-    Unset (auto), it is on only when the judge runs on a GPU: on CPU the two thread pools would
-    share the same cores.
+    Unset (auto), it is on only when the judge runs on a GPU. On CPU, set to true, the cores are split
+    while the loop runs: ``judge_prefetch_threads`` intra-op threads for the judge (default half), the
+    rest for the policy. That pays when the policy's step is small (the tiny config), not when its
+    matrix products need every core.
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     """
 
@@ -203,6 +205,7 @@ class FeedbackLoopConfig:
     save_every_n_steps: int = 0
     early_stopping_patience: int = 0
     judge_prefetch: bool | None = None
+    judge_prefetch_threads: int | None = None
     save_final_policy: bool = True
     num_eval_articles: int = 32
     num_validation_articles: int = 16
@@ -229,6 +232,10 @@ class FeedbackLoopConfig:
             raise ValueError(
                 f"early_stopping_patience={self.early_stopping_patience} needs a validation split; set "
                 "data.split.validation=0.1 (the test split never chooses a checkpoint)"
+            )
+        if self.judge_prefetch_threads is not None and self.judge_prefetch_threads < 1:
+            raise ValueError(
+                f"judge_prefetch_threads={self.judge_prefetch_threads} must be >= 1, or null for half the cores"
             )
         if self.stop_after_n_steps is not None and self.stop_after_n_steps < 1:
             raise ValueError(f"stop_after_n_steps={self.stop_after_n_steps} must be >= 1 or null")
