@@ -452,7 +452,7 @@ def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
 
 def test_judge_prefetch_auto_rule_and_core_split():
     """Auto is off for a CPU judge; when on, the CPU cores are split between the judge thread and the
-    caller while it runs, and the caller's count comes back on close."""
+    caller while the judge thread works, and the caller gets every core back when it waits or closes."""
     from judgeloop.judges import build_judge
     from judgeloop.loop.runner import JudgePrefetch
 
@@ -465,19 +465,27 @@ def test_judge_prefetch_auto_rule_and_core_split():
     auto = JudgePrefetch(judge)
     assert auto._pool is None
     auto.close()
+    from judgeloop.loop.runner import load_splits
+
+    batch = load_splits(cfg).train[:2]
     threads = torch.get_num_threads()
     torch.set_num_threads(4)  # a 4-core split, whatever this machine has: thread counts are only settings
     try:
         on = JudgePrefetch(judge, True)
         try:
-            assert on._pool is not None
-            assert torch.get_num_threads() == 2  # the caller's half
+            assert on._pool is not None and torch.get_num_threads() == 4  # nothing pending yet
+            on.start(batch)
+            assert torch.get_num_threads() == 2  # the caller's half while the judge thread works
             assert on._pool.submit(torch.get_num_threads).result() == 2  # the judge thread's half
+            on.wait()
+            assert torch.get_num_threads() == 4  # the judge call itself gets every core
+            on.start(batch)
         finally:
             on.close()
         assert torch.get_num_threads() == 4
         three = JudgePrefetch(judge, True, threads=3)
         try:
+            three.start(batch)
             assert torch.get_num_threads() == 1
             assert three._pool.submit(torch.get_num_threads).result() == 3
         finally:

@@ -170,18 +170,19 @@ class JudgePrefetch:
     re-enters the caller's autocast state, since autocast is thread-local. A no-op for judges with
     nothing to prepare, or with ``enabled=False``.
 
-    On CPU the cores are split while it is on, so the two OpenMP pools never oversubscribe them: the
-    judge thread gets ``threads`` intra-op threads (default: half the cores) and the calling thread the
-    rest; :meth:`close` restores the caller's count. (Without the split, measured on 2 cores, the
-    overlap cost more than it saved.) The split pays when the policy's own step is small or serial
-    (the tiny config); with a policy whose matrix products use every core it does not, so
-    ``enabled=None`` (auto) turns the prefetch on only when the judge runs on an accelerator.
+    On CPU the cores are split while the judge thread works, so the two OpenMP pools never
+    oversubscribe them: the judge thread has ``threads`` intra-op threads (default: half the cores),
+    and the calling thread the rest from :meth:`start` until :meth:`wait` returns, then every core
+    again (for the judge call itself). Without the split, measured on 2 cores, the overlap cost more
+    than it saved. The split pays when the policy's own step is small or serial (the tiny config);
+    with a policy whose matrix products use every core it does not, so ``enabled=None`` (auto) turns
+    the prefetch on only when the judge runs on an accelerator.
     """
 
     def __init__(self, judge: Judge, enabled: bool | None = None, threads: int | None = None):
         self.judge = judge
         self._pool = None
-        self._restore_threads: int | None = None
+        self._split: tuple[int, int] | None = None  # (all threads, the caller's share while work is pending)
         on_cpu = str(getattr(judge, "device", "cpu")) == "cpu"
         if enabled is None:
             enabled = not on_cpu
@@ -192,11 +193,13 @@ class JudgePrefetch:
             total = torch.get_num_threads()
             if on_cpu and total > 1:
                 judge_threads = min(total - 1, threads or max(1, total // 2))
-                self._restore_threads = total
-                torch.set_num_threads(total - judge_threads)  # this thread: the policy's share
+                self._split = (total, total - judge_threads)
 
                 def initializer() -> None:
-                    torch.set_num_threads(judge_threads)  # per thread: the judge's share
+                    # per thread: the judge's share. The get first: ATen sets a new thread's count lazily
+                    # from the process-wide one at its first query, which would undo a set made before.
+                    torch.get_num_threads()
+                    torch.set_num_threads(judge_threads)
 
             self._pool = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="judge-prefetch", initializer=initializer
@@ -221,21 +224,27 @@ class JudgePrefetch:
                 self.judge.prepare(articles, refs)
 
         self._future = self._pool.submit(work)
+        if self._split is not None:
+            torch.set_num_threads(self._split[1])  # the caller's share while the judge thread works
 
     def wait(self) -> None:
         """Block until the pending request is done (re-raising its error, if any)."""
         if self._future is not None:
             future, self._future = self._future, None
-            future.result()
+            try:
+                future.result()
+            finally:
+                if self._split is not None:
+                    torch.set_num_threads(self._split[0])  # the judge thread is idle: every core again
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._future = None
-        if self._restore_threads is not None:
-            torch.set_num_threads(self._restore_threads)
-            self._restore_threads = None
+        if self._split is not None:
+            torch.set_num_threads(self._split[0])
+            self._split = None
 
 
 # --- the five steps -------------------------------------------------------------------------------
