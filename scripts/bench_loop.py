@@ -79,11 +79,17 @@ def worker_ours(args: argparse.Namespace) -> dict:
     from judgeloop.loop.policy import load_policy
     from judgeloop.loop.recalibration import build_calibrator, calibrate
     from judgeloop.loop.rollout import rollout
-    from judgeloop.loop.runner import JudgePrefetch, judge_step, make_optimizer, policy_update
+    from judgeloop.loop.runner import (
+        JudgePrefetch,
+        judge_step,
+        make_optimizer,
+        mixed_precision_kwargs,
+        policy_update,
+    )
 
     cfg = _cfg(args)
     exs, builder, _ = _prompts(cfg, args.batch_size * (args.steps + 1))
-    acc = Accelerator(cpu=True, **({"mixed_precision": "bf16"} if args.precision == "bf16" else {}))
+    acc = Accelerator(cpu=True, **mixed_precision_kwargs("bf16" if args.precision == "bf16" else "no"))
     model, tok, ref = load_policy(cfg.policy, 0)
     judge = build_judge(cfg.judge)
     cal = build_calibrator(cfg.calibration)

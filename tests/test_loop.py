@@ -615,6 +615,47 @@ def test_sampling_with_one_prefill_per_prompt_gives_the_same_samples():
     assert len({tuple(c) for c in shared}) > 1  # really sampled
 
 
+def test_bf16_loop_context_serves_updated_weights():
+    """The loop runs in one autocast context across optimizer steps (as train() does). After an update, a
+    forward in that context must see the new weights: autocast's weight-cast cache would otherwise keep
+    serving the bf16 copies made before the step."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from judgeloop.loop.losses import targets_from_probs
+    from judgeloop.loop.policy import load_policy
+    from judgeloop.loop.rollout import PromptBuilder, rollout, token_logprobs
+    from judgeloop.loop.runner import make_optimizer, mixed_precision_kwargs, policy_update
+
+    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.lr=0.05"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        acc = Accelerator(cpu=True, **mixed_precision_kwargs("bf16"))
+        model, tok, ref = load_policy(cfg.policy, 0)
+        opt, sched = make_optimizer(model, cfg)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        articles = ["The council met on Tuesday and voted to close the old bridge for repairs."] * 2
+        with acc.autocast():
+            roll = rollout(
+                acc.unwrap_model(model), tok, PromptBuilder(tok, cfg.policy), articles, cfg.generation, 3
+            )
+            comps, prompts = roll.a_ids + roll.b_ids, roll.prompts * 2
+            before, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
+            targets, mask = targets_from_probs(torch.tensor([1.0, 0.0]), "soft")
+            policy_update(
+                acc, model, ref, opt, sched, roll, targets, mask, 0.1, cfg.loss, 1.0, tok.pad_token_id
+            )
+            after, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
+        with acc.autocast():  # a fresh context: casts the current weights
+            fresh, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert not torch.allclose(before, after)  # the update shows in the same context
+    torch.testing.assert_close(after, fresh, rtol=0, atol=0)
+
+
 def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
     """mixed_precision=bf16 (autocast over generation, both passes and the judge) runs end to end with
     finite losses; master weights stay float32."""

@@ -214,13 +214,14 @@ class JudgePrefetch:
         autocast = [
             (dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)
         ]
+        cache = torch.is_autocast_cache_enabled()
         articles = [e.article for e in batch]
         refs = [tuple(e.neutral) for e in batch]
 
         def work() -> None:
             with contextlib.ExitStack() as stack:
                 for dev, dtype in autocast:
-                    stack.enter_context(torch.autocast(dev, dtype=dtype))
+                    stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
                 self.judge.prepare(articles, refs)
 
         self._future = self._pool.submit(work)
@@ -512,16 +513,35 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     ``policy/`` (the kept policy, its tokenizer and the final calibrator, when ``save_final_policy``).
     """
     out_dir = Path(cfg.output_dir)
-    # mixed_precision is passed only when asked for: accelerate refuses to re-set it once its process-wide
-    # state exists (e.g. a second run in the same process, as in the ablation).
-    amp = {} if cfg.mixed_precision == "no" else {"mixed_precision": cfg.mixed_precision}
     accelerator = Accelerator(
-        cpu=cfg.cpu, log_with=make_trackers(cfg.log_with, out_dir), project_dir=str(out_dir), **amp
+        cpu=cfg.cpu,
+        log_with=make_trackers(cfg.log_with, out_dir),
+        project_dir=str(out_dir),
+        **mixed_precision_kwargs(cfg.mixed_precision),
     )
     # bf16 autocast (when mixed_precision=bf16) covers generation, the reference pass and evaluation too,
     # not only the prepared model's forward; master weights and optimizer state stay fp32.
     with accelerator.autocast():
         return _train(cfg, accelerator, out_dir)
+
+
+def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
+    """``Accelerator`` arguments for ``mixed_precision`` ("no" or "bf16").
+
+    mixed_precision is passed only when asked for: accelerate refuses to re-set it once its
+    process-wide state exists (e.g. a second run in the same process, as in the ablation).
+
+    Under bf16 the autocast weight-cast cache is off. The loop runs in one autocast context, across
+    optimizer steps, and autocast keeps its bf16 copy of a trainable weight until the outermost context
+    exits: with the cache on, every forward after the first step would use the step-0 weights (the LoRA
+    adapters or the full model, as first cast) while the optimizer updated the fp32 ones. Without it the
+    trainable weights are cast at each use, as frozen weights always are.
+    """
+    if mixed_precision == "no":
+        return {}
+    from accelerate.utils import AutocastKwargs
+
+    return {"mixed_precision": mixed_precision, "kwargs_handlers": [AutocastKwargs(cache_enabled=False)]}
 
 
 def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
