@@ -70,7 +70,7 @@ def train_ours(args) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from judgeloop.commands.train_retriever import Example, TrainRetrieverConfig, train_step
+    from judgeloop.commands.train_retriever import Example, TrainRetrieverConfig, make_optimizer, train_step
     from judgeloop.config import load_config
     from judgeloop.retrieval import BiEncoder
 
@@ -89,7 +89,7 @@ def train_ours(args) -> dict:
     torch.manual_seed(0)
     acc = Accelerator(cpu=True, **({"mixed_precision": "bf16"} if args.precision == "bf16" else {}))
     enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
-    opt = torch.optim.AdamW(enc.parameters(), lr=args.lr)
+    opt = make_optimizer(enc, cfg)  # the trainer's own: fused AdamW, no decay on biases and norms
     model, opt = acc.prepare(enc, opt)
     model.train()
     times = []

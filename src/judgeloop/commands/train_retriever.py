@@ -561,6 +561,22 @@ def save_checkpoint(accelerator: Any, output_dir: str | Path, state: dict[str, A
     accelerator.wait_for_everyone()
 
 
+def make_optimizer(encoder: BiEncoder, cfg: TrainRetrieverConfig) -> torch.optim.Optimizer:
+    """AdamW with ``train.weight_decay`` on every weight except biases and norms (fused where it can be)."""
+    from judgeloop.optim import adamw
+
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm", "norm.weight")
+    named = list(encoder.named_parameters())
+    groups = [
+        {
+            "params": [p for n, p in named if not any(s in n for s in no_decay)],
+            "weight_decay": cfg.train.weight_decay,
+        },
+        {"params": [p for n, p in named if any(s in n for s in no_decay)], "weight_decay": 0.0},
+    ]
+    return adamw(groups, lr=cfg.train.learning_rate)
+
+
 # --------------------------------------------------------------------------------------------- run
 def run(cfg: TrainRetrieverConfig) -> dict[str, Any]:
     """Zero-shot eval -> mine -> train (re-mining) -> eval; writes report.json, report.md and model/."""
@@ -634,18 +650,7 @@ def run(cfg: TrainRetrieverConfig) -> dict[str, Any]:
         raise DataError(
             f"{len(examples)} training pairs make no batch of {per_step}; lower train.batch_size or add data"
         )
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm", "norm.weight")
-    params = [
-        {
-            "params": [p for n, p in encoder.named_parameters() if not any(s in n for s in no_decay)],
-            "weight_decay": cfg.train.weight_decay,
-        },
-        {
-            "params": [p for n, p in encoder.named_parameters() if any(s in n for s in no_decay)],
-            "weight_decay": 0.0,
-        },
-    ]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate)
+    optimizer = make_optimizer(encoder, cfg)
     scheduler = get_linear_schedule_with_warmup(
         optimizer, math.ceil(cfg.train.warmup_ratio * total_steps), total_steps
     )

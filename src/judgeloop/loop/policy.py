@@ -39,7 +39,9 @@ def sft_warmup(
         tokenizer(t, add_special_tokens=False)["input_ids"][: cfg.sft_max_tokens] + [tokenizer.eos_token_id]
         for t in targets
     ]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_lr)
+    from judgeloop.optim import adamw
+
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_lr)
     model.train()
     losses = []
     for _ in range(cfg.sft_steps):

@@ -465,8 +465,10 @@ def early_stopping(
 
 
 def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
+    from judgeloop.optim import adamw
+
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    optimizer = adamw(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     warm, total = cfg.optim.warmup_steps, cfg.num_steps
 
     def factor(i: int) -> float:
