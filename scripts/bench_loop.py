@@ -7,9 +7,12 @@ prompts with two samples per prompt, the same batch size, max new tokens, temper
 optimizer, against the same judge: MiniLM similarity of the summary to the article. TRL's
 ``OnlineDPOTrainer`` takes it as a reward function (the judge's pointwise value), so our side runs
 hard targets from the raw judge (the ``raw`` arm with ``loss.target=hard``, no evaluation, no
-recalibration) to do the same work. Each measurement runs in a fresh subprocess (peak RSS is per
-process), alternating ours and TRL's; the first step of each run is warm-up and not timed.
-Prints median step time, prompts/s and peak RSS for each and the ratios ours / peer.
+recalibration) to do the same work; it runs the judge prefetch as the config sets it (the tiny config:
+on, with the cores split; ``--prefetch on|off`` overrides). Each measurement runs in a fresh
+subprocess (peak RSS is per process), alternating ours and TRL's; the first step of each run is
+warm-up and not timed. Prints median step time, prompts/s and peak RSS for each and the ratios
+ours / peer, our time per phase, and TRL's time in the judge and in ``generate()``: the work both
+loops share, which bounds what a faster loop around it can gain.
 
 ``--config configs/feedback_loop/quickstart.yaml`` runs the same comparison at the quickstart's scale:
 SmolLM2-135M-Instruct with LoRA on both sides (TRL gets the same ``peft_config`` and, like our loop,
