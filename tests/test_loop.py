@@ -683,3 +683,51 @@ def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
 
     weights = load_file(str(tmp_path / "policy" / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {torch.float32}
+
+
+def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pairs():
+    """Ties carry no label; when fewer than min_points pairs remain to fit on, more calibration articles
+    are drawn (up to extra_rounds more batches), and never when there are enough."""
+    from accelerate import Accelerator
+
+    from judgeloop.judges import build_judge
+    from judgeloop.loop.policy import load_policy
+    from judgeloop.loop.rollout import PromptBuilder
+    from judgeloop.loop.runner import collect_calibration_pairs, load_splits
+
+    def collect(*over: str):
+        cfg = load_config(
+            FeedbackLoopConfig,
+            TINY,
+            [
+                *FAST,
+                "policy.sft_steps=0",
+                "calibration.num_articles=4",
+                "calibration.pairs_per_article=1",
+                *over,
+            ],
+        )
+        splits = load_splits(cfg)
+        model, tok, _ = load_policy(cfg.policy, 0)
+        judge = build_judge(cfg.judge)
+        pairs = collect_calibration_pairs(
+            Accelerator(cpu=True),
+            model,
+            tok,
+            PromptBuilder(tok, cfg.policy),
+            judge,
+            splits.calibration,
+            cfg,
+            1,
+        )
+        calib_ids = {e.id for e in splits.calibration}
+        assert set(pairs.article_ids) <= calib_ids  # only calibration articles, in every round
+        return pairs
+
+    enough = collect("calibration.min_points=1")
+    assert len(enough) >= 1 and len(enough) + enough.ties_dropped == 4  # one round: 4 articles x 1 pair
+    capped = collect("calibration.min_points=1000", "calibration.extra_rounds=0")
+    assert len(capped) + capped.ties_dropped == 4 and capped.article_ids == enough.article_ids
+    more = collect("calibration.min_points=1000", "calibration.extra_rounds=2")
+    assert len(more) + more.ties_dropped == 12  # two more batches of 4 articles, labeled or tied
+    assert more.article_ids[: len(enough)] == enough.article_ids  # the first round is unchanged

@@ -129,7 +129,9 @@ class LoopCalibrationConfig:
     neutral ROUGE labeler (logit = ``oracle_scale`` * (ROUGE-L(a) - ROUGE-L(b))), the upper bound.
     The first fit happens before step 1; refits every ``recalibrate_every_n_steps`` (0 = never) and
     whenever the ECE monitored every ``monitor_every_n_steps`` on fresh policy samples exceeds
-    ``ece_threshold``. Calibration pairs come only from the ``calibration`` split (checked).
+    ``ece_threshold``. Calibration pairs come only from the ``calibration`` split (checked):
+    ``num_articles`` articles with ``pairs_per_article`` pairs each, and up to ``extra_rounds`` more
+    batches of ``num_articles`` when ROUGE-L ties leave fewer than ``min_points`` pairs to fit on.
     """
 
     method: Literal["raw", "platt", "isotonic", "temperature", "feature_platt", "oracle"] = "platt"
@@ -138,6 +140,7 @@ class LoopCalibrationConfig:
     monitor_every_n_steps: int = 0
     ece_threshold: float = 0.1
     num_articles: int = 32
+    extra_rounds: int = 3
     pairs_per_article: int = 2
     holdout_fraction: float = 0.3
     min_points: int = 10
@@ -154,6 +157,10 @@ class LoopCalibrationConfig:
             raise ValueError(f"calibration.pairs_per_article={self.pairs_per_article} must be >= 1")
         if self.num_articles < 2:
             raise ValueError(f"calibration.num_articles={self.num_articles} must be >= 2")
+        if self.extra_rounds < 0:
+            raise ValueError(
+                f"calibration.extra_rounds={self.extra_rounds} must be >= 0 (0: never draw more)"
+            )
         if not 0 < self.holdout_fraction < 1:
             raise ValueError(f"calibration.holdout_fraction={self.holdout_fraction} must be in (0, 1)")
 

@@ -209,7 +209,8 @@ def refit(
         if first_fit:
             raise CalibrationError(
                 f"initial calibration at step {step} failed: {err}. Raise calibration.num_articles "
-                f"(now {cfg.num_articles}) or lower calibration.min_points (now {cfg.min_points})"
+                f"(now {cfg.num_articles}) or calibration.extra_rounds (now {cfg.extra_rounds}), or lower "
+                f"calibration.min_points (now {cfg.min_points})"
             ) from err
         return calibrator, RefitRecord(
             step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err)

@@ -56,6 +56,7 @@ from judgeloop.loop.recalibration import (
     build_training_judge,
     calibrate,
     check_calibration_disjoint,
+    holdout_mask,
     label_pairs,
     monitor_due,
     needs_fit,
@@ -318,46 +319,83 @@ def collect_calibration_pairs(
     step: int,
 ) -> CalibrationPairs:
     """Fresh pairs for the calibrator: two samples of the *current* policy per calibration article,
-    judged and ROUGE-labeled (articles drawn from the calibration split only)."""
-    n = min(cfg.calibration.num_articles, len(calibration))
-    pick = np.random.RandomState(derive_seed(cfg.seed, "calib_articles", step)).permutation(len(calibration))[
-        :n
-    ]
-    mine = shard([calibration[i] for i in sorted(pick)], accelerator)
-    rows: list[dict[str, Any]] = []
-    if mine:
-        roll = rollout(
-            accelerator.unwrap_model(model),
+    judged and ROUGE-labeled (articles drawn from the calibration split only).
+
+    ``calibration.num_articles`` articles are drawn in a seeded order. Pairs whose two summaries tie on
+    ROUGE-L carry no label and are dropped; when that leaves fewer than ``calibration.min_points`` pairs
+    on the fit side (articles not held out), up to ``calibration.extra_rounds`` more batches of
+    ``num_articles`` articles are drawn from the same order, so a weak policy whose samples often tie
+    still gets a calibrator.
+    """
+    ccfg = cfg.calibration
+    order = np.random.RandomState(derive_seed(cfg.seed, "calib_articles", step)).permutation(len(calibration))
+    out = CalibrationPairs()
+    for round_ in range(ccfg.extra_rounds + 1):
+        pick = order[round_ * ccfg.num_articles : (round_ + 1) * ccfg.num_articles]
+        if not len(pick):
+            break
+        # round 0 keeps the seed the loop has always used; later rounds get their own
+        tag: tuple[Any, ...] = (step, accelerator.process_index) + ((round_,) if round_ else ())
+        rows = _calibration_rows(
+            accelerator,
+            model,
             tokenizer,
             build_prompt,
-            [e.article for e in mine],
-            cfg.generation,
-            seed=derive_seed(cfg.seed, "calib", step, accelerator.process_index),
-            num_pairs=cfg.calibration.pairs_per_article,
+            judge,
+            shard([calibration[i] for i in sorted(pick)], accelerator),
+            cfg,
+            derive_seed(cfg.seed, "calib", *tag),
         )
-        exs = [e for e in mine for _ in range(cfg.calibration.pairs_per_article)]
-        pairs = label_pairs(exs, roll.a_text, roll.b_text, judge)
-        rows = [
-            {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab}
-            for i, a, x, y, s, lab in zip(
-                pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels
-            )
-        ]
-        rows.append({"ties": pairs.ties_dropped, "failures": pairs.judge_failures})
-    all_rows = gather_object(rows) if accelerator.num_processes > 1 else rows
-    out = CalibrationPairs()
-    for r in all_rows:
-        if "ties" in r:
-            out.ties_dropped += r["ties"]
-            out.judge_failures += r["failures"]
-            continue
-        out.article_ids.append(r["id"])
-        out.articles.append(r["article"])
-        out.a.append(r["a"])
-        out.b.append(r["b"])
-        out.scores.append(r["s"])
-        out.labels.append(r["y"])
+        all_rows = gather_object(rows) if accelerator.num_processes > 1 else rows
+        for r in all_rows:
+            if "ties" in r:
+                out.ties_dropped += r["ties"]
+                out.judge_failures += r["failures"]
+                continue
+            out.article_ids.append(r["id"])
+            out.articles.append(r["article"])
+            out.a.append(r["a"])
+            out.b.append(r["b"])
+            out.scores.append(r["s"])
+            out.labels.append(r["y"])
+        fit = int((~holdout_mask(out.article_ids, ccfg.holdout_fraction, cfg.seed)).sum())
+        if fit >= ccfg.min_points:  # the same on every process: the rows were gathered
+            break
     return out
+
+
+def _calibration_rows(
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    judge: Judge,
+    mine: Sequence[SummExample],
+    cfg: FeedbackLoopConfig,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """This process's labeled pairs for its share of the calibration articles, plus one counts row."""
+    if not mine:
+        return []
+    roll = rollout(
+        accelerator.unwrap_model(model),
+        tokenizer,
+        build_prompt,
+        [e.article for e in mine],
+        cfg.generation,
+        seed=seed,
+        num_pairs=cfg.calibration.pairs_per_article,
+    )
+    exs = [e for e in mine for _ in range(cfg.calibration.pairs_per_article)]
+    pairs = label_pairs(exs, roll.a_text, roll.b_text, judge)
+    rows: list[dict[str, Any]] = [
+        {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab}
+        for i, a, x, y, s, lab in zip(
+            pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels
+        )
+    ]
+    rows.append({"ties": pairs.ties_dropped, "failures": pairs.judge_failures})
+    return rows
 
 
 def maybe_recalibrate(
