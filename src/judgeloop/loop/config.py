@@ -186,9 +186,9 @@ class FeedbackLoopConfig:
     ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
     judge's article embeddings) on a background thread during the policy update; scores are the same.
     Unset (auto), it is on only when the judge runs on a GPU. On CPU, set to true, the cores are split
-    while the loop runs: ``judge_prefetch_threads`` intra-op threads for the judge (default half), the
-    rest for the policy. That pays when the policy's step is small (the tiny config), not when its
-    matrix products need every core.
+    while the judge thread works: ``judge_prefetch_threads`` intra-op threads for the judge (default
+    half), the rest for the policy. That pays when the policy's step is small (the tiny config), not
+    when its matrix products need every core.
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     """
 
