@@ -48,6 +48,7 @@ from judgeloop.data.raft_readers import (
 )
 from judgeloop.data.splits import LeakageError, hash_unit
 from judgeloop.logging import get_logger
+from judgeloop.text import STOPWORDS
 
 logger = get_logger(__name__)
 
@@ -321,52 +322,9 @@ def split_questions(
 
 
 _WORD = re.compile(r"[a-z0-9]+")
-_STOP = frozenset(
-    [
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "by",
-        "for",
-        "from",
-        "has",
-        "have",
-        "in",
-        "is",
-        "it",
-        "its",
-        "of",
-        "on",
-        "or",
-        "that",
-        "the",
-        "this",
-        "to",
-        "was",
-        "were",
-        "with",
-        "which",
-        "we",
-        "our",
-        "not",
-        "no",
-        "yes",
-        "these",
-        "those",
-        "than",
-        "there",
-        "their",
-        "been",
-        "between",
-        "after",
-        "before",
-        "during",
-    ]
-)
+_STOP = STOPWORDS | frozenset(
+    ["after", "been", "before", "between", "during", "no", "our", "there", "we", "yes"]
+)  # plus narrative words of abstracts, and PubMedQA's yes/no answers
 _SENT = re.compile(r"[^.!?]+(?:[.!?]+|$)")
 
 

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from judgeloop.text import STOPWORDS
+
 __all__ = [
     "SIGNALS",
     "GateInputs",
@@ -90,48 +92,9 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray([len(set(x.tolist()) & set(y.tolist())) / max(len(x), 1) for x, y in zip(a, b)])
 
 
-_STOP = frozenset(
-    [
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "by",
-        "can",
-        "do",
-        "does",
-        "for",
-        "from",
-        "has",
-        "have",
-        "in",
-        "into",
-        "is",
-        "it",
-        "its",
-        "may",
-        "not",
-        "of",
-        "on",
-        "or",
-        "than",
-        "that",
-        "the",
-        "their",
-        "these",
-        "this",
-        "those",
-        "to",
-        "was",
-        "were",
-        "which",
-        "with",
-        "without",
-    ]
-)
+_STOP = STOPWORDS | frozenset(
+    ["can", "do", "does", "into", "may", "without"]
+)  # plus the words questions are made of
 _TOKEN = re.compile(r"[a-z0-9]+(?:[-'][a-z0-9]+)*")
 
 
