@@ -101,7 +101,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
     times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
     # as in the loop (runner.train): with judge_prefetch (the tiny config sets it) the next batch's
     # article embeddings are computed on a background thread while this batch generates and updates
-    with acc.autocast():  # as runner.train: generation, both passes and the judge (bf16 when asked)
+    with acc.autocast():  # as runner.train: both passes and the judge (bf16 when asked); not generation
         enabled = cfg.judge_prefetch if args.prefetch == "config" else args.prefetch == "on"
         prefetch = JudgePrefetch(judge, enabled, cfg.judge_prefetch_threads)
         prefetch.start(exs[: args.batch_size])

@@ -657,7 +657,7 @@ def test_bf16_loop_context_serves_updated_weights():
 
 
 def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
-    """mixed_precision=bf16 (autocast over generation, both passes and the judge) runs end to end with
+    """mixed_precision=bf16 (autocast over both passes and the judge) runs end to end with
     finite losses; master weights stay float32."""
     from accelerate.state import AcceleratorState, GradientState
 
@@ -731,3 +731,23 @@ def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pair
     more = collect("calibration.min_points=1000", "calibration.extra_rounds=2")
     assert len(more) + more.ties_dropped == 12  # two more batches of 4 articles, labeled or tied
     assert more.article_ids[: len(enough)] == enough.article_ids  # the first round is unchanged
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_generation_runs_outside_autocast_unless_asked(inside):
+    """Decoding under the run's bf16 autocast would re-cast every fp32 weight at every step; by default
+    generation leaves autocast, and generation.autocast=true keeps it."""
+    from judgeloop.loop.config import GenerationConfig
+    from judgeloop.loop.rollout import generate
+    from judgeloop.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer("judgeloop-tiny/causal-lm")
+    model = load_causal_lm("judgeloop-tiny/causal-lm")
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    prompts = [tok.encode("Summarize: the council met and voted today.")] * 2
+    gen = GenerationConfig(max_new_tokens=4, autocast=inside)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, tok, prompts, gen, num_samples=2, seed=0)
+        assert torch.is_autocast_enabled("cpu")  # the caller's context is left as it was
+    assert len(out) == 4 and seen and set(seen) == {inside}

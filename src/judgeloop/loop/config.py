@@ -60,12 +60,19 @@ class PolicyConfig:
 
 @dataclass
 class GenerationConfig:
-    """Sampling for rollouts (two summaries per article); evaluation decodes greedily."""
+    """Sampling for rollouts (two summaries per article); evaluation decodes greedily.
+
+    ``autocast``: generate under the run's mixed-precision autocast. Off by default: decoding reads every
+    weight once per token, and autocast would re-cast each float32 weight at each step (measured on 2 CPU
+    cores, quickstart under bf16: 3.6 s of generation per step with it, 2.8 s without). Weights stored in
+    bf16 (``policy.dtype=bfloat16``) decode in bf16 either way.
+    """
 
     max_new_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    autocast: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

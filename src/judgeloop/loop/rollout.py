@@ -8,6 +8,7 @@ The two samples of an article share one pass over its prompt (``samples_per_prom
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,6 +133,36 @@ def generate(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    with contextlib.ExitStack() as stack:
+        if not gen.autocast:  # see GenerationConfig.autocast
+            stack.enter_context(torch.autocast(device.type, enabled=False))
+        new_tokens = _generate(model, ids, mask, kwargs, greedy, num_samples, device)
+    if was_training:
+        model.train()
+    completions: list[list[int]] = []
+    eos = tokenizer.eos_token_id
+    for row in new_tokens.tolist():
+        cut: list[int] = []
+        for t in row:
+            cut.append(t)
+            if t == eos:
+                break
+        while cut and cut[-1] == tokenizer.pad_token_id and tokenizer.pad_token_id != eos:
+            cut.pop()
+        completions.append(cut)
+    return completions
+
+
+def _generate(
+    model: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    kwargs: dict[str, Any],
+    greedy: bool,
+    num_samples: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``generate()`` on left-padded prompts; returns the (N * num_samples, T) new tokens."""
     if not greedy and num_samples > 1 and ids.shape[1] > 1:
         # Prefill each prompt once (all but its last token) and repeat its KV cache for its samples, instead
         # of prefilling num_samples copies; generate() then starts from the last prompt token. Same samples.
@@ -148,23 +179,8 @@ def generate(
         kwargs.pop("num_return_sequences")
         kwargs[_cache_kwarg(model)] = cache
         ids, mask = ids.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-    else:
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)  # (N*k, P+T)
-    if was_training:
-        model.train()
-    completions: list[list[int]] = []
-    eos = tokenizer.eos_token_id
-    for row in out[:, ids.shape[1] :].tolist():
-        cut: list[int] = []
-        for t in row:
-            cut.append(t)
-            if t == eos:
-                break
-        while cut and cut[-1] == tokenizer.pad_token_id and tokenizer.pad_token_id != eos:
-            cut.pop()
-        completions.append(cut)
-    return completions
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)  # (N*k, P+T)
+    return out[:, ids.shape[1] :]
 
 
 def decode(tokenizer: Any, completions: Sequence[Sequence[int]]) -> list[str]:

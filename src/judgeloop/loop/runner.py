@@ -559,7 +559,7 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
         project_dir=str(out_dir),
         **mixed_precision_kwargs(cfg.mixed_precision),
     )
-    # bf16 autocast (when mixed_precision=bf16) covers generation, the reference pass and evaluation too,
+    # bf16 autocast (when mixed_precision=bf16) covers the reference pass, the judge and evaluation too,
     # not only the prepared model's forward; master weights and optimizer state stay fp32.
     with accelerator.autocast():
         return _train(cfg, accelerator, out_dir)
