@@ -1,5 +1,7 @@
 """The shared AdamW: fused where the device allows, the same update as torch's per-tensor AdamW."""
 
+import copy
+
 import torch
 
 from judgeloop.optim import adamw
@@ -36,10 +38,25 @@ def test_adamw_is_fused_on_cpu_and_matches_the_per_tensor_update():
     for a, b, start in zip(fused_params, plain_params, _params(0)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(a, start)  # the steps moved the weights
-    # the state dict is the same AdamW state: it loads into a per-tensor optimizer
-    torch.optim.AdamW(_params(0), lr=0.01, foreach=False).load_state_dict(
-        adamw(_params(0), lr=0.01).state_dict()
+    # the state dict is the same AdamW state: after 5 steps it loads into a per-tensor optimizer, and the
+    # next step from there equals the fused optimizer's next step
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in fused_params]
+    resumed = torch.optim.AdamW(
+        [
+            {"params": resumed_params[:2], "weight_decay": 0.1},
+            {"params": resumed_params[2:], "weight_decay": 0.0},
+        ],
+        lr=0.01,
+        foreach=False,
     )
+    resumed.load_state_dict(copy.deepcopy(fused.state_dict()))  # a copy, as a checkpoint on disk is
+    for a, b in zip(fused_params, resumed_params):
+        grad = torch.randn(a.shape, generator=g)
+        a.grad, b.grad = grad.clone(), grad.clone()
+    fused.step()
+    resumed.step()
+    for a, b in zip(fused_params, resumed_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_adamw_falls_back_when_it_cannot_fuse():
