@@ -104,40 +104,42 @@ def worker_ours(args: argparse.Namespace) -> dict:
     with acc.autocast():  # as runner.train: both passes and the judge (bf16 when asked); not generation
         enabled = cfg.judge_prefetch if args.prefetch == "config" else args.prefetch == "on"
         prefetch = JudgePrefetch(judge, enabled, cfg.judge_prefetch_threads)
-        prefetch.start(exs[: args.batch_size])
-        for step in range(args.steps + 1):
-            batch = exs[step * args.batch_size : (step + 1) * args.batch_size]
-            t0 = time.perf_counter()
-            roll = rollout(model, tok, builder, [e.article for e in batch], cfg.generation, seed=step)
-            t1 = time.perf_counter()
-            prefetch.wait()
-            judged = judge_step(judge, batch, roll)
-            if step < args.steps:
-                prefetch.start(exs[(step + 1) * args.batch_size : (step + 2) * args.batch_size])
-            p = calibrate(cal, judged.scores, roll.articles, roll.a_text, roll.b_text)
-            t2 = time.perf_counter()
-            targets, mask = targets_from_probs(torch.tensor(p, dtype=torch.float32), "hard")
-            policy_update(
-                acc,
-                model,
-                ref,
-                opt,
-                sched,
-                roll,
-                targets,
-                mask,
-                0.0,
-                cfg.loss,
-                cfg.optim.max_grad_norm,
-                tok.pad_token_id,
-            )
-            t3 = time.perf_counter()
-            if step:
-                times.append(t3 - t0)
-                phases["rollout"] += t1 - t0
-                phases["judge"] += t2 - t1
-                phases["update"] += t3 - t2
-        prefetch.close()
+        try:
+            prefetch.start(exs[: args.batch_size])
+            for step in range(args.steps + 1):
+                batch = exs[step * args.batch_size : (step + 1) * args.batch_size]
+                t0 = time.perf_counter()
+                roll = rollout(model, tok, builder, [e.article for e in batch], cfg.generation, seed=step)
+                t1 = time.perf_counter()
+                prefetch.wait()
+                judged = judge_step(judge, batch, roll)
+                if step < args.steps:
+                    prefetch.start(exs[(step + 1) * args.batch_size : (step + 2) * args.batch_size])
+                p = calibrate(cal, judged.scores, roll.articles, roll.a_text, roll.b_text)
+                t2 = time.perf_counter()
+                targets, mask = targets_from_probs(torch.tensor(p, dtype=torch.float32), "hard")
+                policy_update(
+                    acc,
+                    model,
+                    ref,
+                    opt,
+                    sched,
+                    roll,
+                    targets,
+                    mask,
+                    0.0,
+                    cfg.loss,
+                    cfg.optim.max_grad_norm,
+                    tok.pad_token_id,
+                )
+                t3 = time.perf_counter()
+                if step:
+                    times.append(t3 - t0)
+                    phases["rollout"] += t1 - t0
+                    phases["judge"] += t2 - t1
+                    phases["update"] += t3 - t2
+        finally:  # as the loop: no prefetch thread, and the caller's thread count back, on any error
+            prefetch.close()
     return {"step_times": times, "phases_s": phases, "peak_rss_mb": _peak_rss_mb()}
 
 

@@ -677,9 +677,9 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         bar = tqdm(total=cfg.num_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
     steps_this_run = 0
     prefetch = JudgePrefetch(train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
-    if state.step < cfg.num_steps:
-        prefetch.start(peek_batch(state, splits.train, cfg, accelerator))  # overlaps the first rollout
     try:
+        if state.step < cfg.num_steps:
+            prefetch.start(peek_batch(state, splits.train, cfg, accelerator))  # overlaps the first rollout
         while state.step < cfg.num_steps and not state.stopped_early:
             step = state.step + 1
             batch = next_batch(state, splits.train, cfg, accelerator)
