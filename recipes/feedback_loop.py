@@ -4,6 +4,8 @@
         --config configs/feedback_loop/quickstart.yaml loss.beta=0.2
     python recipes/feedback_loop.py --config configs/feedback_loop/tiny.yaml        # one CPU process
     python recipes/feedback_loop.py --config configs/feedback_loop/tiny.yaml --ablate
+    accelerate launch recipes/feedback_loop.py --config C --job platt:1   # one ablation job (a cluster task)
+    python recipes/feedback_loop.py --config C --aggregate                 # results.* from the job folders
 
 Each training step (src/judgeloop/loop/runner.py, one named function per step):
 
@@ -26,7 +28,7 @@ import sys
 
 from judgeloop.config import load_config
 from judgeloop.logging import setup_logging
-from judgeloop.loop.ablation import run_ablation
+from judgeloop.loop.ablation import aggregate, run_ablation
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.runner import train
 
@@ -35,10 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config (configs/feedback_loop/*.yaml)")
     parser.add_argument("--ablate", action="store_true", help="run every arm x seed and write results.md")
+    parser.add_argument(
+        "--job", metavar="ARM:SEED", help="run one job of the ablation grid (skipped when done)"
+    )
+    parser.add_argument(
+        "--aggregate", action="store_true", help="write results.* from the ablation's job folders"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. calibration.method=isotonic")
     args = parser.parse_args(argv)
     setup_logging()
     cfg = load_config(FeedbackLoopConfig, args.config, args.overrides)
+    if args.job:
+        print(json.dumps(run_ablation(cfg, job=args.job)))
+        return 0
+    if args.aggregate:
+        aggregate(cfg)
+        return 0
     if args.ablate:
         run_ablation(cfg)
         return 0

@@ -413,7 +413,8 @@ def test_exact_resume_after_interruption(tmp_path):
         _same(r, f)
     for r, f in zip(resumed["refits"], full["refits"], strict=True):
         _same(r, f)
-    assert full["num_refits"] == 2
+    # two scheduled refits; one may keep the previous calibrator (refit_accept=better) when the new one is worse
+    assert sum(r["reason"] == "schedule" for r in full["refits"]) == 2
     assert (tmp_path / "cut" / "report.json").is_file()
 
 

@@ -46,6 +46,29 @@ HELP: dict[str, str] = {
 }
 
 
+# commands with options of their own beyond --config / overrides / --print-config
+COMMAND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "ablate": [
+        (
+            "--job",
+            {"metavar": "ARM:SEED", "help": "run this one job of the grid (skipped when already done)"},
+        ),
+        (
+            "--aggregate",
+            {"action": "store_true", "help": "write results.* from the job folders; run nothing"},
+        ),
+        (
+            "--list-jobs",
+            {"action": "store_true", "help": "print the grid, one ARM:SEED per line; run nothing"},
+        ),
+    ],
+}
+
+
+def command_options(name: str) -> list[tuple[str, dict[str, Any]]]:
+    return COMMAND_OPTIONS.get(name, [])
+
+
 def resolve_command(name: str) -> tuple[type, Any]:
     """Import a command's (schema, run) pair."""
     if name not in COMMANDS:
@@ -71,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--config", required=True, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. judge.scale=10")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        for flag, kwargs in command_options(name):
+            p.add_argument(flag, **kwargs)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -87,8 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.stdout.write(to_yaml(cfg))
         return 0
+    extra = {
+        flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
+        for flag, _ in command_options(args.command)
+    }
+    if "aggregate" in extra:
+        extra["aggregate_only"] = extra.pop("aggregate")
     try:
-        run(cfg)
+        run(cfg, **{k: v for k, v in extra.items() if v not in (None, False)})
     except (ConfigError, DataError) as err:
         sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
         return 2

@@ -376,17 +376,97 @@ class FeaturePlattCalibrator(Calibrator):
         self.l2 = float(params["l2"])
 
 
+class StyleResidualCalibrator(Calibrator):
+    """The label-free arm: remove the part of the judge's logit that the style features explain.
+
+    Fit on fresh policy pairs, **without labels**: regress the raw logit on the antisymmetric pair
+    features (log length ratio, copy-rate difference), ``s = f . beta + e``, no intercept (swapping a
+    and b negates both sides), by least squares; then ``p = sigmoid(s - f . beta)``. This is the
+    regression adjustment of length-controlled win rates applied to a pairwise judge: whatever of the
+    judge's preference a style difference predicts is taken out, and what is left is its preference at
+    equal style.
+
+    Why this and not a labeled fit: Platt or isotonic maps are monotone in ``s`` and cannot change
+    *which* summary the judge prefers, only how sure it is; ``feature_platt`` can discount a style but
+    needs neutral labels. This arm needs neither labels nor references, so it works wherever the judge
+    itself is all there is. What it cannot tell apart: a real quality difference that happens to
+    correlate with the style features is removed with the bias (a longer summary that *is* better loses
+    that credit too). So the style term is subtracted only when it is detectable: a Wald test of
+    ``beta = 0`` on the ``n`` fitted pairs (not the doubled, symmetrized set) at level ``alpha``; a judge
+    whose logit carries no style term is left exactly unchanged (``p = sigmoid(s)``).
+
+    ``labels`` passed to :meth:`fit` are ignored (the loop passes them, and uses them only to report ECE).
+    """
+
+    method = "style_residual"
+    uses_features = True
+
+    def __init__(self, symmetric: bool = True, min_points: int = 10, alpha: float = 0.05):
+        super().__init__(symmetric, min_points)
+        self.alpha = alpha
+        self.beta_: np.ndarray = np.zeros(0)
+        self.wald_p_: float = 1.0
+
+    def fit(self, scores: Any, labels: Any = None, features: Any = None) -> Calibrator:
+        s = np.asarray(scores, dtype=float).ravel()
+        if features is None:
+            raise CalibrationError(f"{self.method}: needs pair features (length / copy-rate differences)")
+        f = np.asarray(features, dtype=float)
+        f = f[:, None] if f.ndim == 1 else f
+        if f.shape[0] != s.size:
+            raise CalibrationError(
+                f"{self.method}: features have {f.shape[0]} rows but there are {s.size} scores"
+            )
+        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(f))):
+            raise CalibrationError(f"{self.method}: scores or features contain NaN or infinite values")
+        if s.size < max(self.min_points, f.shape[1] + 2):
+            raise CalibrationError(
+                f"{self.method}: {s.size} pairs, fewer than min_points={self.min_points}; use more calibration articles"
+            )
+        from scipy.stats import chi2
+
+        beta, *_ = np.linalg.lstsq(f, s, rcond=None)
+        resid = s - f @ beta
+        dof = s.size - f.shape[1]
+        sigma2 = float(resid @ resid) / dof
+        xtx = f.T @ f
+        if sigma2 <= 0 or np.linalg.matrix_rank(xtx) < f.shape[1]:
+            wald_p = 0.0 if sigma2 <= 0 and np.any(beta != 0) else 1.0
+        else:
+            stat = float(beta @ xtx @ beta) / sigma2  # beta' (sigma^2 (X'X)^-1)^-1 beta
+            wald_p = float(chi2.sf(stat, f.shape[1]))
+        self.wald_p_ = wald_p
+        self.beta_ = beta if wald_p < self.alpha else np.zeros_like(beta)
+        self.n_fit_ = int(s.size) * (2 if self.symmetric else 1)
+        return self
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        assert f is not None
+        if f.shape[1] != self.beta_.size:
+            raise ValueError(f"style_residual was fitted with {self.beta_.size} features, got {f.shape[1]}")
+        return expit(s - f @ self.beta_)
+
+    def _params(self) -> dict[str, Any]:
+        return {"beta_": self.beta_.tolist(), "alpha": self.alpha, "wald_p_": self.wald_p_}
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        self.beta_ = np.asarray(params["beta_"], dtype=float)
+        self.alpha = float(params["alpha"])
+        self.wald_p_ = float(params["wald_p_"])
+
+
 CALIBRATORS: dict[str, type[Calibrator]] = {
     "raw": IdentityCalibrator,
     "platt": PlattCalibrator,
     "temperature": TemperatureCalibrator,
     "isotonic": IsotonicCalibrator,
     "feature_platt": FeaturePlattCalibrator,
+    "style_residual": StyleResidualCalibrator,
 }
 
 
 def make_calibrator(method: str, **kwargs: Any) -> Calibrator:
-    """Build a calibrator by name: raw, platt, temperature, isotonic, feature_platt."""
+    """Build a calibrator by name: raw, platt, temperature, isotonic, feature_platt, style_residual."""
     if method not in CALIBRATORS:
         raise ValueError(f"unknown calibrator {method!r}; choose one of {sorted(CALIBRATORS)}")
     return CALIBRATORS[method](**kwargs)

@@ -43,6 +43,7 @@ class LabeledPair:
     label: int
     references: tuple[str, ...] = ()
     meta: dict[str, object] = field(default_factory=dict)
+    extractive: tuple[str, ...] = ()
 
 
 @dataclass
@@ -150,6 +151,7 @@ def build_labeled_pairs(
                     label,
                     tuple(ex.neutral),
                     {"system_a": a.system, "system_b": b.system},
+                    tuple(ex.extractive),
                 )
             )
             kept += 1

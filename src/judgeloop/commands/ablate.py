@@ -1,4 +1,8 @@
-"""``judgeloop ablate --config CONFIG [k=v ...]``: the loop per calibration arm and seed, plus the summary table."""
+"""``judgeloop ablate --config CONFIG [k=v ...]``: the loop per calibration arm and seed, plus the summary.
+
+``--job ARM:SEED`` runs one job (for a cluster task); ``--aggregate`` builds ``results.*`` from the job
+folders that exist; ``--list-jobs`` prints one ``ARM:SEED`` per line (for a job array).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,29 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from judgeloop.loop.ablation import run_ablation
+from judgeloop.config import ConfigError
+from judgeloop.loop.ablation import aggregate, jobs, parse_job, run_ablation
 from judgeloop.loop.config import FeedbackLoopConfig
 
 __all__ = ["FeedbackLoopConfig", "run"]
 
 
-def run(cfg: FeedbackLoopConfig) -> dict[str, Any]:
-    results = run_ablation(cfg)
+def run(
+    cfg: FeedbackLoopConfig, job: str | None = None, aggregate_only: bool = False, list_jobs: bool = False
+) -> dict[str, Any]:
+    if sum([job is not None, aggregate_only, list_jobs]) > 1:
+        raise ConfigError("use only one of --job, --aggregate and --list-jobs")
+    if list_jobs:
+        sys.stdout.write("".join(f"{arm}:{seed}\n" for arm, seed in jobs(cfg)))
+        return {}
+    if job is not None:
+        try:
+            parse_job(job, cfg)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        result = run_ablation(cfg, job=job)
+        sys.stdout.write(f"{job}: {result['status']} ({result['dir']})\n")
+        return result
+    results = aggregate(cfg) if aggregate_only else run_ablation(cfg)
     sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
     return results

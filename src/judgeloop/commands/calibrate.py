@@ -28,6 +28,7 @@ from judgeloop.calibration import (
     make_calibrator,
     pair_feature_matrix,
 )
+from judgeloop.calibration.coupling import coupling_line, judge_coupling
 from judgeloop.calibration.reliability import reliability_diagram
 from judgeloop.config import to_yaml
 from judgeloop.data import DataConfig, load_examples, split_examples
@@ -102,7 +103,11 @@ def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[s
     step = max(judge.batch_size, 1) * 4
     for start in tqdm(range(0, len(pairs), step), desc=desc, unit="batch"):
         chunk = pairs[start : start + step]
-        out = judge.score([Pair(p.article, p.a, p.b, references=p.references) for p in chunk])
+        refs = [
+            p.extractive if getattr(judge, "reference_style", "neutral") == "extractive" else p.references
+            for p in chunk
+        ]
+        out = judge.score([Pair(p.article, p.a, p.b, references=r) for p, r in zip(chunk, refs)])
         fwd[start : start + len(chunk)] = out.scores
         if judge.position_debias:
             rev[start : start + len(chunk)] = -out.scores
@@ -111,7 +116,7 @@ def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[s
                 ok = out.valid
                 bias_terms.extend((out.forward[ok] + out.reverse[ok]).tolist())
         else:
-            back = judge.score([Pair(p.article, p.b, p.a, references=p.references) for p in chunk])
+            back = judge.score([Pair(p.article, p.b, p.a, references=r) for p, r in zip(chunk, refs)])
             rev[start : start + len(chunk)] = back.scores
             for s1, s2 in zip(out.status, back.status):
                 status.append(s1 if s1 not in ("ok", "truncated") else s2)
@@ -231,6 +236,13 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
         },
         "calibrators": {m: c.state_dict() for m, c in calibrators.items()},
         "feature_names": list(FEATURE_NAMES),
+        "coupling": judge_coupling(
+            eval_scored["forward"][eval_ok],
+            [p.label for p in kept_eval],
+            [p.article for p in kept_eval],
+            [p.a for p in kept_eval],
+            [p.b for p in kept_eval],
+        ),
     }
 
     rows = []
@@ -276,6 +288,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(
         [
             "# Judge calibration report",
+            "",
+            f"On the test pairs, the {coupling_line(report['coupling'])}.",
             "",
             f"Judge: `{j['type']}` on `{j['model']}` (prompt `{j['prompt']}`, position debiasing "
             f"{'on' if j['position_debias'] else 'off'}). Labels: `{report['labels']['type']}`"

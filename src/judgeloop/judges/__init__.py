@@ -7,11 +7,15 @@ is generated or parsed):
 * ``likelihood``: difference of length-normalized log-likelihoods of the summaries;
 * ``reward_model``: difference of a scalar sequence-classification head (Bradley-Terry);
 * ``embedding``: difference of cosine similarities to the article or references, times ``scale``.
+
+Any of them takes a style bias of a chosen strength: ``style_weight * d(pair)`` added to its logit
+(:class:`~judgeloop.judges.styled.StyledJudge`), the dial of the calibration experiments.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,6 +29,7 @@ from judgeloop.judges.base import (
     combine_orders,
 )
 from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
+from judgeloop.judges.styled import STYLE_FEATURES, StyledJudge, style_feature
 
 JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
@@ -45,13 +50,17 @@ class JudgeConfig:
         max_length: token budget of one model input. Only the article (or a reference, for the
             embedding judge) is cut to fit, counted as status ``truncated``; if the summaries and
             prompt alone exceed it, the item is ``too_long`` and not scored.
-        embedding_target: ``article`` or ``references`` (embedding judge).
+        embedding_target: ``article``, ``references`` (the neutral references) or ``extractive`` (the
+            extractive references: a judge that prefers the extractive style), embedding judge.
         scale: embedding judge: cosine difference times ``scale``. 20 is the scale
             sentence-transformers' MultipleNegativesRankingLoss applies to cosines.
         dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``).
         verdict_tokens: choice judge: the two answer labels, each a single token.
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
         cache_size: judged pairs kept in the in-memory cache (0 disables it).
+        style_weight: adds ``style_weight * d(pair)`` to the judge's logit, ``d`` the antisymmetric
+            pair feature ``style_feature`` (``copy_rate``, ``log_length_ratio``, ``novel_bigram``);
+            0 (default) leaves the judge as it is.
     """
 
     type: Literal["choice", "likelihood", "reward_model", "embedding"] = "choice"
@@ -60,12 +69,14 @@ class JudgeConfig:
     position_debias: bool | None = None
     batch_size: int = 8
     max_length: int = 2048
-    embedding_target: Literal["article", "references"] = "article"
+    embedding_target: Literal["article", "references", "extractive"] = "article"
     scale: float = 20.0
     dtype: str = "float32"
     verdict_tokens: list[str] = field(default_factory=lambda: ["A", "B"])
     device: str = "cpu"
     cache_size: int = 100_000
+    style_weight: float = 0.0
+    style_feature: str = "copy_rate"
 
     def __post_init__(self) -> None:
         if self.type not in JUDGE_TYPES:
@@ -79,10 +90,16 @@ class JudgeConfig:
             raise ValueError(
                 f"judge.max_length={self.max_length}; it must be at least 16 tokens (typical: 2048)"
             )
-        if self.embedding_target not in ("article", "references"):
+        if self.embedding_target not in ("article", "references", "extractive"):
             raise ValueError(
-                f"judge.embedding_target={self.embedding_target!r}; use 'article' or 'references'"
+                f"judge.embedding_target={self.embedding_target!r}; use 'article', 'references' or 'extractive'"
             )
+        if not math.isfinite(self.style_weight):
+            raise ValueError(
+                f"judge.style_weight={self.style_weight}; it must be a finite number (0: no bias)"
+            )
+        if self.style_feature not in STYLE_FEATURES:
+            raise ValueError(f"judge.style_feature={self.style_feature!r}; use one of {list(STYLE_FEATURES)}")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"judge.scale={self.scale}; it must be a positive finite number (default 20)")
         if self.dtype not in DTYPES:
@@ -112,7 +129,21 @@ class JudgeConfig:
 
 
 def build_judge(cfg: JudgeConfig) -> Judge:
-    """Load the model and build the judge ``cfg`` describes."""
+    """Load the model and build the judge ``cfg`` describes (styled when ``style_weight`` is not 0)."""
+    judge = _build_base_judge(cfg)
+    return StyledJudge(judge, cfg.style_weight, cfg.style_feature) if cfg.style_weight else judge
+
+
+def references_for(judge: Judge, examples: Sequence[Any]) -> list[tuple[str, ...]]:
+    """The references ``judge`` compares summaries to, per example: the extractive ones for a judge whose
+    ``reference_style`` is ``extractive``, else the neutral ones (what every other judge and the ROUGE
+    labels read)."""
+    if getattr(judge, "reference_style", "neutral") == "extractive":
+        return [tuple(e.extractive) for e in examples]
+    return [tuple(e.neutral) for e in examples]
+
+
+def _build_base_judge(cfg: JudgeConfig) -> Judge:
     common: dict[str, Any] = {
         "position_debias": cfg.debias,
         "batch_size": cfg.batch_size,
@@ -149,7 +180,11 @@ __all__ = [
     "JudgeStats",
     "Pair",
     "PointwiseJudge",
+    "STYLE_FEATURES",
+    "StyledJudge",
     "build_judge",
+    "references_for",
+    "style_feature",
     "combine_orders",
     "get_prompt",
 ]

@@ -3,7 +3,9 @@
 Texts are embedded as sentence-transformers does for mean-pooling models such as
 ``all-MiniLM-L6-v2``: the encoder's token embeddings are averaged over the attention mask, then
 L2-normalized. ``v(x) = scale * cos(e(x), e(target))``, where the target is the article or, with
-``target="references"``, the mean of the cosines to each reference; ``s = v(a) - v(b)``.
+``target="references"``, the mean of the cosines to each reference; ``s = v(a) - v(b)``. With
+``target="extractive"`` the references are the extractive ones (the caller passes them, see
+:func:`judgeloop.judges.references_for`): a judge biased toward the extractive style by design.
 
 ``scale`` turns a cosine difference (at most 2, usually a few hundredths) into a logit-sized
 number; the default 20 is the scale sentence-transformers' ``MultipleNegativesRankingLoss`` puts on
@@ -63,7 +65,7 @@ class EmbeddingJudge(PointwiseJudge):
         self,
         model: str | Any = DEFAULT_ENCODER,
         tokenizer: Any = None,
-        target: Literal["article", "references"] = "article",
+        target: Literal["article", "references", "extractive"] = "article",
         scale: float = 20.0,
         position_debias: bool = False,
         batch_size: int = 32,
@@ -72,8 +74,8 @@ class EmbeddingJudge(PointwiseJudge):
         dtype: str = "float32",
         cache_size: int = 100_000,
     ):
-        if target not in ("article", "references"):
-            raise ValueError(f"embedding target={target!r}; use 'article' or 'references'")
+        if target not in ("article", "references", "extractive"):
+            raise ValueError(f"embedding target={target!r}; use 'article', 'references' or 'extractive'")
         limits = [max_length]
         if isinstance(model, str):
             model_name = model
@@ -93,10 +95,11 @@ class EmbeddingJudge(PointwiseJudge):
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        self.target = target
+        self.reference_style = "extractive" if target == "extractive" else "neutral"
+        self.target = "references" if target == "extractive" else target
         self.scale = scale
         self._embeddings: OrderedDict[tuple[str, bool], tuple[torch.Tensor, str]] = OrderedDict()
-        name = f"embedding|{model_name}|{target}|{scale}|{self.max_length}"
+        name = f"embedding|{model_name}|{target}|{scale}|{self.max_length}"  # extractive != references
         super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
 
     def embed(self, texts: Sequence[str], is_target: bool) -> list[tuple[torch.Tensor, str]]:

@@ -1,25 +1,43 @@
-"""The raw-vs-calibrated ablation: the same loop per arm over several seeds, with the same articles
-and seeds in every arm, summarized as mean, std and a 95% t-interval over seeds.
+"""The raw-vs-calibrated ablation: the same loop per arm x seed, on the same articles with the same seeds,
+compared on per-article differences paired on (seed, article).
 
-Writes ``results.json`` (per arm: final metrics with mean/std/ci95/per-seed values, curves, refits),
-``results.md`` (the table a person reads first) and ``curves.png`` (neutral vs extractive ROUGE-L
-over steps per arm) under ``output_dir``.
+An ablation is a grid of *jobs* (arm, seed), each an ordinary ``train`` run in
+``output_dir/ARM/seedS``. Jobs can run here one after another, several at once
+(``ablation.num_workers``), or one per cluster task (``judgeloop ablate --job ARM:SEED``), and
+:func:`aggregate` builds the summary from whatever job folders exist. A job whose ``report.json``
+exists and whose saved config matches is skipped, so an interrupted ablation continues where it
+stopped; a job whose config changed is rerun. The runs of an ablation share the starting policy's
+work (:mod:`judgeloop.loop.shared`) through ``output_dir/_shared``.
+
+Outputs under ``output_dir``:
+
+* ``results.json``: the premise check, paired deltas of every per-article final metric against the
+  baseline arm and against the starting policy (95% two-level bootstrap interval and minimum
+  detectable difference), per-arm means over seeds, curves, refits, and the path of every run's
+  ``per_article.jsonl`` (so every number can be recomputed);
+* ``results.md``: the premise sentence first, then the paired table, then absolute values;
+* ``curves.png`` (means over seeds with min-max bands) and ``deltas.png`` (a forest plot).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from judgeloop.calibration import CalibrationError
-from judgeloop.config import replace
+from judgeloop.config import replace, to_yaml
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.stats import PREMISE_METRICS, paired_bootstrap, paired_matrix, premise_check
 
 logger = get_logger(__name__)
 
@@ -35,7 +53,191 @@ FINAL_METRICS = (
     "win_rate",
     "ece",
 )
+# Per-article metrics (paired comparisons); ``win`` is the per-article form of ``win_rate``. ECE is a
+# property of a set of pairs, not of an article, and is reported per arm only.
+PAIRED_METRICS = (
+    "rouge_l_neutral",
+    "rouge_1_neutral",
+    "rouge_2_neutral",
+    "rouge_l_extractive",
+    "copy_rate",
+    "novel_bigram_rate",
+    "length",
+    "kl",
+    "win",
+)
 TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "kl", "win_rate", "ece")
+DELTA_TABLE = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "novel_bigram_rate", "length", "win")
+# Keys that cannot change a job's results: a finished job with only these different is not rerun.
+NON_RESULT_KEYS = (
+    "output_dir",
+    "progress_bar",
+    "log_with",
+    "resume_from",
+    "stop_after_n_steps",
+    "start_cache",
+    "ablation",
+    "save_every_n_steps",
+    "save_final_policy",
+    "judge_prefetch",
+    "judge_prefetch_threads",
+)
+
+
+# --- jobs -------------------------------------------------------------------------------------------
+
+
+def jobs(cfg: FeedbackLoopConfig) -> list[tuple[str, int]]:
+    """Every (arm, seed) of the ablation, in run order (arm-major: the arms of one seed reuse its start)."""
+    return [(arm, seed) for arm in cfg.ablation.arms for seed in cfg.ablation.seeds]
+
+
+def parse_job(text: str, cfg: FeedbackLoopConfig) -> tuple[str, int]:
+    """``"platt:1"`` -> ("platt", 1), checked against the ablation's arms and seeds."""
+    arm, sep, seed = text.partition(":")
+    if not sep or not seed.lstrip("-").isdigit():
+        raise ValueError(
+            f"--job {text!r} is not ARM:SEED; e.g. --job {cfg.ablation.arms[0]}:{cfg.ablation.seeds[0]}"
+        )
+    if (arm, int(seed)) not in jobs(cfg):
+        raise ValueError(
+            f"--job {text!r} is not in this ablation (arms {cfg.ablation.arms}, seeds {cfg.ablation.seeds}); "
+            "list them with --list-jobs"
+        )
+    return arm, int(seed)
+
+
+def job_dir(cfg: FeedbackLoopConfig, arm: str, seed: int) -> Path:
+    return Path(cfg.output_dir) / arm / f"seed{seed}"
+
+
+def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConfig:
+    """The config of one job: the arm's method, the seed, its own folder, the shared start cache."""
+    shared = str(Path(cfg.output_dir) / "_shared") if cfg.ablation.share_start_work else "null"
+    return replace(
+        cfg,
+        [
+            f"calibration.method={arm}",
+            f"seed={seed}",
+            f"output_dir={job_dir(cfg, arm, seed)}",
+            "resume_from=null",
+            "stop_after_n_steps=null",
+            f"start_cache={shared}",
+        ],
+    )
+
+
+def result_key(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config (as a dict) that can change a job's results."""
+    return {k: v for k, v in cfg_dict.items() if k not in NON_RESULT_KEYS}
+
+
+def config_changes(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (for the log of a rerun job)."""
+    out = []
+    for k in sorted(set(saved) | set(new)):
+        a, b = saved.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
+    """``done`` (report exists, config matches), ``changed`` (report exists, config differs: the
+    differences are returned) or ``todo``."""
+    folder = Path(job_cfg.output_dir)
+    if not (folder / "report.json").is_file() or not (folder / "config.yaml").is_file():
+        return "todo", []
+    saved = result_key(yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    new = result_key(yaml.safe_load(to_yaml(job_cfg)))
+    if saved == new:
+        return "done", []
+    return "changed", config_changes(saved, new)
+
+
+def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
+    """Run one job unless it is already done; returns {"arm", "seed", "status", "dir"[, "error"]}."""
+    from judgeloop.loop.runner import train
+
+    job_cfg = arm_config(cfg, arm, seed)
+    folder = Path(job_cfg.output_dir)
+    status, changes = job_status(job_cfg)
+    if status == "done":
+        logger.info("ablation: %s:%d already done in %s; skipped", arm, seed, folder)
+        return {"arm": arm, "seed": seed, "status": "skipped", "dir": str(folder)}
+    if status == "changed":
+        logger.info("ablation: %s:%d config changed (%s); rerunning", arm, seed, "; ".join(changes[:5]))
+    if folder.exists():  # a stale or half-finished run: start clean, so no old file survives into the new one
+        stale = folder.with_name(f".{folder.name}.stale")
+        if stale.exists():
+            shutil.rmtree(stale)
+        os.replace(folder, stale)
+        shutil.rmtree(stale)
+    (folder / "failed.json").unlink(missing_ok=True)
+    logger.info("ablation: arm=%s seed=%d", arm, seed)
+    try:
+        train(job_cfg)
+    except CalibrationError as err:  # a failed run is reported as failed, never as numbers
+        logger.error("ablation: arm=%s seed=%d failed: %s", arm, seed, err)
+        atomic_write_json(folder / "failed.json", {"arm": arm, "seed": seed, "error": str(err)})
+        return {"arm": arm, "seed": seed, "status": "failed", "dir": str(folder), "error": str(err)}
+    return {"arm": arm, "seed": seed, "status": "ran", "dir": str(folder)}
+
+
+def default_workers() -> int:
+    """Jobs at once when ``ablation.num_workers`` is unset: one job per two cores (at least one).
+
+    Measured on 2 cores (quickstart, see the README): one two-thread job at a time and two one-thread
+    jobs at a time; the default follows that measurement.
+    """
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def _worker_init(threads: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
+    from judgeloop.logging import setup_logging
+
+    setup_logging()
+    return run_job(cfg, arm, seed)
+
+
+def run_jobs(
+    cfg: FeedbackLoopConfig, todo: Sequence[tuple[str, int]], num_workers: int
+) -> list[dict[str, Any]]:
+    """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, the cores split evenly."""
+    if num_workers <= 1 or len(todo) <= 1:
+        return [run_job(cfg, arm, seed) for arm, seed in todo]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    threads = max(1, torch.get_num_threads() // num_workers)
+    logger.info("ablation: %d jobs on %d workers, %d thread(s) each", len(todo), num_workers, threads)
+    with ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _worker_init, (threads,)) as pool:
+        futures = [pool.submit(_worker_job, cfg, arm, seed) for arm, seed in todo]
+        return [f.result() for f in futures]
+
+
+def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, Any]:
+    """Run every arm x seed (or the one ``job``, ``"ARM:SEED"``) and, for the whole grid, write the summary."""
+    if job is not None:
+        arm, seed = parse_job(job, cfg)
+        return run_job(cfg, arm, seed)
+    n = cfg.ablation.num_workers or default_workers()
+    run_jobs(cfg, jobs(cfg), n)
+    return aggregate(cfg)
+
+
+# --- aggregation ----------------------------------------------------------------------------------
 
 
 def summarize(values: Sequence[float | None]) -> dict[str, Any]:
@@ -54,70 +256,119 @@ def summarize(values: Sequence[float | None]) -> dict[str, Any]:
     return {**out, "mean": mean, "std": std, "ci95": [mean - half, mean + half]}
 
 
-def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConfig:
-    out = Path(cfg.output_dir) / arm / f"seed{seed}"
-    return replace(
-        cfg,
-        [
-            f"calibration.method={arm}",
-            f"seed={seed}",
-            f"output_dir={out}",
-            "resume_from=null",
-            "stop_after_n_steps=null",
-        ],
+def load_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    report = json.loads((folder / "report.json").read_text())
+    path = folder / report.get("per_article", "per_article.jsonl")
+    rows = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     )
+    return report, rows
 
 
-def run_ablation(cfg: FeedbackLoopConfig) -> dict[str, Any]:
-    """Run every arm x seed and write the summary files; returns results.json's content."""
-    from judgeloop.loop.runner import train
+def _by_article(rows: Sequence[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
+    return {r["id"]: r for r in rows if r["step"] == step}
 
+
+def _values(per_seed: dict[int, dict[str, dict[str, Any]]], metric: str) -> dict[int, dict[str, Any]]:
+    return {s: {i: r.get(metric) for i, r in arts.items()} for s, arts in per_seed.items()}
+
+
+def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+    """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
+
+    Jobs with no report (not run yet, or failed) are listed as missing or failed; every number comes
+    from the per-article rows of the runs that exist.
+    """
+    abl = cfg.ablation
+    B, bseed = abl.bootstrap_samples, abl.bootstrap_seed
     arms: dict[str, Any] = {}
-    for arm in cfg.ablation.arms:
+    finals: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+    starts: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+    missing: list[str] = []
+    for arm in abl.arms:
         runs, failed = [], []
-        for seed in cfg.ablation.seeds:
-            logger.info("ablation: arm=%s seed=%d", arm, seed)
-            try:
-                runs.append(train(arm_config(cfg, arm, seed)))
-            except CalibrationError as err:  # a failed run is reported as failed, never as numbers
-                logger.error("ablation: arm=%s seed=%d failed: %s", arm, seed, err)
-                failed.append({"seed": seed, "error": str(err)})
-        if not runs:
-            arms[arm] = {
-                "failed": failed,
-                "final": {m: summarize([]) for m in FINAL_METRICS},
-                "num_refits": 0,
-                "num_refits_per_seed": [],
-                "refits": [],
-                "kept_steps": [],
-                "curves": [],
-            }
-            continue
-        final = {m: summarize([r["final"].get(m) for r in runs]) for m in FINAL_METRICS}
-        refits = [r["refits"] for r in runs]
+        for seed in abl.seeds:
+            folder = job_dir(cfg, arm, seed)
+            if (folder / "report.json").is_file():
+                report, rows = load_run(folder)
+                runs.append((seed, folder, report, rows))
+            elif (folder / "failed.json").is_file():
+                failed.append(json.loads((folder / "failed.json").read_text()))
+            else:
+                missing.append(f"{arm}:{seed}")
+        finals[arm] = {s: _by_article(rows, rep["kept_step"]) for s, _, rep, rows in runs}
+        starts[arm] = {s: _by_article(rows, 0) for s, _, rep, rows in runs}
+        reports = [rep for _, _, rep, _ in runs]
         arms[arm] = {
-            "final": final,
-            "num_refits": int(sum(r["num_refits"] for r in runs)),
-            "num_refits_per_seed": [r["num_refits"] for r in runs],
-            "refits": refits,
-            "kept_steps": [r["kept_step"] for r in runs],
+            "final": {m: summarize([r["final"].get(m) for r in reports]) for m in FINAL_METRICS},
+            "seeds_run": [s for s, *_ in runs],
             "failed": failed,
+            "num_refits": int(sum(r["num_refits"] for r in reports)),
+            "num_refits_per_seed": [r["num_refits"] for r in reports],
+            "refits": [r["refits"] for r in reports],
+            "kept_steps": [r["kept_step"] for r in reports],
+            "per_article": [
+                str(Path(arm) / f"seed{s}" / rep.get("per_article", "per_article.jsonl"))
+                for s, _, rep, _ in runs
+            ],
             "curves": [
                 {
                     "seed": r["seed"],
                     "steps": [h["step"] for h in r["history"]],
                     **{
                         m: [h.get(m) for h in r["history"]]
-                        for m in ("rouge_l_neutral", "rouge_l_extractive", "kl", "ece", "win_rate")
+                        for m in (
+                            "rouge_l_neutral",
+                            "rouge_l_extractive",
+                            "copy_rate",
+                            "kl",
+                            "ece",
+                            "win_rate",
+                        )
                     },
                 }
-                for r in runs
+                for r in reports
             ],
         }
+    base = abl.baseline
+    paired: dict[str, Any] = {}
+    for arm in abl.arms:
+        if arm == base or not finals[arm] or not finals[base]:
+            continue
+        paired[arm] = {"vs": base}
+        for m in PAIRED_METRICS:
+            d = paired_matrix(_values(finals[arm], m), _values(finals[base], m))
+            paired[arm][m] = paired_bootstrap(d, B, bseed).as_dict()
+    vs_start: dict[str, Any] = {}
+    for arm in abl.arms:
+        if not finals[arm]:
+            continue
+        vs_start[arm] = {"vs": "step 0"}
+        for m in PAIRED_METRICS:
+            d = paired_matrix(_values(finals[arm], m), _values(starts[arm], m))
+            vs_start[arm][m] = paired_bootstrap(d, B, bseed).as_dict()
+    premise = None
+    if finals.get(base):
+        premise = premise_check(
+            starts[base], finals[base], abl.style_metric, abl.style_direction, B, bseed, PREMISE_METRICS
+        )
+    n_articles = sorted({len(v) for arm in finals.values() for v in arm.values()})
     results = {
+        "premise": premise,
+        "paired": paired,
+        "vs_start": vs_start,
         "arms": arms,
-        "seeds": list(cfg.ablation.seeds),
+        "baseline": base,
+        "seeds": list(abl.seeds),
+        "articles_per_seed": n_articles,
+        "missing_jobs": missing,
         "num_steps": cfg.num_steps,
+        "bootstrap": {
+            "samples": B,
+            "seed": bseed,
+            "method": "two-level: seeds with replacement, then articles with replacement within each seed; "
+            "percentile 95% interval; mdd = 2.8 x bootstrap SE (80% power, 5% two-sided)",
+        },
         "judge": {
             "type": cfg.judge.type,
             "model": cfg.judge.model,
@@ -130,8 +381,13 @@ def run_ablation(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "results.md", results_table(results))
-    plot_curves(results, out / "curves.png")
+    if any(finals.values()):
+        plot_curves(results, out / "curves.png")
+        plot_deltas(results, out / "deltas.png")
     return results
+
+
+# --- the report -----------------------------------------------------------------------------------
 
 
 def _fmt(s: dict[str, Any]) -> str:
@@ -142,63 +398,184 @@ def _fmt(s: dict[str, Any]) -> str:
     return f"{s['mean']:.4f} [{s['ci95'][0]:.4f}, {s['ci95'][1]:.4f}]"
 
 
+def _fmt_delta(d: dict[str, Any] | None, mdd: bool = True) -> str:
+    if not d or d["delta"] is None:
+        return "n/a"
+    if d["ci95"][0] is None:
+        return f"{d['delta']:+.3f}"
+    mark = "**" if d["ci95"][0] > 0 or d["ci95"][1] < 0 else ""
+    txt = f"{mark}{d['delta']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]{mark}"
+    return txt + (f" (mdd {d['mdd']:.3f})" if mdd and d.get("mdd") is not None else "")
+
+
 def results_table(results: dict[str, Any]) -> str:
-    """Markdown table: one row per arm, final metric means with 95% CI over seeds, plus refits."""
+    """``results.md``: the premise in words, the paired table against the baseline, then absolute values."""
+    base = results["baseline"]
+    n_art = results["articles_per_seed"]
+    arts = "/".join(str(n) for n in n_art) if n_art else "0"
     lines = [
-        f"# Feedback-loop ablation ({len(results['seeds'])} seeds, {results['num_steps']} steps)",
+        f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
+        "",
+    ]
+    premise = results["premise"]
+    lines.append(
+        f"**Premise.** {premise['sentence']}" if premise else "**Premise.** No baseline runs to check it."
+    )
+    lines.append("")
+    if results["missing_jobs"]:
+        lines += [f"Missing jobs (not run yet): {', '.join(results['missing_jobs'])}.", ""]
+    if premise:
+        lines += [
+            f"Change of the `{base}` arm from the starting policy (step 0) to the kept policy, paired on (seed, "
+            "article), 95% interval; bold when the interval excludes 0:",
+            "",
+            "| " + " | ".join(premise["metrics"]) + " |",
+            "|" + "---|" * len(premise["metrics"]),
+            "| " + " | ".join(_fmt_delta(d, mdd=False) for d in premise["metrics"].values()) + " |",
+            "",
+        ]
+    if results["paired"]:
+        lines += [
+            f"## Paired differences against `{base}` (kept policy, test split)",
+            "",
+            "Arm minus baseline per (seed, article), mean [95% interval] (minimum detectable difference at "
+            "80% power); bold when the interval excludes 0.",
+            "",
+            "| arm | " + " | ".join(DELTA_TABLE) + " |",
+            "|---|" + "---|" * len(DELTA_TABLE),
+        ]
+        for arm, res in results["paired"].items():
+            lines.append(f"| {arm} | " + " | ".join(_fmt_delta(res[m]) for m in DELTA_TABLE) + " |")
+        lines.append("")
+    if results["vs_start"]:
+        lines += [
+            "## Change from the starting policy (each arm, paired)",
+            "",
+            "| arm | " + " | ".join(DELTA_TABLE) + " |",
+            "|---|" + "---|" * len(DELTA_TABLE),
+        ]
+        for arm, res in results["vs_start"].items():
+            lines.append(
+                f"| {arm} | " + " | ".join(_fmt_delta(res[m], mdd=False) for m in DELTA_TABLE) + " |"
+            )
+        lines.append("")
+    lines += [
+        "## Absolute values",
         "",
         f"Policy `{results['policy']}`; judge `{results['judge']['type']}` on `{results['judge']['model']}`; "
-        f"data `{results['data']['format']}`. Mean [95% CI] over seeds of the kept policy, test split.",
+        f"data `{results['data']['format']}`. Mean [95% t-interval over seeds] of the kept policy.",
         "",
-        "| arm | " + " | ".join(TABLE_METRICS) + " | refits (ECE before -> after, mean) |",
+        "| arm | "
+        + " | ".join(TABLE_METRICS)
+        + " | refits (held-out ECE before -> after, mean; kept previous) |",
         "|---|" + "---|" * (len(TABLE_METRICS) + 1),
     ]
     for arm, res in results["arms"].items():
-        recs = [r for seed in res["refits"] for r in seed if r["refit"] and r["reason"] != "initial"]
+        recs = [r for seed in res["refits"] for r in seed if r["reason"] != "initial"]
         before = [r["ece_before"] for r in recs if r["ece_before"] is not None]
         after = [r["ece_after"] for r in recs if r["ece_after"] is not None]
+        kept = sum(1 for r in recs if r.get("kept_previous"))
         ref_txt = str(res["num_refits"])
         if before and after:
-            ref_txt += f" ({np.mean(before):.3f} -> {np.mean(after):.3f})"
+            ref_txt += f" ({np.mean(before):.3f} -> {np.mean(after):.3f}; {kept} kept)"
+        init = [r["n_fit"] for seed in res["refits"] for r in seed if r["reason"] == "initial"]
+        if init:
+            ref_txt += f"; first fit on {min(init)}-{max(init)} pairs"
         lines.append(
             f"| {arm} | " + " | ".join(_fmt(res["final"][m]) for m in TABLE_METRICS) + f" | {ref_txt} |"
         )
+    b = results["bootstrap"]
     lines += [
         "",
         "rouge_l_neutral: the task's real target; rouge_l_extractive / copy_rate: the judge's style; "
-        "kl: KL(pi || pi_ref) per summary; win_rate: the judge's preference for the policy over the "
-        "reference policy; ece: the arm's calibrator on fresh (greedy, sampled) pairs.",
+        "kl: KL(pi || pi_ref) per summary; win: the judge's preference for the policy over the reference "
+        "policy; ece: the arm's calibrator on fresh (greedy, sampled) pairs.",
+        "",
+        f"Method: {b['method']}; {b['samples']} replicates, seed {b['seed']}. "
+        + (
+            "With fewer than 5 seeds the seed level is resampled from few distinct draws and its variance is "
+            "underestimated: read the intervals as article-level ones. "
+            if len(results["seeds"]) < 5
+            else ""
+        )
+        + "Per-article rows of every run: `results.json` -> `arms.<arm>.per_article`.",
         "",
     ]
     return "\n".join(lines)
 
 
 def plot_curves(results: dict[str, Any], path: Path) -> None:
+    """Means over seeds per step, with the min-max band over seeds, for three metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    keys = (
+        ("rouge_l_neutral", "neutral ROUGE-L (task target)"),
+        ("rouge_l_extractive", "extractive ROUGE-L (judge's style)"),
+        ("copy_rate", "copy rate"),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for i, (arm, res) in enumerate(results["arms"].items()):
-        color = f"C{i}"
-        for j, curve in enumerate(res["curves"]):
-            for ax, key in zip(axes, ("rouge_l_neutral", "rouge_l_extractive")):
-                ys = [np.nan if v is None else v for v in curve[key]]
-                ax.plot(
-                    curve["steps"],
-                    ys,
-                    color=color,
-                    alpha=0.8,
-                    label=arm if j == 0 else None,
-                    marker="o",
-                    ms=3,
-                )
-    axes[0].set_title("neutral ROUGE-L (task target)")
-    axes[1].set_title("extractive ROUGE-L (judge's style)")
+        if not res["curves"]:
+            continue
+        steps = sorted({s for c in res["curves"] for s in c["steps"]})
+        for ax, (key, title) in zip(axes, keys):
+            table = np.full((len(res["curves"]), len(steps)), np.nan)
+            for r, c in enumerate(res["curves"]):
+                for s, v in zip(c["steps"], c[key]):
+                    table[r, steps.index(s)] = np.nan if v is None else v
+            with np.errstate(all="ignore"):
+                mean = np.nanmean(table, 0)
+                lo, hi = np.nanmin(table, 0), np.nanmax(table, 0)
+            ax.plot(steps, mean, color=f"C{i}", marker="o", ms=3, label=f"{arm} ({len(res['curves'])} seeds)")
+            ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.15)
+            ax.set_title(title)
     for ax in axes:
         ax.set_xlabel("step")
-        ax.legend()
+        ax.legend(fontsize=8)
+    fig.suptitle("mean over seeds; band: min-max over seeds")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_deltas(results: dict[str, Any], path: Path) -> None:
+    """Forest plot: each arm's paired delta (vs the baseline) with its 95% interval, three metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate")
+    rows = (
+        [("premise: " + results["baseline"] + " final - step 0", results["premise"]["metrics"])]
+        if results["premise"]
+        else []
+    )
+    rows += [(f"{arm} - {res['vs']}", res) for arm, res in results["paired"].items()]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 1.2 + 0.5 * max(len(rows), 1)), sharey=True)
+    for ax, key in zip(axes, keys):
+        for y, (_label, res) in enumerate(rows):
+            d = res.get(key)
+            if not d or d["delta"] is None:
+                continue
+            lo, hi = d["ci95"]
+            err = None if lo is None else [[d["delta"] - lo], [hi - d["delta"]]]
+            ax.errorbar(
+                d["delta"],
+                y,
+                xerr=err,
+                fmt="o",
+                color="C3" if y == 0 and results["premise"] else "C0",
+                capsize=3,
+            )
+        ax.axvline(0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"delta {key}")
+        ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+        ax.invert_yaxis()
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)

@@ -12,7 +12,7 @@ from typing import Literal
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.judges import JudgeConfig
 
-ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "oracle")
+ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "oracle")
 
 
 @dataclass
@@ -133,15 +133,24 @@ class LoopCalibrationConfig:
     """How the judge's raw logit becomes p, and when the calibrator is refit.
 
     ``method``: the arm. ``raw`` is p = sigmoid(raw logit); ``oracle`` replaces the judge by the
-    neutral ROUGE labeler (logit = ``oracle_scale`` * (ROUGE-L(a) - ROUGE-L(b))), the upper bound.
+    neutral ROUGE labeler (logit = ``oracle_scale`` * (ROUGE-L(a) - ROUGE-L(b))), the upper bound;
+    ``style_residual`` subtracts the style term its logit carries, fit without labels
+    (:class:`~judgeloop.calibration.StyleResidualCalibrator`).
     The first fit happens before step 1; refits every ``recalibrate_every_n_steps`` (0 = never) and
     whenever the ECE monitored every ``monitor_every_n_steps`` on fresh policy samples exceeds
     ``ece_threshold``. Calibration pairs come only from the ``calibration`` split (checked):
     ``num_articles`` articles with ``pairs_per_article`` pairs each, and up to ``extra_rounds`` more
     batches of ``num_articles`` when ROUGE-L ties leave fewer than ``min_points`` pairs to fit on.
+
+    Every refit measures ECE before and after on the held-out calibration articles, each with a 95%
+    bootstrap interval over those pairs (``ece_bootstrap`` replicates, seeded). ``refit_accept``:
+    ``better`` (default) keeps the previous calibrator when the new one is worse on the held-out pairs
+    (the log and the refit record say so); ``always`` takes every successful refit.
     """
 
-    method: Literal["raw", "platt", "isotonic", "temperature", "feature_platt", "oracle"] = "platt"
+    method: Literal[
+        "raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "oracle"
+    ] = "platt"
     labels: Literal["rouge"] = "rouge"
     recalibrate_every_n_steps: int = 0
     monitor_every_n_steps: int = 0
@@ -153,6 +162,8 @@ class LoopCalibrationConfig:
     min_points: int = 10
     n_bins: int = 10
     oracle_scale: float = 20.0
+    refit_accept: Literal["better", "always"] = "better"
+    ece_bootstrap: int = 1000
 
     def __post_init__(self) -> None:
         if self.recalibrate_every_n_steps < 0 or self.monitor_every_n_steps < 0:
@@ -170,12 +181,34 @@ class LoopCalibrationConfig:
             )
         if not 0 < self.holdout_fraction < 1:
             raise ValueError(f"calibration.holdout_fraction={self.holdout_fraction} must be in (0, 1)")
+        if self.ece_bootstrap < 0:
+            raise ValueError(f"calibration.ece_bootstrap={self.ece_bootstrap} must be >= 0 (0: no interval)")
+
+
+STYLE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
 
 
 @dataclass
 class AblationConfig:
+    """The arm x seed grid and how it is run and compared.
+
+    Arms are compared with ``baseline`` (default ``raw``) on per-article differences paired on
+    (seed, article), with a two-level bootstrap (``bootstrap_samples`` replicates, ``bootstrap_seed``).
+    ``style_metric`` / ``style_direction``: what the judge's bias rewards (for the premise check: did
+    the raw arm drift that way?). ``num_workers``: jobs run at once on this machine, the CPU cores split
+    between them (``null``: auto, one job per two cores). ``share_start_work``: compute what every run
+    of a seed shares before step 1 once (see :mod:`judgeloop.loop.shared`).
+    """
+
     arms: list[str] = field(default_factory=lambda: ["raw", "platt", "isotonic", "oracle"])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
+    baseline: str = "raw"
+    style_metric: str = "copy_rate"
+    style_direction: Literal["increase", "decrease"] = "increase"
+    bootstrap_samples: int = 4000
+    bootstrap_seed: int = 0
+    num_workers: int | None = None
+    share_start_work: bool = True
 
     def __post_init__(self) -> None:
         bad = [a for a in self.arms if a not in ARMS]
@@ -183,6 +216,25 @@ class AblationConfig:
             raise ValueError(f"ablation.arms has unknown arm(s) {bad}; choose from {list(ARMS)}")
         if not self.arms or not self.seeds:
             raise ValueError("ablation.arms and ablation.seeds must not be empty")
+        dup_arms = sorted({a for a in self.arms if self.arms.count(a) > 1})
+        dup_seeds = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if dup_arms or dup_seeds:
+            raise ValueError(
+                f"ablation lists arm(s) {dup_arms} / seed(s) {dup_seeds} more than once; a repeated run would "
+                "count as an independent one and fake a confidence interval. List each once"
+            )
+        if self.baseline not in self.arms:
+            raise ValueError(
+                f"ablation.baseline={self.baseline!r} is not among ablation.arms {self.arms}; add it or pick one"
+            )
+        if self.style_metric not in STYLE_METRICS:
+            raise ValueError(f"ablation.style_metric={self.style_metric!r}; use one of {list(STYLE_METRICS)}")
+        if self.bootstrap_samples < 1000:
+            raise ValueError(
+                f"ablation.bootstrap_samples={self.bootstrap_samples} is too few for a 95% interval; use >= 1000"
+            )
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"ablation.num_workers={self.num_workers} must be >= 1, or null for auto")
 
 
 @dataclass
@@ -197,6 +249,8 @@ class FeedbackLoopConfig:
     half), the rest for the policy. That pays when the policy's step is small (the tiny config), not
     when its matrix products need every core.
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
+    ``start_cache``: a folder where the work done before step 1 is shared with other runs (set by the
+    ablation; see :mod:`judgeloop.loop.shared`); one process only, ignored under several.
     """
 
     output_dir: str = "runs/feedback_loop"
@@ -226,6 +280,7 @@ class FeedbackLoopConfig:
     eval_batch_size: int = 16
     resume_from: str | None = None
     stop_after_n_steps: int | None = None
+    start_cache: str | None = None
     log_with: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     progress_bar: bool = True
 

@@ -17,7 +17,7 @@ import torch
 
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
-from judgeloop.judges import Judge
+from judgeloop.judges import Judge, references_for
 from judgeloop.loop.config import GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
@@ -95,21 +95,31 @@ def evaluate_shard(
     gen: GenerationConfig,
     batch_size: int,
     seed: int,
+    greedy: Sequence[str] | None = None,
+    sampled: tuple[Sequence[float], Sequence[str]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-article evaluation rows for this process's shard of ``examples`` (gathered by the caller)."""
+    """Per-article evaluation rows for this process's shard of ``examples`` (gathered by the caller).
+
+    ``greedy`` (the greedy summaries) and ``sampled`` (k1 KL and the sample, per article) may be given
+    when already computed (the starting policy's, shared across the runs of an ablation).
+    """
     if not examples:
         return []
     was_training = model.training
     model.eval()
-    greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
-    kls, samples = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
+    if greedy is None:
+        greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+    if sampled is None:
+        sampled = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
+    kls, samples = sampled
     if was_training:
         model.train()
     wins = judge(
-        [e.article for e in examples], greedy, list(ref_summaries), [tuple(e.neutral) for e in examples]
+        [e.article for e in examples], list(greedy), list(ref_summaries), references_for(judge, examples)
     )
     rows = []
     for ex, g, s, k, w, ok in zip(examples, greedy, samples, kls, wins.scores, wins.valid):
+        k = float("nan") if k is None else float(k)
         row: dict[str, Any] = {"id": ex.id, "summary": g, "sample": s, "kl": k, **text_metrics(ex, g)}
         # win = 1, tie = 0.5, loss = 0; a failed judgement (e.g. an empty summary) is None, never a loss
         row["win"] = (1.0 if w > 0 else 0.5 if w == 0 else 0.0) if ok else None
@@ -149,22 +159,23 @@ def aggregate(
     return out
 
 
-def validation_rouge_l(
+def validation_metrics(
     model: Any,
     tokenizer: Any,
     build_prompt: PromptBuilder,
     examples: Sequence[SummExample],
     gen: GenerationConfig,
     batch_size: int,
-) -> list[float]:
-    """Neutral ROUGE-L of greedy summaries (the early-stopping criterion; never computed on the test split)."""
+    greedy: Sequence[str] | None = None,
+) -> list[dict[str, float]]:
+    """Per-article text metrics of greedy summaries on the validation slice: neutral ROUGE-L (the
+    early-stopping criterion) and the style metrics, so settings can be chosen without the test split."""
     if not examples:
         return []
-    was_training = model.training
-    model.eval()
-    greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
-    if was_training:
-        model.train()
-    return [
-        rouge_max(g, e.neutral)["rougeL"] if e.neutral else float("nan") for e, g in zip(examples, greedy)
-    ]
+    if greedy is None:
+        was_training = model.training
+        model.eval()
+        greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+        if was_training:
+            model.train()
+    return [text_metrics(e, g) for e, g in zip(examples, greedy)]

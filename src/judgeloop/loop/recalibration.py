@@ -23,7 +23,7 @@ from judgeloop.calibration import (
     rouge_label,
 )
 from judgeloop.data import LeakageError, SummExample, check_disjoint
-from judgeloop.judges import Judge
+from judgeloop.judges import Judge, references_for
 from judgeloop.loop.config import LoopCalibrationConfig
 from judgeloop.loop.oracle import RougeOracleJudge
 
@@ -102,13 +102,20 @@ class CalibrationPairs:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CalibrationPairs:
+        return cls(**d)
+
 
 def label_pairs(
     examples: Sequence[SummExample], a: Sequence[str], b: Sequence[str], judge: Judge
 ) -> CalibrationPairs:
     """Judge each (a, b) pair and label it with neutral ROUGE-L; ties and judge failures are dropped and counted."""
     out = CalibrationPairs()
-    res = judge([e.article for e in examples], list(a), list(b), [tuple(e.neutral) for e in examples])
+    res = judge([e.article for e in examples], list(a), list(b), references_for(judge, examples))
     for ex, x, y, s, ok in zip(examples, a, b, res.scores, res.valid):
         if not ok:
             out.judge_failures += 1
@@ -126,6 +133,13 @@ def label_pairs(
     return out
 
 
+def judge_coupling(pairs: CalibrationPairs) -> dict[str, Any]:
+    """:func:`judgeloop.calibration.coupling.judge_coupling` on labeled policy pairs."""
+    from judgeloop.calibration.coupling import judge_coupling as coupling
+
+    return coupling(pairs.scores, pairs.labels, pairs.articles, pairs.a, pairs.b)
+
+
 def pair_ece(calibrator: Calibrator, pairs: CalibrationPairs, n_bins: int) -> float:
     """ECE over both orientations of ``pairs`` (a pairwise calibrator is judged on both)."""
     if len(pairs) == 0:
@@ -137,8 +151,52 @@ def pair_ece(calibrator: Calibrator, pairs: CalibrationPairs, n_bins: int) -> fl
     return ece(np.concatenate([p1, p2]), np.concatenate([y, 1 - y]), n_bins=n_bins)
 
 
+def _oriented(calibrator: Calibrator, pairs: CalibrationPairs) -> tuple[np.ndarray, np.ndarray]:
+    """(N, 2) probabilities and labels of both orientations of each pair."""
+    s = np.asarray(pairs.scores)
+    y = np.asarray(pairs.labels, dtype=float)
+    p1 = calibrate(calibrator, s, pairs.articles, pairs.a, pairs.b)
+    p2 = calibrate(calibrator, -s, pairs.articles, pairs.b, pairs.a)
+    return np.stack([p1, p2], axis=1), np.stack([y, 1 - y], axis=1)
+
+
+def ece_intervals(
+    before: Calibrator | None,
+    after: Calibrator,
+    pairs: CalibrationPairs,
+    n_bins: int,
+    n_boot: int,
+    seed: int,
+) -> dict[str, list[float | None]]:
+    """95% bootstrap intervals of held-out ECE before, after, and of (after - before), resampling pairs
+    (both orientations of a pair together), the same resample for both calibrators."""
+    none: dict[str, list[float | None]] = {"ece_before_ci95": [None, None], "ece_after_ci95": [None, None]}
+    none["ece_delta_ci95"] = [None, None]
+    if len(pairs) < 2 or n_boot < 1:
+        return none
+    pa, ya = _oriented(after, pairs)
+    pb = _oriented(before, pairs)[0] if before is not None else None
+    rng = np.random.default_rng(seed)
+    aft, bef = np.empty(n_boot), np.empty(n_boot)
+    for b in range(n_boot):
+        idx = rng.integers(0, len(pairs), len(pairs))
+        y = ya[idx].ravel()
+        aft[b] = ece(pa[idx].ravel(), y, n_bins=n_bins)
+        bef[b] = ece(pb[idx].ravel(), y, n_bins=n_bins) if pb is not None else np.nan
+    q = lambda x: [float(v) for v in np.percentile(x, [2.5, 97.5])]  # noqa: E731
+    out = dict(none)
+    out["ece_after_ci95"] = q(aft)
+    if pb is not None:
+        out["ece_before_ci95"] = q(bef)
+        out["ece_delta_ci95"] = q(aft - bef)
+    return out
+
+
 @dataclass
 class RefitRecord:
+    """One (re)fit: held-out ECE before/after with intervals; ``refit`` is whether the new calibrator
+    was taken (False when fitting failed or, under ``refit_accept=better``, it was worse held out)."""
+
     step: int
     reason: str
     n_fit: int
@@ -147,6 +205,10 @@ class RefitRecord:
     ece_after: float
     refit: bool
     error: str = ""
+    ece_before_ci95: list[float | None] = field(default_factory=lambda: [None, None])
+    ece_after_ci95: list[float | None] = field(default_factory=lambda: [None, None])
+    ece_delta_ci95: list[float | None] = field(default_factory=lambda: [None, None])
+    kept_previous: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,6 +259,8 @@ def refit(
 
     On a :class:`CalibrationError` (too few or one-class pairs) the previous calibrator is kept and
     the failure recorded; on the very first fit there is no previous one, so the error propagates.
+    Under ``refit_accept=better`` a new calibrator whose held-out ECE is higher than the previous
+    one's is not taken either (``kept_previous``).
     """
     held = holdout_mask(pairs.article_ids, cfg.holdout_fraction, seed)
     fit_pairs, hold_pairs = pairs.subset(~held), pairs.subset(held)
@@ -216,4 +280,15 @@ def refit(
             step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err)
         )
     after = pair_ece(new, hold_pairs, cfg.n_bins)
-    return new, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True)
+    cis = ece_intervals(
+        None if first_fit else calibrator, new, hold_pairs, cfg.n_bins, cfg.ece_bootstrap, seed + step
+    )
+    worse = not first_fit and np.isfinite(before) and np.isfinite(after) and after > before
+    # the label-free arm takes every refit: a guard that reads labels would make it a labeled method
+    accept = "always" if cfg.method == "style_residual" else cfg.refit_accept
+    if worse and accept == "better":
+        msg = f"held-out ECE worse ({before:.4f} -> {after:.4f}); kept the previous calibrator"
+        rec = RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, False, msg, **cis)
+        rec.kept_previous = True
+        return calibrator, rec
+    return new, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True, **cis)

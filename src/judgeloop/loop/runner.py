@@ -28,10 +28,11 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from judgeloop.calibration import Calibrator, calibrator_from_state
+from judgeloop.calibration.coupling import coupling_line
 from judgeloop.config import to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
-from judgeloop.io import atomic_write_json, atomic_write_text
-from judgeloop.judges import Judge, build_judge
+from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
 from judgeloop.loop.checkpoint import (
     export_policy,
@@ -41,7 +42,13 @@ from judgeloop.loop.checkpoint import (
     save_policy,
 )
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
-from judgeloop.loop.evaluation import aggregate, evaluate_shard, greedy_summaries, validation_rouge_l
+from judgeloop.loop.evaluation import (
+    aggregate,
+    evaluate_shard,
+    greedy_summaries,
+    sampled_kl,
+    validation_metrics,
+)
 from judgeloop.loop.losses import (
     AdaptiveKLController,
     dpo_margin,
@@ -57,6 +64,7 @@ from judgeloop.loop.recalibration import (
     calibrate,
     check_calibration_disjoint,
     holdout_mask,
+    judge_coupling,
     label_pairs,
     monitor_due,
     needs_fit,
@@ -65,6 +73,7 @@ from judgeloop.loop.recalibration import (
     refit,
 )
 from judgeloop.loop.rollout import PromptBuilder, Rollout, derive_seed, rollout, token_logprobs
+from judgeloop.loop.shared import StartCache, model_fingerprint
 from judgeloop.loop.tracking import make_trackers
 from judgeloop.models import load_tokenizer
 
@@ -83,6 +92,8 @@ class LoopState:
     train_log: list[dict[str, Any]] = field(default_factory=list)
     refits: list[dict[str, Any]] = field(default_factory=list)
     ref_summaries: list[str] = field(default_factory=list)
+    per_article: list[dict[str, Any]] = field(default_factory=list)
+    coupling: list[dict[str, Any]] = field(default_factory=list)
     best_val: float = -1.0  # ROUGE is >= 0, so any first evaluation improves on it
     best_step: int = 0
     bad_evals: int = 0
@@ -161,6 +172,71 @@ def peek_batch(
     return _batch_at(state.epoch, state.cursor, train, cfg, accelerator)[0]
 
 
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Any:
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        if was_training:
+            model.train()
+
+
+class StartWork:
+    """What the starting policy computes before step 1, shared with the other runs of an ablation.
+
+    With a :class:`StartCache` (``cfg.start_cache``, one process), each result is stored under a key
+    made of the model's fingerprint and every setting it depends on, so the runs that share them (every
+    arm of a seed; every seed too when the start is seed-free) compute it once. Without one, or under
+    several processes, everything is computed here as always. Either way the values are the same.
+    """
+
+    def __init__(
+        self,
+        cfg: FeedbackLoopConfig,
+        accelerator: Accelerator,
+        model: Any,
+        ref: Any | None,
+        tokenizer: Any,
+        build_prompt: PromptBuilder,
+        probe_article: str,
+    ):
+        self.cache: StartCache | None = None
+        if cfg.start_cache and accelerator.num_processes == 1:
+            self.cache = StartCache(cfg.start_cache)
+        elif cfg.start_cache:
+            logger.info("start_cache is ignored under %d processes", accelerator.num_processes)
+        if self.cache is None:
+            return
+        probe = torch.tensor([build_prompt(probe_article)])
+        unwrapped = accelerator.unwrap_model(model)
+        self.policy_fp = model_fingerprint(unwrapped, probe)
+        if ref is not None:
+            self.ref_fp = model_fingerprint(ref, probe)
+        else:
+            with unwrapped.disable_adapter():
+                self.ref_fp = model_fingerprint(unwrapped, probe)
+        self.base = {
+            "policy": dataclasses.asdict(cfg.policy),
+            "data": dataclasses.asdict(cfg.data),
+            "generation": dataclasses.asdict(cfg.generation),
+            "eval_batch_size": cfg.eval_batch_size,
+            "mixed_precision": cfg.mixed_precision,
+        }
+
+    def get(self, kind: str, key: dict[str, Any], compute: Any) -> Any:
+        if self.cache is None:
+            return compute()
+        return self.cache.get_or_compute(kind, {**self.base, **key}, compute)
+
+    def greedy(self, which: str, examples: Sequence[SummExample], compute: Any) -> list[str]:
+        """Greedy summaries of the starting policy (``which="policy"``) or the reference (``"reference"``):
+        one entry when their fingerprints agree (the LoRA reference is the start)."""
+        fp = None if self.cache is None else (self.policy_fp if which == "policy" else self.ref_fp)
+        return list(self.get("greedy", {"model": fp, "ids": [e.id for e in examples]}, compute))
+
+
 class JudgePrefetch:
     """The summary-independent half of step 2, one step ahead.
 
@@ -217,7 +293,7 @@ class JudgePrefetch:
         ]
         cache = torch.is_autocast_cache_enabled()
         articles = [e.article for e in batch]
-        refs = [tuple(e.neutral) for e in batch]
+        refs = references_for(self.judge, batch)
 
         def work() -> None:
             with contextlib.ExitStack() as stack:
@@ -254,7 +330,7 @@ class JudgePrefetch:
 
 def judge_step(judge: Judge, batch: Sequence[SummExample], roll: Rollout) -> Any:
     """Step 2: raw preference logits for each (a, b) pair (both orders when the judge debiases position)."""
-    return judge(roll.articles, roll.a_text, roll.b_text, [tuple(e.neutral) for e in batch])
+    return judge(roll.articles, roll.a_text, roll.b_text, references_for(judge, batch))
 
 
 def policy_update(
@@ -412,6 +488,8 @@ def maybe_recalibrate(
         return calibrator
     pairs = pairs if pairs is not None else collect(step)
     calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed)
+    state.coupling.append(finite_or_none({"step": step, **judge_coupling(pairs)}))
+    logger.info("step %d: %s", step, coupling_line(state.coupling[-1]))
     state.refits.append(
         finite_or_none(
             {**record.as_dict(), "ties_dropped": pairs.ties_dropped, "judge_failures": pairs.judge_failures}
@@ -446,37 +524,75 @@ def run_evaluation(
     calibrator: Calibrator,
     cfg: FeedbackLoopConfig,
     step: int,
+    start: StartWork | None = None,
 ) -> dict[str, float]:
-    """Test-split metrics (reported, never used to choose a checkpoint) and validation ROUGE-L."""
+    """Test-split metrics (reported, never used to choose a checkpoint) and validation ROUGE-L.
+
+    The per-article rows (summary, sample, every text metric, win, KL) are kept in
+    ``state.per_article`` with their step. ``start``: at step 0, the starting policy's shared outputs.
+    """
     unwrapped = accelerator.unwrap_model(model)
     ids = list(range(len(splits.test)))
     mine = shard(ids, accelerator)
+    exs = [splits.test[i] for i in mine]
+    seed = derive_seed(cfg.seed, "eval", step, accelerator.process_index)
+    greedy = sampled = val_greedy = None
+    gen, bs = cfg.generation, cfg.eval_batch_size
+    if start is not None and start.cache is not None:
+        with eval_mode(unwrapped):
+            greedy = start.greedy(
+                "policy", exs, lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, exs, gen, bs)
+            )
+            kls, samples = start.get(
+                "sampled",
+                {
+                    "policy": start.policy_fp,
+                    "reference": start.ref_fp,
+                    "seed": seed,
+                    "ids": [e.id for e in exs],
+                },
+                lambda: list(sampled_kl(unwrapped, ref, tokenizer, build_prompt, exs, gen, bs, seed)),
+            )
+            sampled = ([float("nan") if k is None else k for k in kls], samples)
+            vexs = shard(splits.validation, accelerator)
+            if vexs:
+                val_greedy = start.greedy(
+                    "policy",
+                    vexs,
+                    lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs),
+                )
     rows = evaluate_shard(
         unwrapped,
         ref,
         tokenizer,
         build_prompt,
-        [splits.test[i] for i in mine],
+        exs,
         [state.ref_summaries[i] for i in mine],
         judge,
-        cfg.generation,
-        cfg.eval_batch_size,
-        seed=derive_seed(cfg.seed, "eval", step, accelerator.process_index),
+        gen,
+        bs,
+        seed=seed,
+        greedy=greedy,
+        sampled=sampled,
     )
     rows = gather_object(rows) if accelerator.num_processes > 1 else rows
+    state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     by_id = {e.id: e for e in splits.test}
     metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.n_bins)
     if splits.validation:
-        val = validation_rouge_l(
+        val = validation_metrics(
             unwrapped,
             tokenizer,
             build_prompt,
             shard(splits.validation, accelerator),
             cfg.generation,
             cfg.eval_batch_size,
+            greedy=val_greedy,
         )
         val = gather_object(val) if accelerator.num_processes > 1 else val
-        metrics["val_rouge_l_neutral"] = float(np.nanmean(val))
+        for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
+            vals = np.array([v[key] for v in val], dtype=float)
+            metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
     metrics["step"] = step
     metrics["num_refits"] = sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial")
     return finite_or_none(metrics)
@@ -527,22 +643,43 @@ def reference_summaries(
     build_prompt: PromptBuilder,
     test: Sequence[SummExample],
     cfg: FeedbackLoopConfig,
+    start: StartWork | None = None,
 ) -> list[str]:
     """Greedy summaries of the reference policy on the test articles (computed once: pi_ref never changes)."""
     unwrapped = accelerator.unwrap_model(model)
     mine = shard(list(range(len(test))), accelerator)
     exs = [test[i] for i in mine]
-    if ref is not None:
-        out = greedy_summaries(ref, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size)
-    else:
+
+    def compute() -> list[str]:
+        if ref is not None:
+            return greedy_summaries(ref, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size)
         with unwrapped.disable_adapter():
-            out = greedy_summaries(
+            return greedy_summaries(
                 unwrapped, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size
             )
+
+    out = start.greedy("reference", exs, compute) if start is not None else compute()
     pairs = list(zip(mine, out))
     pairs = gather_object(pairs) if accelerator.num_processes > 1 else pairs
     texts = dict(pairs)
     return [texts[i] for i in range(len(test))]
+
+
+def initial_calibration_pairs(
+    start: StartWork, cfg: FeedbackLoopConfig, splits: Splits, collect: Any
+) -> CalibrationPairs:
+    """The step-0 calibration pairs: samples of the starting policy, judged and labeled; shared by the
+    calibrated arms of a seed (they differ only in the map fitted on these pairs)."""
+    ccfg = cfg.calibration
+    key = {
+        "policy_fp": getattr(start, "policy_fp", None),
+        "seed": cfg.seed,
+        "judge": dataclasses.asdict(cfg.judge),
+        "calibration_ids": [e.id for e in splits.calibration],
+        "sampling": [ccfg.num_articles, ccfg.extra_rounds, ccfg.pairs_per_article, ccfg.holdout_fraction],
+        "min_points": ccfg.min_points,
+    }
+    return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))
 
 
 def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
@@ -620,6 +757,8 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
             accelerator, model, tokenizer, build_prompt, train_judge, splits.calibration, cfg, step
         )
 
+    start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
+
     def evaluate(step: int) -> dict[str, float]:
         return run_evaluation(
             accelerator,
@@ -634,6 +773,7 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
             calibrator,
             cfg,
             step,
+            start if step == 0 else None,
         )
 
     state = LoopState(kl_coef=kl_ctl.coef)
@@ -648,10 +788,15 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         logger.info("resumed from %s at step %d", cfg.resume_from, state.step)
     else:
         state.ref_summaries = reference_summaries(
-            accelerator, model, ref, tokenizer, build_prompt, splits.test, cfg
+            accelerator, model, ref, tokenizer, build_prompt, splits.test, cfg, start
         )
-        if needs_fit(cfg.calibration):  # the first fit, on samples of the initial policy
-            pairs = collect(0)
+        if (
+            cfg.calibration.method != "oracle"
+        ):  # samples of the initial policy: the judge's coupling, the first fit
+            pairs = initial_calibration_pairs(start, cfg, splits, lambda: collect(0))
+            state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
+            logger.info("step 0: %s", coupling_line(state.coupling[-1]))
+        if needs_fit(cfg.calibration):  # the first fit
             calibrator, record = refit(
                 calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True
             )
@@ -795,15 +940,21 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         "history": state.history,
         "train_log": state.train_log,
         "refits": state.refits,
+        "judge_coupling": state.coupling,
         "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
         "judge_stats": {"status": dict(train_judge.stats.status), "cache_hits": train_judge.stats.cache_hits},
         "prompts_truncated": build_prompt.num_truncated,
+        "per_article": "per_article.jsonl",
+        "start_cache": None
+        if start.cache is None
+        else {"hits": start.cache.hits, "misses": start.cache.misses},
     }
     if accelerator.is_main_process:
         if cfg.save_final_policy:
             export_policy(
                 out_dir / "policy", accelerator.unwrap_model(model), tokenizer, calibrator.state_dict()
             )
+        atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
         atomic_write_json(out_dir / "report.json", report)
     accelerator.end_training()
     return report

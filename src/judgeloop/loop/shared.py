@@ -1,0 +1,86 @@
+"""Work done once across the runs of an ablation: the starting policy's outputs, keyed by what they depend on.
+
+Every arm of a seed starts from the same policy, and with LoRA (adapters start at zero) or a seed-free
+warm start every seed does too. What that policy produces before step 1 (its greedy summaries of the
+test and validation articles, the reference policy's summaries, one sample per test article with its
+KL, the step-0 calibration pairs) is therefore the same in every run that shares those inputs.
+:class:`StartCache` stores each such result as a JSON file named by a digest of its inputs, so the
+first run computes it and the others read it.
+
+The key of every entry includes a *fingerprint* of the model that produced it: a digest of its logits
+on a fixed probe batch (:func:`model_fingerprint`). Two starts with the same fingerprint compute the
+same function on that probe, bit for bit (a LoRA policy whose B matrices are zero, whatever its seed);
+two different starts, in practice, never share one. Nothing is assumed about which settings make the
+start seed-free: it is observed.
+
+Entries are written atomically under a per-entry file lock, so concurrent workers (``ablation.num_workers``,
+or cluster jobs on a shared file system) compute each entry once: a second worker waits for the first
+and reads its result. Values round-trip exactly (JSON keeps every float's repr).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from judgeloop.io import atomic_write_json
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def digest(obj: Any) -> str:
+    """Stable short digest of a JSON-serializable key."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+@torch.no_grad()
+def model_fingerprint(model: Any, input_ids: torch.Tensor) -> str:
+    """Digest of ``model``'s float32 logits on ``input_ids`` (1, T): equal for models that compute the
+    same function on the probe, bit for bit."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device)).logits.float().cpu().contiguous()
+    if was_training:
+        model.train()
+    return hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:24]
+
+
+class StartCache:
+    """A folder of JSON results, one per key (see the module docstring)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.hits = 0
+        self.misses = 0
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path) -> Iterator[None]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def get_or_compute(self, kind: str, key: dict[str, Any], compute: Callable[[], Any]) -> Any:
+        """The stored value for (kind, key), or ``compute()``'s, stored. Values must be JSON-serializable."""
+        path = self.root / f"{kind}-{digest(key)}.json"
+        with self._locked(path):
+            if path.is_file():
+                self.hits += 1
+                logger.info("shared start work: %s read from %s", kind, path.name)
+                return json.loads(path.read_text())["value"]
+            value = compute()
+            atomic_write_json(path, {"kind": kind, "key": key, "value": value})
+            self.misses += 1
+            return value
