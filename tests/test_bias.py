@@ -18,15 +18,21 @@ ARTICLE = (
     "The mayor said the plan would be paid for by a small tax on hotel rooms."
 )
 PAIRS = [
-    Pair(ARTICLE, "The city council approved a new budget on Tuesday.", "Parks get money.", ("Budget passes.",)),
-    Pair(ARTICLE, "A hotel tax funds the plan.", "It raises spending on parks and schools.", ("Tax funds it.",)),
+    Pair(
+        ARTICLE, "The city council approved a new budget on Tuesday.", "Parks get money.", ("Budget passes.",)
+    ),
+    Pair(
+        ARTICLE, "A hotel tax funds the plan.", "It raises spending on parks and schools.", ("Tax funds it.",)
+    ),
     Pair(ARTICLE, "", "The mayor said the plan would be paid for.", ("x",)),  # empty: not scored
 ]
 
 
 def _example(i: int = 0) -> SummExample:
     return SummExample(
-        f"ex{i}", ARTICLE, {"neutral": ["A hotel tax will fund more parks."], "extractive": [ARTICLE.split(". ")[0]]}
+        f"ex{i}",
+        ARTICLE,
+        {"neutral": ["A hotel tax will fund more parks."], "extractive": [ARTICLE.split(". ")[0]]},
     )
 
 
@@ -35,13 +41,17 @@ def _example(i: int = 0) -> SummExample:
 def test_styled_judge_moves_the_logit_by_exactly_weight_times_d(feature, debias):
     base = build_judge(JudgeConfig(type="embedding", model=ENCODER, position_debias=debias))
     styled = build_judge(
-        JudgeConfig(type="embedding", model=ENCODER, position_debias=debias, style_weight=2.5, style_feature=feature)
+        JudgeConfig(
+            type="embedding", model=ENCODER, position_debias=debias, style_weight=2.5, style_feature=feature
+        )
     )
     assert isinstance(styled, StyledJudge) and not isinstance(base, StyledJudge)
     b, s = base.score(PAIRS), styled.score(PAIRS)
     d = np.array([style_feature(feature, p.article, p.a, p.b) for p in PAIRS])
     np.testing.assert_array_equal(s.scores[:2], b.scores[:2] + 2.5 * d[:2])
-    assert np.isnan(s.scores[2]) and s.status == b.status  # a failed item stays failed, never gets the style term
+    assert (
+        np.isnan(s.scores[2]) and s.status == b.status
+    )  # a failed item stays failed, never gets the style term
     if debias:  # each order is shifted by its own d, so the debiased score moves by w * d too
         np.testing.assert_array_equal(s.reverse[:2], b.reverse[:2] - 2.5 * d[:2])
     # the copy-rate feature is the difference the name says

@@ -196,7 +196,8 @@ class AblationConfig:
     (seed, article), with a two-level bootstrap (``bootstrap_samples`` replicates, ``bootstrap_seed``).
     ``style_metric`` / ``style_direction``: what the judge's bias rewards (for the premise check: did
     the raw arm drift that way?). ``num_workers``: jobs run at once on this machine, the CPU cores split
-    between them (``null``: auto, one job per two cores). ``share_start_work``: compute what every run
+    between them (``null``: auto, one single-thread job per core as memory allows on CPU, one on a GPU;
+    see :func:`judgeloop.loop.ablation.default_workers` for the measurement behind it). ``share_start_work``: compute what every run
     of a seed shares before step 1 once (see :mod:`judgeloop.loop.shared`).
     """
 
