@@ -276,6 +276,7 @@ def test_maybe_recalibrate_refits_on_high_monitored_ece():
             "calibration.recalibrate_every_n_steps=0",
             "calibration.monitor_every_n_steps=2",
             "calibration.ece_threshold=0.05",
+            "calibration.min_points=10",
         ],
     )
     calls = []
