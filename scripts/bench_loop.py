@@ -48,6 +48,10 @@ def _cfg(args: argparse.Namespace):
             f"batch_size={args.batch_size}",
             f"generation.max_new_tokens={args.max_new_tokens}",
             "calibration.method=raw",
+            # the judge both sides run: MiniLM similarity to the article, unstyled (TRL takes its pointwise
+            # value as a reward; the quickstart's extractive target and style dial are pair-level features)
+            "judge.embedding_target=article",
+            "judge.style_weight=0",
             "loss.target=hard",
             "loss.kl_coef=0.0",
             "log_with=[jsonl]",

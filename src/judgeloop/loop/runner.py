@@ -496,13 +496,16 @@ def maybe_recalibrate(
         )
     )
     state.last_monitored_ece = None
+    ci = record.ece_delta_ci95
     logger.info(
-        "step %d: recalibrated (%s) on %d pairs; held-out ECE %.4f -> %.4f%s",
+        "step %d: recalibrated (%s) on %d pairs; held-out ECE %.4f -> %.4f on %d pairs (change 95%% CI %s)%s",
         step,
         reason,
         record.n_fit,
         record.ece_before,
         record.ece_after,
+        record.n_holdout,
+        "n/a" if ci[0] is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
         "" if record.refit else f" (kept old: {record.error})",
     )
     return calibrator
