@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from judgeloop.config import ConfigError, load_config
+from judgeloop.config import ConfigError, load_config, to_yaml
 from judgeloop.data import LeakageError, SummExample
 from judgeloop.loop.config import FeedbackLoopConfig, LoopCalibrationConfig
 from judgeloop.loop.losses import (
@@ -401,12 +403,31 @@ def test_exact_resume_after_interruption(tmp_path):
         "calibrator.json",
         "state.json",
     } <= {p.name for p in ckpt.iterdir()}
+    assert (ckpt / "config.yaml").is_file()  # the config the checkpoint was made with
+    # what a run killed after its checkpoint leaves: rows logged past the checkpoint, and an orphan
+    # temporary folder from a checkpoint write cut short
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    with metrics.open("a") as fh:
+        fh.write(json.dumps({"step": 3, "train/loss": 9.0}) + "\n")
+    orphan = tmp_path / "cut" / "checkpoints" / ".step_3.x1y2.tmp"
+    orphan.mkdir()
     resumed = train(
         load_config(
             FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", f"resume_from={ckpt}"]
         )
     )
+    assert not orphan.exists()
     assert resumed["steps_run"] == full["steps_run"] == 4
+
+    # the log and the counters continue from the checkpoint: the same rows as the uninterrupted run
+    def rows(d):
+        return [
+            (r["step"], sorted(r)) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+        ]  # noqa: E731
+
+    assert rows(tmp_path / "cut") == rows(tmp_path / "full")
+    assert resumed["judge_stats"]["status"] == full["judge_stats"]["status"]
+    assert resumed["prompts_truncated"] == full["prompts_truncated"]
     # Same metrics. Floats are compared at 1e-6 relative: the embedding judge caches embeddings per text, so a
     # freshly started (resumed) process batches texts differently and its cosines differ in the ~8th digit.
     _same(resumed["final"], full["final"])
@@ -417,6 +438,57 @@ def test_exact_resume_after_interruption(tmp_path):
     # two scheduled refits; one may keep the previous calibrator (refit_accept=better) when the new one is worse
     assert sum(r["reason"] == "schedule" for r in full["refits"]) == 2
     assert (tmp_path / "cut" / "report.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "data.embedded_size=130",
+        "policy.sft_steps=61",
+        "calibration.method=isotonic",
+        "loss.kl_coef=0.5",
+        "optim.lr=0.01",
+        "seed=1",
+        "judge.scale=10",
+    ],
+)
+def test_resume_refuses_a_changed_config_naming_the_key(tmp_path, change, resume_checkpoint):
+    from judgeloop.config import ConfigError
+    from judgeloop.loop.runner import train
+
+    key = change.split("=")[0]
+    with pytest.raises(ConfigError, match=f"would change the run: {key}: "):
+        train(
+            load_config(
+                FeedbackLoopConfig,
+                TINY,
+                [*FAST, f"output_dir={tmp_path}", f"resume_from={resume_checkpoint}", change],
+            )
+        )
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.fixture(scope="module")
+def resume_checkpoint(tmp_path_factory):
+    from judgeloop.loop.runner import train
+
+    out = tmp_path_factory.mktemp("ckpt")
+    part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "stop_after_n_steps=1"]))
+    return part["checkpoint"]
+
+
+def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpoint):
+    from judgeloop.loop.checkpoint import checked_resume
+    from judgeloop.loop.config import RESUME_FREE_KEYS
+
+    cfg = load_config(
+        FeedbackLoopConfig,
+        TINY,
+        [*FAST, f"output_dir={tmp_path}", "num_steps=6", "progress_bar=true", "log_with=[jsonl,tensorboard]"],
+    )
+    assert checked_resume(to_yaml(cfg), resume_checkpoint, RESUME_FREE_KEYS) == 1
+    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+        checked_resume(to_yaml(cfg), tmp_path, RESUME_FREE_KEYS)
 
 
 def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
@@ -753,3 +825,22 @@ def test_generation_runs_outside_autocast_unless_asked(inside):
         out = generate(model, tok, prompts, gen, num_samples=2, seed=0)
         assert torch.is_autocast_enabled("cpu")  # the caller's context is left as it was
     assert len(out) == 4 and seen and set(seen) == {inside}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "policy.model=no-such-org/no-such-model",
+            "policy.model='no-such-org/no-such-model' is not in the Hugging Face cache",
+        ),
+        ("judge.model=./no/such/dir", "judge.model='./no/such/dir' is not a directory"),
+    ],
+)
+def test_an_unresolvable_model_is_one_config_error_before_any_work(tmp_path, override, message):
+    from judgeloop.loop.runner import train
+
+    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path}", override])
+    with pytest.raises(ConfigError, match=re.escape(message)):  # offline here: no hub retries first
+        train(cfg)
+    assert not (tmp_path / "config.yaml").exists()  # nothing written

@@ -208,6 +208,22 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def config_changes(
+    saved: Mapping[str, Any], new: Mapping[str, Any], ignore: Iterable[str] = (), prefix: str = ""
+) -> list[str]:
+    """``"key: old -> new"`` for every dotted key whose value differs between two config dicts
+    (top-level keys in ``ignore`` are skipped)."""
+    skip = set(ignore)
+    out = []
+    for k in sorted((set(saved) | set(new)) - skip):
+        a, b = saved.get(k), new.get(k)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_changes(a, b, (), f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
 def replace(cfg: T, overrides: Iterable[str]) -> T:
     """A copy of ``cfg`` with dotted overrides applied, re-validated through the schema."""
     tree = to_dict(cfg)

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from judgeloop.calibration import CalibrationError
-from judgeloop.config import replace, to_yaml
+from judgeloop.config import config_changes, replace, to_yaml
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -130,18 +130,6 @@ def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConf
 def result_key(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """The part of a config (as a dict) that can change a job's results."""
     return {k: v for k, v in cfg_dict.items() if k not in NON_RESULT_KEYS}
-
-
-def config_changes(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts (for the log of a rerun job)."""
-    out = []
-    for k in sorted(set(saved) | set(new)):
-        a, b = saved.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return out
 
 
 def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
@@ -246,6 +234,9 @@ def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, A
     if job is not None:
         arm, seed = parse_job(job, cfg)
         return run_job(cfg, arm, seed)
+    from judgeloop.loop.runner import check_models
+
+    check_models(cfg)  # once, before any job starts
     grid = jobs(cfg)
     n = cfg.ablation.num_workers or default_workers(cfg, len(grid))
     run_jobs(cfg, grid, n)

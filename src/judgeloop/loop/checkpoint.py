@@ -59,15 +59,66 @@ def save_checkpoint(
     scheduler: Any,
     calibrator_state: dict[str, Any],
     state: dict[str, Any],
+    config_yaml: str | None = None,
 ) -> None:
-    """Write one checkpoint directory atomically (call on the main process only)."""
+    """Write one checkpoint directory atomically (call on the main process only), with the config the
+    run was made with (``config.yaml``: a resume is checked against it)."""
     with atomic_dir(path) as tmp:
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
         save_file(trainable_state(model), str(tmp / "policy.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         atomic_write_json(tmp / "calibrator.json", calibrator_state)
         atomic_write_json(tmp / "state.json", state)
+
+
+def remove_orphans(out_dir: str | Path) -> list[Path]:
+    """Remove temporary checkpoint folders a killed write left behind (``.NAME.*.tmp``, ``.NAME.old``)."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    found: list[Path] = []
+    for folder in (out_dir / "checkpoints", out_dir):
+        if folder.is_dir():
+            found += [p for p in folder.glob(".*.tmp") if p.is_dir()]
+            found += [p for p in folder.glob(".*.old") if p.is_dir()]
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def checked_resume(cfg_yaml: str, resume_from: str | Path, free_keys: tuple[str, ...]) -> int:
+    """Check ``resume_from`` before any work: a checkpoint folder, made with a config whose every key that
+    can change the run equals the new one's. Returns the checkpoint's step.
+
+    Raises:
+        ConfigError: not a checkpoint, or a list of ``key: old -> new`` that the resume would change.
+    """
+    import yaml
+
+    from judgeloop.config import ConfigError, config_changes
+
+    path = Path(resume_from)
+    if not (path / "state.json").is_file():
+        raise ConfigError(
+            f"resume_from={path} is not a checkpoint directory (no state.json); "
+            "pass a directory written under OUTPUT_DIR/checkpoints/"
+        )
+    step = int(json.loads((path / "state.json").read_text()).get("step", 0))
+    if not (path / "config.yaml").is_file():
+        return step  # a checkpoint from before configs were stored in it: nothing to compare
+    saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    new = yaml.safe_load(cfg_yaml) or {}
+    changes = config_changes(saved, new, free_keys)
+    if changes:
+        raise ConfigError(
+            f"resume_from={path} was made with another config; these keys would change the run: "
+            + "; ".join(changes)
+            + ". Resume with the checkpoint's values (see its config.yaml) or start a new run"
+        )
+    return step
 
 
 def load_checkpoint(

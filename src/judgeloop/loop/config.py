@@ -185,6 +185,22 @@ class LoopCalibrationConfig:
             raise ValueError(f"calibration.ece_bootstrap={self.ece_bootstrap} must be >= 0 (0: no interval)")
 
 
+# Keys a resumed run may change: they cannot change what the run computes (``num_steps`` extends it).
+RESUME_FREE_KEYS = (
+    "output_dir",
+    "progress_bar",
+    "log_with",
+    "resume_from",
+    "stop_after_n_steps",
+    "num_steps",
+    "start_cache",
+    "save_every_n_steps",
+    "save_final_policy",
+    "judge_prefetch",
+    "judge_prefetch_threads",
+    "ablation",
+)
+
 STYLE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
 
 

@@ -34,7 +34,12 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self._cache: dict[str, list[int]] = {}
-        self.num_truncated = 0
+        self.truncated: set[str] = set()  # digests of the articles cut to fit (kept across a resume)
+
+    @property
+    def num_truncated(self) -> int:
+        """Distinct articles cut to ``max_article_tokens``."""
+        return len(self.truncated)
 
     def __call__(self, article: str) -> list[int]:
         key = article
@@ -44,7 +49,7 @@ class PromptBuilder:
         tok = self.tokenizer
         art_ids = tok(article, add_special_tokens=False)["input_ids"]
         if len(art_ids) > self.cfg.max_article_tokens:
-            self.num_truncated += 1
+            self.truncated.add(hashlib.sha256(key.encode()).hexdigest()[:16])
             article = tok.decode(art_ids[: self.cfg.max_article_tokens], skip_special_tokens=True)
         text = self.cfg.prompt_template.format(article=article)
         if self.cfg.use_chat_template and getattr(tok, "chat_template", None):

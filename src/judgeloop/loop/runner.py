@@ -35,13 +35,15 @@ from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_tex
 from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
 from judgeloop.loop.checkpoint import (
+    checked_resume,
     export_policy,
     load_checkpoint,
     load_policy_weights,
+    remove_orphans,
     save_checkpoint,
     save_policy,
 )
-from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
+from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig, LossConfig
 from judgeloop.loop.evaluation import (
     aggregate,
     evaluate_shard,
@@ -74,7 +76,7 @@ from judgeloop.loop.recalibration import (
 )
 from judgeloop.loop.rollout import PromptBuilder, Rollout, derive_seed, rollout, token_logprobs
 from judgeloop.loop.shared import StartCache, model_fingerprint
-from judgeloop.loop.tracking import make_trackers
+from judgeloop.loop.tracking import make_trackers, truncate_jsonl_log
 from judgeloop.models import load_tokenizer
 
 logger = get_logger(__name__)
@@ -94,6 +96,10 @@ class LoopState:
     ref_summaries: list[str] = field(default_factory=list)
     per_article: list[dict[str, Any]] = field(default_factory=list)
     coupling: list[dict[str, Any]] = field(default_factory=list)
+    # run-long counters, so a resumed run's report counts the whole run
+    judge_status: dict[str, int] = field(default_factory=dict)
+    judge_cache_hits: int = 0
+    truncated_articles: list[str] = field(default_factory=list)
     best_val: float = -1.0  # ROUGE is >= 0, so any first evaluation improves on it
     best_step: int = 0
     bad_evals: int = 0
@@ -685,6 +691,18 @@ def initial_calibration_pairs(
     return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))
 
 
+def check_models(cfg: FeedbackLoopConfig) -> None:
+    """Every model the config names resolves (before data or weights load); a ConfigError names the key."""
+    from judgeloop.config import ConfigError
+    from judgeloop.models import check_model
+
+    for key, name in (("policy.model", cfg.policy.model), ("judge.model", cfg.judge.model)):
+        try:
+            check_model(name, key)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     """Run the feedback loop described by ``cfg``; returns (and writes) the run report.
 
@@ -725,7 +743,18 @@ def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
 
 
 def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
+    # checked before any work: the models the config names resolve, and a resume continues the same run
+    check_models(cfg)
+    ckpt_step = checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS) if cfg.resume_from else None
     if accelerator.is_main_process:
+        for orphan in remove_orphans(out_dir):
+            logger.info("removed %s, a temporary folder left by a killed checkpoint write", orphan)
+        if ckpt_step is not None:
+            dropped = truncate_jsonl_log(out_dir / "metrics.jsonl", ckpt_step)
+            if dropped:
+                logger.info(
+                    "metrics.jsonl: dropped %d rows logged after the checkpoint's step %d", dropped, ckpt_step
+                )
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     accelerator.init_trackers("feedback_loop")
     torch.manual_seed(cfg.seed)
@@ -788,6 +817,9 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         state = LoopState(**saved)
         calibrator = calibrator_from_state(cal_state)
         kl_ctl.coef = state.kl_coef
+        train_judge.stats.status.update(state.judge_status)
+        train_judge.stats.cache_hits += state.judge_cache_hits
+        build_prompt.truncated.update(state.truncated_articles)
         logger.info("resumed from %s at step %d", cfg.resume_from, state.step)
     else:
         state.ref_summaries = reference_summaries(
@@ -890,6 +922,9 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
             steps_this_run += 1
             interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
             if (cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0) or interrupted:
+                state.judge_status = dict(train_judge.stats.status)
+                state.judge_cache_hits = train_judge.stats.cache_hits
+                state.truncated_articles = sorted(build_prompt.truncated)
                 if accelerator.is_main_process:
                     save_checkpoint(
                         out_dir / "checkpoints" / f"step_{step}",
@@ -898,6 +933,7 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
                         scheduler,
                         calibrator.state_dict(),
                         state.as_dict(),
+                        to_yaml(cfg),
                     )
                 accelerator.wait_for_everyone()
             if bar is not None:

@@ -42,6 +42,21 @@ class JSONLTracker(GeneralTracker):
             fh.write(json.dumps(row) + "\n")
 
 
+def truncate_jsonl_log(path: str | Path, last_step: int) -> int:
+    """Drop the rows of ``metrics.jsonl`` past ``last_step`` (a killed run's rows after its checkpoint),
+    atomically; returns how many were dropped."""
+    from judgeloop.io import atomic_write_text
+
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if (json.loads(line).get("step") or 0) <= last_step]
+    if len(keep) != len(lines):
+        atomic_write_text(path, "".join(f"{line}\n" for line in keep))
+    return len(lines) - len(keep)
+
+
 def make_trackers(names: list[str], output_dir: str | Path) -> list[Any]:
     trackers: list[Any] = []
     for name in names:

