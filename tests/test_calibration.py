@@ -115,3 +115,31 @@ def test_nan_scores_predict_nan():
     cal = PlattCalibrator().fit(*_data())
     p = cal.predict_proba([0.0, np.nan])
     assert p[0] == pytest.approx(0.5) and np.isnan(p[1])
+
+
+def test_infinite_logits_map_to_the_limits_and_nan_stays_nan():
+    import numpy as np
+
+    from judgeloop.calibration import make_calibrator
+
+    rng = np.random.default_rng(0)
+    s = rng.normal(0, 2, 300)
+    y = (rng.random(300) < 1 / (1 + np.exp(-s))).astype(int)
+    f = rng.normal(0, 0.3, (300, 2))
+    for method in ("platt", "temperature", "feature_platt", "style_residual", "isotonic"):
+        cal = make_calibrator(method).fit(s, y, f if method in ("feature_platt", "style_residual") else None)
+        p = cal.predict_proba(np.array([np.inf, -np.inf, np.nan]), f[:3] if cal.uses_features else None)
+        assert p[0] > 0.99 and p[1] < 0.01 and np.isnan(p[2]), method
+
+
+def test_a_reversed_judge_is_flagged():
+    import numpy as np
+
+    from judgeloop.calibration.coupling import coupling_line, judge_coupling
+
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, 60)
+    s = np.where(y == 1, -1.0, 1.0) + rng.normal(0, 0.3, 60)  # prefers the worse summary
+    c = judge_coupling(s, y, ["an article"] * 60, ["a b c d"] * 60, ["a b"] * 60)
+    assert c["auc_label"] < 0.2
+    assert coupling_line(c).startswith("WARNING: the judge prefers the worse summary (AUC 0.")

@@ -34,3 +34,14 @@ def test_console_script_help():
         [sys.executable, "-m", "judgeloop.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "calibrate" in out.stdout
+
+
+def test_output_dir_that_is_a_file_is_one_line_before_any_work(tmp_path, capsys):
+    from judgeloop.cli import main
+
+    target = tmp_path / "a_file"
+    target.write_text("x")
+    rc = main(["train", "--config", "configs/feedback_loop/tiny.yaml", f"output_dir={target}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0] == f"judgeloop train: error: output_dir={target} is a file; point output_dir at a folder"

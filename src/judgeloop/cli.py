@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--config", required=True, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. judge.scale=10")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         for flag, kwargs in command_options(name):
             p.add_argument(flag, **kwargs)
     args = parser.parse_args(argv)
@@ -118,12 +119,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if "aggregate" in extra:
         extra["aggregate_only"] = extra.pop("aggregate")
+    from judgeloop.calibration import CalibrationError
+
     try:
         run(cfg, **{k: v for k, v in extra.items() if v not in (None, False)})
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CalibrationError) as err:
+        if args.debug:
+            raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        sys.stderr.write(f"judgeloop {args.command}: interrupted{_resume_hint(cfg)}\n")
+        return 130
     return 0
+
+
+def _resume_hint(cfg: Any) -> str:
+    """'; continue with resume_from=...' naming the newest checkpoint under the run's output_dir, if any."""
+    from pathlib import Path
+
+    out = getattr(cfg, "output_dir", None)
+    if not out:
+        return ""
+    ckpts = [p for p in (Path(out) / "checkpoints").glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    if not ckpts:
+        return " (no checkpoint was written; set save_every_n_steps to make them)"
+    last = max(ckpts, key=lambda p: int(p.name[5:]))
+    return f"; the last checkpoint is {last}: continue with resume_from={last}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -122,7 +122,7 @@ class Calibrator:
         return self
 
     def predict_proba(self, scores: Any, features: Any = None) -> np.ndarray:
-        """P(a better than b) for each raw logit (NaN in, NaN out)."""
+        """P(a better than b) for each raw logit (NaN in, NaN out; +-inf gives the limit of the map)."""
         if not self.n_fit_:
             raise RuntimeError(
                 f"{self.method} calibrator is not fitted; call fit() or load_state_dict() first"
@@ -135,9 +135,10 @@ class Calibrator:
             f = np.asarray(features, dtype=float)
             f = f[:, None] if f.ndim == 1 else f
         out = np.full(s.shape, np.nan)
-        ok = np.isfinite(s)
+        ok = ~np.isnan(s)
         if ok.any():
-            out[ok] = self._predict(s[ok], None if f is None else f[ok])
+            with np.errstate(invalid="ignore"):  # 0 * inf in a map with a zero slope stays NaN
+                out[ok] = self._predict(s[ok], None if f is None else f[ok])
         return out
 
     # -- persistence --------------------------------------------------------------------------

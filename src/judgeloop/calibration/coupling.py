@@ -72,7 +72,10 @@ def coupling_line(c: dict[str, Any]) -> str:
         f"{k} {fmt(v['corr_logit'])} (with the label {fmt(v['corr_label'])})"
         for k, v in c["features"].items()
     )
-    return (
+    warn = ""
+    if c["auc_label"] < 0.5:
+        warn = f"WARNING: the judge prefers the worse summary (AUC {c['auc_label']:.2f} < 0.5): a calibrator fit on it has a reversed map. "
+    return warn + (
         f"judge coupling on {c['n_pairs']} labeled pairs: AUC for the neutral label {c['auc_label']:.3f} "
         f"(corr {fmt(c['corr_label'])}); correlation of the logit with {feats}"
     )

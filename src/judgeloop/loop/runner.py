@@ -691,6 +691,23 @@ def initial_calibration_pairs(
     return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))
 
 
+def check_output_dir(out_dir: Path) -> None:
+    """``output_dir`` must be a folder this process can write (checked before any work)."""
+    import os
+
+    from judgeloop.config import ConfigError
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"output_dir={out_dir} is a file; point output_dir at a folder")
+    probe = out_dir
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"output_dir={out_dir} cannot be written ({probe} is not writable); choose another folder"
+        )
+
+
 def check_models(cfg: FeedbackLoopConfig) -> None:
     """Every model the config names resolves (before data or weights load); a ConfigError names the key."""
     from judgeloop.config import ConfigError
@@ -711,6 +728,9 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     ``policy/`` (the kept policy, its tokenizer and the final calibrator, when ``save_final_policy``).
     """
     out_dir = Path(cfg.output_dir)
+    # checked before any work: the output folder can be written, the models the config names resolve
+    check_output_dir(out_dir)
+    check_models(cfg)
     accelerator = Accelerator(
         cpu=cfg.cpu,
         log_with=make_trackers(cfg.log_with, out_dir),
@@ -743,8 +763,7 @@ def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
 
 
 def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
-    # checked before any work: the models the config names resolve, and a resume continues the same run
-    check_models(cfg)
+    # a resume is checked before any work too: a checkpoint, made with the same run-changing settings
     ckpt_step = checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS) if cfg.resume_from else None
     if accelerator.is_main_process:
         for orphan in remove_orphans(out_dir):
@@ -830,7 +849,8 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         ):  # samples of the initial policy: the judge's coupling, the first fit
             pairs = initial_calibration_pairs(start, cfg, splits, lambda: collect(0))
             state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
-            logger.info("step 0: %s", coupling_line(state.coupling[-1]))
+            line = coupling_line(state.coupling[-1])
+            (logger.warning if line.startswith("WARNING") else logger.info)("step 0: %s", line)
         if needs_fit(cfg.calibration):  # the first fit
             calibrator, record = refit(
                 calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True
