@@ -55,17 +55,7 @@ FINAL_METRICS = (
 )
 # Per-article metrics (paired comparisons); ``win`` is the per-article form of ``win_rate``. ECE is a
 # property of a set of pairs, not of an article, and is reported per arm only.
-PAIRED_METRICS = (
-    "rouge_l_neutral",
-    "rouge_1_neutral",
-    "rouge_2_neutral",
-    "rouge_l_extractive",
-    "copy_rate",
-    "novel_bigram_rate",
-    "length",
-    "kl",
-    "win",
-)
+PAIRED_METRICS = (*(m for m in FINAL_METRICS if m not in ("win_rate", "ece")), "win")
 TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "kl", "win_rate", "ece")
 DELTA_TABLE = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "novel_bigram_rate", "length", "win")
 # Keys that cannot change a job's results: a finished job with only these different is not rerun.
