@@ -9,7 +9,8 @@ policy's, and the calibrator's ECE on (greedy, sampled) pairs labeled by neutral
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,18 @@ from judgeloop.loop.policy import reference_logprobs
 from judgeloop.loop.recalibration import label_pairs, pair_ece
 from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
+
+
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[Any]:
+    """``model`` in eval mode for the block, then back to the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        if was_training:
+            model.train()
 
 
 def greedy_summaries(
@@ -105,15 +118,12 @@ def evaluate_shard(
     """
     if not examples:
         return []
-    was_training = model.training
-    model.eval()
-    if greedy is None:
-        greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
-    if sampled is None:
-        sampled = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
+    with eval_mode(model):
+        if greedy is None:
+            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+        if sampled is None:
+            sampled = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
     kls, samples = sampled
-    if was_training:
-        model.train()
     wins = judge(
         [e.article for e in examples], list(greedy), list(ref_summaries), references_for(judge, examples)
     )
@@ -173,9 +183,6 @@ def validation_metrics(
     if not examples:
         return []
     if greedy is None:
-        was_training = model.training
-        model.eval()
-        greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
-        if was_training:
-            model.train()
+        with eval_mode(model):
+            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
     return [text_metrics(e, g) for e, g in zip(examples, greedy)]

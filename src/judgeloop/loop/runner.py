@@ -46,6 +46,7 @@ from judgeloop.loop.checkpoint import (
 from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig, LossConfig
 from judgeloop.loop.evaluation import (
     aggregate,
+    eval_mode,
     evaluate_shard,
     greedy_summaries,
     sampled_kl,
@@ -176,17 +177,6 @@ def peek_batch(
 ) -> list[SummExample]:
     """The batch :func:`next_batch` will return next, without moving the cursor."""
     return _batch_at(state.epoch, state.cursor, train, cfg, accelerator)[0]
-
-
-@contextlib.contextmanager
-def eval_mode(model: Any) -> Any:
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        if was_training:
-            model.train()
 
 
 class StartWork:

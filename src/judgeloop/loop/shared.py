@@ -32,6 +32,7 @@ import torch
 
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
+from judgeloop.loop.evaluation import eval_mode
 
 logger = get_logger(__name__)
 
@@ -45,12 +46,9 @@ def digest(obj: Any) -> str:
 def model_fingerprint(model: Any, input_ids: torch.Tensor) -> str:
     """Digest of ``model``'s float32 logits on ``input_ids`` (1, T): equal for models that compute the
     same function on the probe, bit for bit."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device)).logits.float().cpu().contiguous()
-    if was_training:
-        model.train()
+    with eval_mode(model):
+        logits = model(input_ids=input_ids.to(device)).logits.float().cpu().contiguous()
     return hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:24]
 
 
