@@ -44,4 +44,7 @@ def test_output_dir_that_is_a_file_is_one_line_before_any_work(tmp_path, capsys)
     rc = main(["train", "--config", "configs/feedback_loop/tiny.yaml", f"output_dir={target}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert err[0] == f"judgeloop train: error: output_dir={target} is a file; point output_dir at a folder"
+    assert (
+        err[0]
+        == f"judgeloop train: config error: output_dir={target} is a file; point output_dir at a folder"
+    )

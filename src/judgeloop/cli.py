@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from judgeloop.config import ConfigError, load_config
+from judgeloop.config import ConfigError, check_output_places, load_config
 from judgeloop.io import DataError
 from judgeloop.logging import setup_logging
 
@@ -95,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. judge.scale=10")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+        p.add_argument(
+            "--allow-empty-config", action="store_true", help="accept an empty config file (all defaults)"
+        )
         for flag, kwargs in command_options(name):
             p.add_argument(flag, **kwargs)
     args = parser.parse_args(argv)
@@ -104,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     schema, run = resolve_command(args.command)
     try:
-        cfg: Any = load_config(schema, args.config, args.overrides)
+        cfg: Any = load_config(schema, args.config, args.overrides, allow_empty=args.allow_empty_config)
+        if not args.print_config:
+            check_output_places(cfg)
     except ConfigError as err:
         sys.stderr.write(f"judgeloop {args.command}: config error: {err}\n")
         return 2
@@ -127,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
+        return 2
+    except (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
+        # a place the user named cannot be read or written (the message names the path)
+        if args.debug:
+            raise
+        sys.stderr.write(f"judgeloop {args.command}: error: {err}; check the path and its permissions\n")
         return 2
     except KeyboardInterrupt:
         if args.debug:

@@ -155,15 +155,26 @@ def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _read_yaml(path: str | Path) -> dict[str, Any]:
+def _read_yaml(path: str | Path, allow_empty: bool = False) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass --config PATH to an existing YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start}); "
+            "save it as UTF-8"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from err
     if data is None:
+        # an empty file is more often a truncated copy or the wrong path than a wish for every default
+        if not allow_empty:
+            raise ConfigError(
+                f"config file '{path}' is empty, so every setting would be its default; fill it in, or pass "
+                "--allow-empty-config to run on the defaults"
+            )
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping at top level, got {type(data).__name__}")
@@ -175,6 +186,7 @@ def load_config(
     path: str | Path | None = None,
     overrides: Iterable[str] = (),
     base: Mapping[str, Any] | None = None,
+    allow_empty: bool = False,
 ) -> T:
     """Build ``cls`` from a YAML file and ``key=value`` overrides (later wins).
 
@@ -183,6 +195,7 @@ def load_config(
         path: YAML file, or ``None`` for the schema's defaults.
         overrides: dotted overrides such as ``judge.position_debias=false``; values are parsed as YAML.
         base: a mapping applied before the file (used by commands that derive configs).
+        allow_empty: accept an empty file as "all defaults" (else it is an error).
 
     Returns:
         A fully typed, validated instance of ``cls``.
@@ -192,11 +205,48 @@ def load_config(
     """
     tree: dict[str, Any] = dict(base or {})
     if path is not None:
-        tree.update(_read_yaml(path))
+        tree.update(_read_yaml(path, allow_empty))
     for text in overrides:
         parts, value = _parse_override(text)
         _set_dotted(tree, parts, value)
     return _build(cls, tree)
+
+
+# config keys that name places a command writes: a folder, or a file
+OUTPUT_DIR_KEYS = ("output_dir", "cache_dir", "start_cache")
+OUTPUT_FILE_KEYS = ("output_path",)
+
+
+def check_output_places(cfg: Any, prefix: str = "") -> None:
+    """Every output folder / file the config names can be written, checked before any work.
+
+    A folder key (``output_dir``, ``cache_dir``) must not name a file; a file key (``output_path``) must
+    not name a folder; the nearest existing parent must be writable. Walks nested sections.
+    """
+    import os
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_output_places(value, f"{key}.")
+            continue
+        if not isinstance(value, str) or not value or f.name not in OUTPUT_DIR_KEYS + OUTPUT_FILE_KEYS:
+            continue
+        path = Path(value)
+        if f.name in OUTPUT_DIR_KEYS and path.exists() and not path.is_dir():
+            raise ConfigError(f"{key}={value} is a file; point {key} at a folder")
+        if f.name in OUTPUT_FILE_KEYS and path.is_dir():
+            raise ConfigError(f"{key}={value} is a folder; point {key} at a file inside it")
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            raise ConfigError(f"{key}={value} cannot be created: {probe} is a file, not a folder")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"{key}={value} cannot be written ({probe} is not writable); choose another place"
+            )
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -209,19 +259,36 @@ def to_yaml(cfg: Any) -> str:
 
 
 def config_changes(
-    saved: Mapping[str, Any], new: Mapping[str, Any], ignore: Iterable[str] = (), prefix: str = ""
+    saved: Mapping[str, Any],
+    new: Mapping[str, Any],
+    ignore: Iterable[str] = (),
+    prefix: str = "",
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """``"key: old -> new"`` for every dotted key whose value differs between two config dicts
-    (top-level keys in ``ignore`` are skipped)."""
+    (top-level keys in ``ignore`` are skipped).
+
+    With ``defaults`` (the schema's default config as a dict), a key the saved config lacks, because it
+    was added to the schema after the save, is no change when the new value is its default: an option's
+    default keeps the behaviour from before the option existed.
+    """
     skip = set(ignore)
     out = []
     for k in sorted((set(saved) | set(new)) - skip):
         a, b = saved.get(k), new.get(k)
+        d = defaults.get(k) if isinstance(defaults, Mapping) else None
+        if k not in saved and isinstance(defaults, Mapping) and k in defaults and b == d:
+            continue
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += config_changes(a, b, (), f"{prefix}{k}.")
+            out += config_changes(a, b, (), f"{prefix}{k}.", d if isinstance(d, Mapping) else None)
         elif a != b:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
+
+
+def default_dict(cls: type) -> dict[str, Any]:
+    """The schema's defaults as the plain dict a saved ``config.yaml`` reads back as."""
+    return yaml.safe_load(to_yaml(cls())) or {}
 
 
 def replace(cfg: T, overrides: Iterable[str]) -> T:

@@ -1,7 +1,14 @@
-"""Atomic file output and strict JSONL input.
+"""Atomic file output and strict text / JSONL input.
 
 Outputs and checkpoints are written to a temporary sibling and moved into place with
-``os.replace``, so a killed run leaves either the old file or the new one, never half of one.
+``os.replace``, so a killed run leaves either the old file or the new one, never half of one. They get
+the permissions a plain ``open(path, "w")`` would give (0666 / 0777 less the umask), not the 0600 of a
+temporary file.
+
+Input is read strictly: every reader goes through :func:`read_lines`, which names the file, the line
+and the byte offset of bytes that are not UTF-8, and :func:`read_jsonl`, which checks that each row is
+an object with the required fields of the required kinds (a ``text`` field that holds a number is an
+error naming the line, not a ``str()`` of it).
 """
 
 from __future__ import annotations
@@ -12,9 +19,14 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
+T = TypeVar("T")
 
 
 class DataError(ValueError):
@@ -47,6 +59,12 @@ def _clean_floats(obj: Any) -> Any:
     return obj
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path in the destination folder; move it onto ``path`` on success."""
@@ -57,6 +75,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
@@ -87,6 +106,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             if old.exists():
@@ -101,32 +121,146 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
-def read_jsonl(path: str | Path, required: Iterable[str] = ()) -> list[dict[str, Any]]:
-    """Read a JSONL file strictly: every non-blank line an object holding the ``required`` fields."""
+def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` for each line of a UTF-8 file (a leading BOM is dropped).
+
+    Bytes that are not UTF-8 raise :class:`DataError` naming the file, the line and the byte offset in
+    the file, so a latin-1 export is found in one step instead of as a ``UnicodeDecodeError`` traceback.
+    """
+    path = Path(path)
+    offset = 0
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                bad = raw[err.start]
+                raise DataError(
+                    f"{path}:{lineno}: byte 0x{bad:02x} at offset {offset + err.start} is not UTF-8; "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT)"
+                ) from None
+            offset += len(raw)
+            yield lineno, text
+
+
+# what each field kind of read_jsonl accepts, and how its error names it
+_KINDS: dict[str, tuple[str, Any]] = {
+    "text": ("a string", lambda v: isinstance(v, str)),
+    "texts": (
+        "a string or a list of strings",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    ),
+    "id": (
+        "a string or an integer",
+        lambda v: isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)),
+    ),
+    "number": (
+        "a number",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    ),
+    "list": ("a list", lambda v: isinstance(v, list)),
+    "mapping": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def check_kind(value: Any, kind: str, where: str, name: str) -> Any:
+    """``value`` if it is of ``kind`` (a key of the table above); else a DataError naming ``where``/``name``."""
+    desc, ok = _KINDS[kind]
+    if not ok(value):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise DataError(
+            f"{where}: field '{name}' must be {desc}, got {type(value).__name__} {shown}; "
+            "fix the row or map another field (data.fields.*)"
+        )
+    return value
+
+
+def read_jsonl(
+    path: str | Path,
+    required: Iterable[str] = (),
+    kinds: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Read a JSONL file strictly: every non-blank line an object holding the ``required`` fields.
+
+    ``kinds`` maps a field to what it must hold when present: ``text`` (a string), ``texts`` (a string or
+    a list of strings), ``id`` (a string or an integer), ``number``, ``list`` or ``mapping``. A mismatch,
+    bytes that are not UTF-8, or a line that is not a JSON object is a :class:`DataError` naming the
+    file and line.
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist; check the path (data.path=...)")
     required = list(required)
+    kinds = dict(kinds or {})
+    unknown = set(kinds.values()) - set(_KINDS)
+    if unknown:  # a programming error, not a data error
+        raise ValueError(f"unknown field kind(s) {sorted(unknown)}; valid: {sorted(_KINDS)}")
     rows: list[dict[str, Any]] = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object"
-                ) from err
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise DataError(
-                    f"{path}:{lineno}: missing field(s) {missing}; present: {sorted(row)}. "
-                    "Map your field names in the config (e.g. data.fields.article=text)"
-                )
-            rows.append(row)
+    for lineno, line in read_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object"
+            ) from err
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        missing = [k for k in required if k not in row]
+        if missing:
+            raise DataError(
+                f"{path}:{lineno}: missing field(s) {missing}; present: {sorted(row)}. "
+                "Map your field names in the config (e.g. data.fields.article=text)"
+            )
+        for name, kind in kinds.items():
+            if name in row and not (row[name] is None and name not in required):
+                check_kind(row[name], kind, f"{path}:{lineno}", name)
+        rows.append(row)
     if not rows:
         raise DataError(f"data file '{path}' holds no rows")
     return rows
+
+
+def first_of_each_id(
+    items: Iterable[T],
+    id_of: Callable[[T], str],
+    text_of: Callable[[T], Any],
+    what: str,
+    on_conflict: str = "first",
+) -> list[T]:
+    """The first item of each id, in order.
+
+    Exact repeats are dropped and counted. An id that comes back with *other* text is a data problem the
+    user must see: with ``on_conflict="error"`` a :class:`DataError` names it; with ``"first"`` a warning
+    names up to three such ids and the first occurrence is kept.
+    """
+    kept: dict[str, T] = {}
+    conflicts: list[str] = []
+    repeats = 0
+    for item in items:
+        key = id_of(item)
+        if key in kept:
+            repeats += 1
+            if text_of(kept[key]) != text_of(item) and key not in conflicts:
+                conflicts.append(key)
+            continue
+        kept[key] = item
+    if conflicts and on_conflict == "error":
+        raise DataError(
+            f"{what}: id '{conflicts[0]}' appears again with different text ({len(conflicts)} such id(s)); "
+            "give each its own id, or set data.duplicate_ids=first to keep the first of each"
+        )
+    if conflicts:
+        shown = ", ".join(f"'{c}'" for c in conflicts[:3])
+        logger.warning(
+            "%s: %d id(s) appear again with different text (%s%s); kept the first of each",
+            what,
+            len(conflicts),
+            shown,
+            ", ..." if len(conflicts) > 3 else "",
+        )
+    if repeats:
+        logger.info("%s: dropped %d rows with a repeated id (kept the first of each)", what, repeats)
+    return list(kept.values())

@@ -170,6 +170,12 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
             "or use labels.type=rouge"
         )
 
+    if len(fit_pairs) < cfg.calibrator.min_points:  # known before any judging: say it now
+        raise DataError(
+            f"calibrator.min_points={cfg.calibrator.min_points} but the calibration split gives {len(fit_pairs)} "
+            f"labeled pairs ({len(fit_ex)} articles); use more articles (max_fit_articles, data.split.calibration, "
+            "max_pairs_per_article) or lower calibrator.min_points"
+        )
     judge = build_judge(cfg.judge)
     fit_scored = score_pairs(judge, fit_pairs, "judging calibration pairs")
     eval_scored = score_pairs(judge, eval_pairs, "judging test pairs")

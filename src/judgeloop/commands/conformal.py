@@ -185,6 +185,19 @@ class OnlineConfig:
     monitor_window: int = 100
     tolerance: float = 0.05
 
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"online.alpha={self.alpha} must be in (0, 1); e.g. online.alpha=0.1")
+        if self.gamma < 0.0:
+            raise ValueError(f"online.gamma={self.gamma} must be >= 0 (the ACI step size; 0 = window only)")
+        for name in ("window", "monitor_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"online.{name}={getattr(self, name)} must be >= 1")
+        if self.warmup < 1:
+            raise ValueError(f"online.warmup={self.warmup} must be >= 1 (the static quantile needs points)")
+        if not 0.0 <= self.tolerance < 1.0:
+            raise ValueError(f"online.tolerance={self.tolerance} must be in [0, 1)")
+
 
 @dataclass
 class ConformalConfig:
@@ -232,7 +245,7 @@ def load_retrieval_data(data: RetrievalDataConfig) -> tuple[Any, dict[str, dict[
     from judgeloop.retrieval.beir import load_beir
 
     beir = load_beir(data.corpus_path, data.queries_path, data.qrels_path)
-    rows = {str(r["_id"]): r for r in read_jsonl(data.queries_path, required=["_id"])}
+    rows = {str(r["_id"]): r for r in read_jsonl(data.queries_path, required=["_id"], kinds={"_id": "id"})}
     positives = beir.positives()
     qids = sorted(q for q in beir.queries if q in positives)
     if data.max_queries is not None:

@@ -338,7 +338,11 @@ def run(cfg: EvalRaftConfig) -> dict[str, Any]:
     """Evaluate base (and tuned) model; write ``eval_report.json`` / ``.md``; return the report."""
     from judgeloop.models import load_causal_lm, load_tokenizer
 
-    rows = read_jsonl(Path(cfg.data_dir) / f"{cfg.split}.jsonl", required=["messages", "meta"])
+    rows = read_jsonl(
+        Path(cfg.data_dir) / f"{cfg.split}.jsonl",
+        required=["messages", "meta"],
+        kinds={"messages": "list", "meta": "mapping"},
+    )
     if cfg.max_questions is not None:
         rows = rows[: cfg.max_questions]
     tokenizer = load_tokenizer(cfg.base_model)

@@ -71,6 +71,10 @@ class RouterSection:
     def __post_init__(self) -> None:
         if not 0.0 < self.selection_fraction < 1.0:
             raise ValueError(f"router.selection_fraction={self.selection_fraction} must be in (0, 1)")
+        if self.max_retrieval_rate is not None and not 0.0 <= self.max_retrieval_rate <= 1.0:
+            raise ValueError(
+                f"router.max_retrieval_rate={self.max_retrieval_rate} must be in [0, 1] or null (no budget)"
+            )
 
 
 @dataclass

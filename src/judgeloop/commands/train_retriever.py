@@ -97,6 +97,8 @@ class RetrieverDataConfig:
     max_corpus_docs: int | None = None
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1); e.g. 0.2")
         if self.max_corpus_docs is not None and self.max_corpus_docs < 2:
             raise ValueError(
                 f"data.max_corpus_docs={self.max_corpus_docs} must be >= 2 or null (full corpus)"

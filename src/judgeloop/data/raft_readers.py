@@ -18,14 +18,13 @@ of its oracle documents, the answer, and what is known about where the evidence 
 
 from __future__ import annotations
 
-import csv
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from judgeloop.io import DataError, read_jsonl
+from judgeloop.io import DataError, first_of_each_id, read_jsonl
 
 AnswerKind = Literal["yes_no_maybe", "span", "title", "free"]
 
@@ -65,18 +64,33 @@ class ReadResult:
 
 
 def read_pubmedqa(path: str | Path) -> ReadResult:
-    rows = read_jsonl(path, required=["id", "question", "contexts", "long_answer", "final_decision"])
+    rows = read_jsonl(
+        path,
+        required=["id", "question", "contexts", "long_answer", "final_decision"],
+        kinds={
+            "id": "id",
+            "question": "text",
+            "contexts": "texts",
+            "long_answer": "text",
+            "final_decision": "text",
+        },
+    )
     questions: list[RaftQuestion] = []
     corpus: dict[str, RaftDoc] = {}
-    for row in rows:
+    skipped = {"empty_oracle": 0}
+    for row in _unique_rows(rows, "id", "question", path):
         decision = str(row["final_decision"]).strip().lower()
         if decision not in ("yes", "no", "maybe"):
             raise DataError(
                 f"{path}: id {row['id']}: final_decision {row['final_decision']!r} is not yes/no/maybe"
             )
         doc_id = f"pubmed:{row['id']}"
-        contexts = row["contexts"] if isinstance(row["contexts"], list) else [str(row["contexts"])]
-        corpus[doc_id] = RaftDoc(id=doc_id, text=" ".join(str(c).strip() for c in contexts))
+        contexts = [row["contexts"]] if isinstance(row["contexts"], str) else row["contexts"]
+        text = " ".join(c.strip() for c in contexts if c.strip())
+        if not text:  # no abstract to ground the answer in: the question cannot be a RAFT example
+            skipped["empty_oracle"] += 1
+            continue
+        corpus[doc_id] = RaftDoc(id=doc_id, text=text)
         questions.append(
             RaftQuestion(
                 id=str(row["id"]),
@@ -84,18 +98,32 @@ def read_pubmedqa(path: str | Path) -> ReadResult:
                 oracle_ids=[doc_id],
                 answer=decision,
                 kind="yes_no_maybe",
-                long_answer=str(row["long_answer"]).strip(),
+                long_answer=row["long_answer"].strip(),
             )
         )
-    return ReadResult(questions, corpus)
+    return ReadResult(questions, corpus, skipped)
 
 
 def read_squad(path: str | Path) -> ReadResult:
-    rows = read_jsonl(path, required=["id", "title", "paragraph_index", "context", "question", "answers"])
+    rows = read_jsonl(
+        path,
+        required=["id", "title", "paragraph_index", "context", "question", "answers"],
+        kinds={
+            "id": "id",
+            "title": "text",
+            "paragraph_index": "id",
+            "context": "text",
+            "question": "text",
+            "answers": "list",
+        },
+    )
     questions: list[RaftQuestion] = []
     corpus: dict[str, RaftDoc] = {}
-    skipped = {"unanswerable": 0, "answer_not_in_context": 0}
-    for row in rows:
+    skipped = {"unanswerable": 0, "answer_not_in_context": 0, "empty_oracle": 0}
+    for row in _unique_rows(rows, "id", "question", path):
+        if not row["context"].strip():
+            skipped["empty_oracle"] += 1
+            continue
         doc_id = f"{row['title']}#p{row['paragraph_index']}"
         corpus.setdefault(
             doc_id,
@@ -126,8 +154,9 @@ def read_squad(path: str | Path) -> ReadResult:
 
 def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
     root = Path(path)
-    corpus_rows = read_jsonl(root / "corpus.jsonl", required=["_id", "text"])
-    query_rows = read_jsonl(root / f"queries_{split}.jsonl", required=["_id", "text"])
+    kinds = {"_id": "id", "text": "text", "title": "text"}
+    corpus_rows = read_jsonl(root / "corpus.jsonl", required=["_id", "text"], kinds=kinds)
+    query_rows = read_jsonl(root / f"queries_{split}.jsonl", required=["_id", "text"], kinds=kinds)
     qrels_path = root / f"qrels_{split}.tsv"
     if not qrels_path.is_file():
         raise DataError(f"SciFact qrels '{qrels_path}' does not exist; data.path must be the BEIR folder")
@@ -135,18 +164,22 @@ def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
         str(r["_id"]): RaftDoc(id=str(r["_id"]), text=str(r["text"]), title=str(r.get("title", "")))
         for r in corpus_rows
     }
-    positives: dict[str, list[str]] = {}
-    with qrels_path.open() as fh:
-        for rec in csv.DictReader(fh, delimiter="\t"):
-            if int(rec.get("score", 1)) > 0:
-                positives.setdefault(str(rec["query-id"]), []).append(str(rec["corpus-id"]))
+    from judgeloop.retrieval.beir import load_qrels
+
+    positives = {
+        q: [d for d, grade in docs.items() if grade > 0] for q, docs in load_qrels(qrels_path).items()
+    }
     questions: list[RaftQuestion] = []
-    skipped = {"no_evidence": 0}
-    for r in query_rows:
+    skipped = {"no_evidence": 0, "empty_oracle": 0}
+    for r in _unique_rows(query_rows, "_id", "text", root / f"queries_{split}.jsonl"):
         qid = str(r["_id"])
         oracle = [d for d in positives.get(qid, []) if d in corpus]
         if not oracle:
             skipped["no_evidence"] += 1
+            continue
+        oracle = [d for d in oracle if corpus[d].text.strip()]
+        if not oracle:
+            skipped["empty_oracle"] += 1
             continue
         title = corpus[oracle[0]].title or oracle[0]
         questions.append(
@@ -160,16 +193,28 @@ def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
 def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResult:
     """Generic JSONL: ``fields`` maps our names (id, question, oracle, answer, long_answer, topic) to yours."""
     names = {k: fields.get(k, k) for k in ("id", "question", "oracle", "answer", "long_answer", "topic")}
-    rows = read_jsonl(path, required=[names["id"], names["question"], names["oracle"], names["answer"]])
+    rows = read_jsonl(
+        path,
+        required=[names["id"], names["question"], names["oracle"], names["answer"]],
+        kinds={
+            names["id"]: "id",
+            names["question"]: "text",
+            names["oracle"]: "texts",
+            names["answer"]: "text",
+            names["long_answer"]: "text",
+            names["topic"]: "text",
+        },
+    )
     questions: list[RaftQuestion] = []
     corpus: dict[str, RaftDoc] = {}
-    for row in rows:
+    for row in _unique_rows(rows, names["id"], names["question"], path):
         qid = str(row[names["id"]])
         oracles = row[names["oracle"]]
-        oracles = [oracles] if isinstance(oracles, str) else list(oracles)
+        oracles = [o for o in ([oracles] if isinstance(oracles, str) else oracles) if o.strip()]
         if not oracles:
             raise DataError(
-                f"{path}: id {qid}: field '{names['oracle']}' is empty; every question needs an oracle"
+                f"{path}: id {qid}: field '{names['oracle']}' is empty; every question needs an oracle "
+                "document (drop the row or fill the field)"
             )
         topic = row.get(names["topic"])
         ids = []
@@ -196,12 +241,17 @@ def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResul
 
 def read_corpus_jsonl(path: str | Path) -> dict[str, RaftDoc]:
     """Extra distractor documents: JSONL with ``id`` (or ``_id``) and ``text`` (optional ``title``, ``topic``)."""
-    rows = read_jsonl(path)
+    rows = read_jsonl(path, kinds={"id": "id", "_id": "id", "text": "text", "title": "text", "topic": "text"})
     out: dict[str, RaftDoc] = {}
     for lineno, r in enumerate(rows, start=1):
         doc_id = r.get("id", r.get("_id"))
         if doc_id is None or "text" not in r:
             raise DataError(f"{path}:{lineno}: corpus rows need 'id' (or '_id') and 'text'; got {sorted(r)}")
+        if str(doc_id) in out and out[str(doc_id)].text != r["text"]:
+            raise DataError(
+                f"{path}:{lineno}: document id '{doc_id}' appears again with different text; "
+                "corpus ids must be unique"
+            )
         topic = r.get("topic")
         out[str(doc_id)] = RaftDoc(
             id=str(doc_id),
@@ -210,3 +260,8 @@ def read_corpus_jsonl(path: str | Path) -> dict[str, RaftDoc]:
             topic=None if topic is None else str(topic),
         )
     return out
+
+
+def _unique_rows(rows: list[dict], id_key: str, text_key: str, path: str | Path) -> list[dict]:
+    """First row of each id; a repeated id with a different question is named in a warning."""
+    return first_of_each_id(rows, lambda r: str(r[id_key]), lambda r: r[text_key], str(path))

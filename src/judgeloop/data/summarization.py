@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from judgeloop.io import DataError, read_jsonl
+from judgeloop.io import DataError, check_kind, first_of_each_id, read_jsonl
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,6 +88,8 @@ class DataConfig:
     lead_sentences: int = 2
     extractive: Literal["lead", "oracle"] = "lead"
     split: SplitConfig = field(default_factory=SplitConfig)
+    # an id that comes back with another article: keep the first and warn naming it, or stop
+    duplicate_ids: Literal["first", "error"] = "first"
 
     def __post_init__(self) -> None:
         if self.format in ("jsonl", "summeval", "debian", "xsumfaith") and not self.path:
@@ -157,10 +159,8 @@ def _with_extractive(ex: SummExample, cfg: DataConfig) -> SummExample:
     return ex
 
 
-def _check_text(value: Any, what: str, where: str) -> str:
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field '{what}' must be a string, got {type(value).__name__}")
-    return value
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _load_embedded(cfg: DataConfig) -> list[SummExample]:
@@ -191,45 +191,39 @@ def _load_jsonl(cfg: DataConfig) -> list[SummExample]:
         raise DataError(
             f"data.fields has unknown entries {sorted(unknown)}; valid: id, article, references, summary, extractive"
         )
-    rows = read_jsonl(str(cfg.path), required=[f["article"]])
+    kinds = {f["id"]: "id", f["article"]: "text", f["references"]: "texts", f["summary"]: "text"}
+    rows = read_jsonl(str(cfg.path), required=[f["article"]], kinds={**kinds, f["extractive"]: "texts"})
     out = []
     for i, row in enumerate(rows):
-        where = f"{cfg.path} row {i + 1}"
-        refs: list[str] = []
         if f["references"] in row:
-            value = row[f["references"]]
-            refs = (
-                [value] if isinstance(value, str) else [_check_text(v, f["references"], where) for v in value]
-            )
+            refs = _as_list(row[f["references"]])
         elif f["summary"] in row:
-            refs = [_check_text(row[f["summary"]], f["summary"], where)]
+            refs = [row[f["summary"]]]
         else:
             raise DataError(
-                f"{where}: no reference field ('{f['references']}' or '{f['summary']}'); "
+                f"{cfg.path} row {i + 1}: no reference field ('{f['references']}' or '{f['summary']}'); "
                 "set data.fields.references=NAME or data.fields.summary=NAME"
             )
         references = {"neutral": refs}
         if f["extractive"] in row:
-            value = row[f["extractive"]]
-            references["extractive"] = [value] if isinstance(value, str) else list(value)
-        out.append(
-            SummExample(
-                id=str(row.get(f["id"], i)),
-                article=_check_text(row[f["article"]], f["article"], where),
-                references=references,
-            )
-        )
+            references["extractive"] = _as_list(row[f["extractive"]])
+        out.append(SummExample(id=str(row.get(f["id"], i)), article=row[f["article"]], references=references))
     return out
 
 
 def _load_summeval(cfg: DataConfig) -> list[SummExample]:
-    rows = read_jsonl(str(cfg.path), required=["id", "article", "references", "summaries"])
+    rows = read_jsonl(
+        str(cfg.path),
+        required=["id", "article", "references", "summaries"],
+        kinds={"id": "id", "article": "text", "references": "texts", "summaries": "list"},
+    )
     out = []
     for row in rows:
         cands = []
         for s in row["summaries"]:
-            if "text" not in s:
+            if not isinstance(s, dict) or "text" not in s:
                 raise DataError(f"{cfg.path}: article {row['id']} has a summary without 'text'")
+            check_kind(s["text"], "text", f"{cfg.path}: article {row['id']}", "summaries[].text")
             ratings = {f"expert_{k}": float(v) for k, v in (s.get("expert") or {}).items()}
             ratings.update({f"turker_{k}": float(v) for k, v in (s.get("turker") or {}).items()})
             cands.append(Candidate(text=s["text"], system=str(s.get("system", "")), ratings=ratings))
@@ -237,7 +231,7 @@ def _load_summeval(cfg: DataConfig) -> list[SummExample]:
             SummExample(
                 id=str(row["id"]),
                 article=row["article"],
-                references={"neutral": list(row["references"])},
+                references={"neutral": _as_list(row["references"])},
                 candidates=cands,
             )
         )
@@ -245,7 +239,11 @@ def _load_summeval(cfg: DataConfig) -> list[SummExample]:
 
 
 def _load_debian(cfg: DataConfig) -> list[SummExample]:
-    rows = read_jsonl(str(cfg.path), required=["id", "article", "summary"])
+    rows = read_jsonl(
+        str(cfg.path),
+        required=["id", "article", "summary"],
+        kinds={"id": "id", "article": "text", "summary": "text", "section": "text"},
+    )
     return [
         SummExample(
             id=str(r["id"]),
@@ -258,7 +256,11 @@ def _load_debian(cfg: DataConfig) -> list[SummExample]:
 
 
 def _load_xsumfaith(cfg: DataConfig) -> list[SummExample]:
-    rows = read_jsonl(str(cfg.path), required=["id", "article", "summary", "label"])
+    rows = read_jsonl(
+        str(cfg.path),
+        required=["id", "article", "summary", "label"],
+        kinds={"id": "id", "article": "text", "summary": "text", "label": "number"},
+    )
     # XSumFaith has no reference summary: the faithful system summary is the best stand-in we have, and the
     # faithfulness label rides along as a rating of that candidate.
     out = []
@@ -322,24 +324,19 @@ LOADERS: dict[str, Callable[[DataConfig], list[SummExample]]] = {
 def load_examples(cfg: DataConfig) -> list[SummExample]:
     """Load, validate and de-duplicate examples; compute extractive references when absent.
 
-    Duplicate ids keep their first occurrence (the count is logged); empty articles raise.
+    Repeated ids keep their first occurrence (the count is logged); an id repeated with another article is
+    named in a warning, or raises under ``data.duplicate_ids=error``; empty articles raise.
     """
     examples = LOADERS[cfg.format](cfg)
-    seen: set[str] = set()
-    unique: list[SummExample] = []
-    for ex in examples:
-        if ex.id in seen:
-            continue
-        seen.add(ex.id)
+    where = cfg.path or cfg.name or cfg.format
+    unique = first_of_each_id(
+        examples, lambda ex: ex.id, lambda ex: ex.article, str(where), cfg.duplicate_ids
+    )
+    for ex in unique:
         if not ex.article.strip():
             raise DataError(
                 f"article '{ex.id}' is empty; remove it from the data or fix the article field mapping"
             )
-        unique.append(ex)
-    if len(unique) < len(examples):
-        logger.info(
-            "dropped %d rows with a duplicate id (kept the first of each)", len(examples) - len(unique)
-        )
     if cfg.max_articles is not None:
         unique = unique[: cfg.max_articles]
     return [_with_extractive(ex, cfg) for ex in unique]

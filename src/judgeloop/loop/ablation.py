@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from judgeloop.calibration import CalibrationError
-from judgeloop.config import config_changes, replace, to_yaml
+from judgeloop.config import config_changes, default_dict, replace, to_yaml
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -130,9 +130,8 @@ def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
         return "todo", []
     saved = result_key(yaml.safe_load((folder / "config.yaml").read_text()) or {})
     new = result_key(yaml.safe_load(to_yaml(job_cfg)))
-    if saved == new:
-        return "done", []
-    return "changed", config_changes(saved, new)
+    changes = config_changes(saved, new, defaults=default_dict(type(job_cfg)))
+    return ("changed", changes) if changes else ("done", [])
 
 
 def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
@@ -224,9 +223,14 @@ def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, A
     if job is not None:
         arm, seed = parse_job(job, cfg)
         return run_job(cfg, arm, seed)
-    from judgeloop.loop.runner import check_models
+    from judgeloop.loop.recalibration import check_calibration_budget
+    from judgeloop.loop.runner import check_models, load_splits
 
-    check_models(cfg)  # once, before any job starts
+    check_models(cfg)  # once, before any job starts: models, then data against every arm's fit
+    calibration_ids = [e.id for e in load_splits(cfg).calibration]
+    for arm in cfg.ablation.arms:
+        for seed in cfg.ablation.seeds:
+            check_calibration_budget(arm_config(cfg, arm, seed).calibration, calibration_ids, seed)
     grid = jobs(cfg)
     n = cfg.ablation.num_workers or default_workers(cfg, len(grid))
     run_jobs(cfg, grid, n)

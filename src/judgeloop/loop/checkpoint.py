@@ -75,21 +75,42 @@ def save_checkpoint(
 
 
 def remove_orphans(out_dir: str | Path) -> list[Path]:
-    """Remove temporary checkpoint folders a killed write left behind (``.NAME.*.tmp``, ``.NAME.old``)."""
+    """Clean up after a checkpoint write that was killed; returns what was removed or restored.
+
+    ``.NAME.*.tmp`` folders are half-written and removed. ``.NAME.old`` is the previous copy of a folder
+    being replaced (:func:`judgeloop.io.atomic_dir`): it is removed when ``NAME`` exists, and moved
+    back to ``NAME`` when the kill came between the two renames, so no finished checkpoint is lost.
+    """
+    import os
     import shutil
 
     out_dir = Path(out_dir)
     found: list[Path] = []
     for folder in (out_dir / "checkpoints", out_dir):
-        if folder.is_dir():
-            found += [p for p in folder.glob(".*.tmp") if p.is_dir()]
-            found += [p for p in folder.glob(".*.old") if p.is_dir()]
-    for p in found:
-        shutil.rmtree(p, ignore_errors=True)
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.glob(".*.old")):
+            if not p.is_dir():
+                continue
+            target = p.with_name(p.name[1 : -len(".old")])
+            if target.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.replace(p, target)
+            found.append(p)
+        for p in sorted(folder.glob(".*.tmp")):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                found.append(p)
     return found
 
 
-def checked_resume(cfg_yaml: str, resume_from: str | Path, free_keys: tuple[str, ...]) -> int:
+def checked_resume(
+    cfg_yaml: str,
+    resume_from: str | Path,
+    free_keys: tuple[str, ...],
+    defaults: dict[str, Any] | None = None,
+) -> int:
     """Check ``resume_from`` before any work: a checkpoint folder, made with a config whose every key that
     can change the run equals the new one's. Returns the checkpoint's step.
 
@@ -111,7 +132,7 @@ def checked_resume(cfg_yaml: str, resume_from: str | Path, free_keys: tuple[str,
         return step  # a checkpoint from before configs were stored in it: nothing to compare
     saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
     new = yaml.safe_load(cfg_yaml) or {}
-    changes = config_changes(saved, new, free_keys)
+    changes = config_changes(saved, new, free_keys, defaults=defaults)
     if changes:
         raise ConfigError(
             f"resume_from={path} was made with another config; these keys would change the run: "

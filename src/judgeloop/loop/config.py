@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.judges import JudgeConfig
@@ -233,13 +233,14 @@ class AblationConfig:
             raise ValueError(f"ablation.arms has unknown arm(s) {bad}; choose from {list(ARMS)}")
         if not self.arms or not self.seeds:
             raise ValueError("ablation.arms and ablation.seeds must not be empty")
-        dup_arms = sorted({a for a in self.arms if self.arms.count(a) > 1})
-        dup_seeds = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
-        if dup_arms or dup_seeds:
-            raise ValueError(
-                f"ablation lists arm(s) {dup_arms} / seed(s) {dup_seeds} more than once; a repeated run would "
-                "count as an independent one and fake a confidence interval. List each once"
-            )
+        named: tuple[tuple[str, list[Any]], ...] = (("arms", list(self.arms)), ("seeds", list(self.seeds)))
+        for key, values in named:
+            dups = sorted({v for v in values if values.count(v) > 1}, key=str)
+            if dups:
+                raise ValueError(
+                    f"ablation.{key}={list(values)} lists {', '.join(map(str, dups))} more than once; a repeated "
+                    "run would count as an independent one and fake a confidence interval. List each once"
+                )
         if self.baseline not in self.arms:
             raise ValueError(
                 f"ablation.baseline={self.baseline!r} is not among ablation.arms {self.arms}; add it or pick one"

@@ -22,6 +22,7 @@ from judgeloop.calibration import (
     pair_features,
     rouge_label,
 )
+from judgeloop.config import ConfigError
 from judgeloop.data import LeakageError, SummExample, check_disjoint
 from judgeloop.judges import Judge, references_for
 from judgeloop.loop.config import LoopCalibrationConfig
@@ -48,6 +49,26 @@ def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
 
 def needs_fit(cfg: LoopCalibrationConfig) -> bool:
     return cfg.method not in ("raw", "oracle")
+
+
+def check_calibration_budget(cfg: LoopCalibrationConfig, calibration_ids: Sequence[str], seed: int) -> None:
+    """Refuse, before any model loads, a fit that could never get ``min_points`` pairs.
+
+    The most pairs the fit side can ever hold: every round's articles that are not held out, times
+    ``pairs_per_article``, with no ties at all. When even that is below ``min_points``, the run would fail
+    after the policy had sampled every round; this says so first, with the numbers.
+    """
+    if not needs_fit(cfg):
+        return
+    fit_side = int((~holdout_mask(calibration_ids, cfg.holdout_fraction, seed)).sum())
+    reachable = min(fit_side, cfg.num_articles * (cfg.extra_rounds + 1)) * cfg.pairs_per_article
+    if reachable < cfg.min_points:
+        raise ConfigError(
+            f"calibration.min_points={cfg.min_points} can never be reached: at most {reachable} fit pairs "
+            f"(min({fit_side} calibration articles not held out, num_articles={cfg.num_articles} x "
+            f"{cfg.extra_rounds + 1} rounds) x pairs_per_article={cfg.pairs_per_article}); raise "
+            "calibration.num_articles, extra_rounds or pairs_per_article, use more data, or lower min_points"
+        )
 
 
 def build_training_judge(cfg: LoopCalibrationConfig, judge: Judge) -> Judge:
@@ -183,7 +204,10 @@ def ece_intervals(
         y = ya[idx].ravel()
         aft[b] = ece(pa[idx].ravel(), y, n_bins=n_bins)
         bef[b] = ece(pb[idx].ravel(), y, n_bins=n_bins) if pb is not None else np.nan
-    q = lambda x: [float(v) for v in np.percentile(x, [2.5, 97.5])]  # noqa: E731
+
+    def q(x: np.ndarray) -> list[float | None]:
+        return [float(v) for v in np.percentile(x, [2.5, 97.5])]
+
     out = dict(none)
     out["ece_after_ci95"] = q(aft)
     if pb is not None:
@@ -209,6 +233,12 @@ class RefitRecord:
     ece_after_ci95: list[float | None] = field(default_factory=lambda: [None, None])
     ece_delta_ci95: list[float | None] = field(default_factory=lambda: [None, None])
     kept_previous: bool = False
+
+    def set_intervals(self, ci: dict[str, list[float | None]]) -> None:
+        """Take the intervals of :func:`ece_intervals`."""
+        self.ece_before_ci95 = ci["ece_before_ci95"]
+        self.ece_after_ci95 = ci["ece_after_ci95"]
+        self.ece_delta_ci95 = ci["ece_delta_ci95"]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -280,7 +310,7 @@ def refit(
             step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err)
         )
     after = pair_ece(new, hold_pairs, cfg.n_bins)
-    cis = ece_intervals(
+    ci = ece_intervals(
         None if first_fit else calibrator, new, hold_pairs, cfg.n_bins, cfg.ece_bootstrap, seed + step
     )
     worse = not first_fit and np.isfinite(before) and np.isfinite(after) and after > before
@@ -288,7 +318,10 @@ def refit(
     accept = "always" if cfg.method == "style_residual" else cfg.refit_accept
     if worse and accept == "better":
         msg = f"held-out ECE worse ({before:.4f} -> {after:.4f}); kept the previous calibrator"
-        rec = RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, False, msg, **cis)
+        rec = RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, False, msg)
+        rec.set_intervals(ci)
         rec.kept_previous = True
         return calibrator, rec
-    return new, RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True, **cis)
+    rec = RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True)
+    rec.set_intervals(ci)
+    return new, rec

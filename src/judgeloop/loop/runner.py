@@ -29,7 +29,7 @@ from accelerate.utils import gather_object
 
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
-from judgeloop.config import to_yaml
+from judgeloop.config import check_output_places, default_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, references_for
@@ -65,6 +65,7 @@ from judgeloop.loop.recalibration import (
     build_calibrator,
     build_training_judge,
     calibrate,
+    check_calibration_budget,
     check_calibration_disjoint,
     holdout_mask,
     judge_coupling,
@@ -681,23 +682,6 @@ def initial_calibration_pairs(
     return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))
 
 
-def check_output_dir(out_dir: Path) -> None:
-    """``output_dir`` must be a folder this process can write (checked before any work)."""
-    import os
-
-    from judgeloop.config import ConfigError
-
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"output_dir={out_dir} is a file; point output_dir at a folder")
-    probe = out_dir
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"output_dir={out_dir} cannot be written ({probe} is not writable); choose another folder"
-        )
-
-
 def check_models(cfg: FeedbackLoopConfig) -> None:
     """Every model the config names resolves (before data or weights load); a ConfigError names the key."""
     from judgeloop.config import ConfigError
@@ -719,7 +703,7 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     """
     out_dir = Path(cfg.output_dir)
     # checked before any work: the output folder can be written, the models the config names resolve
-    check_output_dir(out_dir)
+    check_output_places(cfg)
     check_models(cfg)
     accelerator = Accelerator(
         cpu=cfg.cpu,
@@ -754,10 +738,15 @@ def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
 
 def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
     # a resume is checked before any work too: a checkpoint, made with the same run-changing settings
-    ckpt_step = checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS) if cfg.resume_from else None
+    ckpt_step = (
+        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)))
+        if cfg.resume_from
+        else None
+    )
     if accelerator.is_main_process:
         for orphan in remove_orphans(out_dir):
-            logger.info("removed %s, a temporary folder left by a killed checkpoint write", orphan)
+            what = "restored" if orphan.name.endswith(".old") and not orphan.exists() else "removed"
+            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
         if ckpt_step is not None:
             dropped = truncate_jsonl_log(out_dir / "metrics.jsonl", ckpt_step)
             if dropped:
@@ -770,6 +759,7 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
     np.random.seed(cfg.seed)
 
     splits = load_splits(cfg)
+    check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
     tokenizer = load_tokenizer(cfg.policy.model)
     build_prompt = PromptBuilder(tokenizer, cfg.policy)
     sft = (

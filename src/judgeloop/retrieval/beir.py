@@ -8,14 +8,13 @@ other parts (miners, metrics, RAFT data builders, conformal retrieval) can share
 
 from __future__ import annotations
 
-import csv
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from judgeloop.data.splits import LeakageError, hash_unit
-from judgeloop.io import DataError, read_jsonl
+from judgeloop.io import DataError, read_jsonl, read_lines
 
 __all__ = [
     "BeirData",
@@ -69,9 +68,12 @@ def doc_text(doc: Mapping[str, str], sep: str = " ") -> str:
     return f"{title}{sep}{text}" if title else text
 
 
+_BEIR_KINDS = {"_id": "id", "text": "text", "title": "text"}
+
+
 def _read_corpus(path: str | Path) -> dict[str, dict[str, str]]:
     corpus: dict[str, dict[str, str]] = {}
-    for i, row in enumerate(read_jsonl(path, required=["_id", "text"]), start=1):
+    for i, row in enumerate(read_jsonl(path, required=["_id", "text"], kinds=_BEIR_KINDS), start=1):
         doc_id = str(row["_id"])
         if doc_id in corpus:
             raise DataError(f"{path}: duplicate corpus _id '{doc_id}' (row {i}); corpus ids must be unique")
@@ -81,7 +83,7 @@ def _read_corpus(path: str | Path) -> dict[str, dict[str, str]]:
 
 def _read_queries(path: str | Path) -> dict[str, str]:
     queries: dict[str, str] = {}
-    for i, row in enumerate(read_jsonl(path, required=["_id", "text"]), start=1):
+    for i, row in enumerate(read_jsonl(path, required=["_id", "text"], kinds=_BEIR_KINDS), start=1):
         qid = str(row["_id"])
         if qid in queries:
             raise DataError(f"{path}: duplicate query _id '{qid}' (row {i}); query ids must be unique")
@@ -95,22 +97,21 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
     if not path.is_file():
         raise DataError(f"qrels file '{path}' does not exist; check data.*.qrels_path")
     qrels: dict[str, dict[str, int]] = {}
-    with path.open(newline="") as fh:
-        reader = csv.reader(fh, delimiter="\t")
-        for lineno, row in enumerate(reader, start=1):
-            if not row or not "".join(row).strip():
-                continue
-            if lineno == 1 and row[0].strip().lower() in ("query-id", "query_id", "qid"):
-                continue
-            if len(row) < 3:
-                raise DataError(
-                    f"{path}:{lineno}: expected 3 tab-separated columns (query-id, corpus-id, score), got {row!r}"
-                )
-            try:
-                grade = int(float(row[2]))
-            except ValueError as err:
-                raise DataError(f"{path}:{lineno}: score {row[2]!r} is not a number") from err
-            qrels.setdefault(row[0].strip(), {})[row[1].strip()] = grade
+    for lineno, line in read_lines(path):
+        row = line.rstrip("\r\n").split("\t")
+        if not "".join(row).strip():
+            continue
+        if lineno == 1 and row[0].strip().lower() in ("query-id", "query_id", "qid"):
+            continue
+        if len(row) < 3:
+            raise DataError(
+                f"{path}:{lineno}: expected 3 tab-separated columns (query-id, corpus-id, score), got {row!r}"
+            )
+        try:
+            grade = int(float(row[2]))
+        except ValueError as err:
+            raise DataError(f"{path}:{lineno}: score {row[2]!r} is not a number") from err
+        qrels.setdefault(row[0].strip(), {})[row[1].strip()] = grade
     if not qrels:
         raise DataError(f"qrels file '{path}' holds no judgements")
     return qrels
@@ -157,7 +158,8 @@ def load_pairs(
     Ids are derived from a hash of the text, so identical queries (or passages) share one id and a query
     with several positives gets several qrels. The corpus is the set of distinct positive passages.
     """
-    rows = read_jsonl(path, required=[query_field, positive_field])
+    kinds = {query_field: "text", positive_field: "text", **({title_field: "text"} if title_field else {})}
+    rows = read_jsonl(path, required=[query_field, positive_field], kinds=kinds)
     data = BeirData(corpus={}, queries={}, qrels={})
     for row in rows:
         query, passage = str(row[query_field]), str(row[positive_field])

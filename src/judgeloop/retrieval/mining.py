@@ -213,7 +213,10 @@ def save_negatives(path: str | Path, negatives: Mapping[str, Sequence[tuple[str,
 def load_negatives(path: str | Path) -> Negatives:
     """Read a file written by :func:`save_negatives`."""
     out: Negatives = {}
-    for i, row in enumerate(read_jsonl(path, required=["query_id", "negatives"]), start=1):
+    for i, row in enumerate(
+        read_jsonl(path, required=["query_id", "negatives"], kinds={"query_id": "id", "negatives": "list"}),
+        start=1,
+    ):
         try:
             out[str(row["query_id"])] = [(str(n["doc_id"]), float(n["score"])) for n in row["negatives"]]
         except (KeyError, TypeError, ValueError) as err:

@@ -28,7 +28,11 @@ def read_squad2(path: str | Path, answerable_only: bool = True) -> list[QAExampl
         answerable_only: drop unanswerable questions (their gold is the empty answer, which a
             generative model rarely produces; keep them to measure abstention).
     """
-    rows = read_jsonl(path, required=["id", "question", "context", "answers", "is_impossible"])
+    rows = read_jsonl(
+        path,
+        required=["id", "question", "context", "answers", "is_impossible"],
+        kinds={"id": "id", "question": "text", "context": "text", "answers": "texts"},
+    )
     out = []
     for r in rows:
         if answerable_only and r["is_impossible"]:
@@ -48,7 +52,11 @@ def read_pubmedqa(path: str | Path) -> list[QAExample]:
     The passage pool is the union of all abstracts' context paragraphs (one passage per abstract,
     paragraphs joined), so retrieval has to find the right abstract among all questions' abstracts.
     """
-    rows = read_jsonl(path, required=["id", "question", "contexts", "final_decision"])
+    rows = read_jsonl(
+        path,
+        required=["id", "question", "contexts", "final_decision"],
+        kinds={"id": "id", "question": "text", "contexts": "texts", "final_decision": "text"},
+    )
     out = []
     for r in rows:
         decision = str(r["final_decision"]).strip().lower()
@@ -57,7 +65,12 @@ def read_pubmedqa(path: str | Path) -> list[QAExample]:
                 f"{path}: question '{r['id']}' has final_decision={decision!r}; expected yes/no/maybe"
             )
         out.append(
-            QAExample(str(r["id"]), str(r["question"]), [decision], [" ".join(map(str, r["contexts"]))])
+            QAExample(
+                str(r["id"]),
+                str(r["question"]),
+                [decision],
+                [" ".join([r["contexts"]] if isinstance(r["contexts"], str) else r["contexts"])],
+            )
         )
     return out
 
