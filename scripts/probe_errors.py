@@ -1,0 +1,264 @@
+"""Try the bad inputs a hostile but fair new user tries, and print what each one gets.
+
+    .venv/bin/python scripts/probe_errors.py [--out docs/errors.md]
+
+Each case runs one ``judgeloop`` command in this process (``judgeloop.cli.main``) on inputs built in a
+temporary folder, and records its exit status, the seconds until it stopped, and the first line it
+wrote to stderr. A case passes when the exit status is 2 and that line names the value (the check
+column). Needs no shared data and no model downloads; the one real run (a tiny-config checkpoint to
+resume from) takes about 20 s on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "feedback_loop" / "tiny.yaml")
+QUICK = [
+    "judge.model=judgeloop-tiny/encoder",
+    "policy.sft_steps=20",
+    "num_steps=2",
+    "save_every_n_steps=1",
+    "calibration.min_points=4",
+    "num_eval_articles=2",
+    "num_validation_articles=2",
+    "data.embedded_size=120",
+    "generation.max_new_tokens=4",
+    "progress_bar=false",
+    "log_with=[jsonl]",
+]
+
+
+def run_cli(argv: list[str]) -> tuple[int, float, str]:
+    from judgeloop.cli import main
+
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse
+            rc = int(exc.code or 0)
+        except Exception as exc:  # a traceback is what the probe is for: record it, go on
+            rc = -1
+            err.write(f"TRACEBACK {type(exc).__name__}: {exc}\n")
+    lines = [line for line in err.getvalue().splitlines() if line.strip() and " INFO " not in line]
+    return rc, time.perf_counter() - t0, (lines[0] if lines else "")
+
+
+def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
+    """(case, argv builder, text the first error line must hold)."""
+
+    def write(name: str, data: bytes | str) -> Path:
+        path = tmp / name
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+        return path
+
+    def jsonl(name: str, rows: list[dict]) -> Path:
+        return write(name, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def resume_changed() -> list[str]:
+        out = tmp / "resume_run"
+        run_cli(["train", "--config", TINY, *QUICK, f"output_dir={out}"])
+        ckpt = out / "checkpoints" / "step_1"
+        return [
+            "train",
+            "--config",
+            TINY,
+            *QUICK,
+            f"output_dir={out}",
+            f"resume_from={ckpt}",
+            "loss.kl_coef=0.5",
+        ]
+
+    good = {"id": "a", "article": "An article about a thing. It has two sentences.", "summary": "A thing."}
+    LATIN1_ROW = json.dumps(good).encode().replace(b"thing.", b"th\xe9me.") + b"\n"  # noqa: N806
+    return [
+        ("resume with a changed loss.kl_coef", resume_changed, "loss.kl_coef: 0.1 -> 0.5"),
+        (
+            "ablation.seeds=[0,0]",
+            lambda: ["ablate", "--config", TINY, "ablation.seeds=[0,0]"],
+            "ablation.seeds=[0, 0] lists 0 more than once",
+        ),
+        (
+            "an unknown policy.model, offline",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                f"output_dir={tmp / 'm'}",
+                "policy.model=no-such-org/no-such-model",
+            ],
+            "policy.model",
+        ),
+        (
+            "resume_from a folder that is no checkpoint",
+            lambda: ["train", "--config", TINY, f"output_dir={tmp / 'r'}", f"resume_from={tmp}"],
+            f"resume_from={tmp} is not a checkpoint directory",
+        ),
+        (
+            "online.alpha=1.5 (conformal)",
+            lambda: [
+                "conformal",
+                "--config",
+                str(ROOT / "configs/conformal/scifact.yaml"),
+                "online.alpha=1.5",
+            ],
+            "online.alpha=1.5",
+        ),
+        (
+            "router.max_retrieval_rate=1.5 (route)",
+            lambda: [
+                "route",
+                "--config",
+                str(ROOT / "configs/routing/squad2.yaml"),
+                "router.max_retrieval_rate=1.5",
+            ],
+            "router.max_retrieval_rate=1.5",
+        ),
+        (
+            "data.eval_fraction=0 (train-retriever)",
+            lambda: [
+                "train-retriever",
+                "--config",
+                str(ROOT / "configs/retriever/scifact.yaml"),
+                "data.eval_fraction=0",
+            ],
+            "data.eval_fraction=0.0",
+        ),
+        (
+            "calibration.min_points no fit can reach (train)",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                f"output_dir={tmp / 'mp'}",
+                "calibration.method=platt",
+                "calibration.num_articles=4",
+                "calibration.extra_rounds=0",
+                "calibration.min_points=500",
+            ],
+            "calibration.min_points=500 can never be reached",
+        ),
+        (
+            "calibrator.min_points above the labeled pairs (calibrate)",
+            lambda: [
+                "calibrate",
+                "--config",
+                str(ROOT / "configs/calibrate/embedded_embedding.yaml"),
+                f"output_dir={tmp / 'cal'}",
+                "calibrator.min_points=100000",
+            ],
+            "calibrator.min_points=100000",
+        ),
+        (
+            "output_dir is a file",
+            lambda: ["train", "--config", TINY, f"output_dir={write('a_file', 'x')}"],
+            "is a file",
+        ),
+        (
+            "output_path is a folder (mine-negatives)",
+            lambda: [
+                "mine-negatives",
+                "--config",
+                str(write("mine.yaml", f"output_path: {tmp}\n")),
+            ],
+            "is a folder",
+        ),
+        (
+            "a latin-1 byte in a JSONL data file",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                f"output_dir={tmp / 'enc'}",
+                "data.format=jsonl",
+                f"data.path={write('latin1.jsonl', LATIN1_ROW)}",
+            ],
+            "is not UTF-8",
+        ),
+        (
+            "a number where text belongs (debian)",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                f"output_dir={tmp / 'num'}",
+                "data.format=debian",
+                f"data.path={jsonl('num.jsonl', [good, {**good, 'id': 'b', 'summary': 7}])}",
+            ],
+            "field 'summary' must be a string",
+        ),
+        (
+            "an empty oracle in RAFT input (build-raft)",
+            lambda: [
+                "build-raft",
+                "--config",
+                str(ROOT / "configs/raft/squad.yaml"),
+                f"output_dir={tmp / 'raft'}",
+                "data.format=jsonl",
+                f"data.path={jsonl('raft.jsonl', [{'id': 'q1', 'question': 'Q?', 'oracle': '', 'answer': 'A'}])}",
+            ],
+            "id q1: field 'oracle' is empty",
+        ),
+        (
+            "an id repeated with another article (duplicate_ids=error)",
+            lambda: [
+                "calibrate",
+                "--config",
+                str(ROOT / "configs/calibrate/embedded_embedding.yaml"),
+                f"output_dir={tmp / 'dup'}",
+                "data.format=debian",
+                "data.duplicate_ids=error",
+                f"data.path={jsonl('dup.jsonl', [good, {**good, 'article': 'Another text.'}])}",
+            ],
+            "id 'a' appears again with different text",
+        ),
+        (
+            "an empty config file",
+            lambda: ["calibrate", "--config", str(write("empty.yaml", "# to do\n"))],
+            "is empty",
+        ),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args()
+    logging.getLogger("judgeloop").setLevel(logging.WARNING)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for name, build, expect in cases(tmp):
+            argv = build()
+            rc, secs, line = run_cli(argv)
+            ok = rc == 2 and expect in line
+            rows.append((name, rc, secs, line.replace(str(tmp), "TMP"), ok))
+            print(f"{'ok ' if ok else 'BAD'} {name}: rc={rc} {secs:.1f}s {line[:160]}", file=sys.stderr)
+    table = ["| case | exit | seconds | first line of stderr | check |", "|---|---|---|---|---|"]
+    table += [
+        f"| {n} | {rc} | {s:.1f} | `{line.replace('|', '/')}` | {'ok' if ok else 'FAILED'} |"
+        for n, rc, s, line, ok in rows
+    ]
+    text = "\n".join(table) + "\n"
+    sys.stdout.write(text)
+    if args.out:
+        from judgeloop.io import atomic_write_text
+
+        atomic_write_text(args.out, text)
+    return 0 if all(r[-1] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
