@@ -36,13 +36,13 @@ def _summ(fmt: str):
 
 
 def _raft(name: str):
-    from judgeloop.data import raft_readers
+    from judgeloop.raft import readers as raft_readers
 
     return lambda p: getattr(raft_readers, name)(p)
 
 
 def _raft_generic(p: Path):
-    from judgeloop.data.raft_readers import read_generic_jsonl
+    from judgeloop.raft.readers import read_generic_jsonl
 
     return read_generic_jsonl(p, {})
 
@@ -179,7 +179,7 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 def test_empty_oracle_contexts_are_skipped_and_counted(tmp_path):
-    from judgeloop.data.raft_readers import read_pubmedqa, read_squad
+    from judgeloop.raft.readers import read_pubmedqa, read_squad
 
     row, _, _ = LOADERS["pubmedqa"]
     res = read_pubmedqa(_jsonl(tmp_path / "p.jsonl", [row, {**row, "id": "2", "contexts": ["", "  "]}]))
@@ -192,7 +192,7 @@ def test_empty_oracle_contexts_are_skipped_and_counted(tmp_path):
 
 
 def test_an_empty_oracle_in_generic_raft_input_names_the_question(tmp_path):
-    from judgeloop.data.raft_readers import read_generic_jsonl
+    from judgeloop.raft.readers import read_generic_jsonl
 
     row, _, _ = LOADERS["raft_jsonl"]
     path = _jsonl(tmp_path / "r.jsonl", [row, {**row, "id": "q7", "oracle": [""]}])
@@ -226,7 +226,7 @@ def test_a_duplicate_id_with_other_text_is_named(tmp_path, caplog):
 
 
 def test_a_duplicate_corpus_id_with_other_text_is_an_error(tmp_path):
-    from judgeloop.data.raft_readers import read_corpus_jsonl
+    from judgeloop.raft.readers import read_corpus_jsonl
 
     path = _jsonl(tmp_path / "c.jsonl", [{"id": "d", "text": "One."}, {"id": "d", "text": "Two."}])
     with pytest.raises(DataError, match=rf"^{path}:2: document id 'd' appears again with different text"):

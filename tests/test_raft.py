@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from judgeloop.config import ConfigError, load_config
-from judgeloop.data.chunking import ChunkConfig, chunk_text
-from judgeloop.data.raft import (
+from judgeloop.raft.chunking import ChunkConfig, chunk_text
+from judgeloop.raft.builder import (
     BuildRaftConfig,
     DistractorConfig,
     RaftDataConfig,
@@ -26,7 +26,7 @@ from judgeloop.data.raft import (
     save_raft,
     select_quotes,
 )
-from judgeloop.data.raft_readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
+from judgeloop.raft.readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
 from judgeloop.data.splits import LeakageError
 from judgeloop.models import load_tokenizer
 

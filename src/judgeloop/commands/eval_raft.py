@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from judgeloop.data.raft import (
+from judgeloop.io import atomic_write_json, atomic_write_text, read_jsonl
+from judgeloop.logging import get_logger
+from judgeloop.metrics.qa import exact_match, token_f1
+from judgeloop.raft.builder import (
     ANSWER_MARKER,
     extract_quotes,
     parse_answer,
     quotes_are_verbatim,
     render_messages,
 )
-from judgeloop.io import atomic_write_json, atomic_write_text, read_jsonl
-from judgeloop.logging import get_logger
-from judgeloop.metrics.qa import exact_match, token_f1
 
 logger = get_logger(__name__)
 

@@ -17,15 +17,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.commands.conformal import (
-    EncoderConfig,
-    RetrievalDataConfig,
-    bm25_topk,
-    build_bm25,
-    load_retrieval_data,
-    retrieve_dense,
-)
 from judgeloop.logging import get_logger
+from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
+from judgeloop.retrieval.dense import EncoderConfig, RetrievalDataConfig, load_retrieval_data, retrieve_dense
 
 logger = get_logger(__name__)
 

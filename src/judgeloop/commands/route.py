@@ -17,15 +17,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.commands.conformal import (
-    EncoderConfig,
-    bm25_topk,
-    build_bm25,
-    dense_topk,
-    encode_cached,
-    encode_texts,
-)
 from judgeloop.logging import get_logger
+from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
+from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_cached, encode_texts
 
 logger = get_logger(__name__)
 

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from judgeloop.data.chunking import Chunk, ChunkConfig, chunk_text
-from judgeloop.data.raft_readers import (
+from judgeloop.data.splits import LeakageError, hash_unit
+from judgeloop.logging import get_logger
+from judgeloop.raft.chunking import Chunk, ChunkConfig, chunk_text
+from judgeloop.raft.readers import (
     RaftDoc,
     RaftQuestion,
     ReadResult,
@@ -46,8 +48,9 @@ from judgeloop.data.raft_readers import (
     read_scifact,
     read_squad,
 )
-from judgeloop.data.splits import LeakageError, hash_unit
-from judgeloop.logging import get_logger
+from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
+from judgeloop.retrieval.encoder import BiEncoder
+from judgeloop.retrieval.mining import MiningConfig, mine_hard_negatives
 from judgeloop.text import STOPWORDS
 
 logger = get_logger(__name__)
@@ -550,17 +553,11 @@ def render_messages(
 
 
 def _bm25_rank(queries: Sequence[str], texts: Sequence[str], depth: int) -> list[list[int]]:
-    """Top-``depth`` indices into ``texts`` for each query, by BM25 (bm25s, English stopwords)."""
-    import bm25s
-
+    """Top-``depth`` indices into ``texts`` for each query, by BM25 (:mod:`judgeloop.retrieval.bm25`)."""
     if not texts:
         return [[] for _ in queries]
-    retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize(list(texts), stopwords="en", show_progress=False), show_progress=False)
-    k = min(depth, len(texts))
-    q_tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=False)
-    docs, _scores = retriever.retrieve(q_tokens, k=k, show_progress=False)  # (Q, k) indices
-    return [[int(i) for i in row] for row in docs]
+    _scores, idx = bm25_topk(build_bm25(texts), queries, min(depth, len(texts)))  # (Q, k)
+    return [[int(i) for i in row] for row in idx]
 
 
 def _hard_rank(
@@ -571,14 +568,6 @@ def _hard_rank(
     depth: int,
 ) -> dict[str, list[str]]:
     """Hard negatives per question from the retriever issue's miner (chunk ids, best first)."""
-    try:
-        from judgeloop.retrieval.encoder import BiEncoder
-        from judgeloop.retrieval.mining import MiningConfig, mine_hard_negatives
-    except ImportError as err:  # pragma: no cover - depends on the retriever module being installed
-        raise ValueError(
-            "distractors.sources includes 'hard' but judgeloop.retrieval (encoder + mining) is not available; "
-            f"remove 'hard' from distractors.sources or install the retriever module ({err})"
-        ) from err
     encoder = BiEncoder.from_pretrained(cfg.encoder, max_length=cfg.max_length)
     query_emb = encoder.encode(
         [q.question for q in questions], batch_size=cfg.batch_size, is_query=True
