@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from judgeloop.config import ConfigError, load_config
-from judgeloop.raft.chunking import ChunkConfig, chunk_text
+from judgeloop.data.splits import LeakageError
+from judgeloop.models import load_tokenizer
 from judgeloop.raft.builder import (
     BuildRaftConfig,
     DistractorConfig,
@@ -26,9 +27,8 @@ from judgeloop.raft.builder import (
     save_raft,
     select_quotes,
 )
+from judgeloop.raft.chunking import ChunkConfig, chunk_text
 from judgeloop.raft.readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
-from judgeloop.data.splits import LeakageError
-from judgeloop.models import load_tokenizer
 
 TINY = "judgeloop-tiny/causal-lm"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -20,8 +20,8 @@ from judgeloop.commands.eval_raft import (
     wilson_interval,
 )
 from judgeloop.commands.sft import SftConfig, load_sft_dataset, to_prompt_completion
-from judgeloop.raft.builder import build_raft, save_raft
 from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.raft.builder import build_raft, save_raft
 from test_raft import TINY, _cfg, _synthetic  # noqa: I001  (tests/ is on sys.path under pytest)
 
 
