@@ -15,11 +15,11 @@ from pathlib import Path
 from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
-from judgeloop.commands.sft import SftConfig, load_sft_dataset
 from judgeloop.config import load_config, to_dict
 from judgeloop.io import atomic_dir, atomic_write_json
 from judgeloop.logging import get_logger, setup_logging
 from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.raft.sft import SftConfig, load_sft_dataset
 
 setup_logging()
 logger = get_logger("recipes.sft_raft")

@@ -98,24 +98,50 @@ def atomic_write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None
             fh.write(json.dumps(_clean_floats(row), default=_json_default, allow_nan=False) + "\n")
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    call is not available (other systems, old kernels, some file systems)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces ``path`` (a checkpoint, a saved model)."""
+    """Yield a temporary directory; on success it replaces ``path`` (a checkpoint, a saved model).
+
+    When ``path`` exists the two are swapped in one atomic step where the system allows it, so ``path``
+    is never absent; elsewhere the old copy is first moved to ``.NAME.old`` (a kill between the two
+    renames leaves it there, and :func:`judgeloop.loop.checkpoint.remove_orphans` moves it back).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
-        if path.exists():
+        if not path.exists():
+            os.replace(tmp, path)
+        elif _exchange(tmp, path):
+            shutil.rmtree(tmp)  # now holds the old copy
+        else:
             old = path.with_name(f".{path.name}.old")
             if old.exists():
                 shutil.rmtree(old)
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -617,7 +617,7 @@ def initial_negatives(
     train_data: BeirData,
     accelerator: Any,
     state: dict[str, Any],
-    zs_corpus: torch.Tensor | None,
+    zs_corpus: tuple[list[str], torch.Tensor] | None,
     out: Path,
 ) -> tuple[Negatives | None, str | None]:
     """Hard negatives from the zero-shot encoder (reusing its corpus embeddings), a given file, or the
