@@ -203,7 +203,7 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     from accelerate import Accelerator
 
     from judgeloop.loop.config import LossConfig
-    from judgeloop.loop.runner import policy_update
+    from judgeloop.loop.runner import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
 
     acc = Accelerator(cpu=True)
@@ -214,21 +214,10 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
     model, opt, sched = acc.prepare(model, opt, sched)
-    roll = _tiny_rollout(4)
-    stats = policy_update(
-        acc,
-        model,
-        ref,
-        opt,
-        sched,
-        roll,
-        torch.tensor([0.9, 0.1, 0.7, 0.5]),
-        torch.ones(4),
-        0.1,
-        LossConfig(beta=0.1),
-        1.0,
-        0,
+    batch = PairBatch(
+        1, [], rollout=_tiny_rollout(4), targets=torch.tensor([0.9, 0.1, 0.7, 0.5]), mask=torch.ones(4)
     )
+    stats = policy_update(Learner(acc, model, ref, opt, sched, LossConfig(beta=0.1), 1.0, 0), batch, 0.1)
     # pi == pi_ref at the first step: h = 0 and KL = 0 up to float noise (train- vs eval-mode attention kernels)
     assert stats["loss"] == pytest.approx(math.log(2), abs=1e-3)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
@@ -613,7 +602,7 @@ def test_judge_prefetch_auto_rule_and_core_split():
     """Auto is off for a CPU judge; when on, the CPU cores are split between the judge thread and the
     caller while the judge thread works, and the caller gets every core back when it waits or closes."""
     from judgeloop.judges import build_judge
-    from judgeloop.loop.runner import JudgePrefetch
+    from judgeloop.loop.prefetch import JudgePrefetch
 
     threads_before = torch.get_num_threads()
     cfg = load_config(FeedbackLoopConfig, TINY, [o for o in FAST if not o.startswith("judge.cache_size")])
@@ -784,7 +773,13 @@ def test_bf16_loop_context_serves_updated_weights():
     from judgeloop.loop.losses import targets_from_probs
     from judgeloop.loop.policy import load_policy
     from judgeloop.loop.rollout import PromptBuilder, rollout, token_logprobs
-    from judgeloop.loop.runner import make_optimizer, mixed_precision_kwargs, policy_update
+    from judgeloop.loop.runner import (
+        Learner,
+        PairBatch,
+        make_optimizer,
+        mixed_precision_kwargs,
+        policy_update,
+    )
 
     cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.lr=0.05"])
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -802,9 +797,8 @@ def test_bf16_loop_context_serves_updated_weights():
             comps, prompts = roll.a_ids + roll.b_ids, roll.prompts * 2
             before, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
             targets, mask = targets_from_probs(torch.tensor([1.0, 0.0]), "soft")
-            policy_update(
-                acc, model, ref, opt, sched, roll, targets, mask, 0.1, cfg.loss, 1.0, tok.pad_token_id
-            )
+            batch = PairBatch(1, [], rollout=roll, targets=targets, mask=mask)
+            policy_update(Learner(acc, model, ref, opt, sched, cfg.loss, 1.0, tok.pad_token_id), batch, 0.1)
             after, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
         with acc.autocast():  # a fresh context: casts the current weights
             fresh, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
