@@ -255,6 +255,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def to_yaml(cfg: Any) -> str:
+    """The config as YAML (what runs save as ``config.yaml``)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 

@@ -83,16 +83,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary sibling moved into place)."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 
 
 def atomic_write_json(path: str | Path, obj: Any, indent: int = 2) -> None:
+    """Write ``obj`` as strict JSON (NaN/inf become null) to ``path`` atomically."""
     text = json.dumps(_clean_floats(obj), indent=indent, default=_json_default, allow_nan=False)
     atomic_write_text(path, text + "\n")
 
 
 def atomic_write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Write one strict-JSON line per row to ``path`` atomically."""
     with atomic_path(path) as tmp, tmp.open("w") as fh:
         for row in rows:
             fh.write(json.dumps(_clean_floats(row), default=_json_default, allow_nan=False) + "\n")

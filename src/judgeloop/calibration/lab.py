@@ -38,6 +38,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class CalibratorOptions:
+    """Settings shared by the calibrators ``judgeloop calibrate`` fits (``calibrator.*``)."""
+
     symmetric: bool = True
     platt_fit_intercept: bool = False
     min_points: int = 10
@@ -48,6 +50,8 @@ class CalibratorOptions:
 
 @dataclass
 class CalibrateConfig:
+    """Schema of ``judgeloop calibrate``: data, judge, labels, the methods to fit and the report."""
+
     data: DataConfig = field(default_factory=DataConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     labels: LabelConfig = field(default_factory=LabelConfig)
@@ -74,6 +78,7 @@ class CalibrateConfig:
 
 
 def build_calibrator(method: str, opts: CalibratorOptions) -> Calibrator:
+    """An unfitted calibrator of ``method`` with the options that apply to it."""
     kwargs: dict[str, Any] = {"symmetric": opts.symmetric, "min_points": opts.min_points}
     if method == "platt":
         kwargs["fit_intercept"] = opts.platt_fit_intercept
@@ -282,6 +287,7 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
 
 
 def render_table(report: dict[str, Any]) -> str:
+    """The metrics table (one row per method) of a report, in markdown."""
     cols = ["ece", "ece_equal_mass", "mce", "brier", "nll", "auc", "accuracy"]
     lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, m in report["methods"].items():
@@ -290,6 +296,7 @@ def render_table(report: dict[str, Any]) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
     j = report["judge"]
     return "\n".join(
         [

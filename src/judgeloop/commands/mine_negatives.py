@@ -19,6 +19,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class MineNegativesConfig:
+    """Schema of ``judgeloop mine-negatives``: data, encoder, mining settings, output file."""
+
     output_path: str = "outputs/negatives.jsonl"
     model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
     data: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)

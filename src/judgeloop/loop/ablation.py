@@ -98,6 +98,7 @@ def parse_job(text: str, cfg: FeedbackLoopConfig) -> tuple[str, int]:
 
 
 def job_dir(cfg: FeedbackLoopConfig, arm: str, seed: int) -> Path:
+    """The folder of one ablation job: ``OUTPUT_DIR/ARM/seedSEED``."""
     return Path(cfg.output_dir) / arm / f"seed{seed}"
 
 
@@ -257,6 +258,7 @@ def summarize(values: Sequence[float | None]) -> dict[str, Any]:
 
 
 def load_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished job's report and its per-article rows."""
     report = json.loads((folder / "report.json").read_text())
     path = folder / report.get("per_article", "per_article.jsonl")
     rows = (

@@ -23,10 +23,12 @@ from judgeloop.loop.policy import load_trainable_state, trainable_state
 
 
 def rng_state() -> dict[str, Any]:
+    """The python, numpy and torch RNG states (saved in a checkpoint)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states saved by :func:`rng_state`."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -49,6 +51,7 @@ def export_policy(path: str | Path, model: Any, tokenizer: Any, calibrator_state
 
 
 def load_policy_weights(path: str | Path, model: Any) -> None:
+    """Load the trainable parameters saved in ``path/policy.safetensors`` into ``model``."""
     load_trainable_state(model, load_file(str(Path(path) / "policy.safetensors")))
 
 

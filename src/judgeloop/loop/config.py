@@ -115,6 +115,8 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
+    """Optimizer and learning-rate schedule of the loop (``optim.*``)."""
+
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0

@@ -134,6 +134,7 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy a :func:`trainable_state` dict into ``model`` (every key must match)."""
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]
     unknown = [n for n in state if n not in params]

@@ -48,6 +48,7 @@ def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
 
 
 def needs_fit(cfg: LoopCalibrationConfig) -> bool:
+    """Whether the arm fits a calibrator (every arm but ``raw`` and ``oracle``)."""
     return cfg.method not in ("raw", "oracle")
 
 
@@ -79,6 +80,7 @@ def build_training_judge(cfg: LoopCalibrationConfig, judge: Judge) -> Judge:
 def features_for(
     calibrator: Calibrator, articles: Sequence[str], a: Sequence[str], b: Sequence[str]
 ) -> np.ndarray | None:
+    """The pair features a feature-aware calibrator needs, or None for one that needs none."""
     if not calibrator.uses_features:
         return None
     return (
@@ -266,6 +268,7 @@ def recalibration_reason(
 
 
 def monitor_due(step: int, cfg: LoopCalibrationConfig) -> bool:
+    """Whether fresh-sample ECE is monitored at ``step``."""
     return bool(needs_fit(cfg) and cfg.monitor_every_n_steps and step % cfg.monitor_every_n_steps == 0)
 
 

@@ -117,6 +117,8 @@ class LoopState:
 
 @dataclass
 class Splits:
+    """The four disjoint article splits of a run."""
+
     train: list[SummExample]
     calibration: list[SummExample]
     validation: list[SummExample]
@@ -152,6 +154,7 @@ def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def shard(items: Sequence[Any], accelerator: Accelerator) -> list[Any]:
+    """This process's share of ``items`` (every ``num_processes``-th item, from its index)."""
     return list(items[accelerator.process_index :: accelerator.num_processes])
 
 
@@ -589,6 +592,7 @@ def early_stopping(
 
 
 def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
+    """AdamW over the trainable parameters and the warm-up / linear-decay schedule."""
     from judgeloop.optim import adamw
 
     params = [p for p in model.parameters() if p.requires_grad]

@@ -12,6 +12,7 @@ _TOKEN_RE = re.compile(r"\w+", re.UNICODE)
 
 @functools.lru_cache(maxsize=1)
 def rouge_scorer() -> Any:
+    """A ``rouge_score`` scorer for ROUGE-1/2/L with stemming."""
     from rouge_score import rouge_scorer as rs
 
     return rs.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
@@ -27,6 +28,7 @@ def rouge_max(candidate: str, references: Sequence[str]) -> dict[str, float]:
 
 
 def tokens(text: str) -> list[str]:
+    """Lower-cased word tokens of ``text`` (for copy and novel n-gram rates)."""
     return _TOKEN_RE.findall(text.lower())
 
 

@@ -202,6 +202,8 @@ class TargetConfig:
 
 @dataclass
 class PromptConfig:
+    """The system prompt of the RAFT chat rows."""
+
     system: str = DEFAULT_SYSTEM
 
 
@@ -526,6 +528,7 @@ def absent_reasoning(q: RaftQuestion, cfg: TargetConfig) -> tuple[str, str]:
 
 
 def render_target(reasoning: str, answer: str) -> str:
+    """The assistant turn: the reasoning, then the answer after the answer marker."""
     return f"{reasoning}\n{ANSWER_MARKER} {answer}"
 
 
@@ -540,6 +543,7 @@ def render_user(question: str, kind: str, docs: Sequence[tuple[str, str]]) -> st
 def render_messages(
     system: str, question: str, kind: str, docs: Sequence[tuple[str, str]], target: str | None = None
 ) -> list[dict[str, str]]:
+    """One RAFT chat row: system, user (documents + question) and, if given, the target."""
     msgs = [
         {"role": "system", "content": system},
         {"role": "user", "content": render_user(question, kind, docs)},

@@ -295,6 +295,7 @@ def load_tuned(base_model: str, adapter_dir: str) -> Any:
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
     lines = [f"# RAFT evaluation ({report['num_questions']} questions from {report['data_dir']})", ""]
     lines.append(f"Majority-class accuracy: {report['majority_accuracy']:.3f} ({report['majority_label']})")
     lines.append("")

@@ -32,6 +32,8 @@ class LoraSettings:
 
 @dataclass
 class TrainSettings:
+    """The SFT trainer's settings (``train.*``)."""
+
     num_epochs: float = 1.0
     max_steps: int = -1
     batch_size: int = 4

@@ -234,6 +234,8 @@ def parent_group(group: str) -> str | None:
 
 @dataclass
 class GroupFit:
+    """One group's conformal threshold and where it came from (its own data, a parent, global)."""
+
     n_cal: int
     threshold: float
     source: str  # "own", "parent:<label>" or "global"

@@ -38,6 +38,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class ConformalSection:
+    """The conformal sets: levels, guarantee, candidate depth, score map, base rates."""
+
     alphas: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2])
     guarantee: Literal["document", "any", "all", "labels"] = "document"
     top_k: int = 1000  # candidates per query; relevant docs beyond are infinite nonconformity
@@ -60,6 +62,8 @@ class ConformalSection:
 
 @dataclass
 class OnlineConfig:
+    """The online comparison: static vs sliding-window vs adaptive (ACI) conformal."""
+
     enabled: bool = True
     alpha: float = 0.1
     gamma: float = 0.01
@@ -84,6 +88,8 @@ class OnlineConfig:
 
 @dataclass
 class ConformalConfig:
+    """Schema of ``judgeloop conformal``."""
+
     data: RetrievalDataConfig = field(default_factory=RetrievalDataConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     conformal: ConformalSection = field(default_factory=ConformalSection)
@@ -318,6 +324,7 @@ def _fmt(x: Any, nd: int = 3) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
     d = report["data"]
     lines = [
         "# Conformal retrieval report",

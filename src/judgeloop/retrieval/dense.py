@@ -31,6 +31,8 @@ SCIFACT = "../shared/data/scifact"
 
 @dataclass
 class RetrievalDataConfig:
+    """A BEIR data set for dense retrieval, with optional query grouping and caps."""
+
     corpus_path: str = f"{SCIFACT}/corpus.jsonl"
     queries_path: str = f"{SCIFACT}/queries_train.jsonl"
     qrels_path: str = f"{SCIFACT}/qrels_train.tsv"
@@ -51,6 +53,8 @@ class RetrievalDataConfig:
 
 @dataclass
 class EncoderConfig:
+    """A bi-encoder by name, with pooling, length and batch size."""
+
     name: str = "sentence-transformers/all-MiniLM-L6-v2"
     pooling: Literal["mean", "cls"] = "mean"
     max_length: int = 256

@@ -47,6 +47,8 @@ DEFAULT_SIGNALS = [
 
 @dataclass
 class GateSection:
+    """How the gate is chosen: window, signal selection, threshold rule, combination."""
+
     signals: list[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
     window_k: int = 10  # the top-k the system consumes
     min_separation: float = 0.65
@@ -68,6 +70,8 @@ class GateSection:
 
 @dataclass
 class GateConfig:
+    """Schema of ``judgeloop gate``."""
+
     data: RetrievalDataConfig = field(default_factory=RetrievalDataConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     second_encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(pooling="cls", max_length=64))
@@ -213,6 +217,7 @@ def _f(x: Any, nd: int = 3) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
     d = report["data"]
     lines = [
         "# Weak-retrieval gate report",

@@ -89,6 +89,8 @@ class RetrievalDataPaths:
 
 @dataclass
 class RetrieverDataConfig:
+    """Training and evaluation data of the retriever, with the query split and caps."""
+
     train: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)
     eval: RetrievalDataPaths | None = None
     eval_fraction: float = 0.2
@@ -108,6 +110,8 @@ class RetrieverDataConfig:
 
 @dataclass
 class RetrieverModelConfig:
+    """The bi-encoder to train: name, pooling, normalization, lengths."""
+
     name: str = DEFAULT_RETRIEVER
     pooling: Literal["mean", "cls"] = "mean"
     normalize: bool = True
@@ -117,6 +121,8 @@ class RetrieverModelConfig:
 
 @dataclass
 class RetrieverLossConfig:
+    """The InfoNCE loss: temperature and which negatives enter it."""
+
     tau: float = 0.05
     symmetric: bool = False
     gather_across_processes: bool = True
@@ -145,6 +151,8 @@ class NegativesConfig:
 
 @dataclass
 class RetrieverTrainConfig:
+    """The retriever's training schedule, precision, checkpoints and resume."""
+
     batch_size: int = 32
     gradcache_chunk_size: int = 0
     num_epochs: int = 1
@@ -177,6 +185,8 @@ class RetrieverTrainConfig:
 
 @dataclass
 class RetrieverEvalConfig:
+    """Retriever evaluation: metrics, depth, batch size, precision, embedding cache."""
+
     batch_size: int = 64
     top_k: int = 100
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
@@ -194,6 +204,8 @@ class RetrieverEvalConfig:
 
 @dataclass
 class TrainRetrieverConfig:
+    """Schema of ``judgeloop train-retriever``."""
+
     output_dir: str = "outputs/retriever"
     model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
     data: RetrieverDataConfig = field(default_factory=RetrieverDataConfig)
@@ -344,6 +356,7 @@ def encode_corpus(
 def encode_queries(
     encoder: BiEncoder, data: BeirData, batch_size: int, accelerator: Any = None, cache_dir: str | None = None
 ) -> tuple[list[str], torch.Tensor]:
+    """Embeddings of every query of ``data`` (cached like the corpus)."""
     query_ids = list(data.queries)
     texts = [data.queries[q] for q in query_ids]
     return query_ids, encode_texts(encoder, texts, batch_size, True, accelerator, cache_dir, "encode queries")
@@ -396,6 +409,8 @@ def mine_negatives(
 # --------------------------------------------------------------------------------------------- training
 @dataclass
 class Example:
+    """One training pair: a query and one of its positive documents."""
+
     query_id: str
     positive_id: str
 
@@ -540,6 +555,7 @@ def train_step(
 
 # ------------------------------------------------------------------------------------------ checkpoints
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest ``checkpoints/step_N`` under ``output_dir``, or None."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return None
@@ -824,6 +840,7 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
     lines = [
         "# Retriever training report",
         "",

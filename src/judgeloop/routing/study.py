@@ -26,6 +26,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class RouteDataConfig:
+    """The QA data of ``judgeloop route`` (SQuAD 2.0 or PubMedQA) and its size."""
+
     format: Literal["squad2", "pubmedqa"] = "squad2"
     path: str = "../shared/data/squad2_sample/squad2_sample.jsonl"
     answerable_only: bool = True  # SQuAD 2.0: drop unanswerable questions
@@ -40,6 +42,8 @@ class RouteDataConfig:
 
 @dataclass
 class LMConfig:
+    """The language model that answers (and is probed for confidence)."""
+
     name: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     max_new_tokens: int = 16
     batch_size: int = 8
@@ -47,6 +51,8 @@ class LMConfig:
 
 @dataclass
 class RetrieverSection:
+    """The retriever of the RAG arm: dense or BM25, and how many passages."""
+
     type: Literal["dense", "bm25"] = "dense"
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     top_k: int = 2
@@ -58,6 +64,8 @@ class RetrieverSection:
 
 @dataclass
 class RouterSection:
+    """How the router's threshold is chosen: confidence kind, selection split, budget."""
+
     confidence: Literal["logit", "verbalized"] = "logit"
     selection_fraction: float = 0.5  # share of questions used to choose the threshold
     max_retrieval_rate: float | None = None  # retrieval budget on the selection split
@@ -73,6 +81,8 @@ class RouterSection:
 
 @dataclass
 class RouteConfig:
+    """Schema of ``judgeloop route``."""
+
     data: RouteDataConfig = field(default_factory=RouteDataConfig)
     model: LMConfig = field(default_factory=LMConfig)
     retriever: RetrieverSection = field(default_factory=RetrieverSection)
@@ -217,6 +227,7 @@ def _f(x: Any, nd: int = 3) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
     d = report["data"]
     lines = [
         "# Confidence routing report",
