@@ -592,21 +592,20 @@ def early_stopping(
 
 
 def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
-    """AdamW over the trainable parameters and the warm-up / linear-decay schedule."""
+    """AdamW over the trainable parameters, and transformers' warm-up + linear-decay (or constant) schedule.
+
+    transformers' warm-up starts at factor 0 on step 0 (``step / warmup_steps``); with no warm-up both
+    schedules are the ones the loop always used.
+    """
+    from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
+
     from judgeloop.optim import adamw
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    warm, total = cfg.optim.warmup_steps, cfg.num_steps
-
-    def factor(i: int) -> float:
-        if warm and i < warm:
-            return (i + 1) / warm
-        if cfg.optim.scheduler == "linear":
-            return max(0.0, (total - i) / max(1, total - warm))
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if cfg.optim.scheduler == "linear":
+        return optimizer, get_linear_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.num_steps)
+    return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.optim.warmup_steps)
 
 
 def reference_summaries(
