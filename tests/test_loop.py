@@ -384,14 +384,11 @@ def test_exact_resume_after_interruption(tmp_path):
     )
     assert part["interrupted"] and part["step"] == 2
     ckpt = Path(part["checkpoint"])
-    assert {
-        "policy.safetensors",
-        "optimizer.pt",
-        "scheduler.pt",
-        "rng.pt",
-        "calibrator.json",
-        "state.json",
-    } <= {p.name for p in ckpt.iterdir()}
+    files = {p.name: p for p in ckpt.iterdir()}
+    # accelerate's state (model, optimizer, scheduler, RNG per process) plus the loop's own files
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= set(files)
+    assert {"calibrator.json", "state.json"} <= set(files)
+
     assert (ckpt / "config.yaml").is_file()  # the config the checkpoint was made with
     # what a run killed after its checkpoint leaves: rows logged past the checkpoint, and an orphan
     # temporary folder from a checkpoint write cut short
@@ -429,22 +426,50 @@ def test_exact_resume_after_interruption(tmp_path):
     assert (tmp_path / "cut" / "report.json").is_file()
 
 
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    from judgeloop.loop.runner import train
+
+    lora = [*FAST, "policy.lora=true", "policy.lora_target_modules=[q_proj,v_proj]", "num_steps=2"]
+    lora += ["eval_every_n_steps=0", "calibration.recalibrate_every_n_steps=0"]
+    full = train(load_config(FeedbackLoopConfig, TINY, [*lora, f"output_dir={tmp_path / 'full'}"]))
+    part = train(
+        load_config(
+            FeedbackLoopConfig, TINY, [*lora, f"output_dir={tmp_path / 'cut'}", "stop_after_n_steps=1"]
+        )
+    )
+    saved = load_file(str(Path(part["checkpoint"]) / "model.safetensors"))
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:3]  # not the frozen base
+    resumed = train(
+        load_config(
+            FeedbackLoopConfig,
+            TINY,
+            [*lora, f"output_dir={tmp_path / 'cut'}", f"resume_from={part['checkpoint']}"],
+        )
+    )
+    _same(resumed["final"], full["final"])
+    for r, f in zip(resumed["train_log"], full["train_log"], strict=True):
+        _same(r, f)
+
+
 # A driver for real faults: the CLI runs in a child process, and the patch below kills it (SIGKILL) or
 # presses Ctrl-C (SIGINT) at one exact point of the run. Only the timing is patched; the run is the real one.
 _FAULT_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.checkpoint as ck
 import judgeloop.loop.runner as rn
 from judgeloop.cli import main
 
 fault = os.environ["JL_FAULT"]
-if fault == "kill_in_write":  # the step-4 checkpoint is half written: its policy file is there, the rest not
-    real_save_file = ck.save_file
-    def save_file(tensors, path):
-        real_save_file(tensors, path)
-        if ".step_4." in path:
+if fault == "kill_in_write":  # the step-4 checkpoint is half written: accelerate's state is there, the rest not
+    from accelerate import Accelerator
+    real_save_state = Accelerator.save_state
+    def save_state(self, output_dir=None, **kwargs):
+        out = real_save_state(self, output_dir, **kwargs)
+        if ".step_4." in str(output_dir):
             os.kill(os.getpid(), signal.SIGKILL)
-    ck.save_file = save_file
+        return out
+    Accelerator.save_state = save_state
 else:  # after the step-2 checkpoint, once step 3 has logged its training row
     real = rn.maybe_recalibrate
     def maybe_recalibrate(step, *args, **kwargs):

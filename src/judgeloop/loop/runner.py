@@ -31,6 +31,7 @@ from accelerate.utils import gather_object
 
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
+from judgeloop.checkpointing import save_only_trainable
 from judgeloop.config import check_output_places, default_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
@@ -61,7 +62,7 @@ from judgeloop.loop.losses import (
     soft_dpo_loss,
     targets_from_probs,
 )
-from judgeloop.loop.policy import load_policy, reference_logprobs
+from judgeloop.loop.policy import load_policy, load_trainable_state, reference_logprobs, trainable_state
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.recalibration import (
     CalibrationPairs,
@@ -796,6 +797,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) 
     train_judge = build_training_judge(cfg.calibration, judge)
     optimizer, scheduler = make_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    save_only_trainable(accelerator, trainable_state, load_trainable_state)  # LoRA: adapters, not the base
     learner = Learner(
         accelerator,
         model,
@@ -820,9 +822,7 @@ def resume_run(run: LoopRun) -> None:
     """Restore policy, optimizer, schedule, RNG, calibrator, loop state and the run-long counters."""
     cfg = run.cfg
     assert cfg.resume_from is not None
-    cal_state, saved = load_checkpoint(
-        cfg.resume_from, run.accelerator.unwrap_model(run.model), run.learner.optimizer, run.learner.scheduler
-    )
+    cal_state, saved = load_checkpoint(run.accelerator, cfg.resume_from)
     run.state = LoopState(**saved)
     run.calibrator = calibrator_from_state(cal_state)
     run.kl_ctl.coef = run.state.kl_coef
@@ -910,22 +910,18 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
 
 
 def save_run(run: LoopRun, step: int) -> None:
-    """A checkpoint of everything the run needs to continue exactly (the main process writes it)."""
+    """A checkpoint of everything the run needs to continue exactly (every process takes part)."""
     state = run.state
     state.judge_status = dict(run.train_judge.stats.status)
     state.judge_cache_hits = run.train_judge.stats.cache_hits
     state.truncated_articles = sorted(run.build_prompt.truncated)
-    if run.accelerator.is_main_process:
-        save_checkpoint(
-            run.out_dir / "checkpoints" / f"step_{step}",
-            run.accelerator.unwrap_model(run.model),
-            run.learner.optimizer,
-            run.learner.scheduler,
-            run.calibrator.state_dict(),
-            state.as_dict(),
-            to_yaml(run.cfg),
-        )
-    run.accelerator.wait_for_everyone()
+    save_checkpoint(
+        run.accelerator,
+        run.out_dir / "checkpoints" / f"step_{step}",
+        run.calibrator.state_dict(),
+        state.as_dict(),
+        to_yaml(run.cfg),
+    )
 
 
 def run_steps(run: LoopRun) -> bool:

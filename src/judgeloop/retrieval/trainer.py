@@ -27,8 +27,9 @@ from typing import Any, Literal
 
 import torch
 
+from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
 from judgeloop.config import to_dict
-from judgeloop.io import DataError, atomic_dir
+from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.beir import (
     BeirData,
@@ -564,14 +565,12 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(accelerator: Any, output_dir: str | Path, state: dict[str, Any], keep: int = 1) -> None:
-    """Model, optimizer, scheduler, RNG (``accelerator.save_state``) plus the data cursor, atomically;
-    only the newest ``keep`` checkpoints are kept."""
+    """Model, optimizer, scheduler, every process's RNG plus the data cursor, in the one checkpoint scheme
+    (:func:`judgeloop.checkpointing.save_training_checkpoint`; every process calls it); only the newest
+    ``keep`` checkpoints are kept."""
     target = Path(output_dir) / "checkpoints" / f"step_{state['global_step']}"
-    accelerator.wait_for_everyone()
+    save_training_checkpoint(accelerator, target, {"trainer_state.json": state})
     if accelerator.is_main_process:
-        with atomic_dir(target) as tmp:
-            accelerator.save_state(str(tmp), safe_serialization=True)
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
         steps = sorted(
             (Path(output_dir) / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])
         )
@@ -800,7 +799,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     run.model, run.optimizer, run.scheduler = accelerator.prepare(encoder, optimizer, scheduler)
     start_epoch, skip = 0, 0
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        load_training_checkpoint(accelerator, resume_from)
         run.global_step, start_epoch, skip = state["global_step"], state["epoch"], state["batch_in_epoch"]
         logger.info(
             "resumed from %s (step %d, epoch %d, batch %d)", resume_from, run.global_step, start_epoch, skip
