@@ -16,7 +16,7 @@ Same as ``judgeloop train-retriever``. The steps (src/judgeloop/retrieval/traine
     after, _ = evaluate_retriever(encoder, eval_data, ...)          # then the model is saved in the
                                                                     # sentence-transformers layout
 
-with atomic checkpoints every ``train.checkpoint_every_n_steps`` and exact resume from the latest one.
+with atomic checkpoints every ``train.save_every_n_steps`` and exact resume from the latest one.
 """
 
 from __future__ import annotations

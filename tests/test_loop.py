@@ -309,7 +309,7 @@ def test_leakage_check_raises_on_training_articles_in_calibration():
 )
 def test_feedback_loop_configs_load(path):
     cfg = load_config(FeedbackLoopConfig, path)
-    assert cfg.num_steps >= 1 and cfg.ablation.arms
+    assert cfg.max_steps >= 1 and cfg.ablation.arms
 
 
 @pytest.mark.parametrize(
@@ -350,7 +350,7 @@ FAST = [
     "judge.model=judgeloop-tiny/encoder",
     "judge.cache_size=0",
     "policy.sft_steps=60",
-    "num_steps=4",
+    "max_steps=4",
     "eval_every_n_steps=2",
     "calibration.recalibrate_every_n_steps=2",
     "calibration.num_articles=40",
@@ -431,7 +431,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path)
 
     from judgeloop.loop.runner import train
 
-    lora = [*FAST, "policy.lora=true", "policy.lora_target_modules=[q_proj,v_proj]", "num_steps=2"]
+    lora = [*FAST, "policy.lora=true", "policy.lora_target_modules=[q_proj,v_proj]", "max_steps=2"]
     lora += ["eval_every_n_steps=0", "calibration.recalibrate_every_n_steps=0"]
     full = train(load_config(FeedbackLoopConfig, TINY, [*lora, f"output_dir={tmp_path / 'full'}"]))
     part = train(
@@ -546,7 +546,7 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
         "policy.sft_steps=61",
         "calibration.method=isotonic",
         "loss.kl_coef=0.5",
-        "optim.lr=0.01",
+        "optim.learning_rate=0.01",
         "seed=1",
         "judge.scale=10",
     ],
@@ -583,7 +583,7 @@ def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpo
     cfg = load_config(
         FeedbackLoopConfig,
         TINY,
-        [*FAST, f"output_dir={tmp_path}", "num_steps=6", "progress_bar=true", "log_with=[jsonl,tensorboard]"],
+        [*FAST, f"output_dir={tmp_path}", "max_steps=6", "progress_bar=true", "log_with=[jsonl,tensorboard]"],
     )
     assert checked_resume(to_yaml(cfg), resume_checkpoint, RESUME_FREE_KEYS) == 1
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
@@ -599,7 +599,7 @@ def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
     from judgeloop.loop.runner import train
 
     cached = [o for o in FAST if not o.startswith("judge.cache_size")] + [
-        "num_steps=3",
+        "max_steps=3",
         "eval_every_n_steps=0",
     ]
     threads = torch.get_num_threads()
@@ -707,10 +707,10 @@ def test_early_stopping_restores_the_best_validation_policy(tmp_path):
     over = [
         *FAST,
         f"output_dir={tmp_path}",
-        "num_steps=8",
+        "max_steps=8",
         "eval_every_n_steps=1",
         "early_stopping_patience=2",
-        "optim.lr=0.3",
+        "optim.learning_rate=0.3",
         "calibration.recalibrate_every_n_steps=0",
     ]
     rep = train(load_config(FeedbackLoopConfig, TINY, over))
@@ -806,7 +806,7 @@ def test_bf16_loop_context_serves_updated_weights():
         policy_update,
     )
 
-    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.lr=0.05"])
+    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.learning_rate=0.05"])
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     try:
@@ -847,7 +847,7 @@ def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
         over = [
             *FAST,
             f"output_dir={tmp_path}",
-            "num_steps=2",
+            "max_steps=2",
             "eval_every_n_steps=2",
             "mixed_precision=bf16",
         ]

@@ -163,7 +163,7 @@ def test_train_retriever_end_to_end(tmp_path, beir_dir):
 def test_train_retriever_resumes_exactly(tmp_path, beir_dir):
     from judgeloop.commands.train_retriever import run
 
-    common = ["train.num_epochs=2", "train.checkpoint_every_n_steps=1", "train.keep_checkpoints=10"]
+    common = ["train.num_epochs=2", "train.save_every_n_steps=1", "train.keep_checkpoints=10"]
     full = tmp_path / "full"
     run(_cfg(_overrides(beir_dir, full, *common)))
     steps = sorted(int(p.name.split("_")[1]) for p in (full / "checkpoints").glob("step_*"))

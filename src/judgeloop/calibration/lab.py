@@ -12,7 +12,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.special import expit
@@ -60,7 +60,8 @@ class CalibrateConfig:
     max_pairs_per_article: int | None = None
     max_fit_articles: int | None = None
     max_eval_articles: int | None = None
-    n_bins: int = 15
+    RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
+    num_bins: int = 15
     seed: int = 0
     output_dir: str = "runs/calibrate"
 
@@ -73,8 +74,8 @@ class CalibrateConfig:
             )
         if not self.methods:
             raise ValueError("methods is empty; list at least one calibrator, e.g. methods=[platt,isotonic]")
-        if self.n_bins < 2:
-            raise ValueError(f"n_bins must be >= 2, got {self.n_bins}")
+        if self.num_bins < 2:
+            raise ValueError(f"num_bins must be >= 2, got {self.num_bins}")
 
 
 def build_calibrator(method: str, opts: CalibratorOptions) -> Calibrator:
@@ -238,9 +239,9 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
         "n_fit_orientations": int(s_fit.size * (2 if cfg.calibrator.symmetric else 1)),
         "n_eval": int(s_eval.size),
         "n_eval_pairs": len(kept_eval),
-        "n_bins": cfg.n_bins,
+        "n_bins": cfg.num_bins,
         "articles": {"calibration": len(fit_ex), "test": len(eval_ex), "total": n_articles},
-        "methods": {name: all_metrics(p, y_eval, cfg.n_bins) for name, p in probs.items()},
+        "methods": {name: all_metrics(p, y_eval, cfg.num_bins) for name, p in probs.items()},
         "judge": {
             "type": cfg.judge.type,
             "model": cfg.judge.model,

@@ -29,7 +29,7 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
     for method, cal in lab.calibrators.items():
         cal.save(out_dir / "calibrators" / f"{method}.json")
     title = f"{cfg.judge.type} judge, {cfg.labels.type} labels, {cfg.data.format}"
-    reliability_diagram(lab.probs, lab.labels, out_dir / "reliability.png", cfg.n_bins, title=title)
+    reliability_diagram(lab.probs, lab.labels, out_dir / "reliability.png", cfg.num_bins, title=title)
     atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     atomic_write_text(out_dir / "report.md", render_markdown(lab.report))
     atomic_write_json(out_dir / "report.json", lab.report)

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from judgeloop.calibration import CalibrationError
-from judgeloop.config import config_changes, default_dict, replace, to_yaml
+from judgeloop.config import config_changes, default_dict, migrate, replace, to_yaml
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -129,7 +129,7 @@ def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
     folder = Path(job_cfg.output_dir)
     if not (folder / "report.json").is_file() or not (folder / "config.yaml").is_file():
         return "todo", []
-    saved = result_key(yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    saved = result_key(migrate(type(job_cfg), yaml.safe_load((folder / "config.yaml").read_text()) or {}))
     new = result_key(yaml.safe_load(to_yaml(job_cfg)))
     changes = config_changes(saved, new, defaults=default_dict(type(job_cfg)))
     return ("changed", changes) if changes else ("done", [])
@@ -364,7 +364,7 @@ def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
         "seeds": list(abl.seeds),
         "articles_per_seed": n_articles,
         "missing_jobs": missing,
-        "num_steps": cfg.num_steps,
+        "num_steps": cfg.max_steps,
         "bootstrap": {
             "samples": B,
             "seed": bseed,

@@ -105,6 +105,7 @@ def checked_resume(
     resume_from: str | Path,
     free_keys: tuple[str, ...],
     defaults: dict[str, Any] | None = None,
+    schema: type | None = None,
 ) -> int:
     """Check ``resume_from`` before any work: a checkpoint folder, made with a config whose every key that
     can change the run equals the new one's. Returns the checkpoint's step.
@@ -114,7 +115,7 @@ def checked_resume(
     """
     import yaml
 
-    from judgeloop.config import ConfigError, config_changes
+    from judgeloop.config import ConfigError, config_changes, migrate
 
     path = Path(resume_from)
     if not (path / "state.json").is_file():
@@ -126,6 +127,8 @@ def checked_resume(
     if not (path / "config.yaml").is_file():
         return step  # a checkpoint from before configs were stored in it: nothing to compare
     saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    if schema is not None:  # keys renamed since the checkpoint was made compare under their new names
+        saved = migrate(schema, saved)
     new = yaml.safe_load(cfg_yaml) or {}
     changes = config_changes(saved, new, free_keys, defaults=defaults)
     if changes:

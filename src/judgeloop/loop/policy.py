@@ -41,7 +41,7 @@ def sft_warmup(
     ]
     from judgeloop.optim import adamw
 
-    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_lr)
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_learning_rate)
     model.train()
     losses = []
     for _ in range(cfg.sft_steps):
@@ -74,7 +74,7 @@ def load_policy(
             cfg.model,
             cfg.dtype,
             cfg.sft_steps,
-            cfg.sft_lr,
+            cfg.sft_learning_rate,
             cfg.sft_batch_size,
             cfg.sft_max_tokens,
             cfg.sft_seed,

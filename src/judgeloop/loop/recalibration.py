@@ -297,7 +297,7 @@ def refit(
     """
     held = holdout_mask(pairs.article_ids, cfg.holdout_fraction, seed)
     fit_pairs, hold_pairs = pairs.subset(~held), pairs.subset(held)
-    before = float("nan") if first_fit else pair_ece(calibrator, hold_pairs, cfg.n_bins)
+    before = float("nan") if first_fit else pair_ece(calibrator, hold_pairs, cfg.num_bins)
     new = build_calibrator(cfg)
     try:
         feats = features_for(new, fit_pairs.articles, fit_pairs.a, fit_pairs.b)
@@ -312,9 +312,9 @@ def refit(
         return calibrator, RefitRecord(
             step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err)
         )
-    after = pair_ece(new, hold_pairs, cfg.n_bins)
+    after = pair_ece(new, hold_pairs, cfg.num_bins)
     ci = ece_intervals(
-        None if first_fit else calibrator, new, hold_pairs, cfg.n_bins, cfg.ece_bootstrap, seed + step
+        None if first_fit else calibrator, new, hold_pairs, cfg.num_bins, cfg.ece_bootstrap, seed + step
     )
     worse = not first_fit and np.isfinite(before) and np.isfinite(after) and after > before
     # the label-free arm takes every refit: a guard that reads labels would make it a labeled method

@@ -452,7 +452,7 @@ def maybe_recalibrate(
     pairs = None
     if monitor_due(step, cfg.calibration):
         pairs = collect(step)
-        monitored = pair_ece(calibrator, pairs, cfg.calibration.n_bins)
+        monitored = pair_ece(calibrator, pairs, cfg.calibration.num_bins)
         state.last_monitored_ece = monitored if math.isfinite(monitored) else None
     reason = recalibration_reason(step, cfg.calibration, state.last_monitored_ece)
     if reason is None:
@@ -552,7 +552,7 @@ def run_evaluation(
     rows = gather_object(rows) if accelerator.num_processes > 1 else rows
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     by_id = {e.id: e for e in splits.test}
-    metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.n_bins)
+    metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.num_bins)
     if splits.validation:
         val = validation_metrics(
             unwrapped,
@@ -603,9 +603,9 @@ def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
     from judgeloop.optim import adamw
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    optimizer = adamw(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
     if cfg.optim.scheduler == "linear":
-        return optimizer, get_linear_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.num_steps)
+        return optimizer, get_linear_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
     return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.optim.warmup_steps)
 
 
@@ -756,7 +756,7 @@ def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: P
     """Before any work: check a resume against its checkpoint, clean up after a killed run (orphan
     checkpoint folders, log rows past the checkpoint), record the config that runs."""
     ckpt_step = (
-        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)))
+        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
         if cfg.resume_from
         else None
     )
@@ -876,7 +876,7 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
     rollout_step(acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg, acc.process_index)
     run.prefetch.wait()
     judge_step(run.train_judge, batch)
-    if step < cfg.num_steps:  # the next batch's article-side judge work runs during this update
+    if step < cfg.max_steps:  # the next batch's article-side judge work runs during this update
         run.prefetch.start(peek_batch(state, run.splits.train, cfg, acc))
     calibrate_step(run.calibrator, batch)
     make_pairs(batch, cfg.loss)
@@ -925,22 +925,22 @@ def save_run(run: LoopRun, step: int) -> None:
 
 
 def run_steps(run: LoopRun) -> bool:
-    """The step loop until ``num_steps``, early stopping or ``stop_after_n_steps``; True when it stopped
+    """The step loop until ``max_steps``, early stopping or ``stop_after_n_steps``; True when it stopped
     for the latter (an interruption: the run continues from its checkpoint)."""
     cfg, state = run.cfg, run.state
     bar = None
     if cfg.progress_bar and run.accelerator.is_local_main_process:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.num_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
+        bar = tqdm(total=cfg.max_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
     steps_this_run = 0
     run.prefetch = JudgePrefetch(run.train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
     try:
-        if state.step < cfg.num_steps:
+        if state.step < cfg.max_steps:
             run.prefetch.start(
                 peek_batch(state, run.splits.train, cfg, run.accelerator)
             )  # overlaps the first rollout
-        while state.step < cfg.num_steps and not state.stopped_early:
+        while state.step < cfg.max_steps and not state.stopped_early:
             batch = training_step(run, state.step + 1)
             steps_this_run += 1
             interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
@@ -949,7 +949,7 @@ def run_steps(run: LoopRun) -> bool:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{batch.stats['loss']:.3f}", kl=f"{batch.stats['kl']:.3f}")
-            if interrupted and state.step < cfg.num_steps:
+            if interrupted and state.step < cfg.max_steps:
                 return True
     finally:  # also on an error or an interruption: no prefetch thread outlives the run
         run.prefetch.close()

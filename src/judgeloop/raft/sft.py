@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 
 @dataclass
@@ -35,14 +35,15 @@ class TrainSettings:
     """The SFT trainer's settings (``train.*``)."""
 
     num_epochs: float = 1.0
-    max_steps: int = -1
+    max_steps: int | None = None  # a cap on optimizer steps; None: num_epochs decides
     batch_size: int = 4
     grad_accum_steps: int = 2
     learning_rate: float = 2e-4
     lr_scheduler: str = "cosine"
     warmup_steps: int = 2
     weight_decay: float = 0.0
-    logging_every_n_steps: int = 5
+    RENAMED: ClassVar[dict[str, str]] = {"logging_every_n_steps": "log_every_n_steps"}
+    log_every_n_steps: int = 5
     bf16: bool = False
     gradient_checkpointing: bool = False
 
@@ -55,9 +56,11 @@ class TrainSettings:
             raise ValueError(
                 f"train.learning_rate={self.learning_rate} must be positive (LoRA: ~1e-4 to 3e-4)"
             )
-        if self.num_epochs <= 0 and self.max_steps <= 0:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps={self.max_steps} must be >= 1 or null (no cap)")
+        if self.num_epochs <= 0 and self.max_steps is None:
             raise ValueError(
-                "train.num_epochs <= 0 and train.max_steps <= 0: nothing to train; set one of them"
+                "train.num_epochs <= 0 and train.max_steps is null: nothing to train; set one of them"
             )
 
 

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -44,7 +44,8 @@ class RetrievalDataConfig:
     grouping: Literal["base_rate", "query_length", "none"] = "base_rate"
     num_buckets: int = 3
     max_queries: int | None = None  # first N queries (by id order) for quick runs
-    max_corpus: int | None = None  # keep the relevant docs plus the first N others (quick runs)
+    RENAMED: ClassVar[dict[str, str]] = {"max_corpus": "max_corpus_docs"}
+    max_corpus_docs: int | None = None  # keep the relevant docs plus the first N others (quick runs)
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:
@@ -148,9 +149,9 @@ def load_retrieval_data(data: RetrievalDataConfig) -> tuple[Any, dict[str, dict[
     if not qids:
         raise DataError(f"{data.qrels_path}: no query has a relevant document (grade >= 1)")
     corpus = beir.corpus
-    if data.max_corpus is not None:
+    if data.max_corpus_docs is not None:
         keep = set().union(*(positives[q] for q in qids))
-        others = [d for d in sorted(corpus) if d not in keep][: data.max_corpus]
+        others = [d for d in sorted(corpus) if d not in keep][: data.max_corpus_docs]
         corpus = {d: corpus[d] for d in sorted(keep | set(others))}
     beir = beir.subset(qids)
     beir.corpus = corpus

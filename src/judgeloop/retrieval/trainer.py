@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -163,7 +163,8 @@ class RetrieverTrainConfig:
     warmup_ratio: float = 0.1
     max_grad_norm: float = 1.0
     seed: int = 0
-    checkpoint_every_n_steps: int = 0
+    RENAMED: ClassVar[dict[str, str]] = {"checkpoint_every_n_steps": "save_every_n_steps"}
+    save_every_n_steps: int = 0
     keep_checkpoints: int = 1
     resume: bool = True
     log_every_n_steps: int = 10
@@ -673,7 +674,7 @@ def _maybe_remine(run: _Run, epoch: int, total_steps: int) -> None:
     if run.accelerator.is_main_process:
         save_negatives(run.negatives_path, run.negatives)
     run.model.train()
-    if cfg.train.checkpoint_every_n_steps:
+    if cfg.train.save_every_n_steps:
         run.checkpoint(epoch + 1, 0)
 
 
@@ -720,10 +721,7 @@ def train_epochs(run: _Run, examples: list[Example], total_steps: int, start_epo
             bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
             if cfg.train.log_every_n_steps and run.global_step % cfg.train.log_every_n_steps == 0:
                 logger.info("step %d epoch %d loss %.4f", run.global_step, epoch, loss)
-            if (
-                cfg.train.checkpoint_every_n_steps
-                and run.global_step % cfg.train.checkpoint_every_n_steps == 0
-            ):
+            if cfg.train.save_every_n_steps and run.global_step % cfg.train.save_every_n_steps == 0:
                 run.checkpoint(epoch, b_idx + 1)
         skip = 0
         _maybe_remine(run, epoch, total_steps)
