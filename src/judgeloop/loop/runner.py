@@ -393,7 +393,7 @@ def collect_calibration_pairs(
             cfg,
             derive_seed(cfg.seed, "calib", *tag),
         )
-        all_rows = gather_object(rows) if accelerator.num_processes > 1 else rows
+        all_rows = gather_object(rows)
         for r in all_rows:
             if "ties" in r:
                 out.ties_dropped += r["ties"]
@@ -549,7 +549,7 @@ def run_evaluation(
         greedy=greedy,
         sampled=sampled,
     )
-    rows = gather_object(rows) if accelerator.num_processes > 1 else rows
+    rows = gather_object(rows)
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     by_id = {e.id: e for e in splits.test}
     metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.num_bins)
@@ -563,7 +563,7 @@ def run_evaluation(
             cfg.eval_batch_size,
             greedy=val_greedy,
         )
-        val = gather_object(val) if accelerator.num_processes > 1 else val
+        val = gather_object(val)
         for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
             vals = np.array([v[key] for v in val], dtype=float)
             metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
@@ -634,7 +634,7 @@ def reference_summaries(
 
     out = start.greedy("reference", exs, compute) if start is not None else compute()
     pairs = list(zip(mine, out))
-    pairs = gather_object(pairs) if accelerator.num_processes > 1 else pairs
+    pairs = gather_object(pairs)
     texts = dict(pairs)
     return [texts[i] for i in range(len(test))]
 
