@@ -32,6 +32,7 @@ from judgeloop.retrieval.dense import (
     query_groups,
     retrieve_dense,
 )
+from judgeloop.text import fmt_number
 
 logger = get_logger(__name__)
 
@@ -312,15 +313,7 @@ def _why_infinite(
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
-    if x is None:
-        return "inf"
-    if isinstance(x, float):
-        if math.isinf(x):
-            return "inf"
-        if math.isnan(x):
-            return "n/a"
-        return f"{x:.{nd}f}"
-    return str(x)
+    return fmt_number(x, nd, none="inf")  # a None threshold is an infinite one
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from judgeloop.retrieval.gate import (
     gate_metrics,
     select_signals,
 )
+from judgeloop.text import fmt_number
 
 logger = get_logger(__name__)
 
@@ -210,12 +211,6 @@ def _describe(e: EncoderConfig) -> str:
     return f"{e.name} ({e.pooling} pooling, {e.max_length} tokens)"
 
 
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as markdown (what the command writes to ``report.md``)."""
     d = report["data"]
@@ -236,7 +231,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, s in report["signals"].items():
         lo, hi = s["auc_test_ci95"]
         lines.append(
-            f"| {name} | {_f(s['auc_cal'])} | {_f(s['auc_test'])} | [{_f(lo)}, {_f(hi)}] | "
+            f"| {name} | {fmt_number(s['auc_cal'])} | {fmt_number(s['auc_test'])} | [{fmt_number(lo)}, {fmt_number(hi)}] | "
             f"{'yes' if s['kept'] else 'no'} | {s['dropped_because'] or ''} | {s['extra_cost_per_query']} |"
         )
     if report.get("fit_error"):
@@ -250,7 +245,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 parts.append(f"{k} never fires (the joint search gave it no threshold)")
             else:
                 parts.append(
-                    f"{k} {'>=' if gt['orientation'][k] < 0 else '<='} {_f(gt['orientation'][k] * t, 4)}"
+                    f"{k} {'>=' if gt['orientation'][k] < 0 else '<='} {fmt_number(gt['orientation'][k] * t, 4)}"
                 )
         thr = " or ".join(parts)
         lines += [
@@ -263,7 +258,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for split in ("cal", "test"):
             m = gt[split]
             lines.append(
-                f"| {split} | {_f(m['precision'])} | {_f(m['recall'])} | {_f(m['escalation_rate'])} | {_f(m['weak_rate'])} |"
+                f"| {split} | {fmt_number(m['precision'])} | {fmt_number(m['recall'])} | {fmt_number(m['escalation_rate'])} | {fmt_number(m['weak_rate'])} |"
             )
         c = gt["cost"]
         lines += [

@@ -20,6 +20,7 @@ import numpy as np
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_cached, encode_texts
+from judgeloop.text import fmt_number
 
 logger = get_logger(__name__)
 
@@ -218,14 +219,6 @@ def _auc_or_nan(conf: np.ndarray, correct: np.ndarray) -> float:
     return auc(conf[ok], correct[ok]) if ok.any() else math.nan
 
 
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as markdown (what the command writes to ``report.md``)."""
     d = report["data"]
@@ -236,10 +229,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"the threshold, {d['num_test']} test; passage pool {d['pool_size']}",
         f"- model: `{report['model']}`; confidence: {report['confidence']}; retriever: {report['retriever']} "
         f"(gold passage in top-k for {report['retrieval_recall_at_k']:.1%})",
-        f"- threshold (frozen on the selection split): {_f(report['threshold'], 4)}; questions without a "
+        f"- threshold (frozen on the selection split): {fmt_number(report['threshold'], 4)}; questions without a "
         f"confidence (routed to retrieval): {report['missing_confidence']}",
         f"- AUC of confidence for a correct closed-book answer (F1 > 0.5), test: "
-        f"{_f(report['auc_confidence_vs_closed_correct'])}",
+        f"{fmt_number(report['auc_confidence_vs_closed_correct'])}",
         "",
         "## Test split",
         "",
@@ -248,9 +241,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for name, r in report["test"].items():
         lines.append(
-            f"| {name} | {_f(r['exact_match'])} | {_f(r['f1'])} | {_f(r['retrieval_rate'])} | "
-            f"{_f(r['passages_retrieved'], 1)} | {_f(r['total_tokens'], 0)} | {_f(r['tokens_per_question'], 1)} | "
-            f"{_f(r['latency_s_per_question'])} |"
+            f"| {name} | {fmt_number(r['exact_match'])} | {fmt_number(r['f1'])} | {fmt_number(r['retrieval_rate'])} | "
+            f"{fmt_number(r['passages_retrieved'], 1)} | {fmt_number(r['total_tokens'], 0)} | {fmt_number(r['tokens_per_question'], 1)} | "
+            f"{fmt_number(r['latency_s_per_question'])} |"
         )
     lines += [
         "",
