@@ -7,14 +7,16 @@
     accelerate launch recipes/feedback_loop.py --config C --job platt:1   # one ablation job (a cluster task)
     python recipes/feedback_loop.py --config C --aggregate                 # results.* from the job folders
 
-Each training step (src/judgeloop/loop/runner.py, one named function per step):
+Each training step is ``training_step`` in src/judgeloop/loop/runner.py, one named function per step
+over one ``PairBatch`` (articles -> samples -> logits -> p -> targets -> stats):
 
-    batch   = next_batch(state, splits.train, cfg, accelerator)        # this process's articles
-    roll    = rollout(policy, tokenizer, build_prompt, articles, ...)  # 1. two samples per article
-    judged  = judge_step(train_judge, batch, roll)                     # 2. raw preference logits
-    p       = calibrate(calibrator, judged.scores, ...)                # 3. p = P(a better than b)
-    stats   = policy_update(accelerator, policy, ref, ..., p, ...)     # 4. soft-target DPO + KL
-    calibrator = maybe_recalibrate(step, state, calibrator, ...)       # 5. refit on fresh samples
+    batch = PairBatch(step, next_batch(state, splits.train, cfg, accelerator))  # this process's articles
+    rollout_step(policy, tokenizer, build_prompt, batch, cfg, rank)    # 1. two samples per article
+    judge_step(train_judge, batch)                                     # 2. raw preference logits
+    calibrate_step(calibrator, batch)                                  # 3. p = P(a better than b)
+    make_pairs(batch, cfg.loss)                                        # 4. soft DPO targets + mask
+    policy_update(learner, batch, kl_ctl.coef)                         # 5. soft-target DPO + KL
+    calibrator = maybe_recalibrate(step, state, calibrator, ...)       # 6. refit on fresh samples
 
 with evaluation on the test split every ``eval_every_n_steps``, early stopping on the validation split,
 and atomic checkpoints every ``save_every_n_steps`` (``resume_from=DIR`` continues exactly).

@@ -15,11 +15,11 @@ from pathlib import Path
 from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
-from judgeloop.commands.sft import SftConfig, load_sft_dataset
 from judgeloop.config import load_config, to_dict
 from judgeloop.io import atomic_dir, atomic_write_json
 from judgeloop.logging import get_logger, setup_logging
 from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.raft.sft import SftConfig, load_sft_dataset
 
 setup_logging()
 logger = get_logger("recipes.sft_raft")
@@ -54,14 +54,14 @@ t = cfg.train
 sft_args = SFTConfig(
     output_dir=str(out / "trainer"),
     num_train_epochs=t.num_epochs,
-    max_steps=t.max_steps,
+    max_steps=-1 if t.max_steps is None else t.max_steps,  # TRL / transformers: -1 = no cap
     per_device_train_batch_size=t.batch_size,
     gradient_accumulation_steps=t.grad_accum_steps,
     learning_rate=t.learning_rate,
     lr_scheduler_type=t.lr_scheduler,
     warmup_steps=t.warmup_steps,
     weight_decay=t.weight_decay,
-    logging_steps=t.logging_every_n_steps,
+    logging_steps=t.log_every_n_steps,
     logging_first_step=True,
     save_strategy="no",
     eval_strategy="no",

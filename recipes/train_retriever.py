@@ -4,7 +4,7 @@
     accelerate launch --config_file configs/accelerate/<topology>.yaml recipes/train_retriever.py ...
     python recipes/train_retriever.py --config configs/retriever/scifact.yaml        # one process
 
-Same as ``judgeloop train-retriever``. The steps (src/judgeloop/commands/train_retriever.py, ``run``):
+Same as ``judgeloop train-retriever``. The steps (src/judgeloop/retrieval/trainer.py, ``train_retriever``):
 
     train_data, eval_data = load_retrieval_data(cfg.data)          # BEIR files or pair JSONL
     before, corpus = evaluate_retriever(encoder, eval_data, ...)    # zero-shot nDCG / recall / MRR
@@ -16,7 +16,7 @@ Same as ``judgeloop train-retriever``. The steps (src/judgeloop/commands/train_r
     after, _ = evaluate_retriever(encoder, eval_data, ...)          # then the model is saved in the
                                                                     # sentence-transformers layout
 
-with atomic checkpoints every ``train.checkpoint_every_n_steps`` and exact resume from the latest one.
+with atomic checkpoints every ``train.save_every_n_steps`` and exact resume from the latest one.
 """
 
 from __future__ import annotations

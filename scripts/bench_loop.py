@@ -219,7 +219,7 @@ def worker_peer(args: argparse.Namespace) -> dict:
             max_new_tokens=args.max_new_tokens,
             temperature=cfg.generation.temperature,
             beta=cfg.loss.beta,
-            learning_rate=cfg.optim.lr,
+            learning_rate=cfg.optim.learning_rate,
             max_steps=args.steps + 1,
             report_to=[],
             use_cpu=True,

@@ -70,9 +70,9 @@ def train_ours(args) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from judgeloop.commands.train_retriever import Example, TrainRetrieverConfig, make_optimizer, train_step
     from judgeloop.config import load_config
     from judgeloop.retrieval import BiEncoder
+    from judgeloop.retrieval.trainer import Example, TrainRetrieverConfig, make_optimizer, train_step
 
     data, rows, _ = _triplets(args)
     negatives = {q: [(n, 0.0)] for q, _, n in rows}

@@ -22,11 +22,11 @@ def test_print_config(repo, capsys):
             "--config",
             str(repo / "configs/calibrate/embedded_embedding.yaml"),
             "--print-config",
-            "n_bins=10",
+            "num_bins=10",
         ]
     )
     assert rc == 0
-    assert "n_bins: 10" in capsys.readouterr().out
+    assert "num_bins: 10" in capsys.readouterr().out
 
 
 def test_console_script_help():

@@ -36,13 +36,13 @@ def _summ(fmt: str):
 
 
 def _raft(name: str):
-    from judgeloop.data import raft_readers
+    from judgeloop.raft import readers as raft_readers
 
     return lambda p: getattr(raft_readers, name)(p)
 
 
 def _raft_generic(p: Path):
-    from judgeloop.data.raft_readers import read_generic_jsonl
+    from judgeloop.raft.readers import read_generic_jsonl
 
     return read_generic_jsonl(p, {})
 
@@ -179,7 +179,7 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 def test_empty_oracle_contexts_are_skipped_and_counted(tmp_path):
-    from judgeloop.data.raft_readers import read_pubmedqa, read_squad
+    from judgeloop.raft.readers import read_pubmedqa, read_squad
 
     row, _, _ = LOADERS["pubmedqa"]
     res = read_pubmedqa(_jsonl(tmp_path / "p.jsonl", [row, {**row, "id": "2", "contexts": ["", "  "]}]))
@@ -192,7 +192,7 @@ def test_empty_oracle_contexts_are_skipped_and_counted(tmp_path):
 
 
 def test_an_empty_oracle_in_generic_raft_input_names_the_question(tmp_path):
-    from judgeloop.data.raft_readers import read_generic_jsonl
+    from judgeloop.raft.readers import read_generic_jsonl
 
     row, _, _ = LOADERS["raft_jsonl"]
     path = _jsonl(tmp_path / "r.jsonl", [row, {**row, "id": "q7", "oracle": [""]}])
@@ -226,7 +226,7 @@ def test_a_duplicate_id_with_other_text_is_named(tmp_path, caplog):
 
 
 def test_a_duplicate_corpus_id_with_other_text_is_an_error(tmp_path):
-    from judgeloop.data.raft_readers import read_corpus_jsonl
+    from judgeloop.raft.readers import read_corpus_jsonl
 
     path = _jsonl(tmp_path / "c.jsonl", [{"id": "d", "text": "One."}, {"id": "d", "text": "Two."}])
     with pytest.raises(DataError, match=rf"^{path}:2: document id 'd' appears again with different text"):
@@ -392,3 +392,41 @@ def test_calibrate_refuses_too_few_labeled_pairs_before_judging(tmp_path):
         DataError, match=r"^calibrator.min_points=100000 but the calibration split gives \d+ labeled pairs"
     ):
         run(cfg)  # the judge named is never built: the check comes first
+
+
+@pytest.mark.parametrize(
+    "schema, old, new",
+    [
+        ("judgeloop.loop.config:FeedbackLoopConfig", "optim.lr=0.1", "optim.learning_rate"),
+        ("judgeloop.loop.config:FeedbackLoopConfig", "num_steps=3", "max_steps"),
+        ("judgeloop.loop.config:FeedbackLoopConfig", "calibration.n_bins=5", "calibration.num_bins"),
+        ("judgeloop.loop.config:FeedbackLoopConfig", "policy.sft_lr=0.1", "policy.sft_learning_rate"),
+        ("judgeloop.calibration.lab:CalibrateConfig", "n_bins=5", "num_bins"),
+        (
+            "judgeloop.retrieval.trainer:TrainRetrieverConfig",
+            "train.checkpoint_every_n_steps=5",
+            "train.save_every_n_steps",
+        ),
+        ("judgeloop.raft.sft:SftConfig", "train.logging_every_n_steps=5", "train.log_every_n_steps"),
+        ("judgeloop.retrieval.conformal_study:ConformalConfig", "data.max_corpus=5", "data.max_corpus_docs"),
+    ],
+)
+def test_a_renamed_key_names_its_new_name(schema, old, new):
+    import importlib
+
+    module, cls = schema.split(":")
+    with pytest.raises(ConfigError) as err:
+        load_config(getattr(importlib.import_module(module), cls), None, [old])
+    assert str(err.value).startswith(f"config key '{old.split('=')[0]}' is now '{new}'")
+
+
+def test_a_config_saved_under_old_names_migrates_and_compares_equal():
+    from judgeloop.config import config_changes, migrate, to_dict
+    from judgeloop.loop.config import FeedbackLoopConfig
+
+    new = to_dict(FeedbackLoopConfig())
+    old = {k: v for k, v in new.items() if k != "max_steps"} | {"num_steps": new["max_steps"]}
+    old["optim"] = {("lr" if k == "learning_rate" else k): v for k, v in new["optim"].items()}
+    old["calibration"] = {("n_bins" if k == "num_bins" else k): v for k, v in new["calibration"].items()}
+    assert config_changes(old, new)  # compared as saved, every renamed key is a change
+    assert config_changes(migrate(FeedbackLoopConfig, old), new) == []

@@ -42,3 +42,37 @@ def test_read_jsonl_errors(tmp_path):
     p.write_text("\n")
     with pytest.raises(DataError, match="holds no rows"):
         read_jsonl(p)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_atomic_dir_replaces_an_existing_folder_and_leaves_nothing_beside_it(tmp_path, monkeypatch, exchange):
+    """With the one-step swap (Linux renameat2) and with the two-rename fallback, the new folder replaces
+    the old one and no temporary or .old folder is left."""
+    import sys
+
+    import judgeloop.io as jio
+
+    if exchange and not sys.platform.startswith("linux"):
+        pytest.skip("renameat2 is Linux only")
+    if not exchange:
+        monkeypatch.setattr(jio, "_exchange", lambda a, b: False)
+    with jio.atomic_dir(tmp_path / "ck") as d:
+        (d / "v").write_text("old")
+    with jio.atomic_dir(tmp_path / "ck") as d:
+        (d / "v").write_text("new")
+    assert (tmp_path / "ck" / "v").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+def test_exchange_swaps_two_folders_in_one_step(tmp_path):
+    import sys
+
+    from judgeloop.io import _exchange
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("renameat2 is Linux only")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "from_a").write_text("x")
+    assert _exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b" / "from_a").is_file() and not any((tmp_path / "a").iterdir())

@@ -203,7 +203,7 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     from accelerate import Accelerator
 
     from judgeloop.loop.config import LossConfig
-    from judgeloop.loop.runner import policy_update
+    from judgeloop.loop.runner import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
 
     acc = Accelerator(cpu=True)
@@ -214,21 +214,10 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
     model, opt, sched = acc.prepare(model, opt, sched)
-    roll = _tiny_rollout(4)
-    stats = policy_update(
-        acc,
-        model,
-        ref,
-        opt,
-        sched,
-        roll,
-        torch.tensor([0.9, 0.1, 0.7, 0.5]),
-        torch.ones(4),
-        0.1,
-        LossConfig(beta=0.1),
-        1.0,
-        0,
+    batch = PairBatch(
+        1, [], rollout=_tiny_rollout(4), targets=torch.tensor([0.9, 0.1, 0.7, 0.5]), mask=torch.ones(4)
     )
+    stats = policy_update(Learner(acc, model, ref, opt, sched, LossConfig(beta=0.1), 1.0, 0), batch, 0.1)
     # pi == pi_ref at the first step: h = 0 and KL = 0 up to float noise (train- vs eval-mode attention kernels)
     assert stats["loss"] == pytest.approx(math.log(2), abs=1e-3)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
@@ -320,7 +309,7 @@ def test_leakage_check_raises_on_training_articles_in_calibration():
 )
 def test_feedback_loop_configs_load(path):
     cfg = load_config(FeedbackLoopConfig, path)
-    assert cfg.num_steps >= 1 and cfg.ablation.arms
+    assert cfg.max_steps >= 1 and cfg.ablation.arms
 
 
 @pytest.mark.parametrize(
@@ -361,7 +350,7 @@ FAST = [
     "judge.model=judgeloop-tiny/encoder",
     "judge.cache_size=0",
     "policy.sft_steps=60",
-    "num_steps=4",
+    "max_steps=4",
     "eval_every_n_steps=2",
     "calibration.recalibrate_every_n_steps=2",
     "calibration.num_articles=40",
@@ -395,14 +384,11 @@ def test_exact_resume_after_interruption(tmp_path):
     )
     assert part["interrupted"] and part["step"] == 2
     ckpt = Path(part["checkpoint"])
-    assert {
-        "policy.safetensors",
-        "optimizer.pt",
-        "scheduler.pt",
-        "rng.pt",
-        "calibrator.json",
-        "state.json",
-    } <= {p.name for p in ckpt.iterdir()}
+    files = {p.name: p for p in ckpt.iterdir()}
+    # accelerate's state (model, optimizer, scheduler, RNG per process) plus the loop's own files
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= set(files)
+    assert {"calibrator.json", "state.json"} <= set(files)
+
     assert (ckpt / "config.yaml").is_file()  # the config the checkpoint was made with
     # what a run killed after its checkpoint leaves: rows logged past the checkpoint, and an orphan
     # temporary folder from a checkpoint write cut short
@@ -440,22 +426,50 @@ def test_exact_resume_after_interruption(tmp_path):
     assert (tmp_path / "cut" / "report.json").is_file()
 
 
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    from judgeloop.loop.runner import train
+
+    lora = [*FAST, "policy.lora=true", "policy.lora_target_modules=[q_proj,v_proj]", "max_steps=2"]
+    lora += ["eval_every_n_steps=0", "calibration.recalibrate_every_n_steps=0"]
+    full = train(load_config(FeedbackLoopConfig, TINY, [*lora, f"output_dir={tmp_path / 'full'}"]))
+    part = train(
+        load_config(
+            FeedbackLoopConfig, TINY, [*lora, f"output_dir={tmp_path / 'cut'}", "stop_after_n_steps=1"]
+        )
+    )
+    saved = load_file(str(Path(part["checkpoint"]) / "model.safetensors"))
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:3]  # not the frozen base
+    resumed = train(
+        load_config(
+            FeedbackLoopConfig,
+            TINY,
+            [*lora, f"output_dir={tmp_path / 'cut'}", f"resume_from={part['checkpoint']}"],
+        )
+    )
+    _same(resumed["final"], full["final"])
+    for r, f in zip(resumed["train_log"], full["train_log"], strict=True):
+        _same(r, f)
+
+
 # A driver for real faults: the CLI runs in a child process, and the patch below kills it (SIGKILL) or
 # presses Ctrl-C (SIGINT) at one exact point of the run. Only the timing is patched; the run is the real one.
 _FAULT_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.checkpoint as ck
 import judgeloop.loop.runner as rn
 from judgeloop.cli import main
 
 fault = os.environ["JL_FAULT"]
-if fault == "kill_in_write":  # the step-4 checkpoint is half written: its policy file is there, the rest not
-    real_save_file = ck.save_file
-    def save_file(tensors, path):
-        real_save_file(tensors, path)
-        if ".step_4." in path:
+if fault == "kill_in_write":  # the step-4 checkpoint is half written: accelerate's state is there, the rest not
+    from accelerate import Accelerator
+    real_save_state = Accelerator.save_state
+    def save_state(self, output_dir=None, **kwargs):
+        out = real_save_state(self, output_dir, **kwargs)
+        if ".step_4." in str(output_dir):
             os.kill(os.getpid(), signal.SIGKILL)
-    ck.save_file = save_file
+        return out
+    Accelerator.save_state = save_state
 else:  # after the step-2 checkpoint, once step 3 has logged its training row
     real = rn.maybe_recalibrate
     def maybe_recalibrate(step, *args, **kwargs):
@@ -532,7 +546,7 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
         "policy.sft_steps=61",
         "calibration.method=isotonic",
         "loss.kl_coef=0.5",
-        "optim.lr=0.01",
+        "optim.learning_rate=0.01",
         "seed=1",
         "judge.scale=10",
     ],
@@ -569,7 +583,7 @@ def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpo
     cfg = load_config(
         FeedbackLoopConfig,
         TINY,
-        [*FAST, f"output_dir={tmp_path}", "num_steps=6", "progress_bar=true", "log_with=[jsonl,tensorboard]"],
+        [*FAST, f"output_dir={tmp_path}", "max_steps=6", "progress_bar=true", "log_with=[jsonl,tensorboard]"],
     )
     assert checked_resume(to_yaml(cfg), resume_checkpoint, RESUME_FREE_KEYS) == 1
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
@@ -585,7 +599,7 @@ def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
     from judgeloop.loop.runner import train
 
     cached = [o for o in FAST if not o.startswith("judge.cache_size")] + [
-        "num_steps=3",
+        "max_steps=3",
         "eval_every_n_steps=0",
     ]
     threads = torch.get_num_threads()
@@ -613,7 +627,7 @@ def test_judge_prefetch_auto_rule_and_core_split():
     """Auto is off for a CPU judge; when on, the CPU cores are split between the judge thread and the
     caller while the judge thread works, and the caller gets every core back when it waits or closes."""
     from judgeloop.judges import build_judge
-    from judgeloop.loop.runner import JudgePrefetch
+    from judgeloop.loop.prefetch import JudgePrefetch
 
     threads_before = torch.get_num_threads()
     cfg = load_config(FeedbackLoopConfig, TINY, [o for o in FAST if not o.startswith("judge.cache_size")])
@@ -693,10 +707,10 @@ def test_early_stopping_restores_the_best_validation_policy(tmp_path):
     over = [
         *FAST,
         f"output_dir={tmp_path}",
-        "num_steps=8",
+        "max_steps=8",
         "eval_every_n_steps=1",
         "early_stopping_patience=2",
-        "optim.lr=0.3",
+        "optim.learning_rate=0.3",
         "calibration.recalibrate_every_n_steps=0",
     ]
     rep = train(load_config(FeedbackLoopConfig, TINY, over))
@@ -784,9 +798,15 @@ def test_bf16_loop_context_serves_updated_weights():
     from judgeloop.loop.losses import targets_from_probs
     from judgeloop.loop.policy import load_policy
     from judgeloop.loop.rollout import PromptBuilder, rollout, token_logprobs
-    from judgeloop.loop.runner import make_optimizer, mixed_precision_kwargs, policy_update
+    from judgeloop.loop.runner import (
+        Learner,
+        PairBatch,
+        make_optimizer,
+        mixed_precision_kwargs,
+        policy_update,
+    )
 
-    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.lr=0.05"])
+    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.learning_rate=0.05"])
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     try:
@@ -802,9 +822,8 @@ def test_bf16_loop_context_serves_updated_weights():
             comps, prompts = roll.a_ids + roll.b_ids, roll.prompts * 2
             before, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
             targets, mask = targets_from_probs(torch.tensor([1.0, 0.0]), "soft")
-            policy_update(
-                acc, model, ref, opt, sched, roll, targets, mask, 0.1, cfg.loss, 1.0, tok.pad_token_id
-            )
+            batch = PairBatch(1, [], rollout=roll, targets=targets, mask=mask)
+            policy_update(Learner(acc, model, ref, opt, sched, cfg.loss, 1.0, tok.pad_token_id), batch, 0.1)
             after, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
         with acc.autocast():  # a fresh context: casts the current weights
             fresh, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
@@ -828,7 +847,7 @@ def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
         over = [
             *FAST,
             f"output_dir={tmp_path}",
-            "num_steps=2",
+            "max_steps=2",
             "eval_every_n_steps=2",
             "mixed_precision=bf16",
         ]

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from judgeloop.loop.config import LossConfig
 from judgeloop.loop.rollout import Rollout
-from judgeloop.loop.runner import policy_update
+from judgeloop.loop.runner import Learner, PairBatch, policy_update
 from judgeloop.models import load_causal_lm
 import copy
 
@@ -51,7 +51,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
 model, opt, sched = acc.prepare(model, opt, sched)
 for _ in range(2):
-    stats = policy_update(acc, model, ref, opt, sched, roll, p[lo:hi], mask[lo:hi], 0.1, LossConfig(beta=0.5), 0.0, 0)
+    batch = PairBatch(1, [], rollout=roll, targets=p[lo:hi], mask=mask[lo:hi])
+    stats = policy_update(Learner(acc, model, ref, opt, sched, LossConfig(beta=0.5), 0.0, 0), batch, 0.1)
 if acc.is_main_process:
     torch.save({"params": {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()},
                 "init": init, "world": acc.num_processes, "loss": stats["loss"]}, out)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from judgeloop.config import ConfigError, load_config
-from judgeloop.data.chunking import ChunkConfig, chunk_text
-from judgeloop.data.raft import (
+from judgeloop.data.splits import LeakageError
+from judgeloop.models import load_tokenizer
+from judgeloop.raft.builder import (
     BuildRaftConfig,
     DistractorConfig,
     RaftDataConfig,
@@ -26,9 +27,8 @@ from judgeloop.data.raft import (
     save_raft,
     select_quotes,
 )
-from judgeloop.data.raft_readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
-from judgeloop.data.splits import LeakageError
-from judgeloop.models import load_tokenizer
+from judgeloop.raft.chunking import ChunkConfig, chunk_text
+from judgeloop.raft.readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
 
 TINY = "judgeloop-tiny/causal-lm"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from judgeloop.commands.eval_raft import (
+from judgeloop.intervals import wilson_interval
+from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.raft.builder import build_raft, save_raft
+from judgeloop.raft.evaluation import (
     EvalRaftConfig,
     _batched_last_logits,
     candidate_token_ids,
@@ -17,11 +20,8 @@ from judgeloop.commands.eval_raft import (
     score_choices,
     setting_docs,
     token_f1,
-    wilson_interval,
 )
-from judgeloop.commands.sft import SftConfig, load_sft_dataset, to_prompt_completion
-from judgeloop.data.raft import build_raft, save_raft
-from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.raft.sft import SftConfig, load_sft_dataset, to_prompt_completion
 from test_raft import TINY, _cfg, _synthetic  # noqa: I001  (tests/ is on sys.path under pytest)
 
 
@@ -156,8 +156,8 @@ def test_squad_metrics_and_wilson_by_hand():
     assert token_f1("in northern France", "France") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
     assert token_f1("Paris", "France") == 0.0
     lo, hi = wilson_interval(8, 10)
-    # Wilson 95%: centre (0.8 + 1.96^2/20) / (1 + 1.96^2/10); half-width by the formula.
-    z = 1.96
+    # Wilson 95%: centre (0.8 + z^2/20) / (1 + z^2/10), z = Phi^-1(0.975); half-width by the formula.
+    z = 1.959963984540054
     centre = (0.8 + z * z / 20) / (1 + z * z / 10)
     half = z * math.sqrt(0.8 * 0.2 / 10 + z * z / 400) / (1 + z * z / 10)
     assert (lo, hi) == pytest.approx((centre - half, centre + half))
@@ -181,7 +181,7 @@ def test_settings_show_the_right_documents():
 def test_eval_config_errors():
     with pytest.raises(ValueError, match="each must be one of"):
         EvalRaftConfig(settings=["oracle_plus"])
-    from judgeloop.commands.eval_raft import load_tuned
+    from judgeloop.raft.evaluation import load_tuned
 
     with pytest.raises(ValueError, match="adapter_dir=/nonexistent does not exist"):
         load_tuned(TINY, "/nonexistent")

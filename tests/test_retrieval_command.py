@@ -163,7 +163,7 @@ def test_train_retriever_end_to_end(tmp_path, beir_dir):
 def test_train_retriever_resumes_exactly(tmp_path, beir_dir):
     from judgeloop.commands.train_retriever import run
 
-    common = ["train.num_epochs=2", "train.checkpoint_every_n_steps=1", "train.keep_checkpoints=10"]
+    common = ["train.num_epochs=2", "train.save_every_n_steps=1", "train.keep_checkpoints=10"]
     full = tmp_path / "full"
     run(_cfg(_overrides(beir_dir, full, *common)))
     steps = sorted(int(p.name.split("_")[1]) for p in (full / "checkpoints").glob("step_*"))
@@ -211,7 +211,7 @@ def test_mine_negatives_command(tmp_path, beir_dir):
 
 
 def test_scifact_config_split_is_leak_free(repo, shared_data):
-    from judgeloop.commands.train_retriever import TrainRetrieverConfig, load_retrieval_data
+    from judgeloop.retrieval.trainer import TrainRetrieverConfig, load_retrieval_data
 
     cfg = load_config(TrainRetrieverConfig, repo / "configs" / "retriever" / "scifact.yaml")
     cfg.data.train.corpus_path = str(shared_data / "scifact" / "corpus.jsonl")
@@ -269,7 +269,7 @@ def test_no_training_data_is_a_data_error(tmp_path):
 
 
 def test_embedding_cache_serves_a_subset_without_reencoding(tmp_path):
-    from judgeloop.commands.train_retriever import encode_texts
+    from judgeloop.retrieval.trainer import encode_texts
 
     enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
     cache = tmp_path / "cache"
@@ -286,8 +286,8 @@ def test_embedding_cache_serves_a_subset_without_reencoding(tmp_path):
 
 
 def test_max_corpus_docs_keeps_every_judged_document():
-    from judgeloop.commands.train_retriever import _shrink_corpus
     from judgeloop.retrieval.beir import BeirData
+    from judgeloop.retrieval.trainer import _shrink_corpus
 
     corpus = {f"d{i}": {"title": "", "text": str(i)} for i in range(50)}
     data = BeirData(corpus, {"a": "x", "b": "y"}, {"a": {"d40": 1}, "b": {"d41": 1, "d42": 0}})
@@ -299,8 +299,8 @@ def test_max_corpus_docs_keeps_every_judged_document():
 def test_loss_masks_mark_known_positives_per_process_and_gathered():
     from accelerate import Accelerator
 
-    from judgeloop.commands.train_retriever import Example, loss_masks
     from judgeloop.retrieval.beir import BeirData
+    from judgeloop.retrieval.trainer import Example, loss_masks
 
     corpus = {f"d{i}": {"title": "", "text": f"doc {i}"} for i in range(6)}
     # q1 is answered by d1 and d2: when the batch holds (q1, d1) and (q1, d2), each is not the other's negative
@@ -341,7 +341,8 @@ def test_recipe_runs_the_library_loop(tmp_path, beir_dir, repo, capsys):
 def test_bf16_encoding_and_training_stay_close_to_float32(tmp_path, beir_dir):
     """bf16 autocast (train.mixed_precision / eval.precision) changes embeddings by bf16 rounding only,
     returns float32, and keys the embedding cache separately."""
-    from judgeloop.commands.train_retriever import _model_fingerprint, run
+    from judgeloop.commands.train_retriever import run
+    from judgeloop.retrieval.trainer import _model_fingerprint
 
     enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder")
     texts = [f"document number {i} about proteins and cells" for i in range(10)]

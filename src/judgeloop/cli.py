@@ -66,6 +66,7 @@ COMMAND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 
 def command_options(name: str) -> list[tuple[str, dict[str, Any]]]:
+    """The extra command-line options of one command (beyond --config and overrides)."""
     return COMMAND_OPTIONS.get(name, [])
 
 
@@ -85,6 +86,7 @@ def resolve_command(name: str) -> tuple[type, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``judgeloop`` entry point: parse, load and check the config, run; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="judgeloop", description=__doc__.splitlines()[0] if __doc__ else None
     )

@@ -8,6 +8,7 @@ import sys
 
 
 def get_logger(name: str) -> logging.Logger:
+    """The library logger for a module (under the one ``judgeloop`` logger)."""
     logger = logging.getLogger(name if name.startswith("judgeloop") else f"judgeloop.{name}")
     return logger
 

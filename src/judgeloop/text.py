@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 # Function words that carry no topic: the base of the stop lists the RAFT builder (quote selection)
 # and the weak-retrieval gate (query-term coverage) each extend for their own texts.
 STOPWORDS = frozenset(
@@ -40,3 +43,17 @@ STOPWORDS = frozenset(
         "with",
     ]
 )
+
+
+def fmt_number(x: Any, nd: int = 3, none: str = "n/a") -> str:
+    """A report cell: floats with ``nd`` decimals, NaN as ``n/a``, infinities as ``inf`` / ``-inf``,
+    ``None`` as ``none`` (``"inf"`` where None stands for an infinite threshold), anything else as text."""
+    if x is None:
+        return none
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "n/a"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return f"{x:.{nd}f}"
+    return str(x)

@@ -474,9 +474,11 @@ def make_calibrator(method: str, **kwargs: Any) -> Calibrator:
 
 
 def load_calibrator(path: str | Path) -> Calibrator:
+    """A fitted calibrator read from a JSON file written by :meth:`Calibrator.save`."""
     state = json.loads(Path(path).read_text())
     return make_calibrator(state["method"]).load_state_dict(state)
 
 
 def calibrator_from_state(state: dict[str, Any]) -> Calibrator:
+    """A fitted calibrator rebuilt from its :meth:`Calibrator.state_dict`."""
     return make_calibrator(state["method"]).load_state_dict(state)

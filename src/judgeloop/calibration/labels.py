@@ -36,6 +36,8 @@ class LabelConfig:
 
 @dataclass
 class LabeledPair:
+    """Two candidate summaries of one article with a 0/1 label (1 = ``a`` is better)."""
+
     article_id: str
     article: str
     a: str
@@ -48,6 +50,8 @@ class LabeledPair:
 
 @dataclass
 class LabelStats:
+    """What labeling kept and dropped (ties, unrated pairs) on one split."""
+
     pairs_considered: int = 0
     ties_dropped: int = 0
     unrated_dropped: int = 0
@@ -168,6 +172,7 @@ def pair_features(article: str, a: str, b: str) -> np.ndarray:
 
 
 def pair_feature_matrix(pairs: Sequence[LabeledPair]) -> np.ndarray:
+    """The style features of each pair (``FEATURE_NAMES`` columns, a minus b): ``(N, F)``."""
     if not pairs:
         return np.zeros((0, len(FEATURE_NAMES)))
     return np.stack([pair_features(p.article, p.a, p.b) for p in pairs])

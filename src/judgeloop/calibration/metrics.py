@@ -27,6 +27,7 @@ def _check(p: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def bin_edges(p: np.ndarray, n_bins: int, strategy: str) -> np.ndarray:
+    """Edges of ``n_bins`` equal-width (``equal_mass=False``) or equal-mass bins over [0, 1]."""
     if n_bins < 1:
         raise ValueError(f"n_bins must be >= 1, got {n_bins}")
     if strategy == "uniform":
@@ -72,6 +73,7 @@ def mce(p: np.ndarray, y: np.ndarray, n_bins: int = 15, strategy: str = "uniform
 
 
 def brier(p: np.ndarray, y: np.ndarray) -> float:
+    """Brier score: mean squared error of the probabilities against the 0/1 labels."""
     p, y = _check(p, y)
     return float(np.mean((p - y) ** 2))
 
@@ -101,6 +103,7 @@ def auc(p: np.ndarray, y: np.ndarray) -> float:
 
 
 def all_metrics(p: np.ndarray, y: np.ndarray, n_bins: int = 15) -> dict[str, float]:
+    """ECE (both binnings), MCE, Brier, NLL, AUC and accuracy of probabilities against labels."""
     return {
         "ece": ece(p, y, n_bins, "uniform"),
         "ece_equal_mass": ece(p, y, n_bins, "quantile"),

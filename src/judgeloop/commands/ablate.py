@@ -20,6 +20,7 @@ __all__ = ["FeedbackLoopConfig", "run"]
 def run(
     cfg: FeedbackLoopConfig, job: str | None = None, aggregate_only: bool = False, list_jobs: bool = False
 ) -> dict[str, Any]:
+    """Run the command on ``cfg`` (the CLI calls this after loading and checking the config)."""
     if sum([job is not None, aggregate_only, list_jobs]) > 1:
         raise ConfigError("use only one of --job, --aggregate and --list-jobs")
     if list_jobs:

@@ -2,15 +2,15 @@
 
 Writes ``train.jsonl`` / ``eval.jsonl`` (chat ``messages`` + ``meta``), ``dataset/`` (a
 ``datasets.DatasetDict`` for ``load_from_disk``), ``stats.json`` and the resolved ``config.yaml``
-under ``output_dir``. The schema is :class:`judgeloop.data.raft.BuildRaftConfig`.
+under ``output_dir``. The schema is :class:`judgeloop.raft.builder.BuildRaftConfig`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from judgeloop.data.raft import BuildRaftConfig, build_raft, save_raft
 from judgeloop.logging import get_logger
+from judgeloop.raft.builder import BuildRaftConfig, build_raft, save_raft
 
 logger = get_logger(__name__)
 

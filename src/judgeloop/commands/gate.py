@@ -1,269 +1,29 @@
-"""``judgeloop gate``: fit the weak-retrieval gate on a calibration split of a BEIR data set, report on test.
-
-The primary retriever is a dense encoder; its top-``window_k`` is the window the system consumes.
-A retrieval is weak when a relevant document (qrels) is missing from that window. Signals come from
-the primary list, a BM25 retrieval (bm25s), a second dense encoder (by default the same MiniLM with
-CLS pooling, a cheap "second opinion" that shares the weights), and the retrieved text. Writes
-``report.json``, ``report.md``, ``gate.json`` (the fitted gate) and ``config.yaml``.
-"""
+"""``judgeloop gate``: fit the weak-retrieval gate on a calibration split of a BEIR data set and report on
+test (:mod:`judgeloop.retrieval.gate_study`); writes ``report.json``, ``report.md``, ``gate.json`` (the
+fitted gate) and ``config.yaml`` under ``output_dir``."""
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
-
-from judgeloop.commands.conformal import (
-    EncoderConfig,
-    RetrievalDataConfig,
-    bm25_topk,
-    build_bm25,
-    load_retrieval_data,
-    retrieve_dense,
-)
+from judgeloop.config import to_yaml
+from judgeloop.io import atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
+from judgeloop.retrieval.gate_study import GateConfig, gate_study, render_markdown
 
 logger = get_logger(__name__)
 
-DEFAULT_SIGNALS = [
-    "max_score",
-    "score_std",
-    "score_range",
-    "top_gap",
-    "bm25_overlap",
-    "dense_agreement",
-    "term_coverage",
-]
-
-
-@dataclass
-class GateSection:
-    signals: list[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
-    window_k: int = 10  # the top-k the system consumes
-    min_separation: float = 0.65
-    max_correlation: float = 0.85
-    threshold_rule: Literal["youden", "recall"] = "youden"
-    target_recall: float = 0.8
-    combine: Literal["single", "or"] = "single"
-    num_bootstrap: int = 1000
-
-    def __post_init__(self) -> None:
-        from judgeloop.retrieval.gate import SIGNALS
-
-        unknown = [s for s in self.signals if s not in SIGNALS]
-        if unknown or not self.signals:
-            raise ValueError(f"gate.signals has unknown signal(s) {unknown}; choose from {sorted(SIGNALS)}")
-        if self.window_k < 2:
-            raise ValueError(f"gate.window_k={self.window_k} must be >= 2 (top_gap needs two results)")
-
-
-@dataclass
-class GateConfig:
-    data: RetrievalDataConfig = field(default_factory=RetrievalDataConfig)
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    second_encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(pooling="cls", max_length=64))
-    gate: GateSection = field(default_factory=GateSection)
-    calibration_fraction: float = 0.5
-    seed: int = 0
-    output_dir: str = "runs/gate"
-    cache_dir: str | None = "runs/cache"
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.calibration_fraction < 1.0:
-            raise ValueError(f"calibration_fraction={self.calibration_fraction} must be in (0, 1); e.g. 0.5")
+__all__ = ["GateConfig", "run"]
 
 
 def run(cfg: GateConfig) -> dict[str, Any]:
-    from judgeloop.config import to_yaml
-    from judgeloop.io import atomic_write_json, atomic_write_text
-    from judgeloop.retrieval.gate import (
-        SIGNALS,
-        GateInputs,
-        WeakRetrievalGate,
-        auc,
-        bootstrap_auc,
-        compute_signals,
-        gate_metrics,
-    )
-
-    g = cfg.gate
-    beir, _ = load_retrieval_data(cfg.data)
-    rq = retrieve_dense(beir, cfg.encoder, g.window_k, cfg.cache_dir)
-    weak = rq.num_missing > 0  # (Q,) a relevant doc is missing from the window
-    inputs = GateInputs(
-        scores=rq.raw_scores,
-        ids=rq.indices,
-        queries=rq.query_texts,
-        docs=[[rq.doc_texts[j] for j in row] for row in rq.indices],
-    )
-    timing: dict[str, float] = {}
-    if "bm25_overlap" in g.signals:
-        index = build_bm25(rq.doc_texts)
-        t0 = time.perf_counter()
-        _, inputs.bm25_ids = bm25_topk(index, rq.query_texts, g.window_k)
-        timing["bm25_overlap"] = (time.perf_counter() - t0) / len(rq.query_ids)
-    if "dense_agreement" in g.signals:
-        rq2 = retrieve_dense(beir, cfg.second_encoder, g.window_k, cfg.cache_dir)
-        assert rq2.doc_ids == rq.doc_ids
-        inputs.dense2_ids = rq2.indices
-        # the per-query cost: encode the queries with the second encoder and search its index (model loaded)
-        from judgeloop.retrieval.encoder import BiEncoder
-
-        e = cfg.second_encoder
-        enc = BiEncoder.from_pretrained(e.name, pooling=e.pooling, normalize=True, max_length=e.max_length)
-        t0 = time.perf_counter()
-        enc.encode(rq.query_texts, batch_size=e.batch_size, is_query=True)
-        timing["dense_agreement"] = (time.perf_counter() - t0) / len(rq.query_ids)
-    signals = compute_signals(inputs, g.signals)
-
-    rng = np.random.default_rng(cfg.seed)
-    perm = rng.permutation(len(rq.query_ids))
-    n_cal = int(round(cfg.calibration_fraction * len(perm)))
-    cal, test = perm[:n_cal], perm[n_cal:]
-    gate = WeakRetrievalGate(
-        g.min_separation, g.max_correlation, g.threshold_rule, g.target_recall, g.combine
-    )
-    per_signal: dict[str, Any] = {}
-    try:
-        gate.fit({k: v[cal] for k, v in signals.items()}, weak[cal])
-        fit_error = None
-    except ValueError as err:  # no signal separates: reported, not turned into a gate
-        fit_error = str(err)
-        from judgeloop.retrieval.gate import select_signals
-
-        gate.stats_ = select_signals({k: v[cal] for k, v in signals.items()}, weak[cal], g.min_separation,
-                                     g.max_correlation)  # fmt: skip
-    for st in gate.stats_:
-        x = signals[st.name][test]
-        a = auc(x, ~weak[test])
-        lo, hi = bootstrap_auc(x, ~weak[test], g.num_bootstrap, seed=cfg.seed)
-        per_signal[st.name] = {
-            "auc_cal": st.auc,
-            "separation_cal": st.separation,
-            "auc_test": a,
-            "auc_test_ci95": [lo, hi],
-            "separation_test": max(a, 1 - a),
-            "orientation": st.orientation,
-            "kept": st.kept,
-            "dropped_because": st.reason or None,
-            "extra_cost_per_query": SIGNALS[st.name].cost,
-            "measured_seconds_per_query": timing.get(st.name),
-        }
-    report: dict[str, Any] = {
-        "data": {
-            "queries_path": cfg.data.queries_path,
-            "num_queries": len(rq.query_ids),
-            "corpus_size": len(rq.doc_ids),
-            "n_cal": int(cal.size),
-            "n_test": int(test.size),
-        },  # fmt: skip
-        "primary_encoder": _describe(cfg.encoder),
-        "second_encoder": _describe(cfg.second_encoder),
-        "window_k": g.window_k,
-        "weak_rate_cal": float(weak[cal].mean()),
-        "weak_rate_test": float(weak[test].mean()),
-        "signals": per_signal,
-        "auc_note": "AUC of the raw signal for good (non-weak) retrievals; < 0.5 means high values flag weakness",
-        "fit_error": fit_error,
-    }
-    if fit_error is None:
-        used = gate.state_.signals
-        esc_test = gate.predict({k: v[test] for k, v in signals.items()})
-        esc_cal = gate.predict({k: v[cal] for k, v in signals.items()})
-        n_extra_retrievals = sum(1 for s in used if s in ("bm25_overlap", "dense_agreement"))
-        n_extra_encodings = sum(1 for s in used if s == "dense_agreement")
-        report["gate"] = {
-            "signals": used,
-            "orientation": gate.state_.orientation,
-            "thresholds": gate.state_.thresholds,
-            "threshold_rule": g.threshold_rule,
-            "combine": g.combine,
-            "cal": gate_metrics(esc_cal, weak[cal]),
-            "test": gate_metrics(esc_test, weak[test]),
-            "cost": {
-                "extra_retrievals_per_query": n_extra_retrievals,
-                "extra_query_encodings_per_query": n_extra_encodings,
-                "measured_seconds_per_query": sum(timing.get(s, 0.0) for s in used),
-                "escalations_per_query_test": float(esc_test.mean()),
-            },
-        }
+    """Run the gate study of ``cfg`` and write its outputs; returns the report."""
+    report, gate = gate_study(cfg)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     atomic_write_json(out_dir / "gate.json", gate.state_dict())
     atomic_write_json(out_dir / "report.json", report)
     atomic_write_text(out_dir / "report.md", render_markdown(report))
     logger.info("wrote %s", out_dir / "report.md")
     return report
-
-
-def _describe(e: EncoderConfig) -> str:
-    return f"{e.name} ({e.pooling} pooling, {e.max_length} tokens)"
-
-
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    d = report["data"]
-    lines = [
-        "# Weak-retrieval gate report",
-        "",
-        f"- data: `{d['queries_path']}`, {d['num_queries']} queries ({d['n_cal']} calibration / {d['n_test']} test), "
-        f"corpus {d['corpus_size']}",
-        f"- primary retriever: {report['primary_encoder']}; second dense encoder: {report['second_encoder']}; "
-        f"window top-{report['window_k']}",
-        f"- weak = a relevant document missing from the window: {report['weak_rate_cal']:.1%} of calibration, "
-        f"{report['weak_rate_test']:.1%} of test queries",
-        f"- {report['auc_note']}",
-        "",
-        "| signal | AUC cal | AUC test | 95% CI (bootstrap) | kept | why dropped | extra cost per query |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, s in report["signals"].items():
-        lo, hi = s["auc_test_ci95"]
-        lines.append(
-            f"| {name} | {_f(s['auc_cal'])} | {_f(s['auc_test'])} | [{_f(lo)}, {_f(hi)}] | "
-            f"{'yes' if s['kept'] else 'no'} | {s['dropped_because'] or ''} | {s['extra_cost_per_query']} |"
-        )
-    if report.get("fit_error"):
-        lines += ["", f"**No gate fitted:** {report['fit_error']}"]
-    else:
-        gt = report["gate"]
-        parts = []
-        for k in gt["signals"]:
-            t = gt["thresholds"][k]
-            if t is None or (isinstance(t, float) and math.isinf(t)):
-                parts.append(f"{k} never fires (the joint search gave it no threshold)")
-            else:
-                parts.append(
-                    f"{k} {'>=' if gt['orientation'][k] < 0 else '<='} {_f(gt['orientation'][k] * t, 4)}"
-                )
-        thr = " or ".join(parts)
-        lines += [
-            "",
-            f"## Gate: escalate when {thr} ({gt['threshold_rule']}, combine={gt['combine']})",
-            "",
-            "| split | precision | recall | escalation rate | weak rate |",
-            "|---|---|---|---|---|",
-        ]
-        for split in ("cal", "test"):
-            m = gt[split]
-            lines.append(
-                f"| {split} | {_f(m['precision'])} | {_f(m['recall'])} | {_f(m['escalation_rate'])} | {_f(m['weak_rate'])} |"
-            )
-        c = gt["cost"]
-        lines += [
-            "",
-            f"Cost: {c['extra_retrievals_per_query']} extra retrieval(s) and {c['extra_query_encodings_per_query']} "
-            f"extra query encoding(s) per query ({c['measured_seconds_per_query'] * 1000:.1f} ms/query measured); "
-            f"escalations on {c['escalations_per_query_test']:.1%} of test queries.",
-        ]
-    return "\n".join(lines) + "\n"

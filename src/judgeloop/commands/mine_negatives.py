@@ -7,18 +7,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from judgeloop.commands.train_retriever import NegativesConfig as _Negatives
-from judgeloop.commands.train_retriever import RetrievalDataPaths, RetrieverModelConfig, mine_negatives
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.encoder import BiEncoder
 from judgeloop.retrieval.mining import MiningConfig, save_negatives
+from judgeloop.retrieval.trainer import NegativesConfig as _Negatives
+from judgeloop.retrieval.trainer import RetrievalDataPaths, RetrieverModelConfig, mine_negatives
 
 logger = get_logger(__name__)
 
 
 @dataclass
 class MineNegativesConfig:
+    """Schema of ``judgeloop mine-negatives``: data, encoder, mining settings, output file."""
+
     output_path: str = "outputs/negatives.jsonl"
     model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
     data: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)

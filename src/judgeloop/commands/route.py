@@ -1,263 +1,29 @@
-"""``judgeloop route``: confidence routing for QA against never / always / random-matched / oracle routing.
-
-Every sampled question gets both a closed-book probe (answer + confidence) and a retrieval-augmented
-answer (top-k passages from the pool of all the file's passages). The threshold is chosen on a
-selection split (max F1, optionally under a retrieval budget), frozen, and applied to the test split,
-where all five policies are scored on the same answers. Writes ``report.json``, ``report.md``,
-``predictions.jsonl`` and ``config.yaml``.
-"""
+"""``judgeloop route``: confidence routing for QA, retrieving only when the closed-book probe is unsure,
+against four baselines (:mod:`judgeloop.routing.study`); writes ``report.json``, ``report.md``,
+``predictions.jsonl`` and ``config.yaml`` under ``output_dir``."""
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
-
-from judgeloop.commands.conformal import (
-    EncoderConfig,
-    bm25_topk,
-    build_bm25,
-    dense_topk,
-    encode_cached,
-    encode_texts,
-)
+from judgeloop.config import to_yaml
+from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.logging import get_logger
+from judgeloop.routing.study import RouteConfig, render_markdown, route_study
 
 logger = get_logger(__name__)
 
-
-@dataclass
-class RouteDataConfig:
-    format: Literal["squad2", "pubmedqa"] = "squad2"
-    path: str = "../shared/data/squad2_sample/squad2_sample.jsonl"
-    answerable_only: bool = True  # SQuAD 2.0: drop unanswerable questions
-    max_questions: int | None = 80  # random sample (seeded); None = all
-
-    def __post_init__(self) -> None:
-        if self.max_questions is not None and self.max_questions < 4:
-            raise ValueError(
-                f"data.max_questions={self.max_questions} must be >= 4 (two splits of two) or null"
-            )
-
-
-@dataclass
-class LMConfig:
-    name: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    max_new_tokens: int = 16
-    batch_size: int = 8
-
-
-@dataclass
-class RetrieverSection:
-    type: Literal["dense", "bm25"] = "dense"
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    top_k: int = 2
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ValueError(f"retriever.top_k={self.top_k} must be >= 1")
-
-
-@dataclass
-class RouterSection:
-    confidence: Literal["logit", "verbalized"] = "logit"
-    selection_fraction: float = 0.5  # share of questions used to choose the threshold
-    max_retrieval_rate: float | None = None  # retrieval budget on the selection split
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.selection_fraction < 1.0:
-            raise ValueError(f"router.selection_fraction={self.selection_fraction} must be in (0, 1)")
-        if self.max_retrieval_rate is not None and not 0.0 <= self.max_retrieval_rate <= 1.0:
-            raise ValueError(
-                f"router.max_retrieval_rate={self.max_retrieval_rate} must be in [0, 1] or null (no budget)"
-            )
-
-
-@dataclass
-class RouteConfig:
-    data: RouteDataConfig = field(default_factory=RouteDataConfig)
-    model: LMConfig = field(default_factory=LMConfig)
-    retriever: RetrieverSection = field(default_factory=RetrieverSection)
-    router: RouterSection = field(default_factory=RouterSection)
-    seed: int = 0
-    output_dir: str = "runs/route"
-    cache_dir: str | None = "runs/cache"
-
-
-def _load(cfg: RouteDataConfig) -> tuple[list[Any], list[str]]:
-    from judgeloop.routing.readers import passage_pool, read_pubmedqa, read_squad2
-
-    if cfg.format == "squad2":
-        questions = read_squad2(cfg.path, cfg.answerable_only)
-        pool = passage_pool(read_squad2(cfg.path, answerable_only=False))
-    else:
-        questions = read_pubmedqa(cfg.path)
-        pool = passage_pool(questions)
-    return questions, pool
-
-
-def retrieve_passages(
-    cfg: RouteConfig, questions: list[str], pool: list[str]
-) -> tuple[list[list[int]], float]:
-    """Top-k pool indices per question and the per-question retrieval latency (seconds)."""
-    r = cfg.retriever
-    k = min(r.top_k, len(pool))
-    if r.type == "bm25":
-        index = build_bm25(pool)
-        t0 = time.perf_counter()
-        _, idx = bm25_topk(index, questions, k)
-        return idx.tolist(), (time.perf_counter() - t0) / len(questions)
-    e = r.encoder
-    pool_emb = encode_cached(e.name, pool, cfg.cache_dir, e.pooling, e.max_length, e.batch_size)
-    t0 = time.perf_counter()
-    q_emb = encode_texts(e.name, questions, e.pooling, e.max_length, e.batch_size, is_query=True)
-    _, idx = dense_topk(q_emb, pool_emb, k)
-    return idx.tolist(), (time.perf_counter() - t0) / len(questions)
+__all__ = ["RouteConfig", "run"]
 
 
 def run(cfg: RouteConfig) -> dict[str, Any]:
-    from judgeloop.config import to_yaml
-    from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
-    from judgeloop.models import load_causal_lm, load_tokenizer
-    from judgeloop.routing.llm import SHORT_ANSWER, YES_NO_MAYBE, answer_with_passages, probe
-    from judgeloop.routing.metrics import exact_match, token_f1
-    from judgeloop.routing.router import ConfidenceRouter, RoutingOutcomes, routing_table
-
-    rng = np.random.default_rng(cfg.seed)
-    examples, pool = _load(cfg.data)
-    if cfg.data.max_questions is not None and cfg.data.max_questions < len(examples):
-        keep = np.sort(rng.choice(len(examples), cfg.data.max_questions, replace=False))
-        examples = [examples[i] for i in keep]
-    qs = [ex.question for ex in examples]
-    logger.info("%d questions, pool of %d passages", len(qs), len(pool))
-
-    top, retrieval_s = retrieve_passages(cfg, qs, pool)
-    passages = [[pool[j] for j in row] for row in top]
-    gold_hit = np.asarray([any(p in ex.gold_passages for p in ps) for ex, ps in zip(examples, passages)])
-
-    tok = load_tokenizer(cfg.model.name)
-    model = load_causal_lm(cfg.model.name)
-    m = cfg.model
-    instruction = YES_NO_MAYBE if cfg.data.format == "pubmedqa" else SHORT_ANSWER
-    closed, conf, probe_gens = probe(
-        model, tok, qs, cfg.router.confidence, m.max_new_tokens, m.batch_size, instruction
-    )
-    rag, rag_gens = answer_with_passages(
-        model, tok, qs, passages, m.max_new_tokens, m.batch_size, instruction
-    )
-
-    golds = [ex.answers for ex in examples]
-    o = RoutingOutcomes(
-        confidence=conf,
-        em_closed=np.asarray([exact_match(a, g) for a, g in zip(closed, golds)]),
-        f1_closed=np.asarray([token_f1(a, g) for a, g in zip(closed, golds)]),
-        em_rag=np.asarray([exact_match(a, g) for a, g in zip(rag, golds)]),
-        f1_rag=np.asarray([token_f1(a, g) for a, g in zip(rag, golds)]),
-        tokens_probe=np.asarray([g.prompt_tokens + g.new_tokens for g in probe_gens], dtype=float),
-        tokens_rag=np.asarray([g.prompt_tokens + g.new_tokens for g in rag_gens], dtype=float),
-        latency_probe=np.asarray([g.seconds for g in probe_gens]),
-        latency_rag=np.asarray([g.seconds + retrieval_s for g in rag_gens]),
-        passages_rag=np.full(len(qs), float(len(passages[0]))),
-    )
-    perm = rng.permutation(len(qs))
-    n_sel = int(round(cfg.router.selection_fraction * len(qs)))
-    sel, test = perm[:n_sel], perm[n_sel:]
-    router = ConfidenceRouter(cfg.router.max_retrieval_rate).fit(conf[sel], o.f1_closed[sel], o.f1_rag[sel])
-    report: dict[str, Any] = {
-        "data": {
-            "format": cfg.data.format,
-            "path": cfg.data.path,
-            "num_questions": len(qs),
-            "num_selection": int(sel.size),
-            "num_test": int(test.size),
-            "pool_size": len(pool),
-        },  # fmt: skip
-        "model": m.name,
-        "confidence": cfg.router.confidence,
-        "retriever": f"{cfg.retriever.type} top-{cfg.retriever.top_k}"
-        + (f" ({cfg.retriever.encoder.name})" if cfg.retriever.type == "dense" else ""),
-        "retrieval_recall_at_k": float(gold_hit.mean()),
-        "missing_confidence": int(np.isnan(conf).sum()),
-        "threshold": router.threshold_,
-        "selection": {"f1": router.selection_f1_, "retrieval_rate": router.selection_retrieval_rate_},
-        "auc_confidence_vs_closed_correct": _auc_or_nan(conf[test], o.f1_closed[test] > 0.5),
-        "test": routing_table(o.subset(test), router.predict(conf[test])),
-        "selection_table": routing_table(o.subset(sel), router.predict(conf[sel])),
-    }
+    """Run the routing study of ``cfg`` and write its outputs; returns the report."""
+    report, rows = route_study(cfg)
     out_dir = Path(cfg.output_dir)
-    rows = [
-        {
-            "id": ex.id,
-            "split": "selection" if i in set(sel.tolist()) else "test",
-            "question": ex.question,
-            "answers": ex.answers,
-            "closed": closed[i],
-            "confidence": conf[i],
-            "rag": rag[i],
-            "f1_closed": o.f1_closed[i],
-            "f1_rag": o.f1_rag[i],
-            "gold_passage_retrieved": bool(gold_hit[i]),
-            "probe_raw": probe_gens[i].raw,
-        }  # fmt: skip
-        for i, ex in enumerate(examples)
-    ]
-    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     atomic_write_jsonl(out_dir / "predictions.jsonl", rows)
     atomic_write_json(out_dir / "report.json", report)
     atomic_write_text(out_dir / "report.md", render_markdown(report))
     logger.info("wrote %s", out_dir / "report.md")
     return report
-
-
-def _auc_or_nan(conf: np.ndarray, correct: np.ndarray) -> float:
-    from judgeloop.retrieval.gate import auc
-
-    ok = np.isfinite(conf)
-    return auc(conf[ok], correct[ok]) if ok.any() else math.nan
-
-
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    d = report["data"]
-    lines = [
-        "# Confidence routing report",
-        "",
-        f"- data: `{d['path']}` ({d['format']}): {d['num_questions']} questions, {d['num_selection']} to choose "
-        f"the threshold, {d['num_test']} test; passage pool {d['pool_size']}",
-        f"- model: `{report['model']}`; confidence: {report['confidence']}; retriever: {report['retriever']} "
-        f"(gold passage in top-k for {report['retrieval_recall_at_k']:.1%})",
-        f"- threshold (frozen on the selection split): {_f(report['threshold'], 4)}; questions without a "
-        f"confidence (routed to retrieval): {report['missing_confidence']}",
-        f"- AUC of confidence for a correct closed-book answer (F1 > 0.5), test: "
-        f"{_f(report['auc_confidence_vs_closed_correct'])}",
-        "",
-        "## Test split",
-        "",
-        "| policy | EM | F1 | retrieval rate | passages | total tokens | tokens/q | latency s/q |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in report["test"].items():
-        lines.append(
-            f"| {name} | {_f(r['exact_match'])} | {_f(r['f1'])} | {_f(r['retrieval_rate'])} | "
-            f"{_f(r['passages_retrieved'], 1)} | {_f(r['total_tokens'], 0)} | {_f(r['tokens_per_question'], 1)} | "
-            f"{_f(r['latency_s_per_question'])} |"
-        )
-    lines += [
-        "",
-        "Costs: closed-book answers cost the probe; retrieved answers cost the RAG call (+ the probe for the "
-        "router and the oracle, which need it to decide). `random_matched` is the exact expectation of random "
-        "routing with the router's retrieval count. Latency is batch wall time / batch size (CPU).",
-    ]
-    return "\n".join(lines) + "\n"

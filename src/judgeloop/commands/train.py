@@ -11,4 +11,5 @@ __all__ = ["FeedbackLoopConfig", "run"]
 
 
 def run(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+    """Run the command on ``cfg`` (the CLI calls this after loading and checking the config)."""
     return train(cfg)

@@ -26,6 +26,7 @@ def hash_unit(key: str, salt: str = "judgeloop") -> float:
 
 
 def assign_split(key: str, cfg: SplitConfig) -> str:
+    """The split of one key by stable hash: the first split whose cumulative fraction exceeds it."""
     u = hash_unit(key, cfg.salt)
     if u < cfg.test:
         return "test"

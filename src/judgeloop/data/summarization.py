@@ -32,6 +32,8 @@ class Candidate:
 
 @dataclass
 class SummExample:
+    """One article with its references (``neutral``, ``extractive``) and any rated candidates."""
+
     id: str
     article: str
     references: dict[str, list[str]]
@@ -118,6 +120,7 @@ def split_sentences(text: str) -> list[str]:
 
 
 def lead(text: str, k: int) -> str:
+    """The first ``n`` sentences of ``text`` (the extractive reference when none is given)."""
     return " ".join(split_sentences(text)[:k])
 
 

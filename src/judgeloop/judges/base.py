@@ -15,7 +15,6 @@ Two kinds of judge build on :class:`Judge`:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from collections import Counter, OrderedDict
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
+from judgeloop.hashing import texts_digest
 
 Status = Literal["ok", "truncated", "empty_summary", "nonfinite", "too_long"]
 STATUSES = ("ok", "truncated", "empty_summary", "nonfinite", "too_long")
@@ -106,12 +107,7 @@ def merge_status(first: str, second: str) -> str:
     return "truncated" if "truncated" in (first, second) else "ok"
 
 
-def _digest(parts: Sequence[str]) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode())
-        h.update(b"\x00")
-    return h.hexdigest()
+_digest = texts_digest
 
 
 class Judge:

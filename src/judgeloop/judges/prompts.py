@@ -108,6 +108,7 @@ def get_prompt(name: str) -> JudgePrompt:
 
 
 def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template (instruct models do)."""
     return bool(getattr(tokenizer, "chat_template", None))
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from judgeloop.calibration import CalibrationError
-from judgeloop.config import config_changes, default_dict, replace, to_yaml
+from judgeloop.config import config_changes, default_dict, migrate, replace, to_yaml
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -98,6 +98,7 @@ def parse_job(text: str, cfg: FeedbackLoopConfig) -> tuple[str, int]:
 
 
 def job_dir(cfg: FeedbackLoopConfig, arm: str, seed: int) -> Path:
+    """The folder of one ablation job: ``OUTPUT_DIR/ARM/seedSEED``."""
     return Path(cfg.output_dir) / arm / f"seed{seed}"
 
 
@@ -128,7 +129,7 @@ def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
     folder = Path(job_cfg.output_dir)
     if not (folder / "report.json").is_file() or not (folder / "config.yaml").is_file():
         return "todo", []
-    saved = result_key(yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    saved = result_key(migrate(type(job_cfg), yaml.safe_load((folder / "config.yaml").read_text()) or {}))
     new = result_key(yaml.safe_load(to_yaml(job_cfg)))
     changes = config_changes(saved, new, defaults=default_dict(type(job_cfg)))
     return ("changed", changes) if changes else ("done", [])
@@ -257,6 +258,7 @@ def summarize(values: Sequence[float | None]) -> dict[str, Any]:
 
 
 def load_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished job's report and its per-article rows."""
     report = json.loads((folder / "report.json").read_text())
     path = folder / report.get("per_article", "per_article.jsonl")
     rows = (
@@ -273,76 +275,64 @@ def _values(per_seed: dict[int, dict[str, dict[str, Any]]], metric: str) -> dict
     return {s: {i: r.get(metric) for i, r in arts.items()} for s, arts in per_seed.items()}
 
 
-def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
-    """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
+CURVE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "kl", "ece", "win_rate")
 
-    Jobs with no report (not run yet, or failed) are listed as missing or failed; every number comes
-    from the per-article rows of the runs that exist.
-    """
+
+def summarize_arm(
+    cfg: FeedbackLoopConfig, arm: str
+) -> tuple[dict[str, Any], dict[int, Any], dict[int, Any], list[str]]:
+    """One arm's summary over its finished seeds, its per-article final and step-0 rows by seed, and the
+    jobs that have no report yet."""
+    runs, failed, missing = [], [], []
+    for seed in cfg.ablation.seeds:
+        folder = job_dir(cfg, arm, seed)
+        if (folder / "report.json").is_file():
+            report, rows = load_run(folder)
+            runs.append((seed, report, rows))
+        elif (folder / "failed.json").is_file():
+            failed.append(json.loads((folder / "failed.json").read_text()))
+        else:
+            missing.append(f"{arm}:{seed}")
+    finals = {s: _by_article(rows, rep["kept_step"]) for s, rep, rows in runs}
+    starts = {s: _by_article(rows, 0) for s, rep, rows in runs}
+    reports = [rep for _, rep, _ in runs]
+    summary = {
+        "final": {m: summarize([r["final"].get(m) for r in reports]) for m in FINAL_METRICS},
+        "seeds_run": [s for s, *_ in runs],
+        "failed": failed,
+        "num_refits": int(sum(r["num_refits"] for r in reports)),
+        "num_refits_per_seed": [r["num_refits"] for r in reports],
+        "refits": [r["refits"] for r in reports],
+        "kept_steps": [r["kept_step"] for r in reports],
+        "per_article": [
+            str(Path(arm) / f"seed{s}" / rep.get("per_article", "per_article.jsonl")) for s, rep, _ in runs
+        ],
+        "curves": [
+            {"seed": r["seed"], "steps": [h["step"] for h in r["history"]]}
+            | {m: [h.get(m) for h in r["history"]] for m in CURVE_METRICS}
+            for r in reports
+        ],
+    }
+    return summary, finals, starts, missing
+
+
+def paired_comparisons(
+    cfg: FeedbackLoopConfig, finals: dict[str, dict[int, Any]], starts: dict[str, dict[int, Any]]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """Each arm minus the baseline, each arm minus its start, and the premise check, all paired on
+    (seed, article) with the two-level bootstrap."""
     abl = cfg.ablation
-    B, bseed = abl.bootstrap_samples, abl.bootstrap_seed
-    arms: dict[str, Any] = {}
-    finals: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
-    starts: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
-    missing: list[str] = []
-    for arm in abl.arms:
-        runs, failed = [], []
-        for seed in abl.seeds:
-            folder = job_dir(cfg, arm, seed)
-            if (folder / "report.json").is_file():
-                report, rows = load_run(folder)
-                runs.append((seed, folder, report, rows))
-            elif (folder / "failed.json").is_file():
-                failed.append(json.loads((folder / "failed.json").read_text()))
-            else:
-                missing.append(f"{arm}:{seed}")
-        finals[arm] = {s: _by_article(rows, rep["kept_step"]) for s, _, rep, rows in runs}
-        starts[arm] = {s: _by_article(rows, 0) for s, _, rep, rows in runs}
-        reports = [rep for _, _, rep, _ in runs]
-        arms[arm] = {
-            "final": {m: summarize([r["final"].get(m) for r in reports]) for m in FINAL_METRICS},
-            "seeds_run": [s for s, *_ in runs],
-            "failed": failed,
-            "num_refits": int(sum(r["num_refits"] for r in reports)),
-            "num_refits_per_seed": [r["num_refits"] for r in reports],
-            "refits": [r["refits"] for r in reports],
-            "kept_steps": [r["kept_step"] for r in reports],
-            "per_article": [
-                str(Path(arm) / f"seed{s}" / rep.get("per_article", "per_article.jsonl"))
-                for s, _, rep, _ in runs
-            ],
-            "curves": [
-                {
-                    "seed": r["seed"],
-                    "steps": [h["step"] for h in r["history"]],
-                    **{
-                        m: [h.get(m) for h in r["history"]]
-                        for m in (
-                            "rouge_l_neutral",
-                            "rouge_l_extractive",
-                            "copy_rate",
-                            "kl",
-                            "ece",
-                            "win_rate",
-                        )
-                    },
-                }
-                for r in reports
-            ],
-        }
-    base = abl.baseline
+    B, bseed, base = abl.bootstrap_samples, abl.bootstrap_seed, abl.baseline
     paired: dict[str, Any] = {}
-    for arm in abl.arms:
-        if arm == base or not finals[arm] or not finals[base]:
-            continue
-        paired[arm] = {"vs": base}
-        for m in PAIRED_METRICS:
-            d = paired_matrix(_values(finals[arm], m), _values(finals[base], m))
-            paired[arm][m] = paired_bootstrap(d, B, bseed).as_dict()
     vs_start: dict[str, Any] = {}
     for arm in abl.arms:
         if not finals[arm]:
             continue
+        if arm != base and finals[base]:
+            paired[arm] = {"vs": base}
+            for m in PAIRED_METRICS:
+                d = paired_matrix(_values(finals[arm], m), _values(finals[base], m))
+                paired[arm][m] = paired_bootstrap(d, B, bseed).as_dict()
         vs_start[arm] = {"vs": "step 0"}
         for m in PAIRED_METRICS:
             d = paired_matrix(_values(finals[arm], m), _values(starts[arm], m))
@@ -352,20 +342,38 @@ def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
         premise = premise_check(
             starts[base], finals[base], abl.style_metric, abl.style_direction, B, bseed, PREMISE_METRICS
         )
+    return paired, vs_start, premise
+
+
+def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+    """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
+
+    Jobs with no report (not run yet, or failed) are listed as missing or failed; every number comes
+    from the per-article rows of the runs that exist.
+    """
+    abl = cfg.ablation
+    arms: dict[str, Any] = {}
+    finals: dict[str, dict[int, Any]] = {}
+    starts: dict[str, dict[int, Any]] = {}
+    missing: list[str] = []
+    for arm in abl.arms:
+        arms[arm], finals[arm], starts[arm], gone = summarize_arm(cfg, arm)
+        missing += gone
+    paired, vs_start, premise = paired_comparisons(cfg, finals, starts)
     n_articles = sorted({len(v) for arm in finals.values() for v in arm.values()})
     results = {
         "premise": premise,
         "paired": paired,
         "vs_start": vs_start,
         "arms": arms,
-        "baseline": base,
+        "baseline": abl.baseline,
         "seeds": list(abl.seeds),
         "articles_per_seed": n_articles,
         "missing_jobs": missing,
-        "num_steps": cfg.num_steps,
+        "num_steps": cfg.max_steps,
         "bootstrap": {
-            "samples": B,
-            "seed": bseed,
+            "samples": abl.bootstrap_samples,
+            "seed": abl.bootstrap_seed,
             "method": "two-level: seeds with replacement, then articles with replacement within each seed; "
             "percentile 95% interval; mdd = 2.8 x bootstrap SE (80% power, 5% two-sided)",
         },

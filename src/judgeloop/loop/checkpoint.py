@@ -1,10 +1,12 @@
-"""Atomic checkpoints of everything the loop needs to resume exactly.
+"""Atomic checkpoints of everything the loop needs to resume exactly, in the one scheme of
+:mod:`judgeloop.checkpointing` that the retriever uses too.
 
-A checkpoint directory holds ``policy.safetensors`` (trainable parameters: adapters under LoRA, all
-weights otherwise), ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (python, numpy, torch states),
-``calibrator.json`` and ``state.json`` (step, data cursor, KL coefficient, refit history, metric
-curves, early-stopping state). It is written to a temporary sibling and moved into place, so a run
-killed while saving leaves the previous checkpoint intact.
+A checkpoint directory holds accelerate's state (``model.safetensors``: the trainable parameters,
+adapters under LoRA, all weights otherwise; ``optimizer.bin``, ``scheduler.bin``,
+``random_states_<rank>.pkl``: python, numpy, torch and CUDA RNG of every process), ``calibrator.json``,
+``state.json`` (step, data cursor, KL coefficient, refit history, metric curves, early-stopping state)
+and ``config.yaml``. It is written to a temporary sibling and moved into place, so a run killed while
+saving leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -18,15 +20,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
 from judgeloop.io import atomic_dir, atomic_write_json
 from judgeloop.loop.policy import load_trainable_state, trainable_state
 
 
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore python, numpy and torch RNG states saved by an earlier-layout checkpoint (``rng.pt``)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -49,29 +49,24 @@ def export_policy(path: str | Path, model: Any, tokenizer: Any, calibrator_state
 
 
 def load_policy_weights(path: str | Path, model: Any) -> None:
+    """Load the trainable parameters saved in ``path/policy.safetensors`` into ``model``."""
     load_trainable_state(model, load_file(str(Path(path) / "policy.safetensors")))
 
 
 def save_checkpoint(
+    accelerator: Any,
     path: str | Path,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
     calibrator_state: dict[str, Any],
     state: dict[str, Any],
     config_yaml: str | None = None,
 ) -> None:
-    """Write one checkpoint directory atomically (call on the main process only), with the config the
-    run was made with (``config.yaml``: a resume is checked against it)."""
-    with atomic_dir(path) as tmp:
-        if config_yaml is not None:
-            (tmp / "config.yaml").write_text(config_yaml)
-        save_file(trainable_state(model), str(tmp / "policy.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        atomic_write_json(tmp / "calibrator.json", calibrator_state)
-        atomic_write_json(tmp / "state.json", state)
+    """Write one checkpoint of the loop (call on every process): accelerate's state (the policy's
+    trainable parameters, optimizer, scheduler, every process's RNG) plus ``calibrator.json``,
+    ``state.json`` and the config the run was made with (``config.yaml``: a resume is checked against it)."""
+    files: dict[str, Any] = {"calibrator.json": calibrator_state, "state.json": state}
+    if config_yaml is not None:
+        files["config.yaml"] = config_yaml
+    save_training_checkpoint(accelerator, path, files)
 
 
 def remove_orphans(out_dir: str | Path) -> list[Path]:
@@ -110,6 +105,7 @@ def checked_resume(
     resume_from: str | Path,
     free_keys: tuple[str, ...],
     defaults: dict[str, Any] | None = None,
+    schema: type | None = None,
 ) -> int:
     """Check ``resume_from`` before any work: a checkpoint folder, made with a config whose every key that
     can change the run equals the new one's. Returns the checkpoint's step.
@@ -119,7 +115,7 @@ def checked_resume(
     """
     import yaml
 
-    from judgeloop.config import ConfigError, config_changes
+    from judgeloop.config import ConfigError, config_changes, migrate
 
     path = Path(resume_from)
     if not (path / "state.json").is_file():
@@ -131,6 +127,8 @@ def checked_resume(
     if not (path / "config.yaml").is_file():
         return step  # a checkpoint from before configs were stored in it: nothing to compare
     saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    if schema is not None:  # keys renamed since the checkpoint was made compare under their new names
+        saved = migrate(schema, saved)
     new = yaml.safe_load(cfg_yaml) or {}
     changes = config_changes(saved, new, free_keys, defaults=defaults)
     if changes:
@@ -142,18 +140,25 @@ def checked_resume(
     return step
 
 
-def load_checkpoint(
-    path: str | Path, model: Any, optimizer: Any, scheduler: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore policy, optimizer, scheduler and RNG from ``path``; return (calibrator_state, loop_state)."""
+def load_checkpoint(accelerator: Any, path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore policy, optimizer, scheduler and RNG from ``path`` (on every process); return
+    (calibrator_state, loop_state).
+
+    A checkpoint written before the loop used accelerate's state (``optimizer.pt`` beside
+    ``policy.safetensors``) is read the way it was written.
+    """
     path = Path(path)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(
             f"resume_from={path} is not a checkpoint directory (no state.json); "
             "pass a directory written under OUTPUT_DIR/checkpoints/"
         )
-    load_policy_weights(path, model)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    if (path / "optimizer.pt").is_file():  # the earlier layout
+        model = accelerator.unwrap_model(accelerator._models[0])
+        load_policy_weights(path, model)
+        accelerator._optimizers[0].load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        accelerator._schedulers[0].load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    else:
+        load_training_checkpoint(accelerator, path)
     return json.loads((path / "calibrator.json").read_text()), json.loads((path / "state.json").read_text())

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.judges import JudgeConfig
@@ -38,7 +38,8 @@ class PolicyConfig:
     use_chat_template: bool = True
     max_article_tokens: int = 128
     sft_steps: int = 0
-    sft_lr: float = 3e-3
+    RENAMED: ClassVar[dict[str, str]] = {"sft_lr": "sft_learning_rate"}
+    sft_learning_rate: float = 3e-3
     sft_batch_size: int = 16
     sft_max_tokens: int = 32
     sft_seed: int = 0
@@ -115,15 +116,18 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
+    """Optimizer and learning-rate schedule of the loop (``optim.*``)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"lr": "learning_rate"}
+    learning_rate: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
     scheduler: Literal["constant", "linear"] = "constant"
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.learning_rate <= 0:
+            raise ValueError(f"optim.learning_rate={self.learning_rate} must be > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
 
@@ -160,7 +164,8 @@ class LoopCalibrationConfig:
     pairs_per_article: int = 2
     holdout_fraction: float = 0.3
     min_points: int = 10
-    n_bins: int = 10
+    RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
+    num_bins: int = 10
     oracle_scale: float = 20.0
     refit_accept: Literal["better", "always"] = "better"
     ece_bootstrap: int = 1000
@@ -185,14 +190,14 @@ class LoopCalibrationConfig:
             raise ValueError(f"calibration.ece_bootstrap={self.ece_bootstrap} must be >= 0 (0: no interval)")
 
 
-# Keys a resumed run may change: they cannot change what the run computes (``num_steps`` extends it).
+# Keys a resumed run may change: they cannot change what the run computes (``max_steps`` extends it).
 RESUME_FREE_KEYS = (
     "output_dir",
     "progress_bar",
     "log_with",
     "resume_from",
     "stop_after_n_steps",
-    "num_steps",
+    "max_steps",
     "start_cache",
     "save_every_n_steps",
     "save_final_policy",
@@ -286,7 +291,8 @@ class FeedbackLoopConfig:
     calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     batch_size: int = 4
-    num_steps: int = 20
+    RENAMED: ClassVar[dict[str, str]] = {"num_steps": "max_steps"}
+    max_steps: int = 20
     eval_every_n_steps: int = 10
     save_every_n_steps: int = 0
     early_stopping_patience: int = 0
@@ -305,8 +311,8 @@ class FeedbackLoopConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps={self.num_steps} must be >= 1")
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1")
         if self.eval_every_n_steps < 0 or self.save_every_n_steps < 0 or self.early_stopping_patience < 0:
             raise ValueError(
                 "eval_every_n_steps, save_every_n_steps and early_stopping_patience must be >= 0 (0 disables)"

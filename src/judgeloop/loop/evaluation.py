@@ -47,6 +47,7 @@ def greedy_summaries(
     gen: GenerationConfig,
     batch_size: int,
 ) -> list[str]:
+    """Greedy summaries of ``examples`` by the current policy, in batches (eval mode)."""
     out: list[str] = []
     for i in range(0, len(examples), batch_size):
         prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]

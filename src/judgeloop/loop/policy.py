@@ -41,7 +41,7 @@ def sft_warmup(
     ]
     from judgeloop.optim import adamw
 
-    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_lr)
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.sft_learning_rate)
     model.train()
     losses = []
     for _ in range(cfg.sft_steps):
@@ -74,7 +74,7 @@ def load_policy(
             cfg.model,
             cfg.dtype,
             cfg.sft_steps,
-            cfg.sft_lr,
+            cfg.sft_learning_rate,
             cfg.sft_batch_size,
             cfg.sft_max_tokens,
             cfg.sft_seed,
@@ -134,6 +134,7 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy a :func:`trainable_state` dict into ``model`` (every key must match)."""
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]
     unknown = [n for n in state if n not in params]

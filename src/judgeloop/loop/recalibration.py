@@ -48,6 +48,7 @@ def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
 
 
 def needs_fit(cfg: LoopCalibrationConfig) -> bool:
+    """Whether the arm fits a calibrator (every arm but ``raw`` and ``oracle``)."""
     return cfg.method not in ("raw", "oracle")
 
 
@@ -79,6 +80,7 @@ def build_training_judge(cfg: LoopCalibrationConfig, judge: Judge) -> Judge:
 def features_for(
     calibrator: Calibrator, articles: Sequence[str], a: Sequence[str], b: Sequence[str]
 ) -> np.ndarray | None:
+    """The pair features a feature-aware calibrator needs, or None for one that needs none."""
     if not calibrator.uses_features:
         return None
     return (
@@ -266,6 +268,7 @@ def recalibration_reason(
 
 
 def monitor_due(step: int, cfg: LoopCalibrationConfig) -> bool:
+    """Whether fresh-sample ECE is monitored at ``step``."""
     return bool(needs_fit(cfg) and cfg.monitor_every_n_steps and step % cfg.monitor_every_n_steps == 0)
 
 
@@ -294,7 +297,7 @@ def refit(
     """
     held = holdout_mask(pairs.article_ids, cfg.holdout_fraction, seed)
     fit_pairs, hold_pairs = pairs.subset(~held), pairs.subset(held)
-    before = float("nan") if first_fit else pair_ece(calibrator, hold_pairs, cfg.n_bins)
+    before = float("nan") if first_fit else pair_ece(calibrator, hold_pairs, cfg.num_bins)
     new = build_calibrator(cfg)
     try:
         feats = features_for(new, fit_pairs.articles, fit_pairs.a, fit_pairs.b)
@@ -309,9 +312,9 @@ def refit(
         return calibrator, RefitRecord(
             step, reason, len(fit_pairs), len(hold_pairs), before, before, False, str(err)
         )
-    after = pair_ece(new, hold_pairs, cfg.n_bins)
+    after = pair_ece(new, hold_pairs, cfg.num_bins)
     ci = ece_intervals(
-        None if first_fit else calibrator, new, hold_pairs, cfg.n_bins, cfg.ece_bootstrap, seed + step
+        None if first_fit else calibrator, new, hold_pairs, cfg.num_bins, cfg.ece_bootstrap, seed + step
     )
     worse = not first_fit and np.isfinite(before) and np.isfinite(after) and after > before
     # the label-free arm takes every refit: a guard that reads labels would make it a labeled method

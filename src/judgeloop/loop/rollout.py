@@ -189,6 +189,7 @@ def _generate(
 
 
 def decode(tokenizer: Any, completions: Sequence[Sequence[int]]) -> list[str]:
+    """Completions as text (special tokens dropped, whitespace stripped)."""
     return [tokenizer.decode(c, skip_special_tokens=True).strip() for c in completions]
 
 

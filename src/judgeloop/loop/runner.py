@@ -1,20 +1,22 @@
 """The calibrated feedback loop, top to bottom.
 
-Each step of training reads as five named functions:
+One training step (:func:`training_step`) is six named functions over one :class:`PairBatch`:
 
-    1. rollout        the policy samples two summaries per training article
-    2. judge_step     the judge gives a raw preference logit per pair
-    3. calibrate      the arm's calibrator maps it to p = P(a better than b)
-    4. policy_update  soft-target DPO on p, plus kl_coef * KL(pi || pi_ref)
-    5. maybe_recalibrate  refit the calibrator on fresh samples of calibration articles
+    1. rollout_step       the policy samples two summaries per training article
+    2. judge_step         the judge gives a raw preference logit per pair
+    3. calibrate_step     the arm's calibrator maps it to p = P(a better than b)
+    4. make_pairs         p becomes each pair's soft DPO target (and the mask of pairs that count)
+    5. policy_update      soft-target DPO on the targets, plus kl_coef * KL(pi || pi_ref)
+    6. maybe_recalibrate  refit the calibrator on fresh samples of calibration articles
 
-and, around them, evaluation (test split), early stopping (validation split) and checkpoints.
-Runs unchanged under ``accelerate launch`` (each process takes its share of every batch).
+and, around them, :func:`setup_run`, :func:`start_run` (step 0: the first fit) or :func:`resume_run`,
+:func:`run_steps` (evaluation on the test split, early stopping on validation, checkpoints) and
+:func:`finish_run` (the report). Runs unchanged under ``accelerate launch`` (each process takes its
+share of every batch).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -29,6 +31,7 @@ from accelerate.utils import gather_object
 
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
+from judgeloop.checkpointing import save_only_trainable
 from judgeloop.config import check_output_places, default_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
@@ -59,7 +62,8 @@ from judgeloop.loop.losses import (
     soft_dpo_loss,
     targets_from_probs,
 )
-from judgeloop.loop.policy import load_policy, reference_logprobs
+from judgeloop.loop.policy import load_policy, load_trainable_state, reference_logprobs, trainable_state
+from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.recalibration import (
     CalibrationPairs,
     build_calibrator,
@@ -114,6 +118,8 @@ class LoopState:
 
 @dataclass
 class Splits:
+    """The four disjoint article splits of a run."""
+
     train: list[SummExample]
     calibration: list[SummExample]
     validation: list[SummExample]
@@ -149,6 +155,7 @@ def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def shard(items: Sequence[Any], accelerator: Accelerator) -> list[Any]:
+    """This process's share of ``items`` (every ``num_processes``-th item, from its index)."""
     return list(items[accelerator.process_index :: accelerator.num_processes])
 
 
@@ -234,151 +241,118 @@ class StartWork:
         return list(self.get("greedy", {"model": fp, "ids": [e.id for e in examples]}, compute))
 
 
-class JudgePrefetch:
-    """The summary-independent half of step 2, one step ahead.
-
-    While the policy generates and updates on batch t, a background thread lets the judge do for
-    batch t+1 what does not depend on the summaries (an embedding judge embeds the articles or
-    references, :meth:`Judge.prepare`). The judge call of step t+1 then finds that work cached.
-    Scores are unchanged (same texts, same batching); only when the work runs moves. The thread
-    re-enters the caller's autocast state, since autocast is thread-local. A no-op for judges with
-    nothing to prepare, or with ``enabled=False``.
-
-    On CPU the cores are split while the judge thread works, so the two OpenMP pools never
-    oversubscribe them: the judge thread has ``threads`` intra-op threads (default: half the cores),
-    and the calling thread the rest from :meth:`start` until :meth:`wait` returns, then every core
-    again (for the judge call itself). Without the split, measured on 2 cores, the overlap cost more
-    than it saved. The split pays when the policy's own step is small or serial (the tiny config);
-    with a policy whose matrix products use every core it does not, so ``enabled=None`` (auto) turns
-    the prefetch on only when the judge runs on an accelerator.
-    """
-
-    def __init__(self, judge: Judge, enabled: bool | None = None, threads: int | None = None):
-        self.judge = judge
-        self._pool = None
-        self._split: tuple[int, int] | None = None  # (all threads, the caller's share while work is pending)
-        on_cpu = str(getattr(judge, "device", "cpu")) == "cpu"
-        if enabled is None:
-            enabled = not on_cpu
-        if enabled and judge.can_prepare:
-            from concurrent.futures import ThreadPoolExecutor
-
-            initializer = None
-            total = torch.get_num_threads()
-            if on_cpu and total > 1:
-                judge_threads = min(total - 1, threads or max(1, total // 2))
-                self._split = (total, total - judge_threads)
-
-                def initializer() -> None:
-                    # per thread: the judge's share. The get first: ATen sets a new thread's count lazily
-                    # from the process-wide one at its first query, which would undo a set made before.
-                    torch.get_num_threads()
-                    torch.set_num_threads(judge_threads)
-
-            self._pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="judge-prefetch", initializer=initializer
-            )
-        self._future: Any = None
-
-    def start(self, batch: Sequence[SummExample]) -> None:
-        """Begin preparing ``batch`` in the background (after waiting for any earlier request)."""
-        if self._pool is None or not batch:
-            return
-        self.wait()
-        autocast = [
-            (dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)
-        ]
-        cache = torch.is_autocast_cache_enabled()
-        articles = [e.article for e in batch]
-        refs = references_for(self.judge, batch)
-
-        def work() -> None:
-            with contextlib.ExitStack() as stack:
-                for dev, dtype in autocast:
-                    stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
-                self.judge.prepare(articles, refs)
-
-        self._future = self._pool.submit(work)
-        if self._split is not None:
-            torch.set_num_threads(self._split[1])  # the caller's share while the judge thread works
-
-    def wait(self) -> None:
-        """Block until the pending request is done (re-raising its error, if any)."""
-        if self._future is not None:
-            future, self._future = self._future, None
-            try:
-                future.result()
-            finally:
-                if self._split is not None:
-                    torch.set_num_threads(self._split[0])  # the judge thread is idle: every core again
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._future = None
-        if self._split is not None:
-            torch.set_num_threads(self._split[0])
-            self._split = None
+# --- one step's data, and the steps over it ---------------------------------------------------------
 
 
-# --- the five steps -------------------------------------------------------------------------------
+@dataclass
+class PairBatch:
+    """One training step's pairs, filled in as they flow through the loop:
+    ``rollout -> judge -> calibrate -> make_pairs -> update``."""
+
+    step: int
+    examples: list[SummExample]  # this process's training articles
+    rollout: Rollout | None = None  # prompts, the two samples' token ids and texts
+    judged: Any = None  # the judge's output: raw logit and status per pair
+    p: np.ndarray | None = None  # calibrated P(a better than b) per pair
+    targets: torch.Tensor | None = None  # soft DPO targets (B,)
+    mask: torch.Tensor | None = None  # pairs that enter the loss (B,)
+    stats: dict[str, float] = field(default_factory=dict)  # what the update measured
 
 
-def judge_step(judge: Judge, batch: Sequence[SummExample], roll: Rollout) -> Any:
+@dataclass
+class Learner:
+    """What step 4 updates and how: the prepared policy, the frozen reference, optimizer, schedule, loss."""
+
+    accelerator: Accelerator
+    model: Any
+    ref: Any | None
+    optimizer: Any
+    scheduler: Any
+    loss: LossConfig
+    max_grad_norm: float
+    pad_id: int
+
+
+def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch: PairBatch, cfg: FeedbackLoopConfig,
+                 process_index: int) -> Rollout:  # fmt: skip
+    """Step 1: the policy samples two summaries per article."""
+    batch.rollout = rollout(
+        model,
+        tokenizer,
+        build_prompt,
+        [e.article for e in batch.examples],
+        cfg.generation,
+        seed=derive_seed(cfg.seed, "rollout", batch.step, process_index),
+    )
+    return batch.rollout
+
+
+def judge_step(judge: Judge, batch: PairBatch) -> Any:
     """Step 2: raw preference logits for each (a, b) pair (both orders when the judge debiases position)."""
-    return judge(roll.articles, roll.a_text, roll.b_text, references_for(judge, batch))
+    roll = batch.rollout
+    assert roll is not None, "judge_step needs the rollout"
+    batch.judged = judge(roll.articles, roll.a_text, roll.b_text, references_for(judge, batch.examples))
+    return batch.judged
 
 
-def policy_update(
-    accelerator: Accelerator,
-    model: Any,
-    ref: Any | None,
-    optimizer: Any,
-    scheduler: Any,
-    roll: Rollout,
-    targets: torch.Tensor,
-    mask: torch.Tensor,
-    kl_coef: float,
-    loss_cfg: LossConfig,
-    max_grad_norm: float,
-    pad_id: int,
-) -> dict[str, float]:
+def calibrate_step(calibrator: Calibrator, batch: PairBatch) -> np.ndarray:
+    """Step 3: the arm's calibrator maps each raw logit to p = P(a better than b)."""
+    roll = batch.rollout
+    assert roll is not None and batch.judged is not None, "calibrate_step needs the judged rollout"
+    batch.p = calibrate(calibrator, batch.judged.scores, roll.articles, roll.a_text, roll.b_text)
+    return batch.p
+
+
+def make_pairs(batch: PairBatch, loss_cfg: LossConfig) -> None:
+    """Step 3b: p becomes the DPO target of each pair, and the mask of the pairs that enter the loss."""
+    assert batch.p is not None, "make_pairs needs calibrated p"
+    batch.targets, batch.mask = targets_from_probs(
+        torch.tensor(batch.p, dtype=torch.float32), loss_cfg.target, loss_cfg.margin
+    )
+
+
+def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[str, float]:
     """Step 4: one optimizer step of soft-target DPO + kl_coef * KL(pi || pi_ref) on this process's pairs.
 
     The DPO term is summed over pairs and divided by the per-process batch size (skipped pairs count
     as zero), and the KL term is a mean over samples, so the DDP gradient average equals the
     full-batch gradient when every process has the same batch size.
     """
+    roll, targets, mask = batch.rollout, batch.targets, batch.mask
+    assert roll is not None and targets is not None and mask is not None, "policy_update needs the pairs"
+    acc, model, loss_cfg = learner.accelerator, learner.model, learner.loss
     B = len(roll.prompts)
     comps = roll.a_ids + roll.b_ids  # (2B) a-samples then b-samples; each prompt is run once for both
-    device = accelerator.device
-    ref_tok, _ = reference_logprobs(accelerator.unwrap_model(model), ref, roll.prompts, comps, pad_id, 2)
-    pol_tok, tok_mask = token_logprobs(model, roll.prompts, comps, pad_id, samples_per_prompt=2)  # (2B, T)
+    device = acc.device
+    ref_tok, _ = reference_logprobs(
+        acc.unwrap_model(model), learner.ref, roll.prompts, comps, learner.pad_id, 2
+    )
+    pol_tok, tok_mask = token_logprobs(
+        model, roll.prompts, comps, learner.pad_id, samples_per_prompt=2
+    )  # (2B, T)
     seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2B,)
     h = dpo_margin(seq_pol[:B], seq_pol[B:], seq_ref[:B], seq_ref[B:])  # (B,)
     dpo = soft_dpo_loss(h, targets.to(device), loss_cfg.beta, mask.to(device)).sum() / B
     kl = kl_per_sequence(pol_tok, ref_tok, tok_mask, loss_cfg.kl_estimator).mean()
     loss = dpo + kl_coef * kl
-    accelerator.backward(loss)
+    acc.backward(loss)
     grad_norm = float("nan")
-    if max_grad_norm > 0:
-        grad_norm = float(
-            accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-        )
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    if learner.max_grad_norm > 0:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = float(acc.clip_grad_norm_(trainable, learner.max_grad_norm))
+    learner.optimizer.step()
+    learner.scheduler.step()
+    learner.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         k1 = kl_per_sequence(pol_tok.detach(), ref_tok, tok_mask, "k1").mean()
-        acc = ((h.detach() > 0).float() == (targets.to(device) >= 0.5).float()).float()
-        acc = (acc * mask.to(device)).sum() / mask.sum().clamp(min=1)
-    stats = torch.stack([loss.detach(), dpo.detach(), kl.detach(), k1, acc, mask.float().mean().to(device)])
-    stats = accelerator.reduce(stats, reduction="mean")
+        agree = ((h.detach() > 0).float() == (targets.to(device) >= 0.5).float()).float()
+        agree = (agree * mask.to(device)).sum() / mask.sum().clamp(min=1)
+    stats = torch.stack([loss.detach(), dpo.detach(), kl.detach(), k1, agree, mask.float().mean().to(device)])
+    stats = acc.reduce(stats, reduction="mean")
     names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction"]
-    out = {n: float(v) for n, v in zip(names, stats.tolist())}
-    out["grad_norm"] = grad_norm
-    return out
+    batch.stats = {n: float(v) for n, v in zip(names, stats.tolist())}
+    batch.stats["grad_norm"] = grad_norm
+    return batch.stats
 
 
 def collect_calibration_pairs(
@@ -419,7 +393,7 @@ def collect_calibration_pairs(
             cfg,
             derive_seed(cfg.seed, "calib", *tag),
         )
-        all_rows = gather_object(rows) if accelerator.num_processes > 1 else rows
+        all_rows = gather_object(rows)
         for r in all_rows:
             if "ties" in r:
                 out.ties_dropped += r["ties"]
@@ -478,7 +452,7 @@ def maybe_recalibrate(
     pairs = None
     if monitor_due(step, cfg.calibration):
         pairs = collect(step)
-        monitored = pair_ece(calibrator, pairs, cfg.calibration.n_bins)
+        monitored = pair_ece(calibrator, pairs, cfg.calibration.num_bins)
         state.last_monitored_ece = monitored if math.isfinite(monitored) else None
     reason = recalibration_reason(step, cfg.calibration, state.last_monitored_ece)
     if reason is None:
@@ -575,10 +549,10 @@ def run_evaluation(
         greedy=greedy,
         sampled=sampled,
     )
-    rows = gather_object(rows) if accelerator.num_processes > 1 else rows
+    rows = gather_object(rows)
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     by_id = {e.id: e for e in splits.test}
-    metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.n_bins)
+    metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.num_bins)
     if splits.validation:
         val = validation_metrics(
             unwrapped,
@@ -589,7 +563,7 @@ def run_evaluation(
             cfg.eval_batch_size,
             greedy=val_greedy,
         )
-        val = gather_object(val) if accelerator.num_processes > 1 else val
+        val = gather_object(val)
         for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
             vals = np.array([v[key] for v in val], dtype=float)
             metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
@@ -619,20 +593,20 @@ def early_stopping(
 
 
 def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
+    """AdamW over the trainable parameters, and transformers' warm-up + linear-decay (or constant) schedule.
+
+    transformers' warm-up starts at factor 0 on step 0 (``step / warmup_steps``); with no warm-up both
+    schedules are the ones the loop always used.
+    """
+    from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
+
     from judgeloop.optim import adamw
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    warm, total = cfg.optim.warmup_steps, cfg.num_steps
-
-    def factor(i: int) -> float:
-        if warm and i < warm:
-            return (i + 1) / warm
-        if cfg.optim.scheduler == "linear":
-            return max(0.0, (total - i) / max(1, total - warm))
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    optimizer = adamw(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.scheduler == "linear":
+        return optimizer, get_linear_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+    return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.optim.warmup_steps)
 
 
 def reference_summaries(
@@ -660,7 +634,7 @@ def reference_summaries(
 
     out = start.greedy("reference", exs, compute) if start is not None else compute()
     pairs = list(zip(mine, out))
-    pairs = gather_object(pairs) if accelerator.num_processes > 1 else pairs
+    pairs = gather_object(pairs)
     texts = dict(pairs)
     return [texts[i] for i in range(len(test))]
 
@@ -736,10 +710,53 @@ def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
     return {"mixed_precision": mixed_precision, "kwargs_handlers": [AutocastKwargs(cache_enabled=False)]}
 
 
-def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
-    # a resume is checked before any work too: a checkpoint, made with the same run-changing settings
+# --- the run: set up, start or resume, the step loop, the report --------------------------------------
+
+
+@dataclass
+class LoopRun:
+    """Everything one run holds, built by :func:`setup_run`; the step functions read from it."""
+
+    cfg: FeedbackLoopConfig
+    accelerator: Accelerator
+    out_dir: Path
+    splits: Splits
+    tokenizer: Any
+    build_prompt: PromptBuilder
+    learner: Learner
+    judge: Judge  # the configured judge (evaluation reports it)
+    train_judge: Judge  # the judge whose preferences train the policy (the oracle in the oracle arm)
+    kl_ctl: AdaptiveKLController
+    start: StartWork
+    state: LoopState
+    calibrator: Calibrator
+    prefetch: JudgePrefetch | None = None
+
+    @property
+    def model(self) -> Any:
+        return self.learner.model
+
+    def collect(self, step: int) -> CalibrationPairs:
+        """Fresh calibration pairs from the current policy (step 0: the starting policy)."""
+        return collect_calibration_pairs(
+            self.accelerator, self.model, self.tokenizer, self.build_prompt, self.train_judge,
+            self.splits.calibration, self.cfg, step,
+        )  # fmt: skip
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Test and validation metrics of the current policy at ``step``."""
+        return run_evaluation(
+            self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt, self.splits,
+            self.state, self.judge, self.train_judge, self.calibrator, self.cfg, step,
+            self.start if step == 0 else None,
+        )  # fmt: skip
+
+
+def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> None:
+    """Before any work: check a resume against its checkpoint, clean up after a killed run (orphan
+    checkpoint folders, log rows past the checkpoint), record the config that runs."""
     ckpt_step = (
-        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)))
+        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
         if cfg.resume_from
         else None
     )
@@ -754,10 +771,12 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
                     "metrics.jsonl: dropped %d rows logged after the checkpoint's step %d", dropped, ckpt_step
                 )
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
-    accelerator.init_trackers("feedback_loop")
+
+
+def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> LoopRun:
+    """Data, policy (after its SFT warm start), reference, judges, optimizer: a run at step 0."""
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-
     splits = load_splits(cfg)
     check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
     tokenizer = load_tokenizer(cfg.policy.model)
@@ -778,182 +797,171 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
     train_judge = build_training_judge(cfg.calibration, judge)
     optimizer, scheduler = make_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    pad_id = tokenizer.pad_token_id
+    save_only_trainable(accelerator, trainable_state, load_trainable_state)  # LoRA: adapters, not the base
+    learner = Learner(
+        accelerator,
+        model,
+        ref,
+        optimizer,
+        scheduler,
+        cfg.loss,
+        cfg.optim.max_grad_norm,
+        tokenizer.pad_token_id,
+    )
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
     )
-
-    def collect(step: int) -> CalibrationPairs:
-        return collect_calibration_pairs(
-            accelerator, model, tokenizer, build_prompt, train_judge, splits.calibration, cfg, step
-        )
-
     start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
+    return LoopRun(
+        cfg, accelerator, out_dir, splits, tokenizer, build_prompt, learner, judge, train_judge, kl_ctl, start,
+        LoopState(kl_coef=kl_ctl.coef), build_calibrator(cfg.calibration),
+    )  # fmt: skip
 
-    def evaluate(step: int) -> dict[str, float]:
-        return run_evaluation(
-            accelerator,
-            model,
-            ref,
-            tokenizer,
-            build_prompt,
-            splits,
-            state,
-            judge,
-            train_judge,
-            calibrator,
-            cfg,
-            step,
-            start if step == 0 else None,
-        )
 
-    state = LoopState(kl_coef=kl_ctl.coef)
-    calibrator = build_calibrator(cfg.calibration)
-    if cfg.resume_from:
-        cal_state, saved = load_checkpoint(
-            cfg.resume_from, accelerator.unwrap_model(model), optimizer, scheduler
+def resume_run(run: LoopRun) -> None:
+    """Restore policy, optimizer, schedule, RNG, calibrator, loop state and the run-long counters."""
+    cfg = run.cfg
+    assert cfg.resume_from is not None
+    cal_state, saved = load_checkpoint(run.accelerator, cfg.resume_from)
+    run.state = LoopState(**saved)
+    run.calibrator = calibrator_from_state(cal_state)
+    run.kl_ctl.coef = run.state.kl_coef
+    run.train_judge.stats.status.update(run.state.judge_status)
+    run.train_judge.stats.cache_hits += run.state.judge_cache_hits
+    run.build_prompt.truncated.update(run.state.truncated_articles)
+    logger.info("resumed from %s at step %d", cfg.resume_from, run.state.step)
+
+
+def start_run(run: LoopRun) -> None:
+    """Step 0: reference summaries, the judge's coupling and the first calibrator fit on samples of the
+    starting policy, and the step-0 evaluation."""
+    cfg, state = run.cfg, run.state
+    state.ref_summaries = reference_summaries(
+        run.accelerator, run.model, run.learner.ref, run.tokenizer, run.build_prompt, run.splits.test, cfg,
+        run.start,
+    )  # fmt: skip
+    if (
+        cfg.calibration.method != "oracle"
+    ):  # samples of the initial policy: the judge's coupling, the first fit
+        pairs = initial_calibration_pairs(run.start, cfg, run.splits, lambda: run.collect(0))
+        state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
+        line = coupling_line(state.coupling[-1])
+        (logger.warning if line.startswith("WARNING") else logger.info)("step 0: %s", line)
+    if needs_fit(cfg.calibration):  # the first fit
+        run.calibrator, record = refit(
+            run.calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True
         )
-        state = LoopState(**saved)
-        calibrator = calibrator_from_state(cal_state)
-        kl_ctl.coef = state.kl_coef
-        train_judge.stats.status.update(state.judge_status)
-        train_judge.stats.cache_hits += state.judge_cache_hits
-        build_prompt.truncated.update(state.truncated_articles)
-        logger.info("resumed from %s at step %d", cfg.resume_from, state.step)
-    else:
-        state.ref_summaries = reference_summaries(
-            accelerator, model, ref, tokenizer, build_prompt, splits.test, cfg, start
-        )
-        if (
-            cfg.calibration.method != "oracle"
-        ):  # samples of the initial policy: the judge's coupling, the first fit
-            pairs = initial_calibration_pairs(start, cfg, splits, lambda: collect(0))
-            state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
-            line = coupling_line(state.coupling[-1])
-            (logger.warning if line.startswith("WARNING") else logger.info)("step 0: %s", line)
-        if needs_fit(cfg.calibration):  # the first fit
-            calibrator, record = refit(
-                calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True
+        state.refits.append(
+            finite_or_none(
+                {
+                    **record.as_dict(),
+                    "ties_dropped": pairs.ties_dropped,
+                    "judge_failures": pairs.judge_failures,
+                }
             )
-            state.refits.append(
-                finite_or_none(
-                    {
-                        **record.as_dict(),
-                        "ties_dropped": pairs.ties_dropped,
-                        "judge_failures": pairs.judge_failures,
-                    }
-                )
-            )
-        if cfg.eval_every_n_steps:
-            metrics = evaluate(0)
-            state.history.append(metrics)
-            early_stopping(metrics, state, cfg, accelerator, model)
-            accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=0)
+        )
+    if cfg.eval_every_n_steps:
+        metrics = run.evaluate(0)
+        state.history.append(metrics)
+        early_stopping(metrics, state, cfg, run.accelerator, run.model)
+        run.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=0)
 
+
+def training_step(run: LoopRun, step: int) -> PairBatch:
+    """One step of the loop: rollout -> judge -> calibrate -> make_pairs -> update -> maybe_recalibrate,
+    then the scheduled evaluation and the early-stopping check."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    assert run.prefetch is not None
+    batch = PairBatch(step, next_batch(state, run.splits.train, cfg, acc))
+    rollout_step(acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg, acc.process_index)
+    run.prefetch.wait()
+    judge_step(run.train_judge, batch)
+    if step < cfg.max_steps:  # the next batch's article-side judge work runs during this update
+        run.prefetch.start(peek_batch(state, run.splits.train, cfg, acc))
+    calibrate_step(run.calibrator, batch)
+    make_pairs(batch, cfg.loss)
+    stats = policy_update(run.learner, batch, run.kl_ctl.coef)
+    p = batch.p
+    assert p is not None
+    stats.update(
+        kl_coef=run.kl_ctl.coef,
+        p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
+        judge_failures=float((~batch.judged.valid).sum()),
+        lr=float(run.learner.scheduler.get_last_lr()[0]),
+    )
+    run.kl_ctl.update(stats["kl"])
+    state.kl_coef = run.kl_ctl.coef
+    state.step = step
+    state.train_log.append(finite_or_none({"step": step, **stats}))
+    acc.log({f"train/{k}": v for k, v in stats.items()}, step=step)
+    run.calibrator = maybe_recalibrate(step, state, run.calibrator, run.collect, cfg)
+    if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
+        metrics = run.evaluate(step)
+        state.history.append(metrics)
+        acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+        if early_stopping(metrics, state, cfg, acc, run.model):
+            state.stopped_early = True
+            logger.info(
+                "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
+                "(best %.4f at step %d)",
+                step, cfg.early_stopping_patience, state.best_val, state.best_step,
+            )  # fmt: skip
+    return batch
+
+
+def save_run(run: LoopRun, step: int) -> None:
+    """A checkpoint of everything the run needs to continue exactly (every process takes part)."""
+    state = run.state
+    state.judge_status = dict(run.train_judge.stats.status)
+    state.judge_cache_hits = run.train_judge.stats.cache_hits
+    state.truncated_articles = sorted(run.build_prompt.truncated)
+    save_checkpoint(
+        run.accelerator,
+        run.out_dir / "checkpoints" / f"step_{step}",
+        run.calibrator.state_dict(),
+        state.as_dict(),
+        to_yaml(run.cfg),
+    )
+
+
+def run_steps(run: LoopRun) -> bool:
+    """The step loop until ``max_steps``, early stopping or ``stop_after_n_steps``; True when it stopped
+    for the latter (an interruption: the run continues from its checkpoint)."""
+    cfg, state = run.cfg, run.state
     bar = None
-    if cfg.progress_bar and accelerator.is_local_main_process:
+    if cfg.progress_bar and run.accelerator.is_local_main_process:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.num_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
+        bar = tqdm(total=cfg.max_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
     steps_this_run = 0
-    prefetch = JudgePrefetch(train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
+    run.prefetch = JudgePrefetch(run.train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
     try:
-        if state.step < cfg.num_steps:
-            prefetch.start(peek_batch(state, splits.train, cfg, accelerator))  # overlaps the first rollout
-        while state.step < cfg.num_steps and not state.stopped_early:
-            step = state.step + 1
-            batch = next_batch(state, splits.train, cfg, accelerator)
-            roll = rollout(
-                accelerator.unwrap_model(model),
-                tokenizer,
-                build_prompt,
-                [e.article for e in batch],
-                cfg.generation,
-                seed=derive_seed(cfg.seed, "rollout", step, accelerator.process_index),
-            )
-            prefetch.wait()
-            judged = judge_step(train_judge, batch, roll)
-            if step < cfg.num_steps:  # the next batch's article-side judge work runs during this update
-                prefetch.start(peek_batch(state, splits.train, cfg, accelerator))
-            p = calibrate(calibrator, judged.scores, roll.articles, roll.a_text, roll.b_text)
-            targets, mask = targets_from_probs(
-                torch.tensor(p, dtype=torch.float32), cfg.loss.target, cfg.loss.margin
-            )
-            stats = policy_update(
-                accelerator,
-                model,
-                ref,
-                optimizer,
-                scheduler,
-                roll,
-                targets,
-                mask,
-                kl_ctl.coef,
-                cfg.loss,
-                cfg.optim.max_grad_norm,
-                pad_id,
-            )
-            stats.update(
-                kl_coef=kl_ctl.coef,
-                p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
-                judge_failures=float((~judged.valid).sum()),
-                lr=float(scheduler.get_last_lr()[0]),
-            )
-            kl_ctl.update(stats["kl"])
-            state.kl_coef = kl_ctl.coef
-            state.step = step
-            state.train_log.append(finite_or_none({"step": step, **stats}))
-            accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=step)
-            calibrator = maybe_recalibrate(step, state, calibrator, collect, cfg)
-            if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
-                metrics = evaluate(step)
-                state.history.append(metrics)
-                accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-                if early_stopping(metrics, state, cfg, accelerator, model):
-                    state.stopped_early = True
-                    logger.info(
-                        "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
-                        "(best %.4f at step %d)",
-                        step,
-                        cfg.early_stopping_patience,
-                        state.best_val,
-                        state.best_step,
-                    )
+        if state.step < cfg.max_steps:
+            run.prefetch.start(
+                peek_batch(state, run.splits.train, cfg, run.accelerator)
+            )  # overlaps the first rollout
+        while state.step < cfg.max_steps and not state.stopped_early:
+            batch = training_step(run, state.step + 1)
             steps_this_run += 1
             interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
-            if (cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0) or interrupted:
-                state.judge_status = dict(train_judge.stats.status)
-                state.judge_cache_hits = train_judge.stats.cache_hits
-                state.truncated_articles = sorted(build_prompt.truncated)
-                if accelerator.is_main_process:
-                    save_checkpoint(
-                        out_dir / "checkpoints" / f"step_{step}",
-                        accelerator.unwrap_model(model),
-                        optimizer,
-                        scheduler,
-                        calibrator.state_dict(),
-                        state.as_dict(),
-                        to_yaml(cfg),
-                    )
-                accelerator.wait_for_everyone()
+            if (cfg.save_every_n_steps and batch.step % cfg.save_every_n_steps == 0) or interrupted:
+                save_run(run, batch.step)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", kl=f"{stats['kl']:.3f}")
-            if interrupted and state.step < cfg.num_steps:
-                if bar is not None:
-                    bar.close()
-                accelerator.end_training()
-                return {
-                    "interrupted": True,
-                    "step": state.step,
-                    "checkpoint": str(out_dir / "checkpoints" / f"step_{state.step}"),
-                }
+                bar.set_postfix(loss=f"{batch.stats['loss']:.3f}", kl=f"{batch.stats['kl']:.3f}")
+            if interrupted and state.step < cfg.max_steps:
+                return True
     finally:  # also on an error or an interruption: no prefetch thread outlives the run
-        prefetch.close()
-    if bar is not None:
-        bar.close()
+        run.prefetch.close()
+        if bar is not None:
+            bar.close()
+    return False
 
-    # The kept policy: the best validation checkpoint when early stopping is on, else the last one.
+
+def finish_run(run: LoopRun) -> dict[str, Any]:
+    """The kept policy (best validation checkpoint under early stopping, else the last), its final
+    metrics, the report; the main process writes ``report.json``, ``per_article.jsonl``, ``policy/``."""
+    cfg, state, acc, out_dir = run.cfg, run.state, run.accelerator, run.out_dir
     kept_step, why = state.step, "last step (early stopping off)"
     if cfg.early_stopping_patience:
         kept_step = state.best_step
@@ -961,13 +969,14 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
             "stopped early" if state.stopped_early else "ran all steps"
         )
         if kept_step != state.step:
-            accelerator.wait_for_everyone()
-            load_policy_weights(out_dir / "best_policy", accelerator.unwrap_model(model))
+            acc.wait_for_everyone()
+            load_policy_weights(out_dir / "best_policy", acc.unwrap_model(run.model))
     final = next((h for h in state.history if h["step"] == kept_step), None)
     if final is None:
-        final = evaluate(state.step)
+        final = run.evaluate(state.step)
         final["step"] = kept_step
         state.history.append(final)
+    judge_stats = run.train_judge.stats
     report = {
         "arm": cfg.calibration.method,
         "seed": cfg.seed,
@@ -981,19 +990,39 @@ def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> 
         "refits": state.refits,
         "judge_coupling": state.coupling,
         "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
-        "judge_stats": {"status": dict(train_judge.stats.status), "cache_hits": train_judge.stats.cache_hits},
-        "prompts_truncated": build_prompt.num_truncated,
+        "judge_stats": {"status": dict(judge_stats.status), "cache_hits": judge_stats.cache_hits},
+        "prompts_truncated": run.build_prompt.num_truncated,
         "per_article": "per_article.jsonl",
         "start_cache": None
-        if start.cache is None
-        else {"hits": start.cache.hits, "misses": start.cache.misses},
+        if run.start.cache is None
+        else {"hits": run.start.cache.hits, "misses": run.start.cache.misses},
     }
-    if accelerator.is_main_process:
+    if acc.is_main_process:
         if cfg.save_final_policy:
             export_policy(
-                out_dir / "policy", accelerator.unwrap_model(model), tokenizer, calibrator.state_dict()
+                out_dir / "policy", acc.unwrap_model(run.model), run.tokenizer, run.calibrator.state_dict()
             )
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
         atomic_write_json(out_dir / "report.json", report)
+    return report
+
+
+def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
+    prepare_output(cfg, accelerator, out_dir)
+    accelerator.init_trackers("feedback_loop")
+    run = setup_run(cfg, accelerator, out_dir)
+    if cfg.resume_from:
+        resume_run(run)
+    else:
+        start_run(run)
+    if run_steps(run):
+        accelerator.end_training()
+        step = run.state.step
+        return {
+            "interrupted": True,
+            "step": step,
+            "checkpoint": str(out_dir / "checkpoints" / f"step_{step}"),
+        }
+    report = finish_run(run)
     accelerator.end_training()
     return report

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from judgeloop.hashing import json_digest
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.loop.evaluation import eval_mode
@@ -39,7 +40,7 @@ logger = get_logger(__name__)
 
 def digest(obj: Any) -> str:
     """Stable short digest of a JSON-serializable key."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return json_digest(obj)
 
 
 @torch.no_grad()

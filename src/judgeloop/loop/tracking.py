@@ -58,6 +58,7 @@ def truncate_jsonl_log(path: str | Path, last_step: int) -> int:
 
 
 def make_trackers(names: list[str], output_dir: str | Path) -> list[Any]:
+    """The accelerate trackers ``log_with`` names (``jsonl`` is judgeloop's own)."""
     trackers: list[Any] = []
     for name in names:
         if name == "jsonl":

@@ -17,6 +17,7 @@ _PUNCT = set(string.punctuation)
 
 
 def normalize_answer(text: str) -> str:
+    """SQuAD answer normalization: lower case, no punctuation, articles or extra spaces."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
 

@@ -12,6 +12,7 @@ _TOKEN_RE = re.compile(r"\w+", re.UNICODE)
 
 @functools.lru_cache(maxsize=1)
 def rouge_scorer() -> Any:
+    """A ``rouge_score`` scorer for ROUGE-1/2/L with stemming."""
     from rouge_score import rouge_scorer as rs
 
     return rs.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
@@ -26,7 +27,23 @@ def rouge_max(candidate: str, references: Sequence[str]) -> dict[str, float]:
     return {k: max(s[k].fmeasure for s in scores) for k in ("rouge1", "rouge2", "rougeL")}
 
 
+def rouge_metric() -> Any:
+    """The same ROUGE as a Hugging Face ``evaluate`` metric (``.compute(predictions=, references=)``),
+    loaded offline from the module shipped in this package (``evaluate.load("rouge")`` needs the hub).
+
+    The loop and the reports call :func:`rouge_max` directly: they need per-article scores, and
+    ``evaluate`` costs about 10 s of imports per process; this is the interface for users who evaluate
+    their own summaries with the library's ROUGE.
+    """
+    from pathlib import Path
+
+    import evaluate
+
+    return evaluate.load(str(Path(__file__).parent / "judgeloop_rouge"))
+
+
 def tokens(text: str) -> list[str]:
+    """Lower-cased word tokens of ``text`` (for copy and novel n-gram rates)."""
     return _TOKEN_RE.findall(text.lower())
 
 

@@ -211,6 +211,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
 
 
 def load_causal_lm(name: str, dtype: str | None = "float32", trust_remote_code: bool = False) -> Any:
+    """A causal LM by hub id, local path, offline package or tiny name."""
     from judgeloop.models.tiny import build_tiny_model, is_tiny
 
     if is_tiny(name):
@@ -223,6 +224,7 @@ def load_causal_lm(name: str, dtype: str | None = "float32", trust_remote_code: 
 
 
 def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bool = False) -> Any:
+    """A text encoder (``AutoModel``) by hub id, local path, offline package or tiny name."""
     from judgeloop.models.tiny import build_tiny_model, is_tiny
 
     if is_tiny(name):
@@ -237,6 +239,7 @@ def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bo
 def load_sequence_classifier(
     name: str, num_labels: int = 1, dtype: str | None = "float32", trust_remote_code: bool = False
 ) -> Any:
+    """A sequence classifier (a reward model: ``num_labels=1``) by name or path."""
     from judgeloop.models.tiny import build_tiny_model, is_tiny
 
     if is_tiny(name):

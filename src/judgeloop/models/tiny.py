@@ -33,6 +33,7 @@ CHAT_TEMPLATE = (
 
 
 def is_tiny(name: str) -> bool:
+    """Whether ``name`` is one of the tiny test models built from config."""
     return name.startswith(TINY_PREFIX)
 
 

@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from judgeloop.intervals import clopper_pearson_interval, wilson_interval
+
 Guarantee = Literal["document", "any", "all", "labels"]
 ScoreMap = Literal["affine", "softmax", "identity"]
 GUARANTEES = ("document", "any", "all", "labels")
@@ -232,6 +234,8 @@ def parent_group(group: str) -> str | None:
 
 @dataclass
 class GroupFit:
+    """One group's conformal threshold and where it came from (its own data, a parent, global)."""
+
     n_cal: int
     threshold: float
     source: str  # "own", "parent:<label>" or "global"
@@ -393,32 +397,6 @@ class ConformalRetriever:
 # ----------------------------------------------------------------------------------------------
 # Base rates
 # ----------------------------------------------------------------------------------------------
-
-
-def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (Wilson 1927; Brown, Cai & DasGupta 2001, eq. 4)."""
-    if n <= 0:
-        return (0.0, 1.0)
-    from scipy.stats import norm
-
-    z = float(norm.ppf(0.5 + confidence / 2.0))
-    p = k / n
-    denom = 1.0 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, center - half), min(1.0, center + half))
-
-
-def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Exact (Clopper-Pearson 1934) interval from beta quantiles."""
-    if n <= 0:
-        return (0.0, 1.0)
-    from scipy.stats import beta
-
-    a = 1.0 - confidence
-    low = 0.0 if k == 0 else float(beta.ppf(a / 2, k, n - k + 1))
-    high = 1.0 if k == n else float(beta.ppf(1 - a / 2, k + 1, n - k))
-    return (low, high)
 
 
 def base_rates(

@@ -116,6 +116,8 @@ def term_coverage(queries: Sequence[str], docs: Sequence[Sequence[str]]) -> np.n
 
 @dataclass
 class SignalSpec:
+    """A weak-retrieval signal: how to compute it and its extra cost per query."""
+
     fn: Callable[[GateInputs], np.ndarray]
     cost: str  # extra work per query beyond the primary retrieval
 
@@ -259,6 +261,8 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 @dataclass
 class SignalStats:
+    """A signal's separation of weak from good retrievals on the calibration split."""
+
     name: str
     auc: float  # AUC of the raw signal for *good* (non-weak) retrievals
     separation: float
@@ -307,6 +311,8 @@ def select_signals(
 
 @dataclass
 class GateState:
+    """A fitted gate: its signals, their orientation and thresholds."""
+
     signals: list[str] = field(default_factory=list)
     orientation: dict[str, int] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)

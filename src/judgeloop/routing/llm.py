@@ -35,6 +35,8 @@ RAG = "Use the passages. {instruction}\n{passages}\nQuestion: {question}"
 
 @dataclass
 class Generation:
+    """One generated answer with its token counts, mean log-probability and time."""
+
     text: str  # the answer (first line)
     raw: str  # everything generated before EOS
     prompt_tokens: int
@@ -44,6 +46,7 @@ class Generation:
 
 
 def chat_prompt(tokenizer: Any, text: str) -> str:
+    """The chat-formatted prompt of one question (with passages when given)."""
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
@@ -176,6 +179,7 @@ def answer_with_passages(
     batch_size: int = 8,
     instruction: str = SHORT_ANSWER,
 ) -> tuple[list[str], list[Generation]]:
+    """Greedy answers to ``questions`` given their retrieved passages (the RAG arm)."""
     prompts = [
         RAG.format(
             instruction=instruction,

@@ -15,6 +15,8 @@ from judgeloop.io import DataError, read_jsonl
 
 @dataclass
 class QAExample:
+    """A question with its gold answers and gold passages."""
+
     id: str
     question: str
     answers: list[str]  # empty = unanswerable

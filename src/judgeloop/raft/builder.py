@@ -35,8 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from judgeloop.data.chunking import Chunk, ChunkConfig, chunk_text
-from judgeloop.data.raft_readers import (
+from judgeloop.data.splits import LeakageError, hash_unit
+from judgeloop.logging import get_logger
+from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.raft.chunking import Chunk, ChunkConfig, chunk_text
+from judgeloop.raft.readers import (
     RaftDoc,
     RaftQuestion,
     ReadResult,
@@ -46,8 +49,9 @@ from judgeloop.data.raft_readers import (
     read_scifact,
     read_squad,
 )
-from judgeloop.data.splits import LeakageError, hash_unit
-from judgeloop.logging import get_logger
+from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
+from judgeloop.retrieval.encoder import BiEncoder
+from judgeloop.retrieval.mining import MiningConfig, mine_hard_negatives
 from judgeloop.text import STOPWORDS
 
 logger = get_logger(__name__)
@@ -199,6 +203,8 @@ class TargetConfig:
 
 @dataclass
 class PromptConfig:
+    """The system prompt of the RAFT chat rows."""
+
     system: str = DEFAULT_SYSTEM
 
 
@@ -462,8 +468,6 @@ class LMGenerator:
         batch_size: int = 4,
         fallback: TemplateGenerator | None = None,
     ) -> None:
-        from judgeloop.models import load_causal_lm, load_tokenizer
-
         self.model = load_causal_lm(model_name).eval()
         self.tokenizer = load_tokenizer(model_name)
         self.tokenizer.padding_side = "left"
@@ -523,6 +527,7 @@ def absent_reasoning(q: RaftQuestion, cfg: TargetConfig) -> tuple[str, str]:
 
 
 def render_target(reasoning: str, answer: str) -> str:
+    """The assistant turn: the reasoning, then the answer after the answer marker."""
     return f"{reasoning}\n{ANSWER_MARKER} {answer}"
 
 
@@ -537,6 +542,7 @@ def render_user(question: str, kind: str, docs: Sequence[tuple[str, str]]) -> st
 def render_messages(
     system: str, question: str, kind: str, docs: Sequence[tuple[str, str]], target: str | None = None
 ) -> list[dict[str, str]]:
+    """One RAFT chat row: system, user (documents + question) and, if given, the target."""
     msgs = [
         {"role": "system", "content": system},
         {"role": "user", "content": render_user(question, kind, docs)},
@@ -550,17 +556,11 @@ def render_messages(
 
 
 def _bm25_rank(queries: Sequence[str], texts: Sequence[str], depth: int) -> list[list[int]]:
-    """Top-``depth`` indices into ``texts`` for each query, by BM25 (bm25s, English stopwords)."""
-    import bm25s
-
+    """Top-``depth`` indices into ``texts`` for each query, by BM25 (:mod:`judgeloop.retrieval.bm25`)."""
     if not texts:
         return [[] for _ in queries]
-    retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize(list(texts), stopwords="en", show_progress=False), show_progress=False)
-    k = min(depth, len(texts))
-    q_tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=False)
-    docs, _scores = retriever.retrieve(q_tokens, k=k, show_progress=False)  # (Q, k) indices
-    return [[int(i) for i in row] for row in docs]
+    _scores, idx = bm25_topk(build_bm25(texts), queries, min(depth, len(texts)))  # (Q, k)
+    return [[int(i) for i in row] for row in idx]
 
 
 def _hard_rank(
@@ -571,14 +571,6 @@ def _hard_rank(
     depth: int,
 ) -> dict[str, list[str]]:
     """Hard negatives per question from the retriever issue's miner (chunk ids, best first)."""
-    try:
-        from judgeloop.retrieval.encoder import BiEncoder
-        from judgeloop.retrieval.mining import MiningConfig, mine_hard_negatives
-    except ImportError as err:  # pragma: no cover - depends on the retriever module being installed
-        raise ValueError(
-            "distractors.sources includes 'hard' but judgeloop.retrieval (encoder + mining) is not available; "
-            f"remove 'hard' from distractors.sources or install the retriever module ({err})"
-        ) from err
     encoder = BiEncoder.from_pretrained(cfg.encoder, max_length=cfg.max_length)
     query_emb = encoder.encode(
         [q.question for q in questions], batch_size=cfg.batch_size, is_query=True
@@ -777,6 +769,150 @@ def _percentiles(values: Sequence[int]) -> dict[str, float]:
     }
 
 
+def _split_pools(
+    splits: Mapping[str, Sequence[RaftQuestion]],
+    chunks: Mapping[str, list[Chunk]],
+    oracle_of: Mapping[str, Chunk],
+    leak_min_chars: int,
+) -> tuple[dict[str, list[Chunk]], int]:
+    """Each split's distractor pool: its own documents plus unowned ones; train loses every chunk that
+    holds an eval oracle's text. Returns the pools and how many train chunks were removed."""
+    owner: dict[str, str] = {}
+    for s in SPLITS:
+        for q in splits[s]:
+            for d in q.oracle_ids:
+                assert owner.setdefault(d, s) == s, f"oracle document {d} is in two splits"
+    leak = _leak_strings(splits["eval"], oracle_of, leak_min_chars)
+    pools: dict[str, list[Chunk]] = {}
+    removed = 0
+    for s in SPLITS:
+        pool = [c for d in sorted(chunks) if owner.get(d, s) == s for c in chunks[d]]
+        if s == "train":
+            kept = [c for c in pool if not any(n in _norm(c.text) for n in leak)]
+            removed = len(pool) - len(kept)
+            pool = kept
+        pools[s] = pool
+    return pools, removed
+
+
+def _make_generator(cfg: BuildRaftConfig) -> Any:
+    fallback = TemplateGenerator(cfg.target.include_long_answer)
+    if cfg.target.generator == "template":
+        return fallback
+    t = cfg.target
+    return LMGenerator(t.lm_model, t.lm_max_new_tokens, t.lm_batch_size, fallback)
+
+
+@dataclass
+class _Tally:
+    requested: Counter[str] = field(default_factory=Counter)
+    realized: Counter[str] = field(default_factory=Counter)
+    short_of_distractors: int = 0
+
+
+def _example_row(
+    q: RaftQuestion, split: str, present: bool, picked: list, order: list[str], oracle: Chunk,
+    by_id: Mapping[str, str], reasoning: str, answer: str, system: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One RAFT chat row and its meta (what eval-raft and the statistics read)."""
+    messages = render_messages(
+        system, q.question, q.kind, [(cid, by_id[cid]) for cid in order], render_target(reasoning, answer)
+    )
+    meta = {
+        "question_id": q.id,
+        "split": split,
+        "question": q.question,
+        "kind": q.kind,
+        "answer": q.answer,
+        "long_answer": q.long_answer or "",
+        "target_answer": answer,
+        "oracle_present": present,
+        "oracle_ids": list(q.oracle_ids),
+        "oracle_chunk_id": oracle.id,
+        "oracle_text": oracle.text,
+        "quotes": extract_quotes(reasoning) if present else [],
+        "distractor_ids": [cid for cid, _, _ in picked],
+        "distractor_texts": [by_id[cid] for cid, _, _ in picked],
+        "distractor_sources": [real for _, _, real in picked],
+        "doc_order": order,
+    }
+    return {"messages": messages, "meta": meta}
+
+
+def _build_split(
+    cfg: BuildRaftConfig, split: str, qs: Sequence[RaftQuestion], pool: list[Chunk],
+    chunks: Mapping[str, list[Chunk]], oracle_of: Mapping[str, Chunk], quotes_of: Mapping[str, list[str]],
+    topics: Mapping[str, str | None], gen: Any, tally: _Tally,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The rows of one split: distractors per question, the oracle with probability p_oracle, the target."""
+    pool_ids = {c.id for c in pool}
+    ids_by_text: dict[str, set[str]] = defaultdict(set)
+    for c in pool:
+        ids_by_text[_norm(c.text)].add(c.id)
+    excluded = {}
+    for q in qs:
+        # Every chunk of its oracle documents, and any chunk with the same text (a duplicate document).
+        bad = {c.id for d in q.oracle_ids for c in chunks[d]}
+        for d in q.oracle_ids:
+            for t in {_norm(c.text) for c in chunks[d]}:
+                bad |= ids_by_text.get(t, set())
+        excluded[q.id] = bad
+    sampler = DistractorSampler(qs, pool, topics, excluded, cfg.distractors)
+    plans = []
+    for q in qs:
+        rng = random.Random(f"{cfg.seed}\x00{q.id}")
+        present = rng.random() < cfg.p_oracle
+        picked = sampler.sample(rng, q, cfg.distractors.num_distractors)
+        if len(picked) < cfg.distractors.num_distractors:
+            tally.short_of_distractors += 1
+        order = [oracle_of[q.id].id] if present else []
+        order += [cid for cid, _, _ in picked]
+        rng.shuffle(order)
+        plans.append((q, present, picked, order))
+        for _, req, real in picked:
+            tally.requested[req] += 1
+            tally.realized[real] += 1
+    present_items = [(q, oracle_of[q.id], quotes_of[q.id]) for q, present, _, _ in plans if present]
+    reasons = dict(zip([q.id for q, _, _ in present_items], gen.reasoning(present_items)))
+    rows = []
+    for q, present, picked, order in plans:
+        oracle = oracle_of[q.id]
+        by_id = {oracle.id: oracle.text, **{cid: sampler.by_id[cid].text for cid, _, _ in picked}}
+        assert all(cid in pool_ids for cid, _, _ in picked)
+        if present:
+            reasoning, answer = reasons[q.id], q.answer
+            if not quotes_are_verbatim(reasoning, oracle.text):
+                raise AssertionError(f"question {q.id}: a quote in the target is not verbatim in the oracle")
+        else:
+            reasoning, answer = absent_reasoning(q, cfg.target)
+        rows.append(
+            _example_row(
+                q, split, present, picked, order, oracle, by_id, reasoning, answer, cfg.prompt.system
+            )
+        )
+    return rows
+
+
+def _token_lengths(
+    tokenizer: Any, split_rows: Sequence[Mapping[str, Any]], max_length: int | None
+) -> dict[str, Any]:
+    full, prompt, completion = [], [], []
+    for r in split_rows:
+        p = _count_tokens(tokenizer, r["messages"][:2], add_generation_prompt=True)
+        f = _count_tokens(tokenizer, r["messages"], add_generation_prompt=False)
+        full.append(f)
+        prompt.append(p)
+        completion.append(f - p)
+    out: dict[str, Any] = {
+        "total": _percentiles(full),
+        "prompt": _percentiles(prompt),
+        "completion": _percentiles(completion),
+    }
+    if max_length is not None:
+        out["num_over_max_length"] = sum(v > max_length for v in full)
+    return out
+
+
 def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
     """Run the whole pipeline (steps 1-7 of the module docstring) for ``cfg``; nothing is written.
 
@@ -788,8 +924,6 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
     Returns:
         :class:`RaftBuild` with ``rows["train"]``, ``rows["eval"]`` and ``stats``.
     """
-    from judgeloop.models import load_tokenizer
-
     read, counts = read_questions(cfg.data)
     if len(read.questions) < 2:
         raise ValueError(
@@ -804,163 +938,36 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
         )
     tokenizer = load_tokenizer(cfg.chunk.tokenizer)
     chunks = chunk_corpus(tokenizer, read.corpus, cfg.chunk)
-
     # Oracle chunk and quotes per question.
-    oracle_of: dict[str, Chunk] = {}
-    quotes_of: dict[str, list[str]] = {}
-    for q in read.questions:
-        oracle_of[q.id] = oracle_chunk(q, chunks[q.oracle_ids[0]])
-        quotes_of[q.id] = select_quotes(q, oracle_of[q.id], cfg.target.max_quotes)
-
-    # Which split owns each document; a split's pool is its own documents plus unowned ones.
-    owner: dict[str, str] = {}
-    for s in SPLITS:
-        for q in splits[s]:
-            for d in q.oracle_ids:
-                assert owner.setdefault(d, s) == s, f"oracle document {d} is in two splits"
-    oracle_text_norm: dict[str, set[str]] = defaultdict(set)
-    for q in read.questions:
-        for d in q.oracle_ids:
-            oracle_text_norm[q.id].update(_norm(c.text) for c in chunks[d])
-    leak = _leak_strings(splits["eval"], oracle_of, cfg.split.leak_min_chars)
-    pools: dict[str, list[Chunk]] = {}
-    removed_for_leakage = 0
-    for s in SPLITS:
-        pool = [c for d in sorted(chunks) if owner.get(d, s) == s for c in chunks[d]]
-        if s == "train":
-            kept = [c for c in pool if not any(n in _norm(c.text) for n in leak)]
-            removed_for_leakage = len(pool) - len(kept)
-            pool = kept
-        pools[s] = pool
-
+    oracle_of = {q.id: oracle_chunk(q, chunks[q.oracle_ids[0]]) for q in read.questions}
+    quotes_of = {q.id: select_quotes(q, oracle_of[q.id], cfg.target.max_quotes) for q in read.questions}
+    pools, removed_for_leakage = _split_pools(splits, chunks, oracle_of, cfg.split.leak_min_chars)
     topics = {d: doc.topic for d, doc in read.corpus.items()}
-    gen = generator
-    if gen is None:
-        fallback = TemplateGenerator(cfg.target.include_long_answer)
-        gen = (
-            fallback
-            if cfg.target.generator == "template"
-            else LMGenerator(
-                cfg.target.lm_model, cfg.target.lm_max_new_tokens, cfg.target.lm_batch_size, fallback
-            )
-        )
-
-    rows: dict[str, list[dict[str, Any]]] = {}
-    source_requested: Counter[str] = Counter()
-    source_realized: Counter[str] = Counter()
-    short_of_distractors = 0
-    for s in SPLITS:
-        qs = splits[s]
-        pool_ids = {c.id for c in pools[s]}
-        ids_by_text: dict[str, set[str]] = defaultdict(set)
-        for c in pools[s]:
-            ids_by_text[_norm(c.text)].add(c.id)
-        excluded = {}
-        for q in qs:
-            # Every chunk of its oracle documents, and any chunk with the same text (a duplicate document).
-            bad = {c.id for d in q.oracle_ids for c in chunks[d]}
-            for t in oracle_text_norm[q.id]:
-                bad |= ids_by_text.get(t, set())
-            excluded[q.id] = bad
-        sampler = DistractorSampler(qs, pools[s], topics, excluded, cfg.distractors)
-        plans = []
-        for q in qs:
-            rng = random.Random(f"{cfg.seed}\x00{q.id}")
-            present = rng.random() < cfg.p_oracle
-            picked = sampler.sample(rng, q, cfg.distractors.num_distractors)
-            if len(picked) < cfg.distractors.num_distractors:
-                short_of_distractors += 1
-            order = [oracle_of[q.id].id] if present else []
-            order += [cid for cid, _, _ in picked]
-            rng.shuffle(order)
-            plans.append((q, present, picked, order))
-            for _, req, real in picked:
-                source_requested[req] += 1
-                source_realized[real] += 1
-        present_items = [(q, oracle_of[q.id], quotes_of[q.id]) for q, present, _, _ in plans if present]
-        reasons = dict(zip([q.id for q, _, _ in present_items], gen.reasoning(present_items)))
-        split_rows = []
-        for q, present, picked, order in plans:
-            oracle = oracle_of[q.id]
-            by_id = {oracle.id: oracle.text, **{cid: sampler.by_id[cid].text for cid, _, _ in picked}}
-            assert all(cid in pool_ids for cid, _, _ in picked)
-            if present:
-                reasoning, answer = reasons[q.id], q.answer
-                if not quotes_are_verbatim(reasoning, oracle.text):
-                    raise AssertionError(
-                        f"question {q.id}: a quote in the target is not verbatim in the oracle"
-                    )
-            else:
-                reasoning, answer = absent_reasoning(q, cfg.target)
-            messages = render_messages(
-                cfg.prompt.system,
-                q.question,
-                q.kind,
-                [(cid, by_id[cid]) for cid in order],
-                render_target(reasoning, answer),
-            )
-            split_rows.append(
-                {
-                    "messages": messages,
-                    "meta": {
-                        "question_id": q.id,
-                        "split": s,
-                        "question": q.question,
-                        "kind": q.kind,
-                        "answer": q.answer,
-                        "long_answer": q.long_answer or "",
-                        "target_answer": answer,
-                        "oracle_present": present,
-                        "oracle_ids": list(q.oracle_ids),
-                        "oracle_chunk_id": oracle.id,
-                        "oracle_text": oracle.text,
-                        "quotes": extract_quotes(reasoning) if present else [],
-                        "distractor_ids": [cid for cid, _, _ in picked],
-                        "distractor_texts": [by_id[cid] for cid, _, _ in picked],
-                        "distractor_sources": [real for _, _, real in picked],
-                        "doc_order": order,
-                    },
-                }
-            )
-        rows[s] = split_rows
+    gen = generator if generator is not None else _make_generator(cfg)
+    tally = _Tally()
+    rows = {
+        s: _build_split(cfg, s, splits[s], pools[s], chunks, oracle_of, quotes_of, topics, gen, tally)
+        for s in SPLITS
+    }
     check_raft_leakage(rows["train"], rows["eval"], cfg.split.leak_min_chars)
-
-    def lengths(split_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        full, prompt, completion = [], [], []
-        for r in split_rows:
-            p = _count_tokens(tokenizer, r["messages"][:2], add_generation_prompt=True)
-            f = _count_tokens(tokenizer, r["messages"], add_generation_prompt=False)
-            full.append(f)
-            prompt.append(p)
-            completion.append(f - p)
-        out: dict[str, Any] = {
-            "total": _percentiles(full),
-            "prompt": _percentiles(prompt),
-            "completion": _percentiles(completion),
-        }
-        if cfg.max_length is not None:
-            out["num_over_max_length"] = sum(v > cfg.max_length for v in full)
-        return out
-
-    n_train = len(rows["train"])
+    n_train, n_eval = len(rows["train"]), len(rows["eval"])
     stats: dict[str, Any] = {
-        "num_examples": n_train + len(rows["eval"]),
+        "num_examples": n_train + n_eval,
         "num_train": n_train,
-        "num_eval": len(rows["eval"]),
+        "num_eval": n_eval,
         "p_oracle": cfg.p_oracle,
         "oracle_rate": sum(r["meta"]["oracle_present"] for r in rows["train"]) / max(1, n_train),
-        "oracle_rate_eval": sum(r["meta"]["oracle_present"] for r in rows["eval"])
-        / max(1, len(rows["eval"])),
+        "oracle_rate_eval": sum(r["meta"]["oracle_present"] for r in rows["eval"]) / max(1, n_eval),
         "num_distractors": cfg.distractors.num_distractors,
-        "distractor_sources_requested": dict(sorted(source_requested.items())),
-        "distractor_sources_realized": dict(sorted(source_realized.items())),
-        "examples_short_of_distractors": short_of_distractors,
+        "distractor_sources_requested": dict(sorted(tally.requested.items())),
+        "distractor_sources_realized": dict(sorted(tally.realized.items())),
+        "examples_short_of_distractors": tally.short_of_distractors,
         "pool_chunks": {s: len(pools[s]) for s in SPLITS},
         "train_chunks_removed_for_leakage": removed_for_leakage,
         "num_chunks": sum(len(v) for v in chunks.values()),
         "counts": counts,
         "generator": cfg.target.generator,
-        "token_lengths": {s: lengths(rows[s]) for s in SPLITS},
+        "token_lengths": {s: _token_lengths(tokenizer, rows[s], cfg.max_length) for s in SPLITS},
         "tokenizer": cfg.chunk.tokenizer,
         "seed": cfg.seed,
     }

@@ -31,6 +31,8 @@ AnswerKind = Literal["yes_no_maybe", "span", "title", "free"]
 
 @dataclass
 class RaftDoc:
+    """A document of the RAFT corpus (oracle or distractor material)."""
+
     id: str
     text: str
     title: str = ""
@@ -58,12 +60,15 @@ class RaftQuestion:
 
 @dataclass
 class ReadResult:
+    """What a reader returns: questions, the corpus, and the counts of skipped questions."""
+
     questions: list[RaftQuestion]
     corpus: dict[str, RaftDoc]
     skipped: dict[str, int] = field(default_factory=dict)
 
 
 def read_pubmedqa(path: str | Path) -> ReadResult:
+    """PubMedQA rows as RAFT input: the abstract is the oracle, the answer yes/no/maybe."""
     rows = read_jsonl(
         path,
         required=["id", "question", "contexts", "long_answer", "final_decision"],
@@ -105,6 +110,7 @@ def read_pubmedqa(path: str | Path) -> ReadResult:
 
 
 def read_squad(path: str | Path) -> ReadResult:
+    """SQuAD rows as RAFT input: the paragraph is the oracle, the first gold span the answer."""
     rows = read_jsonl(
         path,
         required=["id", "title", "paragraph_index", "context", "question", "answers"],
@@ -153,6 +159,7 @@ def read_squad(path: str | Path) -> ReadResult:
 
 
 def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
+    """BEIR SciFact as RAFT input: claims with their evidence abstracts as oracles."""
     root = Path(path)
     kinds = {"_id": "id", "text": "text", "title": "text"}
     corpus_rows = read_jsonl(root / "corpus.jsonl", required=["_id", "text"], kinds=kinds)

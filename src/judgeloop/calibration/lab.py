@@ -1,0 +1,332 @@
+"""The judge calibration lab behind ``judgeloop calibrate``: how trustworthy is a judge's preference,
+before and after calibration?
+
+:func:`calibration_lab` scores labeled candidate pairs with the configured judge on the ``calibration``
+split, fits each calibrator there, and evaluates raw and calibrated probabilities on the ``test`` split
+over both orientations of every pair; :func:`render_markdown` is its report.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from scipy.special import expit
+
+from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator, make_calibrator
+from judgeloop.calibration.coupling import coupling_line, judge_coupling
+from judgeloop.calibration.labels import (
+    FEATURE_NAMES,
+    LabelConfig,
+    LabeledPair,
+    build_labeled_pairs,
+    pair_feature_matrix,
+)
+from judgeloop.calibration.metrics import all_metrics
+from judgeloop.data import DataConfig, load_examples, split_examples
+from judgeloop.io import DataError
+from judgeloop.judges import JudgeConfig, build_judge
+from judgeloop.judges.base import Judge, Pair
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class CalibratorOptions:
+    """Settings shared by the calibrators ``judgeloop calibrate`` fits (``calibrator.*``)."""
+
+    symmetric: bool = True
+    platt_fit_intercept: bool = False
+    min_points: int = 10
+    isotonic_min_points_warn: int = 200
+    isotonic_eps: float = 1e-3
+    feature_l2: float = 1e-3
+
+
+@dataclass
+class CalibrateConfig:
+    """Schema of ``judgeloop calibrate``: data, judge, labels, the methods to fit and the report."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    labels: LabelConfig = field(default_factory=LabelConfig)
+    methods: list[str] = field(default_factory=lambda: ["platt", "isotonic"])
+    calibrator: CalibratorOptions = field(default_factory=CalibratorOptions)
+    max_pairs_per_article: int | None = None
+    max_fit_articles: int | None = None
+    max_eval_articles: int | None = None
+    RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
+    num_bins: int = 15
+    seed: int = 0
+    output_dir: str = "runs/calibrate"
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in CALIBRATORS or m == "raw"]
+        if unknown:
+            valid = sorted(set(CALIBRATORS) - {"raw"})
+            raise ValueError(
+                f"methods has unknown calibrator(s) {unknown}; choose from {valid} (raw is always reported)"
+            )
+        if not self.methods:
+            raise ValueError("methods is empty; list at least one calibrator, e.g. methods=[platt,isotonic]")
+        if self.num_bins < 2:
+            raise ValueError(f"num_bins must be >= 2, got {self.num_bins}")
+
+
+def build_calibrator(method: str, opts: CalibratorOptions) -> Calibrator:
+    """An unfitted calibrator of ``method`` with the options that apply to it."""
+    kwargs: dict[str, Any] = {"symmetric": opts.symmetric, "min_points": opts.min_points}
+    if method == "platt":
+        kwargs["fit_intercept"] = opts.platt_fit_intercept
+    elif method == "isotonic":
+        kwargs.update(min_points_warn=opts.isotonic_min_points_warn, eps=opts.isotonic_eps)
+    elif method == "feature_platt":
+        kwargs["l2"] = opts.feature_l2
+    return make_calibrator(method, **kwargs)
+
+
+def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[str, Any]:
+    """Judge every pair in both orientations; returns forward/reverse raw logits and statuses.
+
+    A position-debiased judge is antisymmetric by construction, so its reverse score is -s; any
+    other judge scores the swapped pair for real (its order effect then shows in the report).
+    """
+    from tqdm.auto import tqdm
+
+    fwd = np.full(len(pairs), np.nan)
+    rev = np.full(len(pairs), np.nan)
+    status: list[str] = []
+    bias_terms: list[float] = []
+    step = max(judge.batch_size, 1) * 4
+    for start in tqdm(range(0, len(pairs), step), desc=desc, unit="batch"):
+        chunk = pairs[start : start + step]
+        refs = [
+            p.extractive if getattr(judge, "reference_style", "neutral") == "extractive" else p.references
+            for p in chunk
+        ]
+        out = judge.score([Pair(p.article, p.a, p.b, references=r) for p, r in zip(chunk, refs)])
+        fwd[start : start + len(chunk)] = out.scores
+        if judge.position_debias:
+            rev[start : start + len(chunk)] = -out.scores
+            status.extend(out.status)
+            if out.reverse is not None:
+                ok = out.valid
+                bias_terms.extend((out.forward[ok] + out.reverse[ok]).tolist())
+        else:
+            back = judge.score([Pair(p.article, p.b, p.a, references=r) for p, r in zip(chunk, refs)])
+            rev[start : start + len(chunk)] = back.scores
+            for s1, s2 in zip(out.status, back.status):
+                status.append(s1 if s1 not in ("ok", "truncated") else s2)
+            ok = out.valid & back.valid
+            bias_terms.extend((out.scores[ok] + back.scores[ok]).tolist())
+    return {
+        "forward": fwd,
+        "reverse": rev,
+        "status": status,
+        "position_bias": float(np.mean(bias_terms)) if bias_terms else float("nan"),
+    }
+
+
+def _valid(scored: dict[str, Any]) -> np.ndarray:
+    ok = np.array([s in ("ok", "truncated") for s in scored["status"]], dtype=bool)
+    return ok & np.isfinite(scored["forward"]) & np.isfinite(scored["reverse"])
+
+
+@dataclass
+class CalibrationLab:
+    """What :func:`calibration_lab` found: the report, and what the command writes beside it."""
+
+    report: dict[str, Any]
+    probs: dict[str, np.ndarray]  # method -> P(a better) per test prediction (both orientations)
+    labels: np.ndarray
+    calibrators: dict[str, Calibrator]
+    predictions: list[dict[str, Any]]
+
+
+def _split_articles(cfg: CalibrateConfig) -> tuple[list[Any], list[Any], int]:
+    examples = load_examples(cfg.data)
+    splits = split_examples(examples, cfg.data.split)
+    fit_ex, eval_ex = splits["calibration"], splits["test"]
+    if cfg.max_fit_articles is not None:
+        fit_ex = fit_ex[: cfg.max_fit_articles]
+    if cfg.max_eval_articles is not None:
+        eval_ex = eval_ex[: cfg.max_eval_articles]
+    for name, items in (("calibration", fit_ex), ("test", eval_ex)):
+        if not items:
+            raise DataError(
+                f"the '{name}' split is empty ({len(examples)} articles, split fractions "
+                f"calibration={cfg.data.split.calibration}, test={cfg.data.split.test}); raise data.split.{name}"
+            )
+    logger.info("articles: %d calibration, %d test (of %d)", len(fit_ex), len(eval_ex), len(examples))
+    return fit_ex, eval_ex, len(examples)
+
+
+def labeled_pairs(cfg: CalibrateConfig, fit_ex: list[Any], eval_ex: list[Any]) -> tuple[list, list, Any, Any]:
+    """Labeled pairs of each split, checked against ``calibrator.min_points`` before any judging."""
+    fit_pairs, fit_stats = build_labeled_pairs(fit_ex, cfg.labels, cfg.seed, cfg.max_pairs_per_article)
+    eval_pairs, eval_stats = build_labeled_pairs(eval_ex, cfg.labels, cfg.seed + 1, cfg.max_pairs_per_article)
+    if not fit_pairs or not eval_pairs:
+        raise DataError(
+            f"no labeled pairs (calibration: {len(fit_pairs)}, test: {len(eval_pairs)}); with labels.type="
+            f"{cfg.labels.type} every pair was a tie or unrated; check labels.dimension={cfg.labels.dimension!r} "
+            "or use labels.type=rouge"
+        )
+    if len(fit_pairs) < cfg.calibrator.min_points:  # known before any judging: say it now
+        raise DataError(
+            f"calibrator.min_points={cfg.calibrator.min_points} but the calibration split gives {len(fit_pairs)} "
+            f"labeled pairs ({len(fit_ex)} articles); use more articles (max_fit_articles, data.split.calibration, "
+            "max_pairs_per_article) or lower calibrator.min_points"
+        )
+    return fit_pairs, eval_pairs, fit_stats, eval_stats
+
+
+def fit_calibrators(
+    cfg: CalibrateConfig,
+    s_fit: np.ndarray,
+    y_fit: np.ndarray,
+    f_fit: np.ndarray,
+    s_eval: np.ndarray,
+    f_eval: np.ndarray,
+) -> tuple[dict[str, np.ndarray], dict[str, Calibrator]]:
+    """Fit each method on the calibration pairs; P(a better) of raw and each method on the test pairs."""
+    probs: dict[str, np.ndarray] = {"raw": expit(s_eval)}
+    calibrators: dict[str, Calibrator] = {}
+    for method in cfg.methods:
+        cal = build_calibrator(method, cfg.calibrator)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cal.fit(s_fit, y_fit, f_fit if cal.uses_features else None)
+        for w in caught:
+            logger.warning("%s: %s", method, w.message)
+        calibrators[method] = cal
+        probs[method] = cal.predict_proba(s_eval, f_eval if cal.uses_features else None)
+    return probs, calibrators
+
+
+def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
+    """Split, label, judge both orientations, fit, evaluate; returns the report and its parts."""
+    fit_ex, eval_ex, n_articles = _split_articles(cfg)
+    fit_pairs, eval_pairs, fit_label_stats, eval_label_stats = labeled_pairs(cfg, fit_ex, eval_ex)
+    judge = build_judge(cfg.judge)
+    fit_scored = score_pairs(judge, fit_pairs, "judging calibration pairs")
+    eval_scored = score_pairs(judge, eval_pairs, "judging test pairs")
+
+    fit_ok = _valid(fit_scored)
+    eval_ok = _valid(eval_scored)
+    s_fit = fit_scored["forward"][fit_ok]
+    y_fit = np.array([p.label for p in fit_pairs], dtype=float)[fit_ok]
+    f_fit = pair_feature_matrix(fit_pairs)[fit_ok]
+
+    kept_eval = [p for p, ok in zip(eval_pairs, eval_ok) if ok]
+    y_e = np.array([p.label for p in kept_eval], dtype=float)
+    f_e = pair_feature_matrix(kept_eval)
+    # Both orientations: (a, b) with score s(a, b) and label y; (b, a) with s(b, a) and 1 - y.
+    s_eval = np.concatenate([eval_scored["forward"][eval_ok], eval_scored["reverse"][eval_ok]])
+    y_eval = np.concatenate([y_e, 1 - y_e])
+    f_eval = np.concatenate([f_e, -f_e]) if len(f_e) else f_e
+    orient = ["ab"] * len(kept_eval) + ["ba"] * len(kept_eval)
+    if s_eval.size == 0:
+        raise DataError("every test pair failed judging (see the judge status counts); nothing to evaluate")
+    probs, calibrators = fit_calibrators(cfg, s_fit, y_fit, f_fit, s_eval, f_eval)
+
+    report: dict[str, Any] = {
+        "n_fit": int(s_fit.size),
+        "n_fit_orientations": int(s_fit.size * (2 if cfg.calibrator.symmetric else 1)),
+        "n_eval": int(s_eval.size),
+        "n_eval_pairs": len(kept_eval),
+        "n_bins": cfg.num_bins,
+        "articles": {"calibration": len(fit_ex), "test": len(eval_ex), "total": n_articles},
+        "methods": {name: all_metrics(p, y_eval, cfg.num_bins) for name, p in probs.items()},
+        "judge": {
+            "type": cfg.judge.type,
+            "model": cfg.judge.model,
+            "prompt": cfg.judge.prompt,
+            "position_debias": bool(judge.position_debias),
+            "position_bias": {
+                "calibration": fit_scored["position_bias"],
+                "test": eval_scored["position_bias"],
+            },
+            "status": {
+                "calibration": dict(Counter(fit_scored["status"])),
+                "test": dict(Counter(eval_scored["status"])),
+            },
+            "cache": {"hits": judge.stats.cache_hits, "misses": judge.stats.cache_misses},
+        },
+        "labels": {
+            "type": cfg.labels.type,
+            "dimension": cfg.labels.dimension,
+            "calibration": fit_label_stats.as_dict(),
+            "test": eval_label_stats.as_dict(),
+            "positive_rate_eval_forward": float(y_e.mean()) if y_e.size else float("nan"),
+        },
+        "calibrators": {m: c.state_dict() for m, c in calibrators.items()},
+        "feature_names": list(FEATURE_NAMES),
+        "coupling": judge_coupling(
+            eval_scored["forward"][eval_ok],
+            [p.label for p in kept_eval],
+            [p.article for p in kept_eval],
+            [p.a for p in kept_eval],
+            [p.b for p in kept_eval],
+        ),
+    }
+    rows = [
+        {
+            "article_id": p.article_id,
+            "orientation": orient[i],
+            "score": float(s_eval[i]),
+            "label": int(y_eval[i]),
+            **{f"p_{name}": float(pr[i]) for name, pr in probs.items()},
+        }
+        for i, p in enumerate(kept_eval + kept_eval)
+    ]
+    return CalibrationLab(report, probs, y_eval, calibrators, rows)
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The metrics table (one row per method) of a report, in markdown."""
+    cols = ["ece", "ece_equal_mass", "mce", "brier", "nll", "auc", "accuracy"]
+    lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, m in report["methods"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{m[c]:.4f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown (what the command writes to ``report.md``)."""
+    j = report["judge"]
+    return "\n".join(
+        [
+            "# Judge calibration report",
+            "",
+            f"On the test pairs, the {coupling_line(report['coupling'])}.",
+            "",
+            f"Judge: `{j['type']}` on `{j['model']}` (prompt `{j['prompt']}`, position debiasing "
+            f"{'on' if j['position_debias'] else 'off'}). Labels: `{report['labels']['type']}`"
+            + (f" (`{report['labels']['dimension']}`)" if report["labels"]["type"] == "human" else "")
+            + ".",
+            "",
+            f"Calibrators were fit on {report['n_fit']} pairs from {report['articles']['calibration']} calibration "
+            f"articles and evaluated on {report['n_eval']} predictions ({report['n_eval_pairs']} pairs x 2 orientations) "
+            f"from {report['articles']['test']} disjoint test articles. `raw` is sigmoid(raw logit). "
+            f"ECE uses {report['n_bins']} equal-width bins (`ece_equal_mass`: equal-mass bins).",
+            "",
+            render_table(report),
+            "",
+            f"Position bias (mean s(a,b) + s(b,a), 0 = order-invariant): calibration "
+            f"{j['position_bias']['calibration']:.4f}, test {j['position_bias']['test']:.4f}.",
+            "",
+            f"Judge item status: calibration {j['status']['calibration']}, test {j['status']['test']}. "
+            "Items that are not `ok`/`truncated` are excluded, never scored as a preference.",
+            "",
+            f"Label ties / unrated pairs dropped: calibration {report['labels']['calibration']}, "
+            f"test {report['labels']['test']}.",
+            "",
+            "Every metric can be recomputed from `predictions.jsonl`. ![reliability](reliability.png)",
+            "",
+        ]
+    )

@@ -1,0 +1,23 @@
+"""Stable digests: cache keys and fingerprints that are the same on every machine and Python run
+(never ``hash()``, which is salted per process)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+
+def texts_digest(parts: Iterable[str]) -> str:
+    """SHA-256 hex digest of a sequence of strings, each NUL-terminated (so ``["ab"]`` != ``["a", "b"]``)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def json_digest(obj: Any, length: int = 24) -> str:
+    """Short SHA-256 hex digest of a JSON-serializable key (dict keys sorted, so order does not matter)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]

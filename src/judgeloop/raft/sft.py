@@ -1,0 +1,128 @@
+"""LoRA SFT on a RAFT set: the config schema (:class:`SftConfig`) and the data preparation that
+``recipes/sft_raft.py`` (TRL ``SFTTrainer``) uses; ``judgeloop sft`` launches that recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+
+@dataclass
+class LoraSettings:
+    """LoRA (Hu et al. 2021, arXiv:2106.09685): W + (alpha / r) * B A on ``target_modules``."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"lora.r={self.r} must be >= 1 (e.g. 8)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError(
+                "lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]"
+            )
+
+
+@dataclass
+class TrainSettings:
+    """The SFT trainer's settings (``train.*``)."""
+
+    num_epochs: float = 1.0
+    max_steps: int | None = None  # a cap on optimizer steps; None: num_epochs decides
+    batch_size: int = 4
+    grad_accum_steps: int = 2
+    learning_rate: float = 2e-4
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 2
+    weight_decay: float = 0.0
+    RENAMED: ClassVar[dict[str, str]] = {"logging_every_n_steps": "log_every_n_steps"}
+    log_every_n_steps: int = 5
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.grad_accum_steps < 1:
+            raise ValueError(
+                f"train.batch_size={self.batch_size}, train.grad_accum_steps={self.grad_accum_steps}: both must be >= 1"
+            )
+        if self.learning_rate <= 0:
+            raise ValueError(
+                f"train.learning_rate={self.learning_rate} must be positive (LoRA: ~1e-4 to 3e-4)"
+            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps={self.max_steps} must be >= 1 or null (no cap)")
+        if self.num_epochs <= 0 and self.max_steps is None:
+            raise ValueError(
+                "train.num_epochs <= 0 and train.max_steps is null: nothing to train; set one of them"
+            )
+
+
+@dataclass
+class SftConfig:
+    """LoRA SFT on the ``train`` split of a RAFT set built by ``judgeloop build-raft``.
+
+    ``data_dir`` is the builder's ``output_dir``; the first ``max_train_examples`` training rows are used
+    (all when null). ``completion_only``: loss on the assistant turn only (rows are converted to TRL's
+    conversational prompt/completion form); false trains on the whole ``messages`` sequence.
+    """
+
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    data_dir: str = "runs/raft/pubmedqa"
+    output_dir: str = "runs/sft/pubmedqa"
+    max_train_examples: int | None = 240
+    max_length: int = 768
+    completion_only: bool = True
+    seed: int = 0
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    launch: Literal["accelerate", "inline"] = "accelerate"
+    accelerate_config: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_train_examples is not None and self.max_train_examples < 1:
+            raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 1 or null")
+        if self.max_length < 32:
+            raise ValueError(f"max_length={self.max_length} must be >= 32 tokens")
+
+
+def to_prompt_completion(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``messages`` row as TRL's conversational prompt/completion pair (loss on the completion only)."""
+    msgs = row["messages"]
+    if not msgs or msgs[-1]["role"] != "assistant":
+        raise ValueError(
+            "a RAFT row must end with the assistant turn; rebuild the data with judgeloop build-raft"
+        )
+    return {"prompt": msgs[:-1], "completion": msgs[-1:]}
+
+
+def load_sft_dataset(cfg: SftConfig) -> Any:
+    """The training split as a ``datasets.Dataset`` in the form the trainer takes."""
+    from datasets import load_from_disk
+
+    path = Path(cfg.data_dir) / "dataset"
+    if not path.is_dir():
+        raise ValueError(
+            f"data_dir={cfg.data_dir} has no dataset/ folder; build it first with "
+            "`judgeloop build-raft --config configs/raft/pubmedqa.yaml output_dir=...`"
+        )
+    ds = load_from_disk(str(path))["train"]
+    if cfg.max_train_examples is not None:
+        ds = ds.select(range(min(cfg.max_train_examples, len(ds))))
+    if cfg.completion_only:
+        ds = ds.map(to_prompt_completion, remove_columns=[c for c in ds.column_names if c != "meta"])
+    return ds.remove_columns(["meta"])
+
+
+def recipe_path() -> Path:
+    """``recipes/sft_raft.py`` of this checkout (the package lives in ``src/judgeloop``)."""
+    path = Path(__file__).resolve().parents[3] / "recipes" / "sft_raft.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {path} not found; run from a judgeloop source checkout")
+    return path
