@@ -111,3 +111,61 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     moved = [k for k in r1["params"] if not torch.equal(r1["params"][k], r1["init"][k])]
     assert len(moved) == len(r1["params"])  # the update really moved every parameter
     assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-6)
+
+
+LR_WORKER = r"""
+import json, os, sys
+from pathlib import Path
+from judgeloop.config import load_config
+from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.runner import make_accelerator, make_optimizer
+from judgeloop.models import load_causal_lm
+
+root = Path(sys.argv[2])
+cfg = load_config(FeedbackLoopConfig, root / "configs/feedback_loop/tiny.yaml",
+                  ["optim.scheduler=linear", "optim.warmup_steps=2", "max_steps=4", "log_with=[]"])
+acc = make_accelerator(cfg, Path(sys.argv[1]).parent)
+model = load_causal_lm("judgeloop-tiny/causal-lm")
+opt, sched = make_optimizer(model, cfg)
+model, opt, sched = acc.prepare(model, opt, sched)
+lrs = []
+for _ in range(cfg.max_steps):
+    lrs.append(sched.get_last_lr()[0])
+    opt.step()
+    sched.step()
+if acc.is_main_process:
+    Path(sys.argv[1]).write_text(json.dumps({"world": acc.num_processes, "lrs": lrs}))
+acc.wait_for_everyone()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_the_lr_schedule_counts_optimizer_steps_on_any_number_of_processes(tmp_path):
+    """accelerate steps a prepared scheduler once per process by default; the loop's schedule must not
+    run num_processes times faster under DDP (warm-up 2, linear decay over 4 steps)."""
+    import json
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which(
+        "accelerate"
+    )
+    if accelerate is None:
+        pytest.skip("the accelerate launcher is not installed")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "lr_worker.py"
+    script.write_text(LR_WORKER)
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    subprocess.run([sys.executable, str(script), str(one), str(root)], check=True, env=_env(), timeout=120)
+    port = str(random.randint(20000, 40000))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
+    res = subprocess.run(
+        [*cmd, str(script), str(two), str(root)], env=_env(), timeout=180, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
+    assert r1["world"] == 1 and r2["world"] == 2
+    lr = 1e-3  # tiny.yaml's optim.learning_rate
+    assert r1["lrs"] == pytest.approx([0.0, lr / 2, lr, lr / 2])  # transformers: warm-up from 0, then linear
+    assert r2["lrs"] == pytest.approx(r1["lrs"])

@@ -679,16 +679,28 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     # checked before any work: the output folder can be written, the models the config names resolve
     check_output_places(cfg)
     check_models(cfg)
-    accelerator = Accelerator(
-        cpu=cfg.cpu,
-        log_with=make_trackers(cfg.log_with, out_dir),
-        project_dir=str(out_dir),
-        **mixed_precision_kwargs(cfg.mixed_precision),
-    )
+    accelerator = make_accelerator(cfg, out_dir)
     # bf16 autocast (when mixed_precision=bf16) covers the reference pass, the judge and evaluation too,
     # not only the prepared model's forward; master weights and optimizer state stay fp32.
     with accelerator.autocast():
         return _train(cfg, accelerator, out_dir)
+
+
+def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
+    """The run's ``Accelerator``.
+
+    ``step_scheduler_with_optimizer=False``: accelerate's default steps a prepared scheduler once per
+    *process* at every ``scheduler.step()``, for data loaders whose batches grow with the number of
+    processes. The loop's schedule counts optimizer steps (``max_steps``), so under DDP / FSDP the
+    default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
+    """
+    return Accelerator(
+        cpu=cfg.cpu,
+        log_with=make_trackers(cfg.log_with, out_dir),
+        project_dir=str(out_dir),
+        step_scheduler_with_optimizer=False,
+        **mixed_precision_kwargs(cfg.mixed_precision),
+    )
 
 
 def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:

@@ -751,7 +751,9 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
 
     # mixed precision only when asked: accelerate refuses to change it once its process-wide state exists
     amp = {} if cfg.train.mixed_precision == "no" else {"mixed_precision": cfg.train.mixed_precision}
-    accelerator = Accelerator(**amp)
+    # one scheduler step per optimizer step: the schedule counts global batches (total_steps), and
+    # accelerate's default would step it once per process (num_processes times too fast)
+    accelerator = Accelerator(step_scheduler_with_optimizer=False, **amp)
     set_seed(cfg.train.seed)
     out, t0 = Path(cfg.output_dir), time.time()
     train_data, eval_data = load_retrieval_data(cfg.data)
