@@ -461,6 +461,9 @@ import judgeloop.loop.runner as rn
 from judgeloop.cli import main
 
 fault = os.environ["JL_FAULT"]
+# a terminal's Ctrl-C: Python installs this handler only when SIGINT is not inherited as ignored, and a
+# background job of a non-interactive shell (CI under nohup or `&`) inherits it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if fault == "kill_in_write":  # the step-4 checkpoint is half written: accelerate's state is there, the rest not
     from accelerate import Accelerator
     real_save_state = Accelerator.save_state
