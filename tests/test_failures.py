@@ -263,7 +263,8 @@ def test_a_checkpoint_cut_between_its_two_renames_is_restored(tmp_path):
     (ck / ".step_4.abc.tmp").mkdir()  # half written
     (ck / "step_6").mkdir()
     (ck / ".step_6.old").mkdir()  # replaced already: the old copy is garbage
-    remove_orphans(tmp_path)
+    done = {p.name: what for p, what in remove_orphans(tmp_path)}
+    assert done == {".step_2.old": "restored", ".step_4.abc.tmp": "removed", ".step_6.old": "removed"}
     assert sorted(p.name for p in ck.iterdir()) == ["step_2", "step_6"]
     assert (ck / "step_2" / "state.json").is_file()
 

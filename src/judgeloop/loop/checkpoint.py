@@ -69,8 +69,8 @@ def save_checkpoint(
     save_training_checkpoint(accelerator, path, files)
 
 
-def remove_orphans(out_dir: str | Path) -> list[Path]:
-    """Clean up after a checkpoint write that was killed; returns what was removed or restored.
+def remove_orphans(out_dir: str | Path) -> list[tuple[Path, str]]:
+    """Clean up after a checkpoint write that was killed; returns ``(path, "removed" | "restored")``.
 
     ``.NAME.*.tmp`` folders are half-written and removed. ``.NAME.old`` is the previous copy of a folder
     being replaced (:func:`judgeloop.io.atomic_dir`): it is removed when ``NAME`` exists, and moved
@@ -80,7 +80,7 @@ def remove_orphans(out_dir: str | Path) -> list[Path]:
     import shutil
 
     out_dir = Path(out_dir)
-    found: list[Path] = []
+    found: list[tuple[Path, str]] = []
     for folder in (out_dir / "checkpoints", out_dir):
         if not folder.is_dir():
             continue
@@ -90,13 +90,14 @@ def remove_orphans(out_dir: str | Path) -> list[Path]:
             target = p.with_name(p.name[1 : -len(".old")])
             if target.exists():
                 shutil.rmtree(p, ignore_errors=True)
+                found.append((p, "removed"))
             else:
                 os.replace(p, target)
-            found.append(p)
+                found.append((p, "restored"))
         for p in sorted(folder.glob(".*.tmp")):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
-                found.append(p)
+                found.append((p, "removed"))
     return found
 
 

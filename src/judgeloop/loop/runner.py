@@ -773,8 +773,7 @@ def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: P
         else None
     )
     if accelerator.is_main_process:
-        for orphan in remove_orphans(out_dir):
-            what = "restored" if orphan.name.endswith(".old") and not orphan.exists() else "removed"
+        for orphan, what in remove_orphans(out_dir):
             logger.info("%s %s, left by a killed checkpoint write", what, orphan)
         if ckpt_step is not None:
             dropped = truncate_jsonl_log(out_dir / "metrics.jsonl", ckpt_step)
