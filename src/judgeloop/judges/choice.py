@@ -25,7 +25,7 @@ import torch
 
 from judgeloop.judges.base import Judge, Pair
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import fit_article, forward_accepts, load_judge_model, pad_batch, resolve_device
+from judgeloop.judges.tokens import attach_judge_model, fit_article, forward_accepts, pad_batch
 from judgeloop.models import load_causal_lm
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -86,17 +86,10 @@ class ChoiceJudge(Judge):
         prefix_cache_size: int = 4,
     ):
         self.prompt = get_prompt(prompt)
-        model, tokenizer, model_name = load_judge_model(
-            model, tokenizer, load_causal_lm, dtype, "ChoiceJudge"
-        )
-        self.device = resolve_device(device)
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
-        self.verdict_ids = verdict_token_ids(tokenizer, verdict_tokens)
+        model_name = attach_judge_model(self, model, tokenizer, load_causal_lm, dtype, device, max_length)
+        self.verdict_ids = verdict_token_ids(self.tokenizer, verdict_tokens)
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
-        self.max_length = max_length
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._chat = has_chat_template(tokenizer)
+        self._chat = has_chat_template(self.tokenizer)
         self._logits_to_keep = forward_accepts(self.model, "logits_to_keep")
         self._position_ids = forward_accepts(self.model, "position_ids")
         self._cache_kw = next(

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from judgeloop.judges.base import VALID_STATUSES, Pair, PointwiseJudge, merge_status
-from judgeloop.judges.tokens import model_max_length, resolve_device
-from judgeloop.models import load_encoder, load_tokenizer, resolve_model_path
+from judgeloop.judges.tokens import attach_judge_model, model_max_length
+from judgeloop.models import load_encoder, resolve_model_path
 from judgeloop.models.tiny import is_tiny
 
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
@@ -77,24 +77,12 @@ class EmbeddingJudge(PointwiseJudge):
         if target not in ("article", "references", "extractive"):
             raise ValueError(f"embedding target={target!r}; use 'article', 'references' or 'extractive'")
         limits = [max_length]
-        if isinstance(model, str):
-            model_name = model
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-            st_max = _sentence_transformers_max_length(model)
-            if st_max is not None:
-                limits.append(st_max)
-            model = load_encoder(model, dtype=dtype)
-        else:
-            model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-            if tokenizer is None:
-                raise ValueError("EmbeddingJudge got a loaded model but no tokenizer; pass tokenizer=...")
-        own = model_max_length(model, tokenizer)
-        if own is not None:
+        if isinstance(model, str) and (st_max := _sentence_transformers_max_length(model)) is not None:
+            limits.append(st_max)
+        model_name = attach_judge_model(self, model, tokenizer, load_encoder, dtype, device, max_length)
+        if (own := model_max_length(self.model, self.tokenizer)) is not None:
             limits.append(own)
         self.max_length = min(limits)
-        self.device = resolve_device(device)
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
         self.reference_style = "extractive" if target == "extractive" else "neutral"
         self.target = "references" if target == "extractive" else target
         self.scale = scale

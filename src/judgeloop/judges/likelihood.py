@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from judgeloop.judges.base import PointwiseJudge
 from judgeloop.judges.choice import DEFAULT_MODEL
-from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import fit_article, forward_accepts, load_judge_model, pad_batch, resolve_device
+from judgeloop.judges.prompted import PromptedModelJudge
+from judgeloop.judges.prompts import render_chat
+from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch
 from judgeloop.models import load_causal_lm
 
 
-class LikelihoodJudge(PointwiseJudge):
+class LikelihoodJudge(PromptedModelJudge):
     """Length-normalized log-likelihood difference under a causal LM.
 
     Args:
@@ -29,32 +29,12 @@ class LikelihoodJudge(PointwiseJudge):
         batch_size: summaries per forward pass.
     """
 
-    def __init__(
-        self,
-        model: str | Any = DEFAULT_MODEL,
-        tokenizer: Any = None,
-        prompt: str = "neutral",
-        position_debias: bool = False,
-        batch_size: int = 8,
-        max_length: int = 2048,
-        device: str = "cpu",
-        dtype: str = "float32",
-        cache_size: int = 100_000,
-    ):
-        self.prompt = get_prompt(prompt)
-        model, tokenizer, model_name = load_judge_model(
-            model, tokenizer, load_causal_lm, dtype, "LikelihoodJudge"
-        )
-        self.device = resolve_device(device)
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._chat = has_chat_template(tokenizer)
+    kind = "likelihood"
+    default_model = DEFAULT_MODEL
+    load = staticmethod(load_causal_lm)
+
+    def _check_model(self, model_name: str) -> None:
         self._logits_to_keep = forward_accepts(self.model, "logits_to_keep")
-        self._position_ids = forward_accepts(self.model, "position_ids")
-        name = f"likelihood|{model_name}|{prompt}|{max_length}"
-        super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
 
     def context(self, article: str) -> str:
         """The text the summary continues: the summarize prompt up to the assistant's reply."""

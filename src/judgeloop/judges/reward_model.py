@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from judgeloop.judges.base import PointwiseJudge
-from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import fit_article, forward_accepts, load_judge_model, pad_batch, resolve_device
+from judgeloop.judges.prompted import PromptedModelJudge
+from judgeloop.judges.prompts import render_chat
+from judgeloop.judges.tokens import fit_article, pad_batch
 from judgeloop.models import load_sequence_classifier
 
 
-class RewardModelJudge(PointwiseJudge):
+class RewardModelJudge(PromptedModelJudge):
     """Scalar reward difference.
 
     Args:
@@ -29,41 +29,19 @@ class RewardModelJudge(PointwiseJudge):
         max_length: token budget per (prompt, summary); only the article is cut.
     """
 
-    def __init__(
-        self,
-        model: str | Any,
-        tokenizer: Any = None,
-        prompt: str = "neutral",
-        position_debias: bool = False,
-        batch_size: int = 8,
-        max_length: int = 2048,
-        device: str = "cpu",
-        dtype: str = "float32",
-        cache_size: int = 100_000,
-    ):
-        self.prompt = get_prompt(prompt)
-        # num_labels defaults to 1 in load_sequence_classifier: a scalar head
-        model, tokenizer, model_name = load_judge_model(
-            model, tokenizer, load_sequence_classifier, dtype, "RewardModelJudge"
-        )
-        num_labels = getattr(model.config, "num_labels", 1)
+    kind = "reward_model"
+    load = staticmethod(load_sequence_classifier)  # num_labels defaults to 1 there: a scalar head
+
+    def _check_model(self, model_name: str) -> None:
+        num_labels = getattr(self.model.config, "num_labels", 1)
         if num_labels != 1:
             raise ValueError(
                 f"reward model {model_name!r} has num_labels={num_labels}; the reward_model judge needs a "
                 "single scalar head (num_labels=1)"
             )
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        if getattr(model.config, "pad_token_id", None) is None:
+        if getattr(self.model.config, "pad_token_id", None) is None:
             # decoder classifiers pool the last non-pad token and need to know the pad id to find it
-            model.config.pad_token_id = self.pad_id
-        self.device = resolve_device(device)
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        self._chat = has_chat_template(tokenizer)
-        self._position_ids = forward_accepts(self.model, "position_ids")
-        name = f"reward_model|{model_name}|{prompt}|{max_length}"
-        super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
+            self.model.config.pad_token_id = self.pad_id
 
     def _features(self, article: str, summary: str) -> dict[str, list[int]]:
         user = self.prompt.summarize_text(article)

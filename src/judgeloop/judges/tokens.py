@@ -88,7 +88,10 @@ def model_max_length(model: Any, tokenizer: Any) -> int | None:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``torch.device(device)``, refusing a CUDA/MPS device that is not there."""
+    """``torch.device(device)``, refusing a CUDA/MPS device that is not there; ``auto`` is the GPU when
+    torch sees one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"judge.device={device!r} but CUDA is not available; use judge.device=cpu")
@@ -110,3 +113,23 @@ def load_judge_model(
         raise ValueError(f"{judge} got a loaded model but no tokenizer; pass tokenizer=...")
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return model, tokenizer, name
+
+
+def attach_judge_model(
+    judge: Any,
+    model: str | Any,
+    tokenizer: Any,
+    loader: Callable[..., Any],
+    dtype: str,
+    device: str,
+    max_length: int,
+) -> str:
+    """Load (or take) a judge's model and tokenizer and set ``model`` (on ``device``, eval mode),
+    ``tokenizer``, ``device``, ``max_length`` and ``pad_id`` on ``judge``; returns the model's name."""
+    model, tokenizer, name = load_judge_model(model, tokenizer, loader, dtype, type(judge).__name__)
+    judge.device = resolve_device(device)
+    judge.model = model.to(judge.device).eval()
+    judge.tokenizer = tokenizer
+    judge.max_length = max_length
+    judge.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return name

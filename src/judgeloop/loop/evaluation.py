@@ -170,20 +170,7 @@ def aggregate(
     return out
 
 
-def validation_metrics(
-    model: Any,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    examples: Sequence[SummExample],
-    gen: GenerationConfig,
-    batch_size: int,
-    greedy: Sequence[str] | None = None,
-) -> list[dict[str, float]]:
-    """Per-article text metrics of greedy summaries on the validation slice: neutral ROUGE-L (the
-    early-stopping criterion) and the style metrics, so settings can be chosen without the test split."""
-    if not examples:
-        return []
-    if greedy is None:
-        with eval_mode(model):
-            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+def validation_metrics(examples: Sequence[SummExample], greedy: Sequence[str]) -> list[dict[str, float]]:
+    """Per-article text metrics of the policy's greedy summaries of the validation slice: neutral ROUGE-L
+    (the early-stopping criterion) and the style metrics, so settings can be chosen without the test split."""
     return [text_metrics(e, g) for e, g in zip(examples, greedy)]

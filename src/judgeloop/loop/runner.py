@@ -554,16 +554,11 @@ def run_evaluation(
     by_id = {e.id: e for e in splits.test}
     metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.num_bins)
     if splits.validation:
-        val = validation_metrics(
-            unwrapped,
-            tokenizer,
-            build_prompt,
-            shard(splits.validation, accelerator),
-            cfg.generation,
-            cfg.eval_batch_size,
-            greedy=val_greedy,
-        )
-        val = gather_object(val)
+        vexs = shard(splits.validation, accelerator)
+        if val_greedy is None:
+            with eval_mode(unwrapped):
+                val_greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs)
+        val = gather_object(validation_metrics(vexs, val_greedy))
         for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
             vals = np.array([v[key] for v in val], dtype=float)
             metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")

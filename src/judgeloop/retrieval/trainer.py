@@ -31,14 +31,8 @@ from judgeloop.checkpointing import load_training_checkpoint, save_training_chec
 from judgeloop.config import to_dict
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
-from judgeloop.retrieval.beir import (
-    BeirData,
-    check_query_split,
-    doc_text,
-    load_beir,
-    load_pairs,
-    split_queries,
-)
+from judgeloop.retrieval import beir
+from judgeloop.retrieval.beir import BeirData
 from judgeloop.retrieval.encoder import DEFAULT_RETRIEVER, BiEncoder
 from judgeloop.retrieval.gradcache import grad_cache_step, split_features
 from judgeloop.retrieval.losses import info_nce_loss
@@ -67,11 +61,11 @@ class RetrievalDataPaths:
     positive_field: str = "positive"
 
     def __post_init__(self) -> None:
-        beir = [self.corpus_path, self.queries_path, self.qrels_path]
-        if self.pairs_path and any(beir):
+        paths = [self.corpus_path, self.queries_path, self.qrels_path]
+        if self.pairs_path and any(paths):
             raise ValueError("give either pairs_path or corpus_path/queries_path/qrels_path, not both")
-        if not self.pairs_path and not all(beir) and any(beir):
-            missing = [n for n, v in zip(("corpus_path", "queries_path", "qrels_path"), beir) if not v]
+        if not self.pairs_path and not all(paths) and any(paths):
+            missing = [n for n, v in zip(("corpus_path", "queries_path", "qrels_path"), paths) if not v]
             raise ValueError(f"BEIR data needs corpus_path, queries_path and qrels_path; missing {missing}")
 
     @property
@@ -80,12 +74,12 @@ class RetrievalDataPaths:
 
     def load(self) -> BeirData:
         if self.pairs_path:
-            return load_pairs(self.pairs_path, self.query_field, self.positive_field)
+            return beir.load_pairs(self.pairs_path, self.query_field, self.positive_field)
         if not self.is_set:
             raise DataError(
                 "no data given; set data.train.corpus_path/queries_path/qrels_path or data.train.pairs_path"
             )
-        return load_beir(self.corpus_path, self.queries_path, self.qrels_path)
+        return beir.load_beir(self.corpus_path, self.queries_path, self.qrels_path)
 
 
 @dataclass
@@ -251,9 +245,9 @@ def load_retrieval_data(cfg: RetrieverDataConfig) -> tuple[BeirData, BeirData]:
     if cfg.eval is not None and cfg.eval.is_set:
         held = cfg.eval.load()
         if held.corpus is not train.corpus and set(held.queries) & set(train.queries):
-            check_query_split(train.queries, held.queries, {**train.queries, **held.queries})
+            beir.check_query_split(train.queries, held.queries, {**train.queries, **held.queries})
     else:
-        train_ids, eval_ids = split_queries(
+        train_ids, eval_ids = beir.split_queries(
             list(train.queries), cfg.eval_fraction, cfg.split_salt, train.queries
         )
         train, held = train.subset(train_ids), train.subset(eval_ids)
@@ -261,7 +255,7 @@ def load_retrieval_data(cfg: RetrieverDataConfig) -> tuple[BeirData, BeirData]:
     held = held.subset(_cap(list(held.queries), cfg.max_eval_queries, cfg.split_salt))
     if cfg.max_corpus_docs is not None:
         train, held = _shrink_corpus(train, held, cfg.max_corpus_docs, cfg.split_salt)
-    check_query_split(train.queries, held.queries, {**train.queries, **held.queries})
+    beir.check_query_split(train.queries, held.queries, {**train.queries, **held.queries})
     logger.info(
         "retrieval data: %d train queries, %d eval queries, %d docs",
         len(train.queries),
@@ -351,7 +345,7 @@ def encode_corpus(
 ) -> tuple[list[str], torch.Tensor]:
     """(doc ids, (N, D) embeddings) of the whole corpus (title + text)."""
     doc_ids = list(data.corpus)
-    texts = [doc_text(data.corpus[d]) for d in doc_ids]
+    texts = [beir.doc_text(data.corpus[d]) for d in doc_ids]
     return doc_ids, encode_texts(encoder, texts, batch_size, False, accelerator, cache_dir, "encode corpus")
 
 
@@ -470,7 +464,7 @@ def batch_texts(
                 if cand not in positives.get(ex.query_id, ()) and cand not in mined:
                     mined.append(cand)
             neg_ids.extend(mined)
-    texts = [doc_text(data.corpus[d]) for d in pos_ids], [doc_text(data.corpus[d]) for d in neg_ids]
+    texts = [beir.doc_text(data.corpus[d]) for d in pos_ids], [beir.doc_text(data.corpus[d]) for d in neg_ids]
     return queries, texts[0], texts[1], pos_ids + neg_ids
 
 
