@@ -16,6 +16,7 @@ from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
 from judgeloop.config import load_config, to_dict
+from judgeloop.devices import check_device, on_cpu
 from judgeloop.io import atomic_dir, atomic_write_json
 from judgeloop.logging import get_logger, setup_logging
 from judgeloop.models import load_causal_lm, load_tokenizer
@@ -30,6 +31,10 @@ parser.add_argument("--config", required=True)
 parser.add_argument("overrides", nargs="*")
 args = parser.parse_args()
 cfg = load_config(SftConfig, args.config, args.overrides)
+try:
+    check_device(cfg.device)  # before data or weights load
+except ValueError as err:
+    raise SystemExit(f"error: {err}") from None
 out = Path(cfg.output_dir)
 
 # --- 2. data: the RAFT train split; loss on the assistant turn only when completion_only
@@ -74,6 +79,7 @@ sft_args = SFTConfig(
     data_seed=cfg.seed,
     dataloader_num_workers=0,
     disable_tqdm=True,
+    use_cpu=on_cpu(cfg.device),  # auto: the GPU when there is one
 )
 trainer = SFTTrainer(
     model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config

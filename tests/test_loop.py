@@ -327,9 +327,8 @@ def test_accelerate_configs_are_valid_launch_files(path):
 
 def test_gpu_recipe_config_validates():
     cfg = load_config(FeedbackLoopConfig, ROOT / "configs" / "feedback_loop" / "gpu_qwen.yaml")
-    assert (
-        not cfg.cpu and cfg.policy.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.data.name == "cnn_dailymail"
-    )
+    assert cfg.device == "cuda" and cfg.policy.model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg.data.name == "cnn_dailymail"
     assert cfg.judge.type == "choice" and cfg.early_stopping_patience > 0
 
 

@@ -114,6 +114,7 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     renamed: dict[str, str] = getattr(cls, "RENAMED", {})
+    retired: dict[str, str] = getattr(cls, "RETIRED", {})
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
         if name in renamed and name not in fields:
@@ -121,6 +122,8 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
                 f"config key '{prefix}{name}' is now '{prefix}{renamed[name]}' (one name for one idea across "
                 "judgeloop's configs); rename it in your config"
             )
+        if name in retired and name not in fields:
+            raise ConfigError(f"config key '{prefix}{name}' is retired; {retired[name]}")
         if name not in fields:
             close = _closest(name, fields)
             hint = f"; did you mean '{prefix}{close}'?" if close else ""
@@ -295,11 +298,15 @@ def config_changes(
 
 def migrate(cls: type, tree: Mapping[str, Any]) -> dict[str, Any]:
     """A saved config dict with keys renamed since it was saved moved to their new names (each schema
-    lists its renames in a ``RENAMED`` class attribute), so an old run or checkpoint still compares."""
+    lists its renames in a ``RENAMED`` class attribute; keys in ``RETIRED`` are dropped), so an old run
+    or checkpoint still compares."""
     renamed: dict[str, str] = getattr(cls, "RENAMED", {})
+    retired: dict[str, str] = getattr(cls, "RETIRED", {})
     hints = get_type_hints(cls)
     out: dict[str, Any] = {}
     for key, value in tree.items():
+        if key in retired and key not in hints:
+            continue  # a retired key has no new place: the setting that replaced it compares at its default
         name = renamed.get(key, key)
         tp = _is_optional(hints[name])[1] if name in hints else None
         if isinstance(value, Mapping) and tp is not None and dataclasses.is_dataclass(tp):

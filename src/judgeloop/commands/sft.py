@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from judgeloop.devices import check_device
 from judgeloop.logging import get_logger
 from judgeloop.raft.sft import SftConfig, recipe_path
 
@@ -28,6 +29,7 @@ def run(cfg: SftConfig) -> dict[str, Any]:
     from judgeloop.config import to_yaml
     from judgeloop.io import atomic_write_text
 
+    check_device(cfg.device)  # before anything is written or launched
     out = Path(cfg.output_dir)
     cfg_path = out / "sft_config.yaml"
     atomic_write_text(cfg_path, to_yaml(cfg))

@@ -56,7 +56,8 @@ class JudgeConfig:
             sentence-transformers' MultipleNegativesRankingLoss applies to cosines.
         dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``).
         verdict_tokens: choice judge: the two answer labels, each a single token.
-        device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+        device: ``auto`` (default: a GPU when torch sees one; inside a run, the process's own), ``cpu``,
+            ``cuda``, ``cuda:N`` or ``mps``.
         cache_size: judged pairs kept in the in-memory cache (0 disables it).
         style_weight: adds ``style_weight * d(pair)`` to the judge's logit, ``d`` the antisymmetric
             pair feature ``style_feature`` (``copy_rate``, ``log_length_ratio``, ``novel_bigram``);
@@ -73,7 +74,7 @@ class JudgeConfig:
     scale: float = 20.0
     dtype: str = "float32"
     verdict_tokens: list[str] = field(default_factory=lambda: ["A", "B"])
-    device: str = "cpu"
+    device: str = "auto"
     cache_size: int = 100_000
     style_weight: float = 0.0
     style_feature: str = "copy_rate"
@@ -115,8 +116,9 @@ class JudgeConfig:
         if self.verdict_tokens[0].strip() == self.verdict_tokens[1].strip():
             raise ValueError(f"judge.verdict_tokens={self.verdict_tokens!r}; the two labels must differ")
         dev = self.device.split(":")
-        if dev[0] not in ("cpu", "cuda", "mps") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit()):
-            raise ValueError(f"judge.device={self.device!r}; use cpu, cuda, cuda:N or mps")
+        bad = dev[0] not in ("auto", "cpu", "cuda", "mps") or len(dev) > 2
+        if bad or (len(dev) == 2 and (dev[0] != "cuda" or not dev[1].isdigit())):
+            raise ValueError(f"judge.device={self.device!r}; use auto, cpu, cuda, cuda:N or mps")
         if self.cache_size < 0:
             raise ValueError(
                 f"judge.cache_size={self.cache_size}; use 0 to disable the cache or a positive size"

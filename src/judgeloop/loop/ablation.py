@@ -34,6 +34,7 @@ import yaml
 
 from judgeloop.calibration import CalibrationError
 from judgeloop.config import config_changes, default_dict, migrate, replace, to_yaml
+from judgeloop.devices import on_cpu
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -175,9 +176,9 @@ def default_workers(cfg: FeedbackLoopConfig, n_jobs: int) -> int:
     on 2 cores, the quickstart's raw and platt arms x 2 seeds: 654 s as one two-thread job at a time,
     531 s as two one-thread jobs at a time (1.23x), with the same numbers. Decoding a batch of a few
     prompts is latency-bound and gains little from a second thread, so two jobs use the cores better.
-    On a GPU (``cpu=false``): one job at a time (they would share the device).
+    On a GPU (``device`` auto or cuda where there is one): one job at a time (they would share it).
     """
-    if not cfg.cpu:
+    if not on_cpu(cfg.device):
         return 1
     cores = os.cpu_count() or 1
     try:

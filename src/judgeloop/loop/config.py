@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from judgeloop.data import DataConfig, SplitConfig
+from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig
 
 ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "oracle")
@@ -25,6 +26,9 @@ class PolicyConfig:
     fine-tuning on the training articles' neutral references (SFT, then preference tuning); a random
     tiny model needs it to say anything at all. The warm start uses ``sft_seed``, not the run seed,
     so every seed of an ablation starts from the same policy (as from one pretrained checkpoint).
+    ``dtype: bfloat16`` stores the frozen weights (the LoRA base, or the reference copy) in bf16 and turns
+    on bf16 autocast; the trained weights stay float32 master weights (not under FSDP: there the
+    launch file's mixed precision casts and every weight is stored in float32).
     """
 
     model: str = "judgeloop-tiny/causal-lm"
@@ -66,7 +70,7 @@ class GenerationConfig:
     ``autocast``: generate under the run's mixed-precision autocast. Off by default: decoding reads every
     weight once per token, and autocast would re-cast each float32 weight at each step (measured on 2 CPU
     cores, quickstart rollout under bf16, alternating, median of 4: 4.43 s with it, 3.10 s without).
-    Weights stored in bf16 (``policy.dtype=bfloat16``) decode in bf16 either way.
+    A LoRA base stored in bf16 (``policy.dtype=bfloat16``) decodes in bf16 either way.
     """
 
     max_new_tokens: int = 24
@@ -264,6 +268,9 @@ class AblationConfig:
 class FeedbackLoopConfig:
     """Everything one run of the calibrated feedback loop needs.
 
+    ``device``: ``auto`` (a GPU when accelerate sees one, honouring the launch file's DDP / FSDP /
+    DeepSpeed; else the CPU), ``cpu`` (gloo on CPU even on a GPU machine) or ``cuda`` (an error before any
+    work where there is no GPU).
     ``batch_size`` is the number of train articles *per process* per step (two samples each).
     ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
     judge's article embeddings) on a background thread during the policy update; scores are the same.
@@ -278,7 +285,10 @@ class FeedbackLoopConfig:
 
     output_dir: str = "runs/feedback_loop"
     seed: int = 0
-    cpu: bool = True
+    RETIRED: ClassVar[dict[str, str]] = {
+        "cpu": "set device: cpu (or auto, the default: a GPU when accelerate sees one, else the CPU)"
+    }
+    device: Device = "auto"
     mixed_precision: Literal["no", "bf16"] = "no"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)

@@ -58,17 +58,25 @@ def sft_warmup(
 
 
 def load_policy(
-    cfg: PolicyConfig, seed: int, sft_data: tuple[list[list[int]], list[str]] | None = None
+    cfg: PolicyConfig,
+    seed: int,
+    sft_data: tuple[list[list[int]], list[str]] | None = None,
+    frozen_fp32: bool = False,
 ) -> tuple[Any, Any, Any | None]:
     """Return ``(policy, tokenizer, frozen_reference_or_None)``; the reference is None under LoRA.
 
     ``sft_data`` = (prompt ids, reference summaries) of training articles for the optional SFT warm-up.
+
+    Trained weights are always float32 (the master copy the optimizer updates; bf16 compute comes from
+    autocast): AdamW on bf16 weights loses most small updates. ``policy.dtype=bfloat16`` stores the
+    *frozen* weights in bf16: the LoRA base, or the reference copy under full fine-tuning.
+    ``frozen_fp32`` keeps those in float32 too (FSDP, which refuses mixed dtypes in one unit and casts
+    for compute itself).
     """
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(cfg.model)
-    model = load_causal_lm(cfg.model, dtype=cfg.dtype)
-    if cfg.dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
+    model = load_causal_lm(cfg.model, dtype="float32")
+    frozen_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not frozen_fp32 else torch.float32
     if cfg.sft_steps and sft_data is not None:
         key = (
             cfg.model,
@@ -90,6 +98,7 @@ def load_policy(
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
+        model = model.to(frozen_dtype)  # the frozen base; PEFT makes the adapters in float32
         lora = LoraConfig(
             r=cfg.lora_r,
             lora_alpha=cfg.lora_alpha,
@@ -100,7 +109,7 @@ def load_policy(
         model = get_peft_model(model, lora)
         ref = None
     else:
-        ref = copy.deepcopy(model).eval()
+        ref = copy.deepcopy(model).to(frozen_dtype).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
     model.train()

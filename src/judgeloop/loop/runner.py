@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
 from judgeloop.checkpointing import save_only_trainable
 from judgeloop.config import check_output_places, default_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
+from judgeloop.devices import check_device, on_cpu, process_device
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
@@ -652,15 +653,19 @@ def initial_calibration_pairs(
 
 
 def check_models(cfg: FeedbackLoopConfig) -> None:
-    """Every model the config names resolves (before data or weights load); a ConfigError names the key."""
+    """Every model the config names resolves and every device it asks for is there (before data or
+    weights load); a ConfigError names the key."""
     from judgeloop.config import ConfigError
+    from judgeloop.judges.tokens import resolve_device
     from judgeloop.models import check_model
 
-    for key, name in (("policy.model", cfg.policy.model), ("judge.model", cfg.judge.model)):
-        try:
+    try:
+        check_device(cfg.device, "device")
+        resolve_device(cfg.judge.device)
+        for key, name in (("policy.model", cfg.policy.model), ("judge.model", cfg.judge.model)):
             check_model(name, key)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
@@ -690,11 +695,11 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
     """
     return Accelerator(
-        cpu=cfg.cpu,
+        cpu=on_cpu(cfg.device),
         log_with=make_trackers(cfg.log_with, out_dir),
         project_dir=str(out_dir),
         step_scheduler_with_optimizer=False,
-        **mixed_precision_kwargs(cfg.mixed_precision),
+        **mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision),
     )
 
 
@@ -702,7 +707,8 @@ def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
     """``Accelerator`` arguments for ``mixed_precision`` ("no" or "bf16").
 
     mixed_precision is passed only when asked for: accelerate refuses to re-set it once its
-    process-wide state exists (e.g. a second run in the same process, as in the ablation).
+    process-wide state exists (e.g. a second run in the same process, as in the ablation); a launch
+    file's ``mixed_precision`` applies otherwise.
 
     Under bf16 the autocast weight-cast cache is off. The loop runs in one autocast context, across
     optimizer steps, and autocast keeps its bf16 copy of a trainable weight until the outermost context
@@ -710,11 +716,11 @@ def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
     adapters or the full model, as first cast) while the optimizer updated the fp32 ones. Without it the
     trainable weights are cast at each use, as frozen weights always are.
     """
-    if mixed_precision == "no":
-        return {}
     from accelerate.utils import AutocastKwargs
 
-    return {"mixed_precision": mixed_precision, "kwargs_handlers": [AutocastKwargs(cache_enabled=False)]}
+    # the cache is off whatever turns bf16 on: this setting, or a launch file's mixed_precision: bf16
+    handlers = {"kwargs_handlers": [AutocastKwargs(cache_enabled=False)]}
+    return handlers if mixed_precision == "no" else {"mixed_precision": mixed_precision, **handlers}
 
 
 # --- the run: set up, start or resume, the step loop, the report --------------------------------------
@@ -791,15 +797,12 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) 
         [build_prompt(e.article) for e in splits.train],
         [e.neutral[0] if e.neutral else "" for e in splits.train],
     )
-    model, tokenizer, ref = load_policy(cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    model, tokenizer, ref = load_policy(cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp)
     if ref is not None:
         ref.to(accelerator.device)
-    judge_cfg = cfg.judge
-    if accelerator.device.type == "cuda" and judge_cfg.device.startswith("cuda"):
-        judge_cfg = dataclasses.replace(
-            judge_cfg, device=str(accelerator.device)
-        )  # one judge per process's GPU
-    judge = build_judge(judge_cfg)
+    # auto / cuda: this process's own GPU (one judge per process), the CPU in a CPU run
+    judge = build_judge(dataclasses.replace(cfg.judge, device=process_device(cfg.judge.device, accelerator)))
     train_judge = build_training_judge(cfg.calibration, judge)
     optimizer, scheduler = make_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from judgeloop.devices import Device
+
 
 @dataclass
 class LoraSettings:
@@ -71,9 +73,11 @@ class SftConfig:
     ``data_dir`` is the builder's ``output_dir``; the first ``max_train_examples`` training rows are used
     (all when null). ``completion_only``: loss on the assistant turn only (rows are converted to TRL's
     conversational prompt/completion form); false trains on the whole ``messages`` sequence.
+    ``device``: auto (a GPU when there is one), cpu or cuda (an error before any work where there is none).
     """
 
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    device: Device = "auto"
     data_dir: str = "runs/raft/pubmedqa"
     output_dir: str = "runs/sft/pubmedqa"
     max_train_examples: int | None = 240

@@ -29,6 +29,7 @@ import torch
 
 from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
 from judgeloop.config import to_dict
+from judgeloop.devices import Device, check_device, on_cpu
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval import beir
@@ -200,9 +201,11 @@ class RetrieverEvalConfig:
 
 @dataclass
 class TrainRetrieverConfig:
-    """Schema of ``judgeloop train-retriever``."""
+    """Schema of ``judgeloop train-retriever``. ``device``: auto (a GPU when accelerate sees one), cpu or
+    cuda (an error before any work where there is none)."""
 
     output_dir: str = "outputs/retriever"
+    device: Device = "auto"
     model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
     data: RetrieverDataConfig = field(default_factory=RetrieverDataConfig)
     loss: RetrieverLossConfig = field(default_factory=RetrieverLossConfig)
@@ -747,7 +750,8 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     amp = {} if cfg.train.mixed_precision == "no" else {"mixed_precision": cfg.train.mixed_precision}
     # one scheduler step per optimizer step: the schedule counts global batches (total_steps), and
     # accelerate's default would step it once per process (num_processes times too fast)
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, **amp)
+    check_device(cfg.device)  # before any data or weights load
+    accelerator = Accelerator(cpu=on_cpu(cfg.device), step_scheduler_with_optimizer=False, **amp)
     set_seed(cfg.train.seed)
     out, t0 = Path(cfg.output_dir), time.time()
     train_data, eval_data = load_retrieval_data(cfg.data)
