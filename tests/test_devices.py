@@ -73,6 +73,7 @@ def test_auto_follows_the_run_and_cuda_means_this_process_gpu():
             self.device, self.num_processes = torch.device(device), n
 
     assert process_device("auto", Run("cpu", 1)) == "cpu"
+    assert process_device("auto", Run("cpu:0", 2)) == "cpu"  # what a 2-process CPU run reports
     assert process_device("cpu", Run("cuda:3", 8)) == "cpu"
     assert process_device("auto", Run("cuda:3", 8)) == "cuda:3"
     assert process_device("cuda", Run("cuda:3", 8)) == "cuda:3"

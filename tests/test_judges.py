@@ -393,7 +393,7 @@ def test_unavailable_device_raises(tok, causal):
         ({"verdict_tokens": ["A"]}, "give exactly two labels"),
         ({"verdict_tokens": ["A", " "]}, "cannot be empty or only spaces"),
         ({"verdict_tokens": ["A", " A"]}, "the two labels must differ"),
-        ({"device": "gpu"}, "judge.device='gpu'; use cpu, cuda, cuda:N or mps"),
+        ({"device": "gpu"}, "judge.device='gpu'; use auto, cpu, cuda, cuda:N or mps"),
         ({"cache_size": -1}, "judge.cache_size=-1"),
     ],
 )

@@ -169,3 +169,83 @@ def test_the_lr_schedule_counts_optimizer_steps_on_any_number_of_processes(tmp_p
     lr = 1e-3  # tiny.yaml's optim.learning_rate
     assert r1["lrs"] == pytest.approx([0.0, lr / 2, lr, lr / 2])  # transformers: warm-up from 0, then linear
     assert r2["lrs"] == pytest.approx(r1["lrs"])
+
+
+UNEVEN_WORKER = r"""
+import json, os, sys
+from pathlib import Path
+import torch
+from accelerate.utils import gather_object
+from judgeloop.config import load_config
+from judgeloop.data import load_examples
+from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.evaluation import greedy_summaries
+from judgeloop.loop.rollout import PromptBuilder
+from judgeloop.loop.runner import make_accelerator, real_part, shard, train
+from judgeloop.models import load_causal_lm, load_tokenizer
+
+out, root = Path(sys.argv[1]), Path(sys.argv[2])
+overrides = sys.argv[3:]
+cfg = load_config(FeedbackLoopConfig, root / "configs/feedback_loop/tiny.yaml", overrides)
+acc = make_accelerator(cfg, Path(cfg.output_dir))
+# 1. an odd number of articles over 2 ranks: the same number of policy forward passes on each rank
+model, tok = load_causal_lm(cfg.policy.model), load_tokenizer(cfg.policy.model)
+calls = []
+model.register_forward_hook(lambda *a: calls.append(1))
+exs = load_examples(cfg.data)[:5]
+mine = shard(exs, acc)
+texts = greedy_summaries(model, tok, PromptBuilder(tok, cfg.policy), mine, cfg.generation, 2)
+counts = gather_object([len(calls)])
+ids = gather_object(real_part([e.id for e in mine], len(exs), acc))
+# 2. a whole run with odd test / validation / calibration counts finishes on both ranks
+report = train(cfg)
+if acc.is_main_process:
+    rows = [json.loads(l) for l in (Path(cfg.output_dir) / "per_article.jsonl").read_text().splitlines()]
+    out.write_text(json.dumps({"world": acc.num_processes, "counts": counts, "ids": ids,
+                               "want": [e.id for e in exs], "rows": [[r["step"], r["id"]] for r in rows],
+                               "final": report["final"]}))
+# no barrier here: the run's end_training() has closed the process group
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_odd_shards_keep_the_ranks_in_step_and_lose_no_article(tmp_path):
+    """5 test, 3 validation and 7 calibration articles over 2 processes: every rank runs the same number
+    of forward passes (under FSDP / ZeRO-3 each is a collective), and each article is counted once."""
+    import json
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which(
+        "accelerate"
+    )
+    if accelerate is None:
+        pytest.skip("the accelerate launcher is not installed")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "uneven_worker.py"
+    script.write_text(UNEVEN_WORKER)
+    res_file = tmp_path / "two.json"
+    from test_loop import FAST  # tests/ is on sys.path under pytest: the end-to-end tests' fast settings
+
+    overrides = [
+        *FAST, "num_eval_articles=5", "num_validation_articles=3", "calibration.num_articles=7",
+        "max_steps=2", "eval_every_n_steps=2", "batch_size=2", f"output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    port = str(random.randint(20000, 40000))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
+    res = subprocess.run(
+        [*cmd, str(script), str(res_file), str(root), *overrides],
+        env=_env(), timeout=400, capture_output=True, text=True,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res_file.read_text())
+    assert r["world"] == 2
+    assert r["counts"][0] == r["counts"][1] > 0
+    assert sorted(r["ids"]) == sorted(r["want"])  # each article once, the padding dropped
+    by_step: dict[int, list[str]] = {}
+    for step, i in r["rows"]:
+        by_step.setdefault(step, []).append(i)
+    assert set(by_step) == {0, 2}
+    for ids in by_step.values():
+        assert len(ids) == 5 and len(set(ids)) == 5

@@ -49,6 +49,18 @@ def save_training_checkpoint(accelerator: Any, target: str | Path, files: Mappin
     return target
 
 
+def prune_checkpoints(folder: str | Path, keep: int | None, pattern: str = "step_*") -> list[Path]:
+    """Remove all but the newest ``keep`` checkpoints ``folder/step_N`` (by N); ``None`` keeps every one.
+    Returns what was removed. Call it on the main process after a save."""
+    if keep is None:
+        return []
+    steps = sorted(Path(folder).glob(pattern), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    removed = steps[:-keep] if keep > 0 else steps
+    for old in removed:
+        shutil.rmtree(old, ignore_errors=True)
+    return removed
+
+
 def load_training_checkpoint(accelerator: Any, path: str | Path) -> None:
     """Restore model, optimizer, scheduler and every process's RNG from a checkpoint of
     :func:`save_training_checkpoint` (call it on every process, after ``prepare``)."""

@@ -45,4 +45,6 @@ def process_device(device: str, accelerator: Any) -> str:
         device == "cuda" or (device.startswith("cuda:") and accelerator.num_processes > 1)
     ):
         return str(run)
-    return str(run) if device == "auto" else device
+    if device == "auto":
+        return str(run) if run.type == "cuda" else run.type  # a CPU run's device can read "cpu:0"
+    return device

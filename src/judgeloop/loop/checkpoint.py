@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
+from judgeloop.distributed import full_state_dict, is_fsdp, load_full_state_dict, trainable_names
 from judgeloop.io import atomic_dir, atomic_write_json
-from judgeloop.loop.policy import load_trainable_state, trainable_state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -32,25 +32,53 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_policy(path: str | Path, model: Any) -> None:
-    """Trainable parameters only, written atomically (used for the best-so-far policy too)."""
-    with atomic_dir(path) as tmp:
-        save_file(trainable_state(model), str(tmp / "policy.safetensors"))
+def _policy_module(accelerator: Any, model: Any) -> Any:
+    """The module whose weights are saved: the FSDP1 root unit itself (its full state needs it), the
+    unwrapped model otherwise (FSDP2 and ZeRO-3 modules are the model's own)."""
+    return model if is_fsdp(model) else accelerator.unwrap_model(model)
 
 
-def export_policy(path: str | Path, model: Any, tokenizer: Any, calibrator_state: dict[str, Any]) -> None:
+def save_policy(path: str | Path, accelerator: Any, model: Any) -> None:
+    """Trainable parameters only (full tensors, gathered under FSDP / ZeRO-3), written atomically by the
+    main process; call it on every process (used for the best-so-far policy)."""
+    module = _policy_module(accelerator, model)
+    state = full_state_dict(module, trainable_names(module))
+    if accelerator.is_main_process:
+        with atomic_dir(path) as tmp:
+            save_file({n: t.contiguous() for n, t in state.items()}, str(tmp / "policy.safetensors"))
+    accelerator.wait_for_everyone()
+
+
+def export_policy(
+    path: str | Path, accelerator: Any, model: Any, tokenizer: Any, calibrator_state: dict[str, Any]
+) -> None:
     """The trained policy in the ``transformers`` / ``peft`` layout (``from_pretrained`` loads it: the
     LoRA adapters under LoRA, the full model otherwise), its tokenizer, and the final calibrator.
-    Written atomically."""
-    with atomic_dir(path) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        atomic_write_json(tmp / "calibrator.json", calibrator_state)
+    Call it on every process: the full weights are gathered first (every shard, under FSDP / ZeRO-3),
+    then the main process writes them atomically."""
+    state = full_state_dict(_policy_module(accelerator, model))
+    if accelerator.is_main_process:
+        with atomic_dir(path) as tmp:
+            accelerator.unwrap_model(model).save_pretrained(
+                str(tmp), state_dict=state, safe_serialization=True
+            )
+            tokenizer.save_pretrained(str(tmp))
+            atomic_write_json(tmp / "calibrator.json", calibrator_state)
+    accelerator.wait_for_everyone()
 
 
-def load_policy_weights(path: str | Path, model: Any) -> None:
-    """Load the trainable parameters saved in ``path/policy.safetensors`` into ``model``."""
-    load_trainable_state(model, load_file(str(Path(path) / "policy.safetensors")))
+def load_policy_weights(path: str | Path, accelerator: Any, model: Any) -> None:
+    """Load the trainable parameters saved in ``path/policy.safetensors`` into ``model`` (into its shards
+    under FSDP / ZeRO-3); call it on every process."""
+    module = _policy_module(accelerator, model)
+    state = load_file(str(Path(path) / "policy.safetensors"))
+    missing = sorted(trainable_names(module) - set(state))
+    if missing:
+        raise ValueError(
+            f"checkpoint does not match the policy: missing {missing[:3]}; "
+            "resume with the same policy.model and policy.lora settings"
+        )
+    load_full_state_dict(module, state)
 
 
 def save_checkpoint(
@@ -155,11 +183,11 @@ def load_checkpoint(accelerator: Any, path: str | Path) -> tuple[dict[str, Any],
             "pass a directory written under OUTPUT_DIR/checkpoints/"
         )
     if (path / "optimizer.pt").is_file():  # the earlier layout
-        model = accelerator.unwrap_model(accelerator._models[0])
-        load_policy_weights(path, model)
-        accelerator._optimizers[0].load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-        accelerator._schedulers[0].load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        load_policy_weights(path, accelerator, accelerator._models[0])
+        load = {"weights_only": False, "map_location": "cpu"}  # never every rank's state on cuda:0
+        accelerator._optimizers[0].load_state_dict(torch.load(path / "optimizer.pt", **load))
+        accelerator._schedulers[0].load_state_dict(torch.load(path / "scheduler.pt", **load))
+        set_rng_state(torch.load(path / "rng.pt", **load))
     else:
         load_training_checkpoint(accelerator, path)
     return json.loads((path / "calibrator.json").read_text()), json.loads((path / "state.json").read_text())

@@ -204,6 +204,7 @@ RESUME_FREE_KEYS = (
     "max_steps",
     "start_cache",
     "save_every_n_steps",
+    "keep_checkpoints",
     "save_final_policy",
     "judge_prefetch",
     "judge_prefetch_threads",
@@ -272,6 +273,8 @@ class FeedbackLoopConfig:
     DeepSpeed; else the CPU), ``cpu`` (gloo on CPU even on a GPU machine) or ``cuda`` (an error before any
     work where there is no GPU).
     ``batch_size`` is the number of train articles *per process* per step (two samples each).
+    ``keep_checkpoints``: only the newest k ``checkpoints/step_N`` are kept (null: all); the best
+    validation policy lives apart, in ``best_policy/``.
     ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
     judge's article embeddings) on a background thread during the policy update; scores are the same.
     Unset (auto), it is on only when the judge runs on a GPU. On CPU, set to true, the cores are split
@@ -305,6 +308,7 @@ class FeedbackLoopConfig:
     max_steps: int = 20
     eval_every_n_steps: int = 10
     save_every_n_steps: int = 0
+    keep_checkpoints: int | None = None
     early_stopping_patience: int = 0
     judge_prefetch: bool | None = None
     judge_prefetch_threads: int | None = None
@@ -339,6 +343,10 @@ class FeedbackLoopConfig:
         if self.judge_prefetch_threads is not None and self.judge_prefetch_threads < 1:
             raise ValueError(
                 f"judge_prefetch_threads={self.judge_prefetch_threads} must be >= 1, or null for half the cores"
+            )
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(
+                f"keep_checkpoints={self.keep_checkpoints} must be >= 1, or null to keep every one"
             )
         if self.stop_after_n_steps is not None and self.stop_after_n_steps < 1:
             raise ValueError(f"stop_after_n_steps={self.stop_after_n_steps} must be >= 1 or null")

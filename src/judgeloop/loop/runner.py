@@ -31,10 +31,11 @@ from accelerate.utils import DistributedType, gather_object
 
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
-from judgeloop.checkpointing import save_only_trainable
-from judgeloop.config import check_output_places, default_dict, to_yaml
+from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
+from judgeloop.config import ConfigError, check_output_places, default_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.devices import check_device, on_cpu, process_device
+from judgeloop.distributed import configure_deepspeed, generation_context
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
@@ -146,6 +147,15 @@ def load_splits(cfg: FeedbackLoopConfig) -> Splits:
         raise ValueError(
             f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}"
         )
+    for name, asked, have in (
+        ("num_eval_articles", cfg.num_eval_articles, len(splits.test)),
+        ("num_validation_articles", cfg.num_validation_articles, len(splits.validation)),
+    ):
+        if have < asked:  # evaluated on what there is, and said so (the report's counts show it too)
+            logger.warning(
+                "%s=%d but its split has %d articles: evaluating on %d (raise data.max_articles or the "
+                "split fraction for more)", name, asked, have, have,
+            )  # fmt: skip
     check_calibration_disjoint(splits.train, splits.calibration)
     return splits
 
@@ -156,8 +166,21 @@ def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def shard(items: Sequence[Any], accelerator: Accelerator) -> list[Any]:
-    """This process's share of ``items`` (every ``num_processes``-th item, from its index)."""
-    return list(items[accelerator.process_index :: accelerator.num_processes])
+    """This process's share of ``items`` (every ``num_processes``-th item, from its index), padded so that
+    every process gets the same number: the last item repeats where a process would have one fewer.
+
+    Under FSDP and ZeRO-3 each forward pass is a collective (every rank gathers the weights), so a rank
+    with one batch fewer would leave the others waiting forever. Results for the padding are dropped
+    with :func:`real_part` before they are gathered.
+    """
+    n, size = len(items), accelerator.num_processes
+    padded = list(items) + [items[-1]] * (-n % size) if n else []
+    return padded[accelerator.process_index :: size]
+
+
+def real_part(results: Sequence[Any], num_items: int, accelerator: Accelerator) -> list[Any]:
+    """The results of this process's real items of a :func:`shard` of ``num_items`` (the padding dropped)."""
+    return list(results[: len(range(accelerator.process_index, num_items, accelerator.num_processes))])
 
 
 def _batch_at(
@@ -325,9 +348,10 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     B = len(roll.prompts)
     comps = roll.a_ids + roll.b_ids  # (2B) a-samples then b-samples; each prompt is run once for both
     device = acc.device
-    ref_tok, _ = reference_logprobs(
-        acc.unwrap_model(model), learner.ref, roll.prompts, comps, learner.pad_id, 2
-    )
+    with generation_context(model):
+        ref_tok, _ = reference_logprobs(
+            acc.unwrap_model(model), learner.ref, roll.prompts, comps, learner.pad_id, 2
+        )
     pol_tok, tok_mask = token_logprobs(
         model, roll.prompts, comps, learner.pad_id, samples_per_prompt=2
     )  # (2B, T)
@@ -339,8 +363,10 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     acc.backward(loss)
     grad_norm = float("nan")
     if learner.max_grad_norm > 0:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        grad_norm = float(acc.clip_grad_norm_(trainable, learner.max_grad_norm))
+        # every parameter, not only the trainable ones: frozen ones have no gradient and add nothing, and
+        # accelerate's FSDP clipping (the global norm over all shards) applies only to model.parameters()
+        norm = acc.clip_grad_norm_(list(model.parameters()), learner.max_grad_norm)
+        grad_norm = float("nan") if norm is None else float(norm)  # DeepSpeed clips inside its step
     learner.optimizer.step()
     learner.scheduler.step()
     learner.optimizer.zero_grad(set_to_none=True)
@@ -384,13 +410,14 @@ def collect_calibration_pairs(
             break
         # round 0 keeps the seed the loop has always used; later rounds get their own
         tag: tuple[Any, ...] = (step, accelerator.process_index) + ((round_,) if round_ else ())
+        picked = [calibration[i] for i in sorted(pick)]
         rows = _calibration_rows(
             accelerator,
             model,
             tokenizer,
             build_prompt,
             judge,
-            shard([calibration[i] for i in sorted(pick)], accelerator),
+            (shard(picked, accelerator), len(real_part(picked, len(picked), accelerator))),
             cfg,
             derive_seed(cfg.seed, "calib", *tag),
         )
@@ -418,24 +445,29 @@ def _calibration_rows(
     tokenizer: Any,
     build_prompt: PromptBuilder,
     judge: Judge,
-    mine: Sequence[SummExample],
+    share: tuple[Sequence[SummExample], int],
     cfg: FeedbackLoopConfig,
     seed: int,
 ) -> list[dict[str, Any]]:
-    """This process's labeled pairs for its share of the calibration articles, plus one counts row."""
+    """This process's labeled pairs for its share of the calibration articles, plus one counts row.
+    ``share``: the padded shard and how many of its articles are real (the rest only keep the ranks'
+    generate calls in step)."""
+    mine, num_real = share
     if not mine:
         return []
-    roll = rollout(
-        accelerator.unwrap_model(model),
-        tokenizer,
-        build_prompt,
-        [e.article for e in mine],
-        cfg.generation,
-        seed=seed,
-        num_pairs=cfg.calibration.pairs_per_article,
-    )
-    exs = [e for e in mine for _ in range(cfg.calibration.pairs_per_article)]
-    pairs = label_pairs(exs, roll.a_text, roll.b_text, judge)
+    with generation_context(model):
+        roll = rollout(
+            accelerator.unwrap_model(model),
+            tokenizer,
+            build_prompt,
+            [e.article for e in mine],
+            cfg.generation,
+            seed=seed,
+            num_pairs=cfg.calibration.pairs_per_article,
+        )
+    k = cfg.calibration.pairs_per_article
+    exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as rollout returns them
+    pairs = label_pairs(exs, roll.a_text[: len(exs)], roll.b_text[: len(exs)], judge)
     rows: list[dict[str, Any]] = [
         {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab}
         for i, a, x, y, s, lab in zip(
@@ -550,7 +582,7 @@ def run_evaluation(
         greedy=greedy,
         sampled=sampled,
     )
-    rows = gather_object(rows)
+    rows = gather_object(real_part(rows, len(ids), accelerator))
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     by_id = {e.id: e for e in splits.test}
     metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.num_bins)
@@ -559,7 +591,8 @@ def run_evaluation(
         if val_greedy is None:
             with eval_mode(unwrapped):
                 val_greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs)
-        val = gather_object(validation_metrics(vexs, val_greedy))
+        n_val = len(splits.validation)
+        val = gather_object(real_part(validation_metrics(vexs, val_greedy), n_val, accelerator))
         for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
             vals = np.array([v[key] for v in val], dtype=float)
             metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
@@ -577,9 +610,8 @@ def early_stopping(
         return False
     if val > state.best_val + 1e-9:
         state.best_val, state.best_step, state.bad_evals = val, int(metrics["step"]), 0
-        if cfg.early_stopping_patience and accelerator.is_main_process:
-            save_policy(Path(cfg.output_dir) / "best_policy", accelerator.unwrap_model(model))
-        accelerator.wait_for_everyone()
+        if cfg.early_stopping_patience:  # every process: under FSDP / ZeRO-3 the weights are gathered
+            save_policy(Path(cfg.output_dir) / "best_policy", accelerator, model)
         return False
     state.bad_evals += 1
     return bool(cfg.early_stopping_patience and state.bad_evals >= cfg.early_stopping_patience)
@@ -655,7 +687,6 @@ def initial_calibration_pairs(
 def check_models(cfg: FeedbackLoopConfig) -> None:
     """Every model the config names resolves and every device it asks for is there (before data or
     weights load); a ConfigError names the key."""
-    from judgeloop.config import ConfigError
     from judgeloop.judges.tokens import resolve_device
     from judgeloop.models import check_model
 
@@ -758,11 +789,12 @@ class LoopRun:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Test and validation metrics of the current policy at ``step``."""
-        return run_evaluation(
-            self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt, self.splits,
-            self.state, self.judge, self.train_judge, self.calibrator, self.cfg, step,
-            self.start if step == 0 else None,
-        )  # fmt: skip
+        with generation_context(self.model):
+            return run_evaluation(
+                self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt,
+                self.splits, self.state, self.judge, self.train_judge, self.calibrator, self.cfg, step,
+                self.start if step == 0 else None,
+            )  # fmt: skip
 
 
 def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> None:
@@ -791,6 +823,12 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) 
     np.random.seed(cfg.seed)
     splits = load_splits(cfg)
     check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
+    global_batch = cfg.batch_size * accelerator.num_processes
+    if len(splits.train) < global_batch:  # a process would get a short or empty batch at every step
+        raise ConfigError(
+            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size} x "
+            f"{accelerator.num_processes} processes; lower batch_size or use more data"
+        )
     tokenizer = load_tokenizer(cfg.policy.model)
     build_prompt = PromptBuilder(tokenizer, cfg.policy)
     sft = (
@@ -805,6 +843,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) 
     judge = build_judge(dataclasses.replace(cfg.judge, device=process_device(cfg.judge.device, accelerator)))
     train_judge = build_training_judge(cfg.calibration, judge)
     optimizer, scheduler = make_optimizer(model, cfg)
+    configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     save_only_trainable(accelerator, trainable_state, load_trainable_state)  # LoRA: adapters, not the base
     learner = Learner(
@@ -845,10 +884,11 @@ def start_run(run: LoopRun) -> None:
     """Step 0: reference summaries, the judge's coupling and the first calibrator fit on samples of the
     starting policy, and the step-0 evaluation."""
     cfg, state = run.cfg, run.state
-    state.ref_summaries = reference_summaries(
-        run.accelerator, run.model, run.learner.ref, run.tokenizer, run.build_prompt, run.splits.test, cfg,
-        run.start,
-    )  # fmt: skip
+    with generation_context(run.model):
+        state.ref_summaries = reference_summaries(
+            run.accelerator, run.model, run.learner.ref, run.tokenizer, run.build_prompt, run.splits.test,
+            cfg, run.start,
+        )  # fmt: skip
     if (
         cfg.calibration.method != "oracle"
     ):  # samples of the initial policy: the judge's coupling, the first fit
@@ -882,7 +922,10 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
     cfg, state, acc = run.cfg, run.state, run.accelerator
     assert run.prefetch is not None
     batch = PairBatch(step, next_batch(state, run.splits.train, cfg, acc))
-    rollout_step(acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg, acc.process_index)
+    with generation_context(run.model):
+        rollout_step(
+            acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg, acc.process_index
+        )
     run.prefetch.wait()
     judge_step(run.train_judge, batch)
     if step < cfg.max_steps:  # the next batch's article-side judge work runs during this update
@@ -931,6 +974,8 @@ def save_run(run: LoopRun, step: int) -> None:
         state.as_dict(),
         to_yaml(run.cfg),
     )
+    if run.accelerator.is_main_process:
+        prune_checkpoints(run.out_dir / "checkpoints", run.cfg.keep_checkpoints)
 
 
 def run_steps(run: LoopRun) -> bool:
@@ -979,7 +1024,7 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         )
         if kept_step != state.step:
             acc.wait_for_everyone()
-            load_policy_weights(out_dir / "best_policy", acc.unwrap_model(run.model))
+            load_policy_weights(out_dir / "best_policy", acc, run.model)
     final = next((h for h in state.history if h["step"] == kept_step), None)
     if final is None:
         final = run.evaluate(state.step)
@@ -1006,11 +1051,9 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         if run.start.cache is None
         else {"hits": run.start.cache.hits, "misses": run.start.cache.misses},
     }
+    if cfg.save_final_policy:  # every process: under FSDP / ZeRO-3 the weights are gathered
+        export_policy(out_dir / "policy", acc, run.model, run.tokenizer, run.calibrator.state_dict())
     if acc.is_main_process:
-        if cfg.save_final_policy:
-            export_policy(
-                out_dir / "policy", acc.unwrap_model(run.model), run.tokenizer, run.calibrator.state_dict()
-            )
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
         atomic_write_json(out_dir / "report.json", report)
     return report

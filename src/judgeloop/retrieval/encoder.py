@@ -211,12 +211,14 @@ class BiEncoder(nn.Module):
             self.train(was_training)
         return out
 
-    def save(self, path: str | Path) -> Path:
-        """Write weights, tokenizer and sentence-transformers module files to ``path`` (atomically)."""
+    def save(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write weights, tokenizer and sentence-transformers module files to ``path`` (atomically).
+        ``state_dict``: the full weights when the model is sharded (gathered on every process first,
+        :func:`judgeloop.distributed.full_state_dict`)."""
         path = Path(path)
         with atomic_dir(path) as tmp:
             model: Any = getattr(self.model, "module", self.model)
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             modules = [
                 {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

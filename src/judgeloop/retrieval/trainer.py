@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,9 +26,10 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
+from judgeloop.checkpointing import load_training_checkpoint, prune_checkpoints, save_training_checkpoint
 from judgeloop.config import to_dict
 from judgeloop.devices import Device, check_device, on_cpu
+from judgeloop.distributed import configure_deepspeed, generation_context, refuse_gradcache_under_deepspeed
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval import beir
@@ -327,7 +327,9 @@ def encode_texts(
     else:
         from accelerate.utils import gather_object
 
-        with accelerator.split_between_processes(list(range(len(texts)))) as idx:
+        # padded (the last index repeats) so every rank runs as many forward passes: under FSDP / ZeRO-3
+        # each one is a collective; the repeated row is written twice with the same embedding
+        with accelerator.split_between_processes(list(range(len(texts))), apply_padding=True) as idx:
             part = encoder.encode(
                 [texts[i] for i in idx], batch_size, show_progress=main, is_query=is_query, desc=desc
             )
@@ -423,7 +425,8 @@ def make_batches(
     examples: Sequence[Example], batch_size: int, seed: int, epoch: int, drop_last: bool
 ) -> list[list[Example]]:
     """Shuffled (seed + epoch) batches; a query appears at most once per batch (another of its
-    positives would otherwise be a false in-batch negative), deferred examples go to later batches."""
+    positives would otherwise be a false in-batch negative), deferred examples go to later batches.
+    ``drop_last`` (several processes) keeps only full batches, which split into equal per-rank slices."""
     order = list(examples)
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     batches: list[list[Example]] = []
@@ -440,8 +443,8 @@ def make_batches(
                 rest.append(ex)
         batches.append(batch)
         pending = rest
-    if drop_last and batches and len(batches[-1]) < batch_size:
-        batches.pop()
+    if drop_last:  # several processes: every batch splits into equal slices (no rank short or empty)
+        return [b for b in batches if len(b) == batch_size]
     return [b for b in batches if len(b) >= 2]
 
 
@@ -569,11 +572,7 @@ def save_checkpoint(accelerator: Any, output_dir: str | Path, state: dict[str, A
     target = Path(output_dir) / "checkpoints" / f"step_{state['global_step']}"
     save_training_checkpoint(accelerator, target, {"trainer_state.json": state})
     if accelerator.is_main_process:
-        steps = sorted(
-            (Path(output_dir) / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])
-        )
-        for old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(Path(output_dir) / "checkpoints", keep)
     accelerator.wait_for_everyone()
 
 
@@ -664,9 +663,10 @@ def _maybe_remine(run: _Run, epoch: int, total_steps: int) -> None:
         return
     if epoch + 1 >= cfg.train.num_epochs or run.global_step >= total_steps:
         return
-    run.negatives = mine_negatives(
-        run.encoder, run.train_data, cfg.negatives, cfg.eval.batch_size, run.accelerator
-    )
+    with generation_context(run.model):  # FSDP: the encoder's forward outside training, then resharded
+        run.negatives = mine_negatives(
+            run.encoder, run.train_data, cfg.negatives, cfg.eval.batch_size, run.accelerator
+        )
     run.negatives_path = str(run.out / "negatives" / f"epoch_{epoch + 1}.jsonl")
     if run.accelerator.is_main_process:
         save_negatives(run.negatives_path, run.negatives)
@@ -752,6 +752,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     # accelerate's default would step it once per process (num_processes times too fast)
     check_device(cfg.device)  # before any data or weights load
     accelerator = Accelerator(cpu=on_cpu(cfg.device), step_scheduler_with_optimizer=False, **amp)
+    refuse_gradcache_under_deepspeed(accelerator, cfg.train.gradcache_chunk_size)
     set_seed(cfg.train.seed)
     out, t0 = Path(cfg.output_dir), time.time()
     train_data, eval_data = load_retrieval_data(cfg.data)
@@ -794,6 +795,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
         negatives_path,
         list(state.get("losses", [])),
     )
+    configure_deepspeed(accelerator, cfg.train.batch_size, cfg.train.max_grad_norm, "train.max_grad_norm")
     run.model, run.optimizer, run.scheduler = accelerator.prepare(encoder, optimizer, scheduler)
     start_epoch, skip = 0, 0
     if resume_from is not None:
@@ -807,7 +809,8 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     train_seconds = time.time() - train_t0
     # 4) evaluation after training
     encoder = accelerator.unwrap_model(run.model)
-    after, _ = evaluate_retriever(encoder, eval_data, cfg.eval, accelerator)
+    with generation_context(run.model):  # FSDP: gathered, then resharded (see judgeloop.distributed)
+        after, _ = evaluate_retriever(encoder, eval_data, cfg.eval, accelerator)
     logger.info("after training: %s", _fmt(after))
     report = {
         "before": before,
