@@ -153,3 +153,37 @@ def test_the_autocast_cache_is_off_whatever_turns_bf16_on(tmp_path, env, overrid
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["bf16", "True", "False"]
+
+
+def test_generation_autocast_off_reaches_a_prepared_model():
+    """accelerate's prepare wraps a model's forward in its own autocast under bf16; generation.autocast=
+    false must still decode in float32 (and true in bf16)."""
+    import dataclasses
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from judgeloop.loop.rollout import generate
+    from judgeloop.loop.runner import mixed_precision_kwargs
+    from judgeloop.models import load_causal_lm, load_tokenizer
+
+    cfg = load_config(FeedbackLoopConfig, TINY, ["generation.max_new_tokens=3"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        acc = Accelerator(cpu=True, **mixed_precision_kwargs("bf16"))
+        model = acc.prepare(load_causal_lm(cfg.policy.model))
+        tok = load_tokenizer(cfg.policy.model)
+        seen: list[torch.dtype] = []
+        inner = acc.unwrap_model(model)
+        inner.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        with acc.autocast():
+            for on in (False, True):
+                gen = dataclasses.replace(cfg.generation, autocast=on)
+                generate(inner, tok, [[5, 6, 7, 8]], gen, greedy=True)
+                assert set(seen) == {torch.bfloat16 if on else torch.float32}, (on, seen)
+                seen.clear()
+        assert "forward" in inner.__dict__  # the prepared wrapper is back in place afterwards
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

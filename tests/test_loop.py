@@ -396,12 +396,15 @@ def test_exact_resume_after_interruption(tmp_path):
         fh.write(json.dumps({"step": 3, "train/loss": 9.0}) + "\n")
     orphan = tmp_path / "cut" / "checkpoints" / ".step_3.x1y2.tmp"
     orphan.mkdir()
+    keep = ["save_every_n_steps=1", "keep_checkpoints=2"]  # resume-free: they cannot change results
     resumed = train(
         load_config(
-            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", f"resume_from={ckpt}"]
+            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'cut'}", f"resume_from={ckpt}", *keep]
         )
     )
     assert not orphan.exists()
+    # pruned to the newest two (the one resumed from went once step 3 was saved)
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step_3", "step_4"]
     assert resumed["steps_run"] == full["steps_run"] == 4
 
     # the log and the counters continue from the checkpoint: the same rows as the uninterrupted run

@@ -191,3 +191,41 @@ def refuse_gradcache_under_deepspeed(accelerator: Any, chunk_size: int) -> None:
             f"train.gradcache_chunk_size={chunk_size} cannot run under DeepSpeed (its engine steps at every "
             "sub-batch backward); set train.gradcache_chunk_size=0 or launch with DDP / FSDP"
         )
+
+
+def inference_ds_config(train_config: dict[str, Any], hidden_size: int | None) -> dict[str, Any]:
+    """The DeepSpeed config of a model that only runs forward passes (the judge, a frozen reference)
+    under ZeRO-3: the training config's ZeRO-3 section, no optimizer or scheduler, a micro batch of 1
+    where it was ``auto``, and the bucket sizes TRL derives from the hidden size."""
+    cfg = {k: v for k, v in train_config.items() if k not in ("optimizer", "scheduler")}
+    cfg["zero_optimization"] = dict(train_config.get("zero_optimization", {}))
+    if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        cfg["train_micro_batch_size_per_gpu"] = 1
+    cfg.pop("train_batch_size", None)
+    if cfg.get("gradient_clipping") == "auto":
+        cfg.pop("gradient_clipping")
+    if hidden_size:
+        cfg["zero_optimization"].update(
+            reduce_bucket_size=hidden_size * hidden_size,
+            stage3_param_persistence_threshold=10 * hidden_size,
+            stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
+        )
+    return cfg
+
+
+def prepare_for_inference(model: Any, accelerator: Any) -> Any:
+    """A model that runs forward passes only, made usable under ZeRO-3: there transformers loads every
+    model created after ``Accelerator()`` already partitioned, and only a DeepSpeed engine gathers its
+    weights at each forward (TRL prepares its reference and reward models the same way). Elsewhere the
+    model is returned as it is."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3:
+        return model
+    import deepspeed  # pragma: no cover - needs DeepSpeed on GPUs
+
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)  # pragma: no cover
+    engine, *_ = deepspeed.initialize(  # pragma: no cover
+        model=model, config=inference_ds_config(plugin.deepspeed_config, hidden)
+    )
+    engine.eval()  # pragma: no cover
+    return engine.module  # pragma: no cover - forwards gather through the engine's hooks

@@ -22,7 +22,7 @@ from judgeloop.judges import Judge, references_for
 from judgeloop.loop.config import GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
-from judgeloop.loop.recalibration import label_pairs, pair_ece
+from judgeloop.loop.recalibration import CalibrationPairs, label_pairs, pair_ece
 from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 
@@ -139,13 +139,10 @@ def evaluate_shard(
 
 
 def aggregate(
-    rows: Sequence[dict[str, Any]],
-    examples_by_id: dict[str, SummExample],
-    train_judge: Judge,
-    calibrator: Calibrator,
-    n_bins: int,
+    rows: Sequence[dict[str, Any]], pairs: CalibrationPairs, calibrator: Calibrator, n_bins: int
 ) -> dict[str, float]:
-    """Mean metrics over all gathered rows, plus the calibrator's ECE on (greedy, sample) pairs."""
+    """Mean metrics over all gathered rows, plus the calibrator's ECE on the labeled (greedy, sample)
+    ``pairs`` (judged by each process on its own share: :func:`shard_pairs`)."""
     out: dict[str, float] = {}
     keys = [
         "rouge_1_neutral",
@@ -163,8 +160,6 @@ def aggregate(
     wins = [r["win"] for r in rows if r["win"] is not None]
     out["win_rate"] = float(np.mean(wins)) if wins else float("nan")
     out["judge_failures"] = float(sum(r["win"] is None for r in rows))
-    exs = [examples_by_id[r["id"]] for r in rows]
-    pairs = label_pairs(exs, [r["summary"] for r in rows], [r["sample"] for r in rows], train_judge)
     out["ece"] = pair_ece(calibrator, pairs, n_bins)
     out["ece_pairs"] = float(len(pairs))
     return out
@@ -174,3 +169,24 @@ def validation_metrics(examples: Sequence[SummExample], greedy: Sequence[str]) -
     """Per-article text metrics of the policy's greedy summaries of the validation slice: neutral ROUGE-L
     (the early-stopping criterion) and the style metrics, so settings can be chosen without the test split."""
     return [text_metrics(e, g) for e, g in zip(examples, greedy)]
+
+
+def shard_pairs(
+    rows: Sequence[dict[str, Any]], examples_by_id: dict[str, SummExample], train_judge: Judge
+) -> CalibrationPairs:
+    """This process's (greedy, sample) pairs of its evaluation rows, judged by the training judge and
+    ROUGE-labeled: every process judges its own share once (not every gathered row on every rank)."""
+    exs = [examples_by_id[r["id"]] for r in rows]
+    return label_pairs(exs, [r["summary"] for r in rows], [r["sample"] for r in rows], train_judge)
+
+
+def merge_pairs(parts: Sequence[dict[str, Any]]) -> CalibrationPairs:
+    """One :class:`CalibrationPairs` from the processes' ``as_dict()`` parts, in process order."""
+    out = CalibrationPairs()
+    for part in parts:
+        for name, value in part.items():
+            if isinstance(value, list):
+                getattr(out, name).extend(value)
+            else:
+                setattr(out, name, getattr(out, name) + value)
+    return out

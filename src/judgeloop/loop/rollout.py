@@ -141,6 +141,7 @@ def generate(
     with contextlib.ExitStack() as stack:
         if not gen.autocast:  # see GenerationConfig.autocast
             stack.enter_context(torch.autocast(device.type, enabled=False))
+            stack.enter_context(_without_prepared_autocast(model))
         new_tokens = _generate(model, ids, mask, kwargs, greedy, num_samples, device)
     if was_training:
         model.train()
@@ -156,6 +157,23 @@ def generate(
             cut.pop()
         completions.append(cut)
     return completions
+
+
+@contextlib.contextmanager
+def _without_prepared_autocast(model: Any) -> Any:
+    """Under mixed precision ``accelerator.prepare`` replaces the model's ``forward`` with one that enters
+    autocast itself (keeping the original as ``_original_forward``), so an outer ``autocast(enabled=False)``
+    would not reach the forward passes of ``generate``; the original forward is put back meanwhile."""
+    original = model.__dict__.get("_original_forward")
+    if original is None or "forward" not in model.__dict__:
+        yield
+        return
+    wrapped = model.__dict__["forward"]
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
 
 
 def _generate(

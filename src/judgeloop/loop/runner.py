@@ -35,7 +35,7 @@ from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
 from judgeloop.config import ConfigError, check_output_places, default_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.devices import check_device, on_cpu, process_device
-from judgeloop.distributed import configure_deepspeed, generation_context
+from judgeloop.distributed import configure_deepspeed, generation_context, prepare_for_inference
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
@@ -54,7 +54,9 @@ from judgeloop.loop.evaluation import (
     eval_mode,
     evaluate_shard,
     greedy_summaries,
+    merge_pairs,
     sampled_kl,
+    shard_pairs,
     validation_metrics,
 )
 from judgeloop.loop.losses import (
@@ -582,10 +584,11 @@ def run_evaluation(
         greedy=greedy,
         sampled=sampled,
     )
-    rows = gather_object(real_part(rows, len(ids), accelerator))
+    rows = real_part(rows, len(ids), accelerator)
+    pairs = merge_pairs(gather_object([shard_pairs(rows, {e.id: e for e in exs}, train_judge).as_dict()]))
+    rows = gather_object(rows)
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
-    by_id = {e.id: e for e in splits.test}
-    metrics = aggregate(rows, by_id, train_judge, calibrator, cfg.calibration.num_bins)
+    metrics = aggregate(rows, pairs, calibrator, cfg.calibration.num_bins)
     if splits.validation:
         vexs = shard(splits.validation, accelerator)
         if val_greedy is None:
@@ -838,9 +841,12 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) 
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     model, tokenizer, ref = load_policy(cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp)
     if ref is not None:
-        ref.to(accelerator.device)
+        ref = prepare_for_inference(ref.to(accelerator.device), accelerator)  # ZeRO-3: an inference engine
     # auto / cuda: this process's own GPU (one judge per process), the CPU in a CPU run
     judge = build_judge(dataclasses.replace(cfg.judge, device=process_device(cfg.judge.device, accelerator)))
+    scorer = getattr(judge, "base", judge)  # a styled judge scores with its base judge's model
+    if hasattr(scorer, "model"):
+        scorer.model = prepare_for_inference(scorer.model, accelerator)
     train_judge = build_training_judge(cfg.calibration, judge)
     optimizer, scheduler = make_optimizer(model, cfg)
     configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")

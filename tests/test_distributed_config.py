@@ -1,0 +1,114 @@
+"""The DeepSpeed settings the loop and the retriever fill before ``prepare`` (they pass no DataLoader, so
+accelerate cannot infer them), GradCache refused under DeepSpeed, and checkpoint pruning.
+
+DeepSpeed itself needs GPUs and is not installed here: these tests build accelerate's real
+``DeepSpeedPlugin`` from the shipped launch files' settings, which is what ``accelerate launch`` hands
+the ``Accelerator``, and check what the library writes into it. DeepSpeed runs are not yet made anywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from accelerate.utils import DeepSpeedPlugin
+
+from judgeloop.checkpointing import prune_checkpoints
+from judgeloop.config import ConfigError
+from judgeloop.distributed import (
+    configure_deepspeed,
+    inference_ds_config,
+    prepare_for_inference,
+    refuse_gradcache_under_deepspeed,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(name: str, **overrides) -> SimpleNamespace:
+    """An accelerator-like view of a shipped DeepSpeed launch file: its plugin and process count."""
+    launch = yaml.safe_load((ROOT / "configs" / "accelerate" / name).read_text())
+    ds = {**launch["deepspeed_config"], **overrides}
+    plugin = DeepSpeedPlugin(
+        zero_stage=ds["zero_stage"],
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        gradient_clipping=ds.get("gradient_clipping"),
+        zero3_init_flag=ds.get("zero3_init_flag", False),
+    )
+    return SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=launch["num_processes"]
+    )
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_the_micro_batch_is_set_from_the_config_before_prepare(name):
+    acc = _launch(name)
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    assert ds["train_micro_batch_size_per_gpu"] == "auto"  # what accelerate would refuse without a loader
+    configure_deepspeed(acc, micro_batch_size=8, max_grad_norm=1.0, key="optim.max_grad_norm")
+    assert ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["train_batch_size"] == 8 * acc.num_processes * ds["gradient_accumulation_steps"]
+    assert ds["gradient_clipping"] == 1.0
+
+
+def test_a_different_gradient_clipping_is_an_error_naming_both():
+    acc = _launch("deepspeed_zero2.yaml")  # gradient_clipping: 1.0 in the launch file
+    with pytest.raises(ConfigError, match=r"gradient_clipping=1.0 differs from optim.max_grad_norm=0.5"):
+        configure_deepspeed(acc, micro_batch_size=8, max_grad_norm=0.5, key="optim.max_grad_norm")
+    auto = _launch("deepspeed_zero2.yaml", gradient_clipping="auto")
+    configure_deepspeed(auto, micro_batch_size=4, max_grad_norm=0.5, key="optim.max_grad_norm")
+    assert auto.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] == 0.5
+
+
+def test_outside_deepspeed_nothing_changes():
+    plain = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), num_processes=2)
+    configure_deepspeed(plain, micro_batch_size=8, max_grad_norm=1.0, key="optim.max_grad_norm")
+    refuse_gradcache_under_deepspeed(plain, chunk_size=16)
+    model = object()
+    assert prepare_for_inference(model, plain) is model
+
+
+def test_gradcache_is_refused_under_deepspeed():
+    acc = _launch("deepspeed_zero2.yaml")
+    with pytest.raises(ConfigError, match="train.gradcache_chunk_size=16 cannot run under DeepSpeed"):
+        refuse_gradcache_under_deepspeed(acc, chunk_size=16)
+    refuse_gradcache_under_deepspeed(acc, chunk_size=0)
+
+
+def test_the_inference_config_of_a_zero3_judge():
+    acc = _launch("deepspeed_zero3.yaml")
+    configure_deepspeed(acc, micro_batch_size=8, max_grad_norm=1.0, key="optim.max_grad_norm")
+    train = acc.state.deepspeed_plugin.deepspeed_config
+    cfg = inference_ds_config({**train, "optimizer": {"type": "AdamW"}}, hidden_size=1536)
+    assert "optimizer" not in cfg and "train_batch_size" not in cfg
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 15360
+    assert train["zero_optimization"].get("stage3_param_persistence_threshold") != 15360  # not mutated
+
+
+def test_pruning_keeps_the_newest_checkpoints(tmp_path):
+    for step in (2, 10, 4, 8):
+        (tmp_path / f"step_{step}").mkdir()
+    removed = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["step_2", "step_4"]  # by step number, not by name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_8"]
+    assert prune_checkpoints(tmp_path, keep=None) == []
+
+
+def test_the_fsdp_launch_file_is_fsdp2_and_accelerate_accepts_its_settings():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    launch = yaml.safe_load((ROOT / "configs" / "accelerate" / "fsdp.yaml").read_text())
+    fsdp = launch["fsdp_config"]
+    assert launch["distributed_type"] == "FSDP" and fsdp["fsdp_version"] == 2
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=fsdp["fsdp_version"],
+        reshard_after_forward=fsdp["fsdp_reshard_after_forward"],
+        auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower(),
+        state_dict_type=fsdp["fsdp_state_dict_type"],
+        cpu_offload=fsdp["fsdp_offload_params"],
+        cpu_ram_efficient_loading=fsdp["fsdp_cpu_ram_efficient_loading"],
+    )
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
