@@ -9,6 +9,7 @@ Steps: config -> data (RAFT train split as conversational prompt/completion) -> 
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from trl import SFTConfig, SFTTrainer
 
 from judgeloop.config import load_config, to_dict
 from judgeloop.devices import check_device, on_cpu
-from judgeloop.io import atomic_dir, atomic_write_json
+from judgeloop.io import atomic_write_json, replace_dir
 from judgeloop.logging import get_logger, setup_logging
 from judgeloop.models import load_causal_lm, load_tokenizer
-from judgeloop.raft.sft import SftConfig, load_sft_dataset
+from judgeloop.raft.sft import SftConfig, jsonl_callback, load_sft_dataset, report_to
+from judgeloop.tracking import check_trackers
 
 setup_logging()
 logger = get_logger("recipes.sft_raft")
@@ -33,6 +35,7 @@ args = parser.parse_args()
 cfg = load_config(SftConfig, args.config, args.overrides)
 try:
     check_device(cfg.device)  # before data or weights load
+    check_trackers([t for t in cfg.log_with if t != "jsonl"])
 except ValueError as err:
     raise SystemExit(f"error: {err}") from None
 out = Path(cfg.output_dir)
@@ -70,7 +73,9 @@ sft_args = SFTConfig(
     logging_first_step=True,
     save_strategy="no",
     eval_strategy="no",
-    report_to="none",
+    report_to=report_to(cfg),
+    run_name=cfg.run_name or "sft",
+    project=cfg.project_name,
     max_length=cfg.max_length,
     completion_only_loss=cfg.completion_only,
     bf16=t.bf16,
@@ -81,9 +86,11 @@ sft_args = SFTConfig(
     disable_tqdm=True,
     use_cpu=on_cpu(cfg.device),  # auto: the GPU when there is one
 )
+callbacks = [jsonl_callback(out / "metrics.jsonl")] if "jsonl" in cfg.log_with else []
 trainer = SFTTrainer(
-    model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config
-)
+    model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config,
+    callbacks=callbacks,
+)  # fmt: skip
 if len(trainer.train_dataset) == 0:
     raise ValueError(
         f"max_length={cfg.max_length} leaves no training example with a completion token (prompts are longer); "
@@ -97,11 +104,18 @@ start = time.time()
 result = trainer.train()
 elapsed = time.time() - start
 
-# --- 6. save the adapter (atomically) and the report, on the main process
-if trainer.accelerator.is_main_process:
-    with atomic_dir(out / "adapter") as tmp:
-        trainer.model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+# --- 6. save the adapter (atomically): every process, since Trainer.save_model gathers FSDP / DeepSpeed
+# shards before its main process writes; then the report, on the main process
+main = trainer.accelerator.is_main_process
+tmp = out / ".adapter.tmp"
+if main:
+    shutil.rmtree(tmp, ignore_errors=True)
+trainer.accelerator.wait_for_everyone()
+trainer.save_model(str(tmp))
+if main:
+    tokenizer.save_pretrained(str(tmp))
+    replace_dir(tmp, out / "adapter")
+if main:
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
     report = {
         "model": cfg.model,

@@ -15,6 +15,7 @@ from typing import Any
 from judgeloop.devices import check_device
 from judgeloop.logging import get_logger
 from judgeloop.raft.sft import SftConfig, recipe_path
+from judgeloop.tracking import check_trackers
 
 logger = get_logger(__name__)
 
@@ -30,6 +31,7 @@ def run(cfg: SftConfig) -> dict[str, Any]:
     from judgeloop.io import atomic_write_text
 
     check_device(cfg.device)  # before anything is written or launched
+    check_trackers([t for t in cfg.log_with if t != "jsonl"])
     out = Path(cfg.output_dir)
     cfg_path = out / "sft_config.yaml"
     atomic_write_text(cfg_path, to_yaml(cfg))

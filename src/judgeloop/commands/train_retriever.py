@@ -32,4 +32,5 @@ def run(cfg: TrainRetrieverConfig) -> dict[str, Any]:
         atomic_write_text(out / "report.md", render_markdown(report))
         logger.info("wrote %s", out / "report.json")
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # the trackers flush and close
     return report

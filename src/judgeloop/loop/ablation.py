@@ -69,6 +69,10 @@ NON_RESULT_KEYS = (
     "start_cache",
     "ablation",
     "save_every_n_steps",
+    "keep_checkpoints",
+    "project_name",
+    "run_name",
+    "run_group",
     "save_final_policy",
     "judge_prefetch",
     "judge_prefetch_threads",
@@ -115,6 +119,8 @@ def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConf
             "resume_from=null",
             "stop_after_n_steps=null",
             f"start_cache={shared}",
+            f"run_name={arm}-seed{seed}",  # one dashboard run per job, grouped by the ablation's folder
+            f"run_group={cfg.run_group or Path(cfg.output_dir).name}",
         ],
     )
 

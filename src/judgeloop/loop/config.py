@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig
+from judgeloop.tracking import TRACKERS
 
 ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "oracle")
 
@@ -205,6 +206,9 @@ RESUME_FREE_KEYS = (
     "start_cache",
     "save_every_n_steps",
     "keep_checkpoints",
+    "project_name",
+    "run_name",
+    "run_group",
     "save_final_policy",
     "judge_prefetch",
     "judge_prefetch_threads",
@@ -273,6 +277,9 @@ class FeedbackLoopConfig:
     DeepSpeed; else the CPU), ``cpu`` (gloo on CPU even on a GPU machine) or ``cuda`` (an error before any
     work where there is no GPU).
     ``batch_size`` is the number of train articles *per process* per step (two samples each).
+    ``log_with``: trackers (:mod:`judgeloop.tracking`: ``jsonl``, always on, plus any accelerate
+    supports); ``project_name``, ``run_name`` (default ``METHOD-seedSEED``) and ``run_group`` (an
+    ablation's output folder) name the run on a dashboard.
     ``keep_checkpoints``: only the newest k ``checkpoints/step_N`` are kept (null: all); the best
     validation policy lives apart, in ``best_policy/``.
     ``judge_prefetch`` lets the judge do the next batch's summary-independent work (an embedding
@@ -320,6 +327,9 @@ class FeedbackLoopConfig:
     stop_after_n_steps: int | None = None
     start_cache: str | None = None
     log_with: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    project_name: str = "judgeloop"
+    run_name: str | None = None
+    run_group: str | None = None
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
@@ -350,6 +360,8 @@ class FeedbackLoopConfig:
             )
         if self.stop_after_n_steps is not None and self.stop_after_n_steps < 1:
             raise ValueError(f"stop_after_n_steps={self.stop_after_n_steps} must be >= 1 or null")
-        bad = [t for t in self.log_with if t not in ("jsonl", "tensorboard")]
+        bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
         if bad:
-            raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from ['jsonl', 'tensorboard']")
+            raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")
+        if "jsonl" not in self.log_with:  # the loop's resume and the ablation's report read it
+            self.log_with = ["jsonl", *self.log_with]

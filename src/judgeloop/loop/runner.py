@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType, gather_object
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
 from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
-from judgeloop.config import ConfigError, check_output_places, default_dict, to_yaml
+from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.devices import check_device, on_cpu, process_device
 from judgeloop.distributed import configure_deepspeed, generation_context, prepare_for_inference
@@ -86,8 +86,8 @@ from judgeloop.loop.recalibration import (
 )
 from judgeloop.loop.rollout import PromptBuilder, Rollout, derive_seed, rollout, token_logprobs
 from judgeloop.loop.shared import StartCache, model_fingerprint
-from judgeloop.loop.tracking import make_trackers, truncate_jsonl_log
 from judgeloop.models import load_tokenizer
+from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
 
 logger = get_logger(__name__)
 
@@ -688,14 +688,15 @@ def initial_calibration_pairs(
 
 
 def check_models(cfg: FeedbackLoopConfig) -> None:
-    """Every model the config names resolves and every device it asks for is there (before data or
-    weights load); a ConfigError names the key."""
+    """Every model the config names resolves, every device and tracker it asks for is there (before
+    data or weights load); a ConfigError names the key."""
     from judgeloop.judges.tokens import resolve_device
     from judgeloop.models import check_model
 
     try:
         check_device(cfg.device, "device")
         resolve_device(cfg.judge.device)
+        check_trackers(cfg.log_with)
         for key, name in (("policy.model", cfg.policy.model), ("judge.model", cfg.judge.model)):
             check_model(name, key)
     except ValueError as err:
@@ -1067,7 +1068,8 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
 
 def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
     prepare_output(cfg, accelerator, out_dir)
-    accelerator.init_trackers("feedback_loop")
+    run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
+    init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
     run = setup_run(cfg, accelerator, out_dir)
     if cfg.resume_from:
         resume_run(run)

@@ -74,6 +74,8 @@ class SftConfig:
     (all when null). ``completion_only``: loss on the assistant turn only (rows are converted to TRL's
     conversational prompt/completion form); false trains on the whole ``messages`` sequence.
     ``device``: auto (a GPU when there is one), cpu or cuda (an error before any work where there is none).
+    ``log_with``: ``jsonl`` (``OUTPUT_DIR/metrics.jsonl``) and any tracker transformers' Trainer reports
+    to (its ``report_to``), the run named ``run_name`` (default ``sft``) in ``project_name``.
     """
 
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -88,12 +90,46 @@ class SftConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
     launch: Literal["accelerate", "inline"] = "accelerate"
     accelerate_config: str | None = None
+    log_with: list[str] = field(default_factory=lambda: ["jsonl"])
+    project_name: str = "judgeloop"
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
+        unknown = [t for t in self.log_with if t != "jsonl" and t not in SFT_TRACKERS]
+        if unknown:
+            raise ValueError(
+                f"log_with has tracker(s) {unknown} that transformers' Trainer cannot report to; "
+                f"choose from {['jsonl', *SFT_TRACKERS]}"
+            )
         if self.max_train_examples is not None and self.max_train_examples < 1:
             raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 1 or null")
         if self.max_length < 32:
             raise ValueError(f"max_length={self.max_length} must be >= 32 tokens")
+
+
+# trackers transformers' Trainer can report to that judgeloop's other trainers know too (report_to names)
+SFT_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "dvclive", "swanlab", "trackio")
+
+
+def report_to(cfg: SftConfig) -> list[str] | str:
+    """The Trainer's ``report_to`` for ``cfg.log_with`` (``jsonl`` is :func:`jsonl_callback`'s)."""
+    names = [t for t in cfg.log_with if t != "jsonl"]
+    return names or "none"
+
+
+def jsonl_callback(path: str | Path) -> Any:
+    """A Trainer callback appending every logged row (with its step) to ``path``, main process only."""
+    import json
+
+    from transformers import TrainerCallback
+
+    class JsonlLog(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if state.is_world_process_zero and logs:
+                with Path(path).open("a") as fh:
+                    fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+    return JsonlLog()
 
 
 def to_prompt_completion(row: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from judgeloop.retrieval.mining import (
     mine_hard_negatives,
     save_negatives,
 )
+from judgeloop.tracking import TRACKERS, check_trackers, init_trackers, make_trackers, truncate_jsonl_log
 
 logger = get_logger(__name__)
 
@@ -202,7 +203,9 @@ class RetrieverEvalConfig:
 @dataclass
 class TrainRetrieverConfig:
     """Schema of ``judgeloop train-retriever``. ``device``: auto (a GPU when accelerate sees one), cpu or
-    cuda (an error before any work where there is none)."""
+    cuda (an error before any work where there is none). ``log_with``: trackers (``jsonl`` writes
+    ``OUTPUT_DIR/metrics.jsonl``; any accelerate tracker, :mod:`judgeloop.tracking`), the run named
+    ``run_name`` (default ``retriever``) in ``project_name``."""
 
     output_dir: str = "outputs/retriever"
     device: Device = "auto"
@@ -212,10 +215,16 @@ class TrainRetrieverConfig:
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
     train: RetrieverTrainConfig = field(default_factory=RetrieverTrainConfig)
     eval: RetrieverEvalConfig = field(default_factory=RetrieverEvalConfig)
+    log_with: list[str] = field(default_factory=lambda: ["jsonl"])
+    project_name: str = "judgeloop"
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ValueError("output_dir is empty; set output_dir=outputs/retriever")
+        bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
+        if bad:
+            raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -718,6 +727,10 @@ def train_epochs(run: _Run, examples: list[Example], total_steps: int, start_epo
             bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
             if cfg.train.log_every_n_steps and run.global_step % cfg.train.log_every_n_steps == 0:
                 logger.info("step %d epoch %d loss %.4f", run.global_step, epoch, loss)
+                lr = float(run.scheduler.get_last_lr()[0])
+                accelerator.log(
+                    {"train/loss": loss, "train/lr": lr, "train/epoch": epoch}, step=run.global_step
+                )
             if cfg.train.save_every_n_steps and run.global_step % cfg.train.save_every_n_steps == 0:
                 run.checkpoint(epoch, b_idx + 1)
         skip = 0
@@ -751,10 +764,14 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     # one scheduler step per optimizer step: the schedule counts global batches (total_steps), and
     # accelerate's default would step it once per process (num_processes times too fast)
     check_device(cfg.device)  # before any data or weights load
-    accelerator = Accelerator(cpu=on_cpu(cfg.device), step_scheduler_with_optimizer=False, **amp)
+    check_trackers(cfg.log_with)
+    out, t0 = Path(cfg.output_dir), time.time()
+    accelerator = Accelerator(
+        cpu=on_cpu(cfg.device), log_with=make_trackers(cfg.log_with, out), project_dir=str(out),
+        step_scheduler_with_optimizer=False, **amp,
+    )  # fmt: skip
     refuse_gradcache_under_deepspeed(accelerator, cfg.train.gradcache_chunk_size)
     set_seed(cfg.train.seed)
-    out, t0 = Path(cfg.output_dir), time.time()
     train_data, eval_data = load_retrieval_data(cfg.data)
     m = cfg.model
     encoder = BiEncoder.from_pretrained(m.name, m.pooling, m.normalize, m.max_length, m.query_max_length)
@@ -764,6 +781,11 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     state: dict[str, Any] = (
         json.loads((resume_from / "trainer_state.json").read_text()) if resume_from else {}
     )
+    if (
+        resume_from is not None and accelerator.is_main_process
+    ):  # rows a killed run logged past its checkpoint
+        truncate_jsonl_log(out / "metrics.jsonl", state["global_step"])
+    init_trackers(accelerator, cfg.project_name, cfg.run_name or "retriever", None, to_dict(cfg))
 
     # 1) zero-shot evaluation (its corpus embeddings seed the first mining round)
     if "before" in state:
@@ -771,6 +793,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     else:
         before, zs_corpus = evaluate_retriever(encoder, eval_data, cfg.eval, accelerator, use_cache=True)
         logger.info("zero-shot: %s", _fmt(before))
+        accelerator.log({f"eval/{k}": v for k, v in before.items()}, step=0)
     # 2) hard negatives
     same_corpus = train_data.corpus is eval_data.corpus
     negatives, negatives_path = initial_negatives(
@@ -812,6 +835,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     with generation_context(run.model):  # FSDP: gathered, then resharded (see judgeloop.distributed)
         after, _ = evaluate_retriever(encoder, eval_data, cfg.eval, accelerator)
     logger.info("after training: %s", _fmt(after))
+    accelerator.log({f"eval/{k}": v for k, v in after.items()}, step=run.global_step)
     report = {
         "before": before,
         "after": after,
