@@ -17,6 +17,18 @@ loops share, which bounds what a faster loop around it can gain.
 ``--config configs/feedback_loop/quickstart.yaml`` runs the same comparison at the quickstart's scale:
 SmolLM2-135M-Instruct with LoRA on both sides (TRL gets the same ``peft_config`` and, like our loop,
 uses the base with adapters disabled as its reference); samples then stop at EOS on both sides.
+
+``--device cuda --size real`` is the GPU benchmark: a Qwen2-0.5B-shaped policy (full fine-tuning, frozen
+reference copy) and a MiniLM-shaped judge encoder, built from config with random weights (nothing is
+downloaded; the vocabularies are Qwen2's 151936 and BERT's 30522 ids of judgeloop's generated tokenizer),
+on one GPU, both sides at the same batch, prompts and max new tokens (random weights rarely sample EOS,
+so both generate the full length). It prints step time, generated tokens/s (nominal: prompts x 2 x max
+new tokens) and peak GPU memory, ours and TRL's, at ``--precision no`` (fp32) or ``bf16``, and the
+ratios. ``--size dry`` builds the same architectures at a toy width, to check the script on CPU:
+
+    .venv/bin/python scripts/bench_loop.py --device cpu --size dry --steps 2 --repeats 1
+    python scripts/bench_loop.py --device cuda --size real --steps 6 --repeats 1 --batch-size 8 \
+        --max-new-tokens 64 --precision bf16 --json runs/bench_loop_gpu.json
 """
 
 from __future__ import annotations
@@ -56,9 +68,65 @@ def _cfg(args: argparse.Namespace):
             "loss.kl_coef=0.0",
             "log_with=[jsonl]",
             "progress_bar=false",
+            f"device={args.device}",
+            f"judge.device={args.device}",
+            f"mixed_precision={args.precision}",
             *args.set,
         ],
     )
+
+
+# Qwen2-0.5B's and MiniLM-L6's shapes (real), and toy widths of the same classes (dry)
+SIZES = {
+    "real": {
+        "policy": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1e6, tie_word_embeddings=True),
+        "judge": dict(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                      num_attention_heads=12, max_position_embeddings=512),
+    },
+    "dry": {
+        "policy": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                       tie_word_embeddings=True),
+        "judge": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=512),
+    },
+}  # fmt: skip
+
+
+def build_models(size: str, folder: Path) -> list[str]:
+    """Random-weight policy and judge encoder of ``SIZES[size]`` saved under ``folder`` (with tokenizers);
+    returns the config overrides that point both sides at them."""
+    import torch
+    from transformers import BertConfig, BertModel, Qwen2Config, Qwen2ForCausalLM
+
+    from judgeloop.models.tiny import build_tiny_tokenizer
+
+    spec = SIZES[size]
+    torch.manual_seed(0)
+    ptok = build_tiny_tokenizer(spec["policy"]["vocab_size"])
+    ids = {
+        "bos_token_id": ptok.bos_token_id,
+        "eos_token_id": ptok.eos_token_id,
+        "pad_token_id": ptok.pad_token_id,
+    }
+    policy = Qwen2ForCausalLM(Qwen2Config(**spec["policy"], **ids))
+    policy.save_pretrained(folder / "policy")
+    ptok.save_pretrained(folder / "policy")
+    jtok = build_tiny_tokenizer(spec["judge"]["vocab_size"])
+    BertModel(BertConfig(**spec["judge"], pad_token_id=jtok.pad_token_id)).save_pretrained(folder / "judge")
+    jtok.save_pretrained(folder / "judge")
+    n = sum(p.numel() for p in policy.parameters())
+    print(f"built {size} models in {folder}: policy {n / 1e6:.0f}M parameters", flush=True)
+    return [f"policy.model={folder / 'policy'}", f"judge.model={folder / 'judge'}", "policy.lora=false",
+            "policy.max_article_tokens=256", "judge.max_length=512"]  # fmt: skip
+
+
+def _gpu_peak_mb() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
 def _prompts(cfg, n: int):
@@ -78,73 +146,79 @@ def _peak_rss_mb() -> float:
 
 
 def worker_ours(args: argparse.Namespace) -> dict:
-    import torch
-    from accelerate import Accelerator
-
     from judgeloop.judges import build_judge
-    from judgeloop.loop.losses import targets_from_probs
     from judgeloop.loop.policy import load_policy
-    from judgeloop.loop.recalibration import build_calibrator, calibrate
-    from judgeloop.loop.rollout import rollout
+    from judgeloop.loop.recalibration import build_calibrator
     from judgeloop.loop.runner import (
         JudgePrefetch,
+        Learner,
+        PairBatch,
+        calibrate_step,
         judge_step,
+        make_accelerator,
         make_optimizer,
-        mixed_precision_kwargs,
+        make_pairs,
         policy_update,
+        rollout_step,
     )
 
     cfg = _cfg(args)
     exs, builder, _ = _prompts(cfg, args.batch_size * (args.steps + 1))
-    acc = Accelerator(cpu=True, **mixed_precision_kwargs("bf16" if args.precision == "bf16" else "no"))
-    model, tok, ref = load_policy(cfg.policy, 0)
-    judge = build_judge(cfg.judge)
-    cal = build_calibrator(cfg.calibration)
-    opt, sched = make_optimizer(model, cfg)
-    model, opt, sched = acc.prepare(model, opt, sched)
-    times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
-    # as in the loop (runner.train): with judge_prefetch (the tiny config sets it) the next batch's
-    # article embeddings are computed on a background thread while this batch generates and updates
-    with acc.autocast():  # as runner.train: both passes and the judge (bf16 when asked); not generation
-        enabled = cfg.judge_prefetch if args.prefetch == "config" else args.prefetch == "on"
-        prefetch = JudgePrefetch(judge, enabled, cfg.judge_prefetch_threads)
-        try:
-            prefetch.start(exs[: args.batch_size])
-            for step in range(args.steps + 1):
-                batch = exs[step * args.batch_size : (step + 1) * args.batch_size]
-                t0 = time.perf_counter()
-                roll = rollout(model, tok, builder, [e.article for e in batch], cfg.generation, seed=step)
-                t1 = time.perf_counter()
-                prefetch.wait()
-                judged = judge_step(judge, batch, roll)
-                if step < args.steps:
-                    prefetch.start(exs[(step + 1) * args.batch_size : (step + 2) * args.batch_size])
-                p = calibrate(cal, judged.scores, roll.articles, roll.a_text, roll.b_text)
-                t2 = time.perf_counter()
-                targets, mask = targets_from_probs(torch.tensor(p, dtype=torch.float32), "hard")
-                policy_update(
-                    acc,
-                    model,
-                    ref,
-                    opt,
-                    sched,
-                    roll,
-                    targets,
-                    mask,
-                    0.0,
-                    cfg.loss,
-                    cfg.optim.max_grad_norm,
-                    tok.pad_token_id,
-                )
-                t3 = time.perf_counter()
-                if step:
-                    times.append(t3 - t0)
-                    phases["rollout"] += t1 - t0
-                    phases["judge"] += t2 - t1
-                    phases["update"] += t3 - t2
-        finally:  # as the loop: no prefetch thread, and the caller's thread count back, on any error
-            prefetch.close()
-    return {"step_times": times, "phases_s": phases, "peak_rss_mb": _peak_rss_mb()}
+    with tempfile.TemporaryDirectory() as logs:
+        acc = make_accelerator(cfg, Path(logs))  # the loop's own: device, mixed precision, autocast cache
+        model, tok, ref = load_policy(cfg.policy, 0)
+        if ref is not None:
+            ref.to(acc.device)
+        judge = build_judge(cfg.judge)
+        cal = build_calibrator(cfg.calibration)
+        opt, sched = make_optimizer(model, cfg)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        learner = Learner(acc, model, ref, opt, sched, cfg.loss, cfg.optim.max_grad_norm, tok.pad_token_id)
+        times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
+        # as the loop (runner.training_step): with judge_prefetch the next batch's article embeddings are
+        # computed on a background thread while this batch generates and updates
+        with acc.autocast():  # as runner.train: both passes and the judge (bf16 when asked); not generation
+            enabled = cfg.judge_prefetch if args.prefetch == "config" else args.prefetch == "on"
+            prefetch = JudgePrefetch(judge, enabled, cfg.judge_prefetch_threads)
+            try:
+                prefetch.start(exs[: args.batch_size])
+                for step in range(args.steps + 1):
+                    batch = PairBatch(step + 1, exs[step * args.batch_size : (step + 1) * args.batch_size])
+                    _sync()
+                    t0 = time.perf_counter()
+                    rollout_step(acc.unwrap_model(model), tok, builder, batch, cfg, 0)
+                    _sync()
+                    t1 = time.perf_counter()
+                    prefetch.wait()
+                    judge_step(judge, batch)
+                    if step < args.steps:
+                        prefetch.start(exs[(step + 1) * args.batch_size : (step + 2) * args.batch_size])
+                    calibrate_step(cal, batch)
+                    make_pairs(batch, cfg.loss)
+                    t2 = time.perf_counter()
+                    policy_update(learner, batch, 0.0)
+                    _sync()
+                    t3 = time.perf_counter()
+                    if step:
+                        times.append(t3 - t0)
+                        phases["rollout"] += t1 - t0
+                        phases["judge"] += t2 - t1
+                        phases["update"] += t3 - t2
+            finally:  # as the loop: no prefetch thread, and the caller's thread count back, on any error
+                prefetch.close()
+    return {
+        "step_times": times,
+        "phases_s": phases,
+        "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": _gpu_peak_mb(),
+    }
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def worker_peer(args: argparse.Namespace) -> dict:
@@ -222,7 +296,7 @@ def worker_peer(args: argparse.Namespace) -> dict:
             learning_rate=cfg.optim.learning_rate,
             max_steps=args.steps + 1,
             report_to=[],
-            use_cpu=True,
+            use_cpu=args.device == "cpu",
             logging_steps=10_000,
             save_strategy="no",
             gradient_checkpointing=False,
@@ -243,15 +317,23 @@ def worker_peer(args: argparse.Namespace) -> dict:
             callbacks=[Timer()],
         )
         trainer.train()
-    return {"step_times": times[1:], "phases_s": phases, "peak_rss_mb": _peak_rss_mb()}
+    return {
+        "step_times": times[1:],
+        "phases_s": phases,
+        "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": _gpu_peak_mb(),
+    }
 
 
-def summarize(runs: list[dict], batch_size: int) -> dict:
+def summarize(runs: list[dict], batch_size: int, max_new_tokens: int) -> dict:
     med = statistics.median([t for r in runs for t in r["step_times"]])
+    gpu = [r["peak_gpu_mb"] for r in runs if r.get("peak_gpu_mb")]
     out = {
         "median_step_s": med,
         "prompts_per_s": batch_size / med,
+        "gen_tokens_per_s": batch_size * 2 * max_new_tokens / med,  # nominal: every sample at full length
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "peak_gpu_mb": max(gpu) if gpu else None,
         "runs": len(runs),
     }
     if "phases_s" in runs[0]:
@@ -286,6 +368,14 @@ def main() -> int:
         default="no",
         help="both sides: bf16 autocast (ours: mixed_precision=bf16; TRL: bf16=True)",
     )
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides run here")
+    ap.add_argument(
+        "--size",
+        choices=["config", "real", "dry"],
+        default="config",
+        help="config: the config's models; real: Qwen2-0.5B / MiniLM shapes built from config, random "
+        "weights; dry: the same classes at a toy width (checks the GPU script on CPU)",
+    )
     ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -298,6 +388,8 @@ def main() -> int:
     )
     results: dict[str, list[dict]] = {"ours": [], "peer": []}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.size != "config":
+            args.set = [*build_models(args.size, Path(tmp) / "models"), *args.set]
         for r in range(args.repeats):
             for impl in ("ours", "peer"):  # alternate, so load changes on a shared machine hit both
                 out = Path(tmp) / f"{impl}{r}.json"
@@ -318,6 +410,8 @@ def main() -> int:
                     args.config,
                     "--precision",
                     args.precision,
+                    "--device",
+                    args.device,
                     *[f"--set={kv}" for kv in args.set],
                     "--prefetch",
                     args.prefetch,
@@ -329,15 +423,24 @@ def main() -> int:
                     f"peak RSS {results[impl][-1]['peak_rss_mb']:.0f} MB",
                     flush=True,
                 )
-    ours, peer = summarize(results["ours"], args.batch_size), summarize(results["peer"], args.batch_size)
+    ours = summarize(results["ours"], args.batch_size, args.max_new_tokens)
+    peer = summarize(results["peer"], args.batch_size, args.max_new_tokens)
     ratio = {
         "throughput": ours["prompts_per_s"] / peer["prompts_per_s"],
         "peak_rss": ours["peak_rss_mb"] / peer["peak_rss_mb"],
     }
-    print(f"{'':6} {'median step s':>14} {'prompts/s':>10} {'peak RSS MB':>12}")
+    if ours.get("peak_gpu_mb") and peer.get("peak_gpu_mb"):
+        ratio["peak_gpu"] = ours["peak_gpu_mb"] / peer["peak_gpu_mb"]
+    print(f"device {args.device}, size {args.size}, precision {args.precision}, batch {args.batch_size}, "
+          f"max new tokens {args.max_new_tokens}")  # fmt: skip
+    head = f"{'':6} {'median step s':>14} {'prompts/s':>10} {'gen tokens/s':>13} {'peak RSS MB':>12}"
+    print(head + (f" {'peak GPU MB':>12}" if "peak_gpu" in ratio else ""))
     for name, s in (("ours", ours), ("trl", peer)):
-        print(f"{name:6} {s['median_step_s']:14.3f} {s['prompts_per_s']:10.2f} {s['peak_rss_mb']:12.0f}")
-    print(f"ratio ours/trl: throughput {ratio['throughput']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x")
+        line = f"{name:6} {s['median_step_s']:14.3f} {s['prompts_per_s']:10.2f} {s['gen_tokens_per_s']:13.1f}"
+        line += f" {s['peak_rss_mb']:12.0f}" + (f" {s['peak_gpu_mb']:12.0f}" if "peak_gpu" in ratio else "")
+        print(line)
+    extra = f", peak GPU memory {ratio['peak_gpu']:.2f}x" if "peak_gpu" in ratio else ""
+    print(f"ratio ours/trl: throughput {ratio['throughput']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x{extra}")
     print("ours, time per phase (s, all timed steps):", {k: round(v, 2) for k, v in ours["phases_s"].items()})
     total = sum(sum(r["step_times"]) for r in results["peer"])
     shared = peer["phases_s"]["judge"] + peer["phases_s"]["generate"]
@@ -366,6 +469,8 @@ def main() -> int:
                     "prefetch": args.prefetch,
                     "config": args.config,
                     "precision": args.precision,
+                    "device": args.device,
+                    "size": args.size,
                     "overrides": args.set,
                 },
             },

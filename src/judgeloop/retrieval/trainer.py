@@ -752,25 +752,33 @@ def count_steps(examples: list[Example], cfg: TrainRetrieverConfig, num_processe
     return total
 
 
-def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncoder, Any]:
-    """Zero-shot eval -> mine -> train (re-mining) -> eval. Returns (report, trained encoder, accelerator);
-    the caller saves them (:mod:`judgeloop.commands.train_retriever`)."""
+def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
+    """The run's ``Accelerator``, after the checks that need no data: the device, the trackers, GradCache
+    under DeepSpeed. One scheduler step per optimizer step: the schedule counts global batches, and
+    accelerate's default would step it once per process (``num_processes`` times too fast)."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from transformers import get_linear_schedule_with_warmup
 
-    # mixed precision only when asked: accelerate refuses to change it once its process-wide state exists
-    amp = {} if cfg.train.mixed_precision == "no" else {"mixed_precision": cfg.train.mixed_precision}
-    # one scheduler step per optimizer step: the schedule counts global batches (total_steps), and
-    # accelerate's default would step it once per process (num_processes times too fast)
     check_device(cfg.device)  # before any data or weights load
     check_trackers(cfg.log_with)
-    out, t0 = Path(cfg.output_dir), time.time()
+    # mixed precision only when asked: accelerate refuses to change it once its process-wide state exists
+    amp = {} if cfg.train.mixed_precision == "no" else {"mixed_precision": cfg.train.mixed_precision}
+    out = Path(cfg.output_dir)
     accelerator = Accelerator(
         cpu=on_cpu(cfg.device), log_with=make_trackers(cfg.log_with, out), project_dir=str(out),
         step_scheduler_with_optimizer=False, **amp,
     )  # fmt: skip
     refuse_gradcache_under_deepspeed(accelerator, cfg.train.gradcache_chunk_size)
+    return accelerator
+
+
+def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncoder, Any]:
+    """Zero-shot eval -> mine -> train (re-mining) -> eval. Returns (report, trained encoder, accelerator);
+    the caller saves them (:mod:`judgeloop.commands.train_retriever`)."""
+    from accelerate.utils import set_seed
+    from transformers import get_linear_schedule_with_warmup
+
+    out, t0 = Path(cfg.output_dir), time.time()
+    accelerator = make_accelerator(cfg)
     set_seed(cfg.train.seed)
     train_data, eval_data = load_retrieval_data(cfg.data)
     m = cfg.model
@@ -781,9 +789,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     state: dict[str, Any] = (
         json.loads((resume_from / "trainer_state.json").read_text()) if resume_from else {}
     )
-    if (
-        resume_from is not None and accelerator.is_main_process
-    ):  # rows a killed run logged past its checkpoint
+    if resume_from is not None and accelerator.is_main_process:  # rows a killed run logged past it
         truncate_jsonl_log(out / "metrics.jsonl", state["global_step"])
     init_trackers(accelerator, cfg.project_name, cfg.run_name or "retriever", None, to_dict(cfg))
 
