@@ -187,3 +187,53 @@ def test_generation_autocast_off_reaches_a_prepared_model():
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_a_chunked_update_equals_the_whole_batch_update():
+    """optim.update_chunk_size runs the update's passes a few articles at a time; the gradients add up to
+    the whole-batch update (up to float summation order), and so do the logged statistics."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from judgeloop.loop.rollout import Rollout
+    from judgeloop.loop.runner import Learner, PairBatch, policy_update
+    from judgeloop.models import load_causal_lm
+
+    cfg = load_config(FeedbackLoopConfig, TINY, ["loss.kl_coef=0.2"])
+    g = torch.Generator().manual_seed(0)
+
+    def seq(lo: int, hi: int) -> list[int]:
+        return torch.randint(10, 900, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    n = 5
+    prompts, a, b = (
+        [seq(4, 9) for _ in range(n)],
+        [seq(2, 6) + [2] for _ in range(n)],
+        [seq(2, 6) + [2] for _ in range(n)],
+    )
+    roll = Rollout(["x"] * n, prompts, a, b, ["a"] * n, ["b"] * n)
+    base = load_causal_lm("judgeloop-tiny/causal-lm")
+    ref = copy.deepcopy(base).eval()
+    with torch.no_grad():
+        for q in base.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=g))
+    acc = Accelerator(cpu=True)
+    results = {}
+    for chunk in (None, 2, 1):
+        model = copy.deepcopy(base).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+        learner = Learner(acc, model, ref, opt, sched, cfg.loss, 1.0, 0, chunk)
+        batch = PairBatch(1, [], rollout=roll, targets=torch.tensor([0.9, 0.2, 0.7, 0.4, 0.5]),
+                          mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]))  # fmt: skip
+        stats = policy_update(learner, batch, 0.2)
+        results[chunk] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, stats)
+    whole, whole_stats = results[None]
+    for chunk in (2, 1):
+        params, stats = results[chunk]
+        for k in whole:
+            torch.testing.assert_close(params[k], whole[k], atol=1e-6, rtol=1e-5, msg=k)
+        for k in whole_stats:
+            assert stats[k] == pytest.approx(whole_stats[k], rel=1e-4, abs=1e-6), (chunk, k)
+    assert any(not torch.equal(whole[k], base.state_dict()[k]) for k in whole)  # the update moved weights

@@ -17,6 +17,7 @@ share of every batch).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -297,6 +298,7 @@ class Learner:
     loss: LossConfig
     max_grad_norm: float
     pad_id: int
+    chunk_size: int | None = None  # articles per forward/backward pass (None: the whole batch at once)
 
 
 def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch: PairBatch, cfg: FeedbackLoopConfig,
@@ -342,27 +344,19 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
 
     The DPO term is summed over pairs and divided by the per-process batch size (skipped pairs count
     as zero), and the KL term is a mean over samples, so the DDP gradient average equals the
-    full-batch gradient when every process has the same batch size.
+    full-batch gradient when every process has the same batch size. With ``optim.update_chunk_size``
+    the articles go through the forward and backward passes that many at a time, their gradients
+    adding up to the same update (up to float summation order) at a fraction of the activation memory.
     """
     roll, targets, mask = batch.rollout, batch.targets, batch.mask
     assert roll is not None and targets is not None and mask is not None, "policy_update needs the pairs"
-    acc, model, loss_cfg = learner.accelerator, learner.model, learner.loss
+    acc, model = learner.accelerator, learner.model
     B = len(roll.prompts)
-    comps = roll.a_ids + roll.b_ids  # (2B) a-samples then b-samples; each prompt is run once for both
-    device = acc.device
-    with generation_context(model):
-        ref_tok, _ = reference_logprobs(
-            acc.unwrap_model(model), learner.ref, roll.prompts, comps, learner.pad_id, 2
-        )
-    pol_tok, tok_mask = token_logprobs(
-        model, roll.prompts, comps, learner.pad_id, samples_per_prompt=2
-    )  # (2B, T)
-    seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2B,)
-    h = dpo_margin(seq_pol[:B], seq_pol[B:], seq_ref[:B], seq_ref[B:])  # (B,)
-    dpo = soft_dpo_loss(h, targets.to(device), loss_cfg.beta, mask.to(device)).sum() / B
-    kl = kl_per_sequence(pol_tok, ref_tok, tok_mask, loss_cfg.kl_estimator).mean()
-    loss = dpo + kl_coef * kl
-    acc.backward(loss)
+    chunk = learner.chunk_size or B
+    parts = [
+        _chunk_loss(learner, roll, targets, mask, lo, min(lo + chunk, B), B, kl_coef)
+        for lo in range(0, B, chunk)
+    ]
     grad_norm = float("nan")
     if learner.max_grad_norm > 0:
         # every parameter, not only the trainable ones: frozen ones have no gradient and add nothing, and
@@ -372,16 +366,46 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     learner.optimizer.step()
     learner.scheduler.step()
     learner.optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        k1 = kl_per_sequence(pol_tok.detach(), ref_tok, tok_mask, "k1").mean()
-        agree = ((h.detach() > 0).float() == (targets.to(device) >= 0.5).float()).float()
-        agree = (agree * mask.to(device)).sum() / mask.sum().clamp(min=1)
-    stats = torch.stack([loss.detach(), dpo.detach(), kl.detach(), k1, agree, mask.float().mean().to(device)])
+    # each chunk's terms are already weighted by its share of the batch: their sums are the batch's
+    stats = torch.stack([sum(p[i] for p in parts) for i in range(5)] + [mask.float().mean().to(acc.device)])
+    agree_n = mask.sum().clamp(min=1).to(acc.device)
+    stats[4] = stats[4] / agree_n
     stats = acc.reduce(stats, reduction="mean")
     names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction"]
     batch.stats = {n: float(v) for n, v in zip(names, stats.tolist())}
     batch.stats["grad_norm"] = grad_norm
     return batch.stats
+
+
+def _chunk_loss(
+    learner: Learner, roll: Rollout, targets: torch.Tensor, mask: torch.Tensor, lo: int, hi: int, B: int,
+    kl_coef: float,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Forward and backward of articles ``lo:hi`` of the batch; returns their (detached) share of the
+    loss, DPO term, KL, k1 KL and the number of kept pairs whose margin agrees with the target."""
+    acc, model, loss_cfg = learner.accelerator, learner.model, learner.loss
+    prompts = roll.prompts[lo:hi]
+    comps = roll.a_ids[lo:hi] + roll.b_ids[lo:hi]  # a-samples then b-samples; each prompt run once for both
+    n, device = hi - lo, acc.device
+    with generation_context(model):
+        ref_tok, _ = reference_logprobs(
+            acc.unwrap_model(model), learner.ref, prompts, comps, learner.pad_id, 2
+        )
+    pol_tok, tok_mask = token_logprobs(model, prompts, comps, learner.pad_id, samples_per_prompt=2)  # (2n, T)
+    seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2n,)
+    h = dpo_margin(seq_pol[:n], seq_pol[n:], seq_ref[:n], seq_ref[n:])  # (n,)
+    t, m = targets[lo:hi].to(device), mask[lo:hi].to(device)
+    dpo = soft_dpo_loss(h, t, loss_cfg.beta, m).sum() / B
+    share = (lambda x: x.mean()) if n == B else (lambda x: x.sum() / (2 * B))  # noqa: E731 - one chunk: as ever
+    kl = share(kl_per_sequence(pol_tok, ref_tok, tok_mask, loss_cfg.kl_estimator))
+    loss = dpo + kl_coef * kl
+    last = hi == B
+    with contextlib.nullcontext() if last else acc.no_sync(model):  # DDP: one gradient all-reduce per step
+        acc.backward(loss)
+    with torch.no_grad():
+        k1 = share(kl_per_sequence(pol_tok.detach(), ref_tok, tok_mask, "k1"))
+        agree = (((h.detach() > 0).float() == (t >= 0.5).float()).float() * m).sum()
+    return [loss.detach(), dpo.detach(), kl.detach(), k1, agree]
 
 
 def collect_calibration_pairs(
@@ -862,6 +886,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) 
         cfg.loss,
         cfg.optim.max_grad_norm,
         tokenizer.pad_token_id,
+        cfg.optim.update_chunk_size,
     )
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
