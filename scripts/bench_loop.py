@@ -173,7 +173,10 @@ def worker_ours(args: argparse.Namespace) -> dict:
         cal = build_calibrator(cfg.calibration)
         opt, sched = make_optimizer(model, cfg)
         model, opt, sched = acc.prepare(model, opt, sched)
-        learner = Learner(acc, model, ref, opt, sched, cfg.loss, cfg.optim.max_grad_norm, tok.pad_token_id)
+        learner = Learner(
+            acc, model, ref, opt, sched, cfg.loss, cfg.optim.max_grad_norm, tok.pad_token_id,
+            cfg.optim.update_chunk_size,
+        )  # fmt: skip
         times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
         # as the loop (runner.training_step): with judge_prefetch the next batch's article embeddings are
         # computed on a background thread while this batch generates and updates

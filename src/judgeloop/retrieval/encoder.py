@@ -94,6 +94,11 @@ class BiEncoder(nn.Module):
         self.max_length = max_length
         self.query_max_length = query_max_length
         self.encode_precision = encode_precision
+        pooler = getattr(model, "pooler", None)
+        if isinstance(pooler, nn.Module):
+            # the embedding pools the last hidden states; BERT's pooler head never reaches the loss, and a
+            # trainable parameter without a gradient stops DDP at its second step ("did not receive grad")
+            pooler.requires_grad_(False)
 
     @classmethod
     def from_pretrained(
