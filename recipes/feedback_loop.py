@@ -7,8 +7,9 @@
     accelerate launch recipes/feedback_loop.py --config C --job platt:1   # one ablation job (a cluster task)
     python recipes/feedback_loop.py --config C --aggregate                 # results.* from the job folders
 
-Each training step is ``training_step`` in src/judgeloop/loop/runner.py, one named function per step
-over one ``PairBatch`` (articles -> samples -> logits -> p -> targets -> stats):
+The run is ``train`` below, the library's own lines (src/judgeloop/loop/runner.py): set up, step,
+close. Each step is ``training_step``, one named function per step over one ``PairBatch``
+(articles -> samples -> logits -> p -> targets -> stats):
 
     batch = PairBatch(step, next_batch(state, splits.train, cfg, accelerator))  # this process's articles
     rollout_step(policy, tokenizer, build_prompt, batch, cfg, rank)    # 1. two samples per article
@@ -32,7 +33,17 @@ from judgeloop.config import load_config
 from judgeloop.logging import setup_logging
 from judgeloop.loop.ablation import aggregate, run_ablation
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.runner import train
+from judgeloop.loop.runner import after_step, close_run, open_run, stepping, training_step
+
+
+def train(cfg: FeedbackLoopConfig) -> dict:
+    """One run of the loop (what ``judgeloop train`` runs)."""
+    with open_run(cfg) as run:  # checks, accelerator, data, policy, judge; resume, or step 0 (first fit)
+        with stepping(run) as steps:  # until max_steps, early stopping or stop_after_n_steps
+            for step in steps:
+                batch = training_step(run, step)  # rollout -> judge -> calibrate -> pairs -> update -> refit
+                after_step(run, batch)  # the scheduled checkpoint, the progress bar
+        return close_run(run)  # the kept policy, its final metrics, report.json
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -953,3 +953,22 @@ def test_an_unresolvable_model_is_one_config_error_before_any_work(tmp_path, ove
     with pytest.raises(ConfigError, match=re.escape(message)):  # offline here: no hub retries first
         train(cfg)
     assert not (tmp_path / "config.yaml").exists()  # nothing written
+
+
+def test_the_recipe_runs_the_loop_it_spells_out(tmp_path):
+    """recipes/feedback_loop.py writes out the step loop (open_run -> stepping -> training_step ->
+    after_step -> close_run); run as a script it trains and reports like ``judgeloop train``."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "feedback_loop.py"), "--config", str(TINY), *FAST,
+         "max_steps=2", "eval_every_n_steps=2", f"output_dir={out}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(proc.stdout[proc.stdout.index("{") :])
+    report = json.loads((out / "report.json").read_text())
+    assert printed["kept_step"] == report["kept_step"] == 2
+    assert report["steps_run"] == 2 and (out / "policy").is_dir()

@@ -9,10 +9,16 @@ One training step (:func:`training_step`) is six named functions over one :class
     5. policy_update      soft-target DPO on the targets, plus kl_coef * KL(pi || pi_ref)
     6. maybe_recalibrate  refit the calibrator on fresh samples of calibration articles
 
-and, around them, :func:`setup_run`, :func:`start_run` (step 0: the first fit) or :func:`resume_run`,
-:func:`run_steps` (evaluation on the test split, early stopping on validation, checkpoints) and
-:func:`finish_run` (the report). Runs unchanged under ``accelerate launch`` (each process takes its
-share of every batch).
+with evaluation on the test split and early stopping on validation inside it. :func:`train` is the
+whole run, and ``recipes/feedback_loop.py`` spells out its lines:
+
+    with open_run(cfg) as run:          # setup_run, then resume_run or start_run (step 0: the first fit)
+        with stepping(run) as steps:    # the judge's prefetch thread and the progress bar live meanwhile
+            for step in steps:
+                after_step(run, training_step(run, step))   # checkpoints
+        return close_run(run)           # finish_run: the kept policy and the report
+
+Runs unchanged under ``accelerate launch`` (each process takes its share of every batch).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -733,16 +739,36 @@ def train(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     Writes under ``cfg.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_N``,
     ``report.json`` (final metrics of the kept policy, curves, refits, early-stopping decision) and
     ``policy/`` (the kept policy, its tokenizer and the final calibrator, when ``save_final_policy``).
+    ``recipes/feedback_loop.py`` spells out these same lines.
     """
+    with open_run(cfg) as run:  # checks, accelerator, data, models; then resume, or step 0
+        with stepping(run) as steps:  # until max_steps, early stopping or stop_after_n_steps
+            for step in steps:
+                after_step(run, training_step(run, step))  # checkpoint and progress after each step
+        return close_run(run)  # the kept policy, its final metrics, the report
+
+
+@contextlib.contextmanager
+def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
+    """A run ready for its first step: checked before any work (the output folder can be written, the
+    models, devices and trackers the config names are there), then set up and resumed or started.
+    The run's autocast spans the ``with`` block: bf16 (when mixed_precision=bf16) covers the reference
+    pass, the judge and evaluation too, not only the prepared model's forward; master weights and
+    optimizer state stay fp32."""
     out_dir = Path(cfg.output_dir)
-    # checked before any work: the output folder can be written, the models the config names resolve
     check_output_places(cfg)
     check_models(cfg)
     accelerator = make_accelerator(cfg, out_dir)
-    # bf16 autocast (when mixed_precision=bf16) covers the reference pass, the judge and evaluation too,
-    # not only the prepared model's forward; master weights and optimizer state stay fp32.
     with accelerator.autocast():
-        return _train(cfg, accelerator, out_dir)
+        prepare_output(cfg, accelerator, out_dir)
+        run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
+        init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
+        run = setup_run(cfg, accelerator, out_dir)
+        if cfg.resume_from:
+            resume_run(run)
+        else:
+            start_run(run)
+        yield run
 
 
 def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
@@ -803,6 +829,9 @@ class LoopRun:
     state: LoopState
     calibrator: Calibrator
     prefetch: JudgePrefetch | None = None
+    bar: Any = None  # the progress bar while stepping
+    steps_this_run: int = 0
+    interrupted: bool = False  # stopped at stop_after_n_steps before max_steps
 
     @property
     def model(self) -> Any:
@@ -1010,38 +1039,63 @@ def save_run(run: LoopRun, step: int) -> None:
         prune_checkpoints(run.out_dir / "checkpoints", run.cfg.keep_checkpoints)
 
 
-def run_steps(run: LoopRun) -> bool:
-    """The step loop until ``max_steps``, early stopping or ``stop_after_n_steps``; True when it stopped
-    for the latter (an interruption: the run continues from its checkpoint)."""
+@contextlib.contextmanager
+def stepping(run: LoopRun) -> Iterator[Iterator[int]]:
+    """The step numbers still to run, while the judge's prefetch thread and the progress bar live (both
+    closed on leaving, also on an error or an interruption: no prefetch thread outlives the run)."""
     cfg, state = run.cfg, run.state
-    bar = None
+    run.bar = None
     if cfg.progress_bar and run.accelerator.is_local_main_process:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.max_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]")
-    steps_this_run = 0
+        run.bar = tqdm(
+            total=cfg.max_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]"
+        )
+    run.steps_this_run, run.interrupted = 0, False
     run.prefetch = JudgePrefetch(run.train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
+
+    def numbers() -> Iterator[int]:
+        while state.step < cfg.max_steps and not state.stopped_early and not run.interrupted:
+            yield state.step + 1
+
     try:
-        if state.step < cfg.max_steps:
-            run.prefetch.start(
-                peek_batch(state, run.splits.train, cfg, run.accelerator)
-            )  # overlaps the first rollout
-        while state.step < cfg.max_steps and not state.stopped_early:
-            batch = training_step(run, state.step + 1)
-            steps_this_run += 1
-            interrupted = cfg.stop_after_n_steps is not None and steps_this_run >= cfg.stop_after_n_steps
-            if (cfg.save_every_n_steps and batch.step % cfg.save_every_n_steps == 0) or interrupted:
-                save_run(run, batch.step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{batch.stats['loss']:.3f}", kl=f"{batch.stats['kl']:.3f}")
-            if interrupted and state.step < cfg.max_steps:
-                return True
-    finally:  # also on an error or an interruption: no prefetch thread outlives the run
+        if state.step < cfg.max_steps:  # overlaps the first rollout
+            run.prefetch.start(peek_batch(state, run.splits.train, cfg, run.accelerator))
+        yield numbers()
+    finally:
         run.prefetch.close()
-        if bar is not None:
-            bar.close()
-    return False
+        if run.bar is not None:
+            run.bar.close()
+
+
+def after_step(run: LoopRun, batch: PairBatch) -> None:
+    """The scheduled checkpoint (and one at ``stop_after_n_steps``, which interrupts the run: it
+    continues from that checkpoint), the progress bar."""
+    cfg = run.cfg
+    run.steps_this_run += 1
+    stop = cfg.stop_after_n_steps is not None and run.steps_this_run >= cfg.stop_after_n_steps
+    if (cfg.save_every_n_steps and batch.step % cfg.save_every_n_steps == 0) or stop:
+        save_run(run, batch.step)
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix(loss=f"{batch.stats['loss']:.3f}", kl=f"{batch.stats['kl']:.3f}")
+    run.interrupted = stop and run.state.step < cfg.max_steps
+
+
+def close_run(run: LoopRun) -> dict[str, Any]:
+    """The end of a run: the report (:func:`finish_run`), or, when it was interrupted, where its
+    checkpoint is; the trackers are closed either way."""
+    if run.interrupted:
+        run.accelerator.end_training()
+        step = run.state.step
+        return {
+            "interrupted": True,
+            "step": step,
+            "checkpoint": str(run.out_dir / "checkpoints" / f"step_{step}"),
+        }
+    report = finish_run(run)
+    run.accelerator.end_training()
+    return report
 
 
 def finish_run(run: LoopRun) -> dict[str, Any]:
@@ -1088,26 +1142,4 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
     if acc.is_main_process:
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
         atomic_write_json(out_dir / "report.json", report)
-    return report
-
-
-def _train(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> dict[str, Any]:
-    prepare_output(cfg, accelerator, out_dir)
-    run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
-    init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
-    run = setup_run(cfg, accelerator, out_dir)
-    if cfg.resume_from:
-        resume_run(run)
-    else:
-        start_run(run)
-    if run_steps(run):
-        accelerator.end_training()
-        step = run.state.step
-        return {
-            "interrupted": True,
-            "step": step,
-            "checkpoint": str(out_dir / "checkpoints" / f"step_{step}"),
-        }
-    report = finish_run(run)
-    accelerator.end_training()
     return report
