@@ -37,7 +37,7 @@ from judgeloop.config import config_changes, default_dict, migrate, replace, to_
 from judgeloop.devices import on_cpu
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
-from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
 from judgeloop.loop.stats import PREMISE_METRICS, paired_bootstrap, paired_matrix, premise_check
 
 logger = get_logger(__name__)
@@ -59,24 +59,10 @@ FINAL_METRICS = (
 PAIRED_METRICS = (*(m for m in FINAL_METRICS if m not in ("win_rate", "ece")), "win")
 TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "kl", "win_rate", "ece")
 DELTA_TABLE = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "novel_bigram_rate", "length", "win")
-# Keys that cannot change a job's results: a finished job with only these different is not rerun.
-NON_RESULT_KEYS = (
-    "output_dir",
-    "progress_bar",
-    "log_with",
-    "resume_from",
-    "stop_after_n_steps",
-    "start_cache",
-    "ablation",
-    "save_every_n_steps",
-    "keep_checkpoints",
-    "project_name",
-    "run_name",
-    "run_group",
-    "save_final_policy",
-    "judge_prefetch",
-    "judge_prefetch_threads",
-)
+# Keys that cannot change a job's results: a finished job with only these different is not rerun. They are
+# the keys a resume may change, except max_steps (a resumed run may extend; a finished job of other length
+# is another job).
+NON_RESULT_KEYS = tuple(k for k in RESUME_FREE_KEYS if k != "max_steps")
 
 
 # --- jobs -------------------------------------------------------------------------------------------

@@ -95,30 +95,15 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
     tok = build_tiny_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        # the shape every tiny model shares: 2 layers of width 64, 4 heads
+        dims = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, pad_token_id=tok.pad_token_id)  # fmt: skip
         if kind == "encoder":
-            cfg = BertConfig(
-                vocab_size=len(tok),
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                max_position_embeddings=512,
-                pad_token_id=tok.pad_token_id,
-            )
-            return BertModel(cfg).eval()
+            return BertModel(BertConfig(**dims, max_position_embeddings=512)).eval()
         llama = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=2048,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=True,
-        )
+            **dims, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+        )  # fmt: skip
         if kind == "causal-lm":
             return LlamaForCausalLM(llama).eval()
         llama.num_labels = 1
