@@ -47,6 +47,13 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _ours(args) -> str:
+    """Our side's precision: ``auto`` is bf16 where bf16 is native here (judgeloop.devices), else fp32."""
+    from judgeloop.devices import resolve_precision
+
+    return resolve_precision(args.precision, args.device)
+
+
 def _gpu_peak_mb() -> float | None:
     import torch
 
@@ -134,7 +141,7 @@ def train_ours(args) -> dict:
     )
     torch.manual_seed(0)
     acc = Accelerator(
-        cpu=args.device == "cpu", **({"mixed_precision": "bf16"} if args.precision == "bf16" else {})
+        cpu=args.device == "cpu", **({"mixed_precision": "bf16"} if _ours(args) == "bf16" else {})
     )
     enc = BiEncoder.from_pretrained(args.model, max_length=args.max_length, query_max_length=args.max_length)
     opt = make_optimizer(enc, cfg)  # the trainer's own: fused AdamW, no decay on biases and norms
@@ -242,7 +249,7 @@ def mine_ours(args) -> dict:
 
     data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
     enc = BiEncoder.from_pretrained(args.model, max_length=args.max_length, query_max_length=args.max_length)
-    enc.encode_precision = args.precision
+    enc.encode_precision = _ours(args)
     enc.to(args.device)
     cfg = MiningConfig(num_negatives=3, range_max=30, relative_margin=0.95)
     times = []
@@ -347,7 +354,7 @@ def main() -> int:
     p.add_argument("--only", choices=["train", "mining"], default=None)
     p.add_argument(
         "--precision",
-        choices=["no", "bf16"],
+        choices=["no", "bf16", "auto"],
         default="no",
         help="ours: bf16 autocast for training (train.mixed_precision) and encoding (eval.precision)",
     )
@@ -376,6 +383,14 @@ def main() -> int:
     if args.data == "scifact" and not DATA.is_dir():
         raise SystemExit(f"SciFact not found at {DATA}; set JUDGELOOP_SHARED_DATA (or --data embedded)")
     argv = [a for a in sys.argv[1:] if not a.startswith("--json") and a != str(args.json)]
+    from judgeloop.devices import native_bf16
+
+    print(
+        f"paths: ours {'bf16' if _ours(args) == 'bf16' else 'fp32'} (--precision {args.precision}; native bf16 on "
+        f"{args.device}: {native_bf16(args.device)}), sentence-transformers "
+        f"{'bf16' if args.peer_precision == 'bf16' else 'fp32'} (--peer-precision {args.peer_precision})",
+        flush=True,
+    )
     if args.size != "pretrained":
         import tempfile
 
@@ -386,6 +401,7 @@ def main() -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "role")},
         "torch_threads": os.environ.get("OMP_NUM_THREADS"),
     }
+    result["settings"]["ours_resolved_precision"] = _ours(args)
     if args.only in (None, "train"):
         ours, peer = _child("train-ours", argv), _child("train-peer", argv)
         tp = {}

@@ -48,3 +48,24 @@ def process_device(device: str, accelerator: Any) -> str:
     if device == "auto":
         return str(run) if run.type == "cuda" else run.type  # a CPU run's device can read "cpu:0"
     return device
+
+
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether bf16 arithmetic is native here: a GPU that supports it, or a CPU whose flags (read from
+    ``/proc/cpuinfo`` at run time) include ``avx512_bf16`` or ``amx_bf16``. Elsewhere bf16 is emulated
+    and slower than float32."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:  # not Linux: no cheap way to tell, so assume not
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str, device: str = "cpu") -> str:
+    """``auto`` -> ``bf16`` where :func:`native_bf16`, else ``no`` (float32); other values unchanged."""
+    if precision != "auto":
+        return precision
+    return "bf16" if native_bf16(device) else "no"

@@ -28,7 +28,7 @@ import torch
 
 from judgeloop.checkpointing import load_training_checkpoint, prune_checkpoints, save_training_checkpoint
 from judgeloop.config import to_dict
-from judgeloop.devices import Device, check_device, on_cpu
+from judgeloop.devices import Device, check_device, native_bf16, on_cpu, resolve_precision
 from judgeloop.distributed import configure_deepspeed, generation_context, refuse_gradcache_under_deepspeed
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
@@ -165,8 +165,9 @@ class RetrieverTrainConfig:
     resume: bool = True
     log_every_n_steps: int = 10
     # bf16 autocast for the training forward (weights, gradients and optimizer state stay float32);
-    # 1.25x pairs/s on MiniLM on a 2-core CPU with AMX (scripts/bench_retriever.py)
-    mixed_precision: Literal["no", "bf16"] = "no"
+    # 1.25x pairs/s on MiniLM on a 2-core CPU with AMX (scripts/bench_retriever.py). auto: bf16 where it is
+    # native (a GPU, or a CPU with avx512_bf16 / amx_bf16, detected at run time), float32 elsewhere
+    mixed_precision: Literal["no", "bf16", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.batch_size < 2:
@@ -189,8 +190,9 @@ class RetrieverEvalConfig:
     top_k: int = 100
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     embedding_cache_dir: str | None = None
-    # bf16 weights (a copy) when encoding for evaluation and mining (2-2.6x on MiniLM on a 2-core CPU with AMX)
-    precision: Literal["no", "bf16"] = "no"
+    # bf16 weights (a copy) when encoding for evaluation and mining (2-2.6x on MiniLM on a 2-core CPU with
+    # AMX); auto: bf16 where it is native (see train.mixed_precision)
+    precision: Literal["no", "bf16", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         needed = {"ndcg@10", "recall@10", "mrr@10"}
@@ -761,7 +763,25 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
     check_device(cfg.device)  # before any data or weights load
     check_trackers(cfg.log_with)
     # mixed precision only when asked: accelerate refuses to change it once its process-wide state exists
-    amp = {} if cfg.train.mixed_precision == "no" else {"mixed_precision": cfg.train.mixed_precision}
+    device = "cpu" if on_cpu(cfg.device) else "cuda"
+    train_precision = resolve_precision(cfg.train.mixed_precision, device)
+    if cfg.train.mixed_precision == "auto":
+        # accelerate fixes mixed precision once per process; a second run in it (a test, a notebook) keeps
+        # what the first chose rather than fail, since auto asked for the best available, not for bf16
+        from accelerate.state import AcceleratorState
+
+        fixed = AcceleratorState._shared_state.get("_mixed_precision")
+        if fixed is not None and str(fixed) != train_precision:
+            logger.info(
+                "train.mixed_precision=auto: this process's accelerate state is %r; keeping it", str(fixed)
+            )
+            train_precision = str(fixed)
+    amp = {} if train_precision == "no" else {"mixed_precision": train_precision}
+    logger.info(
+        "precision: training %s, encoding %s (train.mixed_precision=%s, eval.precision=%s; native bf16 on %s: %s)",
+        train_precision, resolve_precision(cfg.eval.precision, device), cfg.train.mixed_precision,
+        cfg.eval.precision, device, native_bf16(device),
+    )  # fmt: skip
     out = Path(cfg.output_dir)
     accelerator = Accelerator(
         cpu=on_cpu(cfg.device), log_with=make_trackers(cfg.log_with, out), project_dir=str(out),
@@ -783,7 +803,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     train_data, eval_data = load_retrieval_data(cfg.data)
     m = cfg.model
     encoder = BiEncoder.from_pretrained(m.name, m.pooling, m.normalize, m.max_length, m.query_max_length)
-    encoder.encode_precision = cfg.eval.precision
+    encoder.encode_precision = resolve_precision(cfg.eval.precision, accelerator.device.type)
     encoder.to(accelerator.device)
     resume_from = latest_checkpoint(out) if cfg.train.resume else None
     state: dict[str, Any] = (
@@ -860,6 +880,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
         if train_seconds > 0 and run.pairs_seen
         else None,
         "seconds": time.time() - t0,
+        "precision": {"training": accelerator.mixed_precision, "encoding": encoder.encode_precision},
         "config": to_dict(cfg),
     }
     return report, encoder, accelerator
