@@ -27,7 +27,7 @@ from judgeloop.config import ConfigError
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def _fsdp1_class() -> type | None:
+def _fsdp1_class() -> Any:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch without distributed
@@ -35,7 +35,7 @@ def _fsdp1_class() -> type | None:
     return FullyShardedDataParallel
 
 
-def _fsdp2_class() -> type | None:
+def _fsdp2_class() -> Any:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch before FSDP2
@@ -67,11 +67,12 @@ def full_state_dict(model: Any, names: set[str] | None = None) -> dict[str, torc
     Collective under FSDP and ZeRO-3: every process must call it. Under FSDP the tensors come back on
     the main process only (the others get ``{}``); elsewhere every process gets them.
     """
+    state: dict[str, Any]
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(model, options=opts)
+        state = dict(get_model_state_dict(model, options=opts))
     elif is_zero3(model):  # pragma: no cover - needs DeepSpeed on GPUs
         import deepspeed
 
@@ -80,8 +81,8 @@ def full_state_dict(model: Any, names: set[str] | None = None) -> dict[str, torc
             state = {n: p.detach().cpu().clone() for n, p in params.items()}
     else:
         state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
-    state = {clean_name(n): t for n, t in state.items()}
-    return state if names is None else {n: t for n, t in state.items() if n in names}
+    clean: dict[str, torch.Tensor] = {clean_name(n): t for n, t in state.items()}
+    return clean if names is None else {n: t for n, t in clean.items() if n in names}
 
 
 def trainable_names(model: Any) -> set[str]:
@@ -99,7 +100,8 @@ def load_full_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, dict(state), options=options)  # type: ignore[arg-type]
         return
     if is_zero3(model):  # pragma: no cover - needs DeepSpeed on GPUs
         import deepspeed
@@ -128,14 +130,15 @@ def generation_context(model: Any) -> Iterator[None]:
         return
     fsdp2 = _fsdp2_class()
     if fsdp2 is not None and isinstance(model, fsdp2):
+        root: Any = model
         # the root unit gathered up front: a PEFT model's generate() calls the inner model's forward,
         # which skips the root's hooks and would meet its sharded embeddings. FSDP2 initialises its units
         # at the root's first forward; before one, a nested unit's forward refuses to run, so the root's
         # lazy initialisation runs here (private API, torch 2.4+; a no-op once done)
-        state = getattr(model, "_get_fsdp_state", None)
+        state = getattr(root, "_get_fsdp_state", None)
         if state is not None:
             state()._lazy_init()
-        model.unshard()
+        root.unshard()
     try:
         yield
     finally:
@@ -152,7 +155,8 @@ def reshard(model: Any) -> None:
         return
     for module in model.modules():
         if isinstance(module, fsdp2):
-            module.reshard()
+            unit: Any = module
+            unit.reshard()
 
 
 def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: float, key: str) -> None:

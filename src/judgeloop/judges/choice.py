@@ -25,7 +25,7 @@ import torch
 
 from judgeloop.judges.base import Judge, Pair
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.tokens import attach_judge_model, fit_article, forward_accepts, pad_batch
+from judgeloop.judges.tokens import ModelBacked, attach_judge_model, fit_article, forward_accepts, pad_batch
 from judgeloop.models import load_causal_lm
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -54,7 +54,7 @@ def verdict_token_ids(tokenizer: Any, verdict_tokens: Sequence[str]) -> tuple[in
     return ids[0], ids[1]
 
 
-class ChoiceJudge(Judge):
+class ChoiceJudge(Judge, ModelBacked):
     """Pairwise LLM judge reading verdict-token log-probabilities.
 
     Args:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from judgeloop.judges.base import VALID_STATUSES, Pair, PointwiseJudge, merge_status
-from judgeloop.judges.tokens import attach_judge_model, model_max_length
+from judgeloop.judges.tokens import ModelBacked, attach_judge_model, model_max_length
 from judgeloop.models import load_encoder, resolve_model_path
 from judgeloop.models.tiny import is_tiny
 
@@ -48,7 +48,7 @@ def _sentence_transformers_max_length(name: str) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-class EmbeddingJudge(PointwiseJudge):
+class EmbeddingJudge(PointwiseJudge, ModelBacked):
     """Cosine-similarity difference to the article or to the references, times ``scale``.
 
     Args:

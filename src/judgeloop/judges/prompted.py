@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 from judgeloop.judges.base import PointwiseJudge
 from judgeloop.judges.prompts import get_prompt, has_chat_template
-from judgeloop.judges.tokens import attach_judge_model, forward_accepts
+from judgeloop.judges.tokens import ModelBacked, attach_judge_model, forward_accepts
 
 
-class PromptedModelJudge(PointwiseJudge):
+class PromptedModelJudge(PointwiseJudge, ModelBacked):
     """Base of the prompted pointwise judges; subclasses set ``kind``, ``default_model`` and ``load``.
 
     Args:

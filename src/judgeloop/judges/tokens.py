@@ -115,6 +115,16 @@ def load_judge_model(
     return model, tokenizer, name
 
 
+class ModelBacked:
+    """The attributes :func:`attach_judge_model` sets on a judge that runs a model (declared once)."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    max_length: int
+    pad_id: int
+
+
 def attach_judge_model(
     judge: Any,
     model: str | Any,

@@ -184,10 +184,13 @@ def load_checkpoint(accelerator: Any, path: str | Path) -> tuple[dict[str, Any],
         )
     if (path / "optimizer.pt").is_file():  # the earlier layout
         load_policy_weights(path, accelerator, accelerator._models[0])
-        load = {"weights_only": False, "map_location": "cpu"}  # never every rank's state on cuda:0
-        accelerator._optimizers[0].load_state_dict(torch.load(path / "optimizer.pt", **load))
-        accelerator._schedulers[0].load_state_dict(torch.load(path / "scheduler.pt", **load))
-        set_rng_state(torch.load(path / "rng.pt", **load))
+
+        def load(name: str) -> Any:  # never every rank's state on cuda:0
+            return torch.load(path / name, weights_only=False, map_location="cpu")
+
+        accelerator._optimizers[0].load_state_dict(load("optimizer.pt"))
+        accelerator._schedulers[0].load_state_dict(load("scheduler.pt"))
+        set_rng_state(load("rng.pt"))
     else:
         load_training_checkpoint(accelerator, path)
     return json.loads((path / "calibrator.json").read_text()), json.loads((path / "state.json").read_text())

@@ -373,7 +373,8 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     learner.scheduler.step()
     learner.optimizer.zero_grad(set_to_none=True)
     # each chunk's terms are already weighted by its share of the batch: their sums are the batch's
-    stats = torch.stack([sum(p[i] for p in parts) for i in range(5)] + [mask.float().mean().to(acc.device)])
+    totals = [torch.stack([p[i] for p in parts]).sum() if len(parts) > 1 else parts[0][i] for i in range(5)]
+    stats = torch.stack([*totals, mask.float().mean().to(acc.device)])
     agree_n = mask.sum().clamp(min=1).to(acc.device)
     stats[4] = stats[4] / agree_n
     stats = acc.reduce(stats, reduction="mean")

@@ -803,7 +803,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     train_data, eval_data = load_retrieval_data(cfg.data)
     m = cfg.model
     encoder = BiEncoder.from_pretrained(m.name, m.pooling, m.normalize, m.max_length, m.query_max_length)
-    encoder.encode_precision = resolve_precision(cfg.eval.precision, accelerator.device.type)
+    encoder.encode_precision = resolve_precision(cfg.eval.precision, accelerator.device.type)  # type: ignore[assignment]
     encoder.to(accelerator.device)
     resume_from = latest_checkpoint(out) if cfg.train.resume else None
     state: dict[str, Any] = (
