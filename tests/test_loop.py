@@ -972,3 +972,13 @@ def test_the_recipe_runs_the_loop_it_spells_out(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert printed["kept_step"] == report["kept_step"] == 2
     assert report["steps_run"] == 2 and (out / "policy").is_dir()
+
+
+def test_a_batch_the_train_split_cannot_fill_stops_before_any_output(tmp_path):
+    from judgeloop.loop.runner import train
+
+    out = tmp_path / "run"
+    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "batch_size=5000", f"output_dir={out}"])
+    with pytest.raises(ConfigError, match=r"train split has \d+ articles, fewer than batch_size=5000; lower"):
+        train(cfg)
+    assert not out.exists()  # no config.yaml, no tracker folder, no metrics.jsonl

@@ -79,15 +79,42 @@ def full_state_dict(model: Any, names: set[str] | None = None) -> dict[str, torc
         params = {n: p for n, p in model.named_parameters() if names is None or clean_name(n) in names}
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
             state = {n: p.detach().cpu().clone() for n, p in params.items()}
-    else:
-        state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
+    else:  # only what is asked for is copied (a LoRA policy's adapters, not its frozen base)
+        state = {
+            n: t.detach().cpu().clone()
+            for n, t in model.state_dict().items()
+            if names is None or clean_name(n) in names
+        }
     clean: dict[str, torch.Tensor] = {clean_name(n): t for n, t in state.items()}
     return clean if names is None else {n: t for n, t in clean.items() if n in names}
+
+
+def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
+    """The full weights for ``save_pretrained(state_dict=...)`` when ``model`` is sharded (collective:
+    every process calls it); ``None`` when it is not, and ``save_pretrained`` reads the model itself."""
+    return full_state_dict(model) if is_fsdp(model) or is_zero3(model) else None
 
 
 def trainable_names(model: Any) -> set[str]:
     """The clean names of ``model``'s trainable parameters (LoRA adapters, or every weight)."""
     return {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    """Full copies of the trainable parameters (what a policy checkpoint holds); see :func:`full_state_dict`."""
+    return full_state_dict(model, trainable_names(model))
+
+
+def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Put a :func:`trainable_state` back into ``model``: every trainable parameter must be there, and
+    nothing else (a ValueError names the first mismatches)."""
+    missing = sorted(trainable_names(model) - set(state))
+    if missing:
+        raise ValueError(
+            f"checkpoint does not match the policy: missing {missing[:3]}; "
+            "resume with the same policy.model and policy.lora settings"
+        )
+    load_full_state_dict(model, state)
 
 
 def load_full_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
@@ -139,10 +166,12 @@ def generation_context(model: Any) -> Iterator[None]:
         if state is not None:
             state()._lazy_init()
         root.unshard()
-    try:
-        yield
-    finally:
-        reshard(model)
+        try:
+            yield
+        finally:
+            reshard(model)
+        return
+    yield
 
 
 def reshard(model: Any) -> None:

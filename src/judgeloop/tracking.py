@@ -31,8 +31,7 @@ class JSONLTracker(GeneralTracker):
 
     def __init__(self, run_name: str, logging_dir: str | Path):
         super().__init__()
-        self.path = Path(logging_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(logging_dir) / "metrics.jsonl"  # made at the first row, not before any work
 
     @property
     def tracker(self) -> Path:
@@ -46,6 +45,7 @@ class JSONLTracker(GeneralTracker):
             "step": step,
             **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()},
         }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from judgeloop.distributed import full_state_dict
+from judgeloop.distributed import gathered_state_dict
 from judgeloop.io import atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.trainer import TrainRetrieverConfig, render_markdown, train_retriever
@@ -25,7 +25,7 @@ def run(cfg: TrainRetrieverConfig) -> dict[str, Any]:
     """Train and evaluate; the main process writes ``model/``, ``report.json`` and ``report.md``."""
     report, encoder, accelerator = train_retriever(cfg)
     out = Path(cfg.output_dir)
-    weights = full_state_dict(encoder.model)  # every process: under FSDP / ZeRO-3 each holds a shard
+    weights = gathered_state_dict(encoder.model)  # every process: under FSDP / ZeRO-3 each holds a shard
     if accelerator.is_main_process:
         encoder.save(out / "model", weights)
         atomic_write_json(out / "report.json", report)

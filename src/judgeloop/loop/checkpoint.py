@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
-from judgeloop.distributed import full_state_dict, is_fsdp, load_full_state_dict, trainable_names
+from judgeloop.distributed import gathered_state_dict, is_fsdp, load_trainable_state, trainable_state
 from judgeloop.io import atomic_dir, atomic_write_json
 
 
@@ -41,8 +41,7 @@ def _policy_module(accelerator: Any, model: Any) -> Any:
 def save_policy(path: str | Path, accelerator: Any, model: Any) -> None:
     """Trainable parameters only (full tensors, gathered under FSDP / ZeRO-3), written atomically by the
     main process; call it on every process (used for the best-so-far policy)."""
-    module = _policy_module(accelerator, model)
-    state = full_state_dict(module, trainable_names(module))
+    state = trainable_state(_policy_module(accelerator, model))
     if accelerator.is_main_process:
         with atomic_dir(path) as tmp:
             save_file({n: t.contiguous() for n, t in state.items()}, str(tmp / "policy.safetensors"))
@@ -56,7 +55,7 @@ def export_policy(
     LoRA adapters under LoRA, the full model otherwise), its tokenizer, and the final calibrator.
     Call it on every process: the full weights are gathered first (every shard, under FSDP / ZeRO-3),
     then the main process writes them atomically."""
-    state = full_state_dict(_policy_module(accelerator, model))
+    state = gathered_state_dict(_policy_module(accelerator, model))
     if accelerator.is_main_process:
         with atomic_dir(path) as tmp:
             accelerator.unwrap_model(model).save_pretrained(
@@ -70,15 +69,9 @@ def export_policy(
 def load_policy_weights(path: str | Path, accelerator: Any, model: Any) -> None:
     """Load the trainable parameters saved in ``path/policy.safetensors`` into ``model`` (into its shards
     under FSDP / ZeRO-3); call it on every process."""
-    module = _policy_module(accelerator, model)
-    state = load_file(str(Path(path) / "policy.safetensors"))
-    missing = sorted(trainable_names(module) - set(state))
-    if missing:
-        raise ValueError(
-            f"checkpoint does not match the policy: missing {missing[:3]}; "
-            "resume with the same policy.model and policy.lora settings"
-        )
-    load_full_state_dict(module, state)
+    load_trainable_state(
+        _policy_module(accelerator, model), load_file(str(Path(path) / "policy.safetensors"))
+    )
 
 
 def save_checkpoint(

@@ -135,23 +135,3 @@ def reference_logprobs(
     if was_training:
         policy.train()
     return out
-
-
-def trainable_state(model: Any) -> dict[str, torch.Tensor]:
-    """The trainable parameters (adapters under LoRA, all weights otherwise), detached copies."""
-    return {n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Copy a :func:`trainable_state` dict into ``model`` (every key must match)."""
-    params = dict(model.named_parameters())
-    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
-    unknown = [n for n in state if n not in params]
-    if missing or unknown:
-        raise ValueError(
-            f"checkpoint does not match the policy: missing {missing[:3]}, unexpected {unknown[:3]}; "
-            "resume with the same policy.model and policy.lora settings"
-        )
-    with torch.no_grad():
-        for n, t in state.items():
-            params[n].copy_(t)

@@ -42,7 +42,13 @@ from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
 from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.devices import check_device, on_cpu, process_device
-from judgeloop.distributed import configure_deepspeed, generation_context, prepare_for_inference
+from judgeloop.distributed import (
+    configure_deepspeed,
+    generation_context,
+    load_trainable_state,
+    prepare_for_inference,
+    trainable_state,
+)
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
@@ -73,7 +79,7 @@ from judgeloop.loop.losses import (
     soft_dpo_loss,
     targets_from_probs,
 )
-from judgeloop.loop.policy import load_policy, load_trainable_state, reference_logprobs, trainable_state
+from judgeloop.loop.policy import load_policy, reference_logprobs
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.recalibration import (
     CalibrationPairs,
@@ -137,8 +143,9 @@ class Splits:
     test: list[SummExample]
 
 
-def load_splits(cfg: FeedbackLoopConfig) -> Splits:
-    """Load the articles, split them by stable hash, and check the calibration/train disjointness."""
+def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
+    """Load the articles, split them by stable hash, and check the calibration/train disjointness and
+    that the train split fills one global batch (``batch_size`` on each of ``num_processes``)."""
     parts = split_examples(load_examples(cfg.data), cfg.data.split)
     splits = Splits(
         parts["train"],
@@ -148,13 +155,15 @@ def load_splits(cfg: FeedbackLoopConfig) -> Splits:
     )
     for name in ("train", "calibration", "test"):
         if not getattr(splits, name):
-            raise ValueError(
+            raise ConfigError(
                 f"the '{name}' split is empty; use more articles (data.max_articles) or change "
                 f"data.split fractions (now {cfg.data.split})"
             )
-    if len(splits.train) < cfg.batch_size:
-        raise ValueError(
-            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}"
+    if len(splits.train) < cfg.batch_size * num_processes:  # a process would get a short or empty batch
+        per = f" x {num_processes} processes" if num_processes > 1 else ""
+        raise ConfigError(
+            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}{per}; "
+            "lower batch_size or use more data (data.max_articles)"
         )
     for name, asked, have in (
         ("num_eval_articles", cfg.num_eval_articles, len(splits.test)),
@@ -760,11 +769,14 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     check_output_places(cfg)
     check_models(cfg)
     accelerator = make_accelerator(cfg, out_dir)
+    # the data next: a split too small for the batch on these processes stops here, before any output
+    splits = load_splits(cfg, accelerator.num_processes)
+    check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
     with accelerator.autocast():
         prepare_output(cfg, accelerator, out_dir)
         run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
         init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
-        run = setup_run(cfg, accelerator, out_dir)
+        run = setup_run(cfg, accelerator, out_dir, splits)
         if cfg.resume_from:
             resume_run(run)
         else:
@@ -875,18 +887,10 @@ def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: P
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
 
 
-def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> LoopRun:
-    """Data, policy (after its SFT warm start), reference, judges, optimizer: a run at step 0."""
+def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, splits: Splits) -> LoopRun:
+    """Policy (after its SFT warm start), reference, judges, optimizer over ``splits``: a run at step 0."""
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    splits = load_splits(cfg)
-    check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
-    global_batch = cfg.batch_size * accelerator.num_processes
-    if len(splits.train) < global_batch:  # a process would get a short or empty batch at every step
-        raise ConfigError(
-            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size} x "
-            f"{accelerator.num_processes} processes; lower batch_size or use more data"
-        )
     tokenizer = load_tokenizer(cfg.policy.model)
     build_prompt = PromptBuilder(tokenizer, cfg.policy)
     sft = (
