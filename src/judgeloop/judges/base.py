@@ -54,12 +54,15 @@ class JudgeOutput:
         forward: (N,) scores of the (a, b) order alone (before debiasing); equals ``scores`` when
             position debiasing is off.
         reverse: (N,) scores of the (b, a) order, or ``None`` when not computed.
+        members: a panel's members: name -> (N,) calibrated P(a better than b) of that member (empty for
+            a single judge).
     """
 
     scores: np.ndarray
     status: list[str]
     forward: np.ndarray
     reverse: np.ndarray | None = None
+    members: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def valid(self) -> np.ndarray:
@@ -78,6 +81,14 @@ class JudgeOutput:
             return float("nan")
         ok = self.valid & np.isfinite(self.forward) & np.isfinite(self.reverse)
         return float(np.mean(self.forward[ok] + self.reverse[ok])) if ok.any() else float("nan")
+
+    @property
+    def spread(self) -> np.ndarray:
+        """(N,) disagreement of a panel's members: the standard deviation of their calibrated p per pair
+        (0 when they agree exactly; ``nan`` for a single judge or where a member failed)."""
+        if not self.members:
+            return np.full(len(self.status), np.nan)
+        return np.std(np.stack(list(self.members.values())), axis=0)
 
 
 @dataclass
@@ -161,6 +172,18 @@ class Judge:
             raise ValueError(f"prepare got {len(refs)} reference lists for {len(articles)} articles")
         with self._lock:
             self._prepare(articles, refs)
+
+    # --- judges that learn from labeled pairs ---------------------------------------------------
+    @property
+    def learns_from_labels(self) -> bool:
+        """True for a judge that must see labeled pairs before it scores well (a panel fits its members'
+        calibrators and its combination rule); callers fit it with :meth:`fit_labels` on a calibration
+        split, never on the pairs it will then be evaluated on."""
+        return False
+
+    def fit_labels(self, pairs: Sequence[Pair], labels: Sequence[int]) -> None:
+        """Fit what the judge learns from labeled pairs (label 1: ``a`` is the better summary).
+        Default: nothing to learn."""
 
     # --- shared machinery ---------------------------------------------------------------------
     def _key(self, p: Pair) -> str:
