@@ -76,7 +76,7 @@ def _symmetrize(s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> tuple:
     return s2, y2, f2
 
 
-def _fit_logistic(X: np.ndarray, t: np.ndarray, l2: float = 0.0) -> np.ndarray:
+def fit_logistic(X: np.ndarray, t: np.ndarray, l2: float = 0.0) -> np.ndarray:
     """Minimize the cross-entropy of sigmoid(X w) against (possibly soft) targets t, plus l2 * |w|^2 / 2."""
 
     def loss_grad(w: np.ndarray) -> tuple[float, np.ndarray]:
@@ -227,7 +227,7 @@ class PlattCalibrator(Calibrator):
             n_pos, n_neg = y.sum(), (1 - y).sum()
             t = np.where(y == 1, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0))
         X = np.stack([s, np.ones_like(s)], axis=1) if self.fit_intercept else s[:, None]
-        w = _fit_logistic(X, t)
+        w = fit_logistic(X, t)
         self.a_ = float(w[0])
         self.b_ = float(w[1]) if self.fit_intercept else 0.0
 
@@ -359,7 +359,7 @@ class FeaturePlattCalibrator(Calibrator):
     def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
         assert f is not None
         X = np.concatenate([s[:, None], f], axis=1)
-        w = _fit_logistic(X, y, l2=self.l2)
+        w = fit_logistic(X, y, l2=self.l2)
         self.a_, self.w_ = float(w[0]), w[1:].copy()
 
     def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:

@@ -6,7 +6,11 @@ is generated or parsed):
 * ``choice``: log P(verdict A) - log P(verdict B) of a causal-LM judge prompt (both orders by default);
 * ``likelihood``: difference of length-normalized log-likelihoods of the summaries;
 * ``reward_model``: difference of a scalar sequence-classification head (Bradley-Terry);
-* ``embedding``: difference of cosine similarities to the article or references, times ``scale``.
+* ``embedding``: difference of cosine similarities to the article or references, times ``scale``;
+
+or an objective signal (``objective``: ROUGE, a length or copy penalty, an NLI factual-consistency
+score; :mod:`judgeloop.judges.objective`), or a ``panel`` of any of these, each member calibrated on
+its own and combined (:mod:`judgeloop.judges.panel`).
 
 Any of them takes a style bias of a chosen strength: ``style_weight * d(pair)`` added to its logit
 (:class:`~judgeloop.judges.styled.StyledJudge`), the dial of the calibration experiments.
@@ -31,8 +35,58 @@ from judgeloop.judges.base import (
 from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
 from judgeloop.judges.styled import STYLE_FEATURES, StyledJudge, style_feature
 
-JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding")
+JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding", "objective", "panel")
+PANEL_CALIBRATIONS = ("platt", "isotonic", "temperature", "feature_platt")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
+
+
+@dataclass
+class PanelConfig:
+    """A judge panel (``judge.type: panel``; in the loop also ``calibration.panel``).
+
+    Attributes:
+        members: the member judges, each a full judge config (any type but ``panel``); give two members
+            of one type distinct ``name``s.
+        combine: ``mean_prob``, ``mean_logit`` (default) or ``stacked`` (see :mod:`judgeloop.judges.panel`).
+        weights: per-member weights of ``mean_prob`` / ``mean_logit`` (default equal): with objective
+            signals as members, the mixing weights.
+        member_calibration: each member's calibrator: ``platt`` (default), ``isotonic``, ``temperature``
+            or ``feature_platt``.
+        min_points: the fewest labeled pairs a member's calibrator is fitted on.
+    """
+
+    members: list[JudgeConfig] = field(default_factory=list)
+    combine: Literal["mean_prob", "mean_logit", "stacked"] = "mean_logit"
+    weights: list[float] = field(default_factory=list)
+    member_calibration: Literal["platt", "isotonic", "temperature", "feature_platt"] = "platt"
+    min_points: int = 10
+
+    def __post_init__(self) -> None:
+        if self.weights and (len(self.weights) != len(self.members) or any(w < 0 for w in self.weights)):
+            raise ValueError(
+                f"judge.panel.weights={self.weights}: give {len(self.members)} non-negative weights (one per "
+                "member), or none for equal weights"
+            )
+        if self.weights and not sum(self.weights) > 0:
+            raise ValueError(
+                f"judge.panel.weights={self.weights} are all zero; give at least one positive weight"
+            )
+        names = member_names(self)
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"judge.panel.members are named {names}: give repeated ones a distinct judge name"
+            )
+        if any(m.type == "panel" for m in self.members):
+            raise ValueError(
+                "judge.panel.members: a member cannot be a panel itself; list its judges instead"
+            )
+        if self.min_points < 2:
+            raise ValueError(f"judge.panel.min_points={self.min_points}; it must be at least 2")
+
+
+def member_names(panel: PanelConfig) -> list[str]:
+    """Each member's name: its ``name``, else its type (``objective:SIGNAL`` for an objective signal)."""
+    return [m.name or (f"objective:{m.signal}" if m.type == "objective" else m.type) for m in panel.members]
 
 
 @dataclass
@@ -62,9 +116,18 @@ class JudgeConfig:
         style_weight: adds ``style_weight * d(pair)`` to the judge's logit, ``d`` the antisymmetric
             pair feature ``style_feature`` (``copy_rate``, ``log_length_ratio``, ``novel_bigram``);
             0 (default) leaves the judge as it is.
+        name: what reports and panels call the judge (default: its type).
+        signal: ``objective`` judge: ``rouge``, ``length``, ``copy_rate`` or ``factual`` (``model`` is then
+            the NLI model); the value difference is multiplied by ``scale``.
+        entailment_label: ``objective`` judge, ``factual`` signal: the NLI model's entailment class.
+        panel: ``panel`` judge: its members and combination rule (:class:`PanelConfig`).
+        calibrate: as a panel member, whether its calibrator is fitted on the labeled pairs; ``None``
+            (default) means yes for a judge and no for an objective signal, whose logit then enters as it
+            is (``p = sigmoid(s)``): a penalty keeps the direction and the ``scale`` it was given, where a
+            calibrator fitted on ROUGE labels would turn a length penalty into a length reward.
     """
 
-    type: Literal["choice", "likelihood", "reward_model", "embedding"] = "choice"
+    type: Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel"] = "choice"
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     prompt: str = "neutral"
     position_debias: bool | None = None
@@ -78,10 +141,25 @@ class JudgeConfig:
     cache_size: int = 100_000
     style_weight: float = 0.0
     style_feature: str = "copy_rate"
+    name: str = ""
+    signal: Literal["rouge", "length", "copy_rate", "factual"] = "rouge"
+    entailment_label: str = "entailment"
+    panel: PanelConfig = field(default_factory=lambda: PanelConfig())
+    calibrate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.type not in JUDGE_TYPES:
             raise ValueError(f"judge.type={self.type!r} is not a judge; use one of {list(JUDGE_TYPES)}")
+        if self.type == "panel" and len(self.panel.members) < 2:
+            raise ValueError(
+                f"judge.type=panel has {len(self.panel.members)} member(s) in judge.panel.members; list at least two"
+            )
+        if self.type == "panel" and self.style_weight:
+            raise ValueError(
+                f"judge.style_weight={self.style_weight} on a panel; set style_weight on a member instead"
+            )
+        if self.type != "panel" and self.panel.members:
+            raise ValueError(f"judge.panel.members is set but judge.type={self.type!r}; set judge.type=panel")
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")
         get_prompt(self.prompt)  # raises naming the closest template
@@ -132,6 +210,8 @@ class JudgeConfig:
 
 def build_judge(cfg: JudgeConfig) -> Judge:
     """Load the model and build the judge ``cfg`` describes (styled when ``style_weight`` is not 0)."""
+    if cfg.type == "panel":
+        return build_panel(cfg.panel, device=cfg.device)
     judge = _build_base_judge(cfg)
     return StyledJudge(judge, cfg.style_weight, cfg.style_feature) if cfg.style_weight else judge
 
@@ -143,6 +223,27 @@ def references_for(judge: Judge, examples: Sequence[Any]) -> list[tuple[str, ...
     if getattr(judge, "reference_style", "neutral") == "extractive":
         return [tuple(e.extractive) for e in examples]
     return [tuple(e.neutral) for e in examples]
+
+
+def build_panel(
+    panel: PanelConfig, device: str | None = None, first: tuple[str, Judge] | None = None
+) -> Judge:
+    """The :class:`~judgeloop.judges.panel.PanelJudge` of ``panel``'s members (``device``: where members
+    left at ``auto`` run); ``first``: an already built judge to lead the panel (the loop's own judge)."""
+    import dataclasses
+
+    from judgeloop.judges.panel import PanelJudge
+
+    members = [first] if first is not None else []
+    calibrate = [True] if first is not None else []
+    for name, m in zip(member_names(panel), panel.members):
+        if device is not None and m.device == "auto":
+            m = dataclasses.replace(m, device=device)
+        members.append((name, build_judge(m)))
+        calibrate.append(m.type != "objective" if m.calibrate is None else m.calibrate)
+    return PanelJudge(
+        members, panel.combine, panel.weights, panel.member_calibration, panel.min_points, calibrate
+    )
 
 
 def _build_base_judge(cfg: JudgeConfig) -> Judge:
@@ -166,6 +267,10 @@ def _build_base_judge(cfg: JudgeConfig) -> Judge:
         from judgeloop.judges.reward_model import RewardModelJudge
 
         return RewardModelJudge(cfg.model, prompt=cfg.prompt, **common)
+    if cfg.type == "objective":
+        from judgeloop.judges.objective import ObjectiveJudge
+
+        return ObjectiveJudge(cfg.signal, cfg.scale, cfg.model, cfg.entailment_label, **common)
     from judgeloop.judges.embedding import EmbeddingJudge
 
     return EmbeddingJudge(cfg.model, target=cfg.embedding_target, scale=cfg.scale, **common)
@@ -177,6 +282,9 @@ __all__ = [
     "VALID_STATUSES",
     "Judge",
     "JudgeConfig",
+    "PanelConfig",
+    "build_panel",
+    "member_names",
     "JudgeOutput",
     "JudgePrompt",
     "JudgeStats",

@@ -20,7 +20,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -184,6 +184,14 @@ class Judge:
     def fit_labels(self, pairs: Sequence[Pair], labels: Sequence[int]) -> None:
         """Fit what the judge learns from labeled pairs (label 1: ``a`` is the better summary).
         Default: nothing to learn."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What :meth:`fit_labels` learned, JSON-serializable (a checkpoint keeps it). Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> Judge:
+        """Restore what :meth:`state_dict` returned. Default: nothing to restore."""
+        return self
 
     # --- shared machinery ---------------------------------------------------------------------
     def _key(self, p: Pair) -> str:

@@ -297,6 +297,8 @@ def summarize_arm(
         "num_refits_per_seed": [r["num_refits"] for r in reports],
         "refits": [r["refits"] for r in reports],
         "kept_steps": [r["kept_step"] for r in reports],
+        "alarms": [r.get("alarms", []) for r in reports],
+        "alarm_checks": [len(r.get("alarm_checks", [])) for r in reports],
         "per_article": [
             str(Path(arm) / f"seed{s}" / rep.get("per_article", "per_article.jsonl")) for s, rep, _ in runs
         ],
@@ -502,7 +504,34 @@ def results_table(results: dict[str, Any]) -> str:
         + "Per-article rows of every run: `results.json` -> `arms.<arm>.per_article`.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + alarm_lines(results))
+
+
+def alarm_lines(results: dict[str, Any]) -> list[str]:
+    """The divergence-alarm section of ``results.md`` (none when no arm ran a check)."""
+    arms = {a: r for a, r in results["arms"].items() if sum(r.get("alarm_checks", [])) > 0}
+    if not arms:
+        return []
+    lines = [
+        "## Divergence alarms",
+        "",
+        "Agreement of the training judge with each objective signal (and of panel members with each other) "
+        "on fresh calibration-split pairs; an alarm is a rolling agreement below the threshold.",
+        "",
+        "| arm | checks | alarms (seeds with one) | lowest agreement [95% CI], channel, step |",
+        "|---|---|---|---|",
+    ]
+    for arm, res in arms.items():
+        fired = [a for seed in res["alarms"] for a in seed]
+        seeds = sum(1 for seed in res["alarms"] if seed)
+        low = min(fired, key=lambda a: a["agreement"], default=None)
+        where = (
+            f"{low['agreement']:.3f} [{low['ci95'][0]:.3f}, {low['ci95'][1]:.3f}], {low['channel']}, step {low['step']}"
+            if low
+            else "none below the threshold"
+        )
+        lines.append(f"| {arm} | {sum(res['alarm_checks'])} | {len(fired)} ({seeds}) | {where} |")
+    return [*lines, ""]
 
 
 def plot_curves(results: dict[str, Any], path: Path) -> None:

@@ -11,10 +11,10 @@ from typing import Any, ClassVar, Literal
 
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
-from judgeloop.judges import JudgeConfig
+from judgeloop.judges import JudgeConfig, PanelConfig
 from judgeloop.tracking import TRACKERS
 
-ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "oracle")
+ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle")
 
 
 @dataclass
@@ -93,11 +93,19 @@ class GenerationConfig:
 
 @dataclass
 class LossConfig:
-    """Soft-target DPO plus an explicit KL penalty ``kl_coef * KL(pi || pi_ref)``."""
+    """Soft-target DPO plus an explicit KL penalty ``kl_coef * KL(pi || pi_ref)``.
+
+    ``margin``: pairs with ``|p - 0.5| < margin`` are skipped. With a judge panel, ``max_spread`` skips
+    pairs whose members disagree more than that (the standard deviation of their calibrated p, at most
+    0.5; the default 0.5 skips none), and ``spread_weighting`` weights each pair's DPO term by
+    ``1 - 2 * spread`` (1 when the members agree, 0 at the widest disagreement).
+    """
 
     beta: float = 0.1
     target: Literal["soft", "hard"] = "soft"
     margin: float = 0.0
+    max_spread: float = 0.5
+    spread_weighting: bool = False
     kl_coef: float = 0.05
     kl_estimator: Literal["k1", "k3"] = "k3"
     kl_adaptive: bool = False
@@ -113,6 +121,11 @@ class LossConfig:
             )
         if self.kl_coef < 0:
             raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0")
+        if not 0 < self.max_spread <= 0.5:
+            raise ValueError(
+                f"loss.max_spread={self.max_spread} must be in (0, 0.5]: a panel's spread is the standard "
+                "deviation of probabilities (0.5 keeps every pair)"
+            )
         if self.kl_target <= 0 or self.kl_horizon < 1:
             raise ValueError(
                 f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1"
@@ -155,7 +168,11 @@ class LoopCalibrationConfig:
     ``method``: the arm. ``raw`` is p = sigmoid(raw logit); ``oracle`` replaces the judge by the
     neutral ROUGE labeler (logit = ``oracle_scale`` * (ROUGE-L(a) - ROUGE-L(b))), the upper bound;
     ``style_residual`` subtracts the style term its logit carries, fit without labels
-    (:class:`~judgeloop.calibration.StyleResidualCalibrator`).
+    (:class:`~judgeloop.calibration.StyleResidualCalibrator`); ``panel`` trains against a judge panel
+    (:mod:`judgeloop.judges.panel`): the configured judge plus ``panel.members`` (or, with
+    ``judge.type: panel``, that panel), each member calibrated by ``panel.member_calibration`` on the
+    calibration pairs at every (re)fit and combined by ``panel.combine``. The evaluation's judge stays the
+    configured one in every arm, so the arms are compared by one yardstick.
     The first fit happens before step 1; refits every ``recalibrate_every_n_steps`` (0 = never) and
     whenever the ECE monitored every ``monitor_every_n_steps`` on fresh policy samples exceeds
     ``ece_threshold``. Calibration pairs come only from the ``calibration`` split (checked):
@@ -169,8 +186,9 @@ class LoopCalibrationConfig:
     """
 
     method: Literal[
-        "raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "oracle"
+        "raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle"
     ] = "platt"
+    panel: PanelConfig = field(default_factory=PanelConfig)
     labels: Literal["rouge"] = "rouge"
     recalibrate_every_n_steps: int = 0
     monitor_every_n_steps: int = 0
@@ -204,6 +222,59 @@ class LoopCalibrationConfig:
             raise ValueError(f"calibration.holdout_fraction={self.holdout_fraction} must be in (0, 1)")
         if self.ece_bootstrap < 0:
             raise ValueError(f"calibration.ece_bootstrap={self.ece_bootstrap} must be >= 0 (0: no interval)")
+
+
+ALARM_SIGNALS = ("rouge", "length", "copy_rate")
+
+
+@dataclass
+class AlarmConfig:
+    """Divergence alarms: does the training judge still agree with objective signals, and a panel's
+    members with each other? (:mod:`judgeloop.loop.alarms`)
+
+    Every ``every_n_steps`` (0: off) the loop takes fresh calibration-split pairs of the current policy
+    (the ones a monitor or refit at that step draws, else new ones) and measures, per signal in
+    ``signals`` (``rouge``: ROUGE-L against the references, ``length``: shorter is better,
+    ``copy_rate``: less copied is better), the share of pairs on which the training judge's calibrated
+    p and the signal prefer the same summary (pairs the signal ties on are left out); with a panel and
+    ``members: true``, also each pair of members. When the agreement pooled over the last ``window``
+    checks, on at least ``min_pairs`` pairs, falls below ``threshold``, an alarm fires: it is logged
+    (``alarm/*`` in the trackers, ``alarms`` in the report) and acted on by ``action``: ``log`` only;
+    ``refit`` the calibrator at once; ``downweight``: the judge's weight is multiplied by
+    ``downweight_factor`` (targets shrink toward 0.5, p' = 0.5 + w (p - 0.5)); ``stop`` training and keep
+    the best validation checkpoint (needs a validation split).
+    """
+
+    signals: list[str] = field(default_factory=list)
+    every_n_steps: int = 0
+    threshold: float = 0.5
+    window: int = 2
+    min_pairs: int = 10
+    members: bool = True
+    action: Literal["log", "refit", "downweight", "stop"] = "log"
+    downweight_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.signals if s not in ALARM_SIGNALS]
+        if bad:
+            raise ValueError(f"alarms.signals has unknown signal(s) {bad}; choose from {list(ALARM_SIGNALS)}")
+        if self.every_n_steps < 0:
+            raise ValueError(f"alarms.every_n_steps={self.every_n_steps} must be >= 0 (0 disables)")
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(
+                f"alarms.threshold={self.threshold} must be in (0, 1); e.g. 0.5 (chance agreement)"
+            )
+        if self.window < 1 or self.min_pairs < 1:
+            raise ValueError(
+                f"alarms.window={self.window} and alarms.min_pairs={self.min_pairs} must be >= 1"
+            )
+        if not 0.0 <= self.downweight_factor < 1.0:
+            raise ValueError(f"alarms.downweight_factor={self.downweight_factor} must be in [0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any check runs."""
+        return bool(self.every_n_steps)
 
 
 # Keys a resumed run may change: they cannot change what the run computes (``max_steps`` extends it).
@@ -321,6 +392,7 @@ class FeedbackLoopConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    alarms: AlarmConfig = field(default_factory=AlarmConfig)
     batch_size: int = 4
     RENAMED: ClassVar[dict[str, str]] = {"num_steps": "max_steps"}
     max_steps: int = 20
@@ -360,6 +432,20 @@ class FeedbackLoopConfig:
             raise ValueError(
                 f"early_stopping_patience={self.early_stopping_patience} needs a validation split; set "
                 "data.split.validation=0.1 (the test split never chooses a checkpoint)"
+            )
+        if self.alarms.action == "stop" and self.alarms.enabled and self.data.split.validation <= 0:
+            raise ValueError(
+                "alarms.action=stop keeps the best validation checkpoint and needs a validation split; set "
+                "data.split.validation=0.1"
+            )
+        if (
+            self.calibration.method == "panel"
+            and self.judge.type != "panel"
+            and not self.calibration.panel.members
+        ):
+            raise ValueError(
+                "calibration.method=panel needs other judges beside the configured one: list them in "
+                "calibration.panel.members (e.g. an objective signal), or set judge.type=panel"
             )
         if self.judge_prefetch_threads is not None and self.judge_prefetch_threads < 1:
             raise ValueError(

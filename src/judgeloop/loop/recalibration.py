@@ -8,6 +8,7 @@ ECE before and after a refit are both measured on held-out calibration articles 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from judgeloop.calibration import (
 )
 from judgeloop.config import ConfigError
 from judgeloop.data import LeakageError, SummExample, check_disjoint
-from judgeloop.judges import Judge, references_for
+from judgeloop.judges import Judge, Pair, build_panel, references_for
 from judgeloop.loop.config import LoopCalibrationConfig
 from judgeloop.loop.oracle import RougeOracleJudge
 
@@ -41,8 +42,9 @@ def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequen
 
 
 def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
-    """The arm's calibrator: ``raw`` and ``oracle`` use p = sigmoid(logit) and are never refit."""
-    method = "raw" if cfg.method in ("raw", "oracle") else cfg.method
+    """The arm's calibrator: ``raw`` and ``oracle`` use p = sigmoid(logit) and are never refit; ``panel``
+    uses it on the panel's logit, which its members' own calibrators already make a probability."""
+    method = "raw" if cfg.method in ("raw", "oracle", "panel") else cfg.method
     kwargs: dict[str, Any] = {} if method == "raw" else {"min_points": cfg.min_points}
     return make_calibrator(method, **kwargs)
 
@@ -72,9 +74,16 @@ def check_calibration_budget(cfg: LoopCalibrationConfig, calibration_ids: Sequen
         )
 
 
-def build_training_judge(cfg: LoopCalibrationConfig, judge: Judge) -> Judge:
-    """The judge whose preferences train the policy: the configured one, or the ROUGE oracle."""
-    return RougeOracleJudge(scale=cfg.oracle_scale) if cfg.method == "oracle" else judge
+def build_training_judge(
+    cfg: LoopCalibrationConfig, judge: Judge, name: str = "judge", device: str | None = None
+) -> Judge:
+    """The judge whose preferences train the policy: the configured one, the ROUGE oracle, or (``panel``)
+    the configured judge, called ``name``, with ``cfg.panel.members`` beside it (a configured panel as it is)."""
+    if cfg.method == "oracle":
+        return RougeOracleJudge(scale=cfg.oracle_scale)
+    if cfg.method == "panel" and not judge.learns_from_labels:
+        return build_panel(cfg.panel, device=device, first=(name, judge))
+    return judge
 
 
 def features_for(
@@ -107,10 +116,12 @@ class CalibrationPairs:
     b: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
+    references: list[list[str]] = field(default_factory=list)  # what the judge compared to, per pair
     ties_dropped: int = 0
     judge_failures: int = 0
 
     def subset(self, keep: np.ndarray) -> CalibrationPairs:
+        """The pairs where ``keep`` is True (the counts of dropped pairs are not carried)."""
         idx = np.flatnonzero(keep)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         return CalibrationPairs(
@@ -120,7 +131,19 @@ class CalibrationPairs:
             pick(self.b),
             pick(self.scores),
             pick(self.labels),
+            pick(self.references) if self.references else [],
         )
+
+    def judged_by(self, judge: Judge) -> CalibrationPairs:
+        """These pairs with ``judge``'s scores (a panel's refit changes them); pairs it fails on are dropped."""
+        res = judge(self.articles, self.a, self.b, self.references or None)
+        scored = dataclasses.replace(self, scores=[float(x) for x in res.scores])
+        return scored.subset(res.valid)
+
+    def as_pairs(self) -> list[Pair]:
+        """The pairs as judge inputs."""
+        refs = self.references or [[] for _ in self.a]
+        return [Pair(x, a, b, tuple(r)) for x, a, b, r in zip(self.articles, self.a, self.b, refs)]
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -138,8 +161,9 @@ def label_pairs(
 ) -> CalibrationPairs:
     """Judge each (a, b) pair and label it with neutral ROUGE-L; ties and judge failures are dropped and counted."""
     out = CalibrationPairs()
-    res = judge([e.article for e in examples], list(a), list(b), references_for(judge, examples))
-    for ex, x, y, s, ok in zip(examples, a, b, res.scores, res.valid):
+    refs = references_for(judge, examples)
+    res = judge([e.article for e in examples], list(a), list(b), refs)
+    for ex, x, y, s, ok, r in zip(examples, a, b, res.scores, res.valid, refs):
         if not ok:
             out.judge_failures += 1
             continue
@@ -153,6 +177,7 @@ def label_pairs(
         out.b.append(y)
         out.scores.append(float(s))
         out.labels.append(int(lab))
+        out.references.append(list(r))
     return out
 
 
@@ -287,8 +312,13 @@ def refit(
     reason: str,
     seed: int,
     first_fit: bool = False,
+    judge: Judge | None = None,
 ) -> tuple[Calibrator, RefitRecord]:
     """Fit a new calibrator on the fit part of ``pairs``; ECE before/after on the held-out part.
+
+    ``judge``: the training judge; one that learns from labels (a panel) is fitted first on the same fit
+    pairs (its members' calibrators), the pairs re-judged by it, and put back as it was whenever the
+    previous calibrator is kept.
 
     On a :class:`CalibrationError` (too few or one-class pairs) the previous calibrator is kept and
     the failure recorded; on the very first fit there is no previous one, so the error propagates.
@@ -299,10 +329,17 @@ def refit(
     fit_pairs, hold_pairs = pairs.subset(~held), pairs.subset(held)
     before = float("nan") if first_fit else pair_ece(calibrator, hold_pairs, cfg.num_bins)
     new = build_calibrator(cfg)
+    learner = judge if judge is not None and judge.learns_from_labels else None
+    previous = learner.state_dict() if learner is not None else None
     try:
+        if learner is not None:  # a panel: its members' calibrators first, then the pairs re-judged
+            learner.fit_labels(fit_pairs.as_pairs(), fit_pairs.labels)
+            fit_pairs, hold_pairs = fit_pairs.judged_by(learner), hold_pairs.judged_by(learner)
         feats = features_for(new, fit_pairs.articles, fit_pairs.a, fit_pairs.b)
         new.fit(np.asarray(fit_pairs.scores), np.asarray(fit_pairs.labels), feats)
     except CalibrationError as err:
+        if learner is not None and previous is not None:
+            learner.load_state_dict(previous)
         if first_fit:
             raise CalibrationError(
                 f"initial calibration at step {step} failed: {err}. Raise calibration.num_articles "
@@ -320,6 +357,8 @@ def refit(
     # the label-free arm takes every refit: a guard that reads labels would make it a labeled method
     accept = "always" if cfg.method == "style_residual" else cfg.refit_accept
     if worse and accept == "better":
+        if learner is not None and previous is not None:
+            learner.load_state_dict(previous)
         msg = f"held-out ECE worse ({before:.4f} -> {after:.4f}); kept the previous calibrator"
         rec = RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, False, msg)
         rec.set_intervals(ci)

@@ -52,6 +52,7 @@ from judgeloop.distributed import (
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, references_for
 from judgeloop.logging import get_logger
+from judgeloop.loop.alarms import check_divergence
 from judgeloop.loop.checkpoint import (
     checked_resume,
     export_policy,
@@ -128,6 +129,11 @@ class LoopState:
     bad_evals: int = 0
     stopped_early: bool = False
     last_monitored_ece: float | None = None
+    judge_state: dict[str, Any] | None = None  # a panel's fitted members (what its refits learned)
+    judge_weight: float = 1.0  # shrinks when a divergence alarm down-weights the judge
+    alarm_checks: list[dict[str, Any]] = field(default_factory=list)
+    alarms: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -298,6 +304,7 @@ class PairBatch:
     p: np.ndarray | None = None  # calibrated P(a better than b) per pair
     targets: torch.Tensor | None = None  # soft DPO targets (B,)
     mask: torch.Tensor | None = None  # pairs that enter the loss (B,)
+    weights: torch.Tensor | None = None  # per-pair weight of the DPO term (B,); None: all 1
     stats: dict[str, float] = field(default_factory=dict)  # what the update measured
 
 
@@ -346,12 +353,26 @@ def calibrate_step(calibrator: Calibrator, batch: PairBatch) -> np.ndarray:
     return batch.p
 
 
-def make_pairs(batch: PairBatch, loss_cfg: LossConfig) -> None:
-    """Step 3b: p becomes the DPO target of each pair, and the mask of the pairs that enter the loss."""
-    assert batch.p is not None, "make_pairs needs calibrated p"
+def make_pairs(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:
+    """Step 3b: p becomes the DPO target of each pair, and the mask of the pairs that enter the loss.
+
+    ``judge_weight`` < 1 (a divergence alarm down-weighted the judge) shrinks p toward 0.5 first. A
+    panel's pairs whose members disagree beyond ``loss.max_spread`` are skipped, and with
+    ``loss.spread_weighting`` each pair counts ``1 - 2 * spread``.
+    """
+    assert batch.p is not None and batch.judged is not None, "make_pairs needs calibrated p"
+    p = batch.p if judge_weight == 1.0 else 0.5 + judge_weight * (batch.p - 0.5)
     batch.targets, batch.mask = targets_from_probs(
-        torch.tensor(batch.p, dtype=torch.float32), loss_cfg.target, loss_cfg.margin
+        torch.tensor(p, dtype=torch.float32), loss_cfg.target, loss_cfg.margin
     )
+    spread = batch.judged.spread
+    if np.isfinite(spread).any():  # a panel
+        batch.stats["spread_mean"] = float(np.nanmean(spread))
+        batch.mask = (
+            batch.mask * torch.as_tensor(np.nan_to_num(spread, nan=0.0) <= loss_cfg.max_spread).float()
+        )
+        if loss_cfg.spread_weighting:
+            batch.weights = torch.as_tensor(1.0 - 2.0 * np.nan_to_num(spread, nan=0.5), dtype=torch.float32)
 
 
 def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[str, float]:
@@ -369,7 +390,7 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     B = len(roll.prompts)
     chunk = learner.chunk_size or B
     parts = [
-        _chunk_loss(learner, roll, targets, mask, lo, min(lo + chunk, B), B, kl_coef)
+        _chunk_loss(learner, roll, targets, mask, lo, min(lo + chunk, B), B, kl_coef, batch.weights)
         for lo in range(0, B, chunk)
     ]
     grad_norm = float("nan")
@@ -388,14 +409,14 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     stats[4] = stats[4] / agree_n
     stats = acc.reduce(stats, reduction="mean")
     names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction"]
-    batch.stats = {n: float(v) for n, v in zip(names, stats.tolist())}
+    batch.stats.update({n: float(v) for n, v in zip(names, stats.tolist())})
     batch.stats["grad_norm"] = grad_norm
     return batch.stats
 
 
 def _chunk_loss(
     learner: Learner, roll: Rollout, targets: torch.Tensor, mask: torch.Tensor, lo: int, hi: int, B: int,
-    kl_coef: float,
+    kl_coef: float, weights: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Forward and backward of articles ``lo:hi`` of the batch; returns their (detached) share of the
     loss, DPO term, KL, k1 KL and the number of kept pairs whose margin agrees with the target."""
@@ -411,7 +432,8 @@ def _chunk_loss(
     seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2n,)
     h = dpo_margin(seq_pol[:n], seq_pol[n:], seq_ref[:n], seq_ref[n:])  # (n,)
     t, m = targets[lo:hi].to(device), mask[lo:hi].to(device)
-    dpo = soft_dpo_loss(h, t, loss_cfg.beta, m).sum() / B
+    w = m if weights is None else m * weights[lo:hi].to(device)
+    dpo = soft_dpo_loss(h, t, loss_cfg.beta, w).sum() / B
     share = (lambda x: x.mean()) if n == B else (lambda x: x.sum() / (2 * B))  # noqa: E731 - one chunk: as ever
     kl = share(kl_per_sequence(pol_tok, ref_tok, tok_mask, loss_cfg.kl_estimator))
     loss = dpo + kl_coef * kl
@@ -475,6 +497,7 @@ def collect_calibration_pairs(
             out.b.append(r["b"])
             out.scores.append(r["s"])
             out.labels.append(r["y"])
+            out.references.append(r["refs"])
         fit = int((~holdout_mask(out.article_ids, ccfg.holdout_fraction, cfg.seed)).sum())
         if fit >= ccfg.min_points:  # the same on every process: the rows were gathered
             break
@@ -511,9 +534,9 @@ def _calibration_rows(
     exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as rollout returns them
     pairs = label_pairs(exs, roll.a_text[: len(exs)], roll.b_text[: len(exs)], judge)
     rows: list[dict[str, Any]] = [
-        {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab}
-        for i, a, x, y, s, lab in zip(
-            pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels
+        {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab, "refs": r}
+        for i, a, x, y, s, lab, r in zip(
+            pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels, pairs.references
         )
     ]
     rows.append({"ties": pairs.ties_dropped, "failures": pairs.judge_failures})
@@ -521,19 +544,21 @@ def _calibration_rows(
 
 
 def maybe_recalibrate(
-    step: int, state: LoopState, calibrator: Calibrator, collect: Any, cfg: FeedbackLoopConfig
-) -> Calibrator:
-    """Step 5: monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold."""
+    step: int, state: LoopState, calibrator: Calibrator, collect: Any, cfg: FeedbackLoopConfig,
+    judge: Judge | None = None, reason: str | None = None,
+) -> Calibrator:  # fmt: skip
+    """Step 5: monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold
+    (or for ``reason``, a divergence alarm's). ``judge``: the training judge (a panel refits with it)."""
     pairs = None
     if monitor_due(step, cfg.calibration):
         pairs = collect(step)
         monitored = pair_ece(calibrator, pairs, cfg.calibration.num_bins)
         state.last_monitored_ece = monitored if math.isfinite(monitored) else None
-    reason = recalibration_reason(step, cfg.calibration, state.last_monitored_ece)
+    reason = reason or recalibration_reason(step, cfg.calibration, state.last_monitored_ece)
     if reason is None:
         return calibrator
     pairs = pairs if pairs is not None else collect(step)
-    calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed)
+    calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed, judge=judge)
     state.coupling.append(finite_or_none({"step": step, **judge_coupling(pairs)}))
     logger.info("step %d: %s", step, coupling_line(state.coupling[-1]))
     state.refits.append(
@@ -644,6 +669,12 @@ def run_evaluation(
     return finite_or_none(metrics)
 
 
+def keeps_best(cfg: FeedbackLoopConfig) -> bool:
+    """Whether the run keeps its best validation policy: under early stopping, or when a divergence
+    alarm may stop it."""
+    return bool(cfg.early_stopping_patience or (cfg.alarms.enabled and cfg.alarms.action == "stop"))
+
+
 def early_stopping(
     metrics: dict[str, float], state: LoopState, cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any
 ) -> bool:
@@ -653,7 +684,7 @@ def early_stopping(
         return False
     if val > state.best_val + 1e-9:
         state.best_val, state.best_step, state.bad_evals = val, int(metrics["step"]), 0
-        if cfg.early_stopping_patience:  # every process: under FSDP / ZeRO-3 the weights are gathered
+        if keeps_best(cfg):  # every process: under FSDP / ZeRO-3 the weights are gathered
             save_policy(Path(cfg.output_dir) / "best_policy", accelerator, model)
         return False
     state.bad_evals += 1
@@ -724,6 +755,8 @@ def initial_calibration_pairs(
         "sampling": [ccfg.num_articles, ccfg.extra_rounds, ccfg.pairs_per_article, ccfg.holdout_fraction],
         "min_points": ccfg.min_points,
     }
+    if ccfg.method == "panel":  # judged by the panel, not by the judge the other arms share
+        key["panel"] = dataclasses.asdict(ccfg.panel)
     return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))
 
 
@@ -845,17 +878,22 @@ class LoopRun:
     bar: Any = None  # the progress bar while stepping
     steps_this_run: int = 0
     interrupted: bool = False  # stopped at stop_after_n_steps before max_steps
+    collected: tuple[int, CalibrationPairs] | None = None  # the last step's fresh calibration pairs
 
     @property
     def model(self) -> Any:
         return self.learner.model
 
     def collect(self, step: int) -> CalibrationPairs:
-        """Fresh calibration pairs from the current policy (step 0: the starting policy)."""
-        return collect_calibration_pairs(
-            self.accelerator, self.model, self.tokenizer, self.build_prompt, self.train_judge,
-            self.splits.calibration, self.cfg, step,
-        )  # fmt: skip
+        """Fresh calibration pairs from the current policy (step 0: the starting policy); drawn once per
+        step, so the ECE monitor, a refit and the divergence check of one step share them."""
+        if self.collected is None or self.collected[0] != step:
+            pairs = collect_calibration_pairs(
+                self.accelerator, self.model, self.tokenizer, self.build_prompt, self.train_judge,
+                self.splits.calibration, self.cfg, step,
+            )  # fmt: skip
+            self.collected = (step, pairs)
+        return self.collected[1]
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Test and validation metrics of the current policy at ``step``."""
@@ -906,7 +944,9 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     scorer = getattr(judge, "base", judge)  # a styled judge scores with its base judge's model
     if hasattr(scorer, "model"):
         scorer.model = prepare_for_inference(scorer.model, accelerator)
-    train_judge = build_training_judge(cfg.calibration, judge)
+    train_judge = build_training_judge(
+        cfg.calibration, judge, cfg.judge.name or cfg.judge.type, process_device("auto", accelerator)
+    )
     optimizer, scheduler = make_optimizer(model, cfg)
     configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -939,6 +979,8 @@ def resume_run(run: LoopRun) -> None:
     cal_state, saved = load_checkpoint(run.accelerator, cfg.resume_from)
     run.state = LoopState(**saved)
     run.calibrator = calibrator_from_state(cal_state)
+    if run.state.judge_state is not None:
+        run.train_judge.load_state_dict(run.state.judge_state)
     run.kl_ctl.coef = run.state.kl_coef
     run.train_judge.stats.status.update(run.state.judge_status)
     run.train_judge.stats.cache_hits += run.state.judge_cache_hits
@@ -964,7 +1006,14 @@ def start_run(run: LoopRun) -> None:
         (logger.warning if line.startswith("WARNING") else logger.info)("step 0: %s", line)
     if needs_fit(cfg.calibration):  # the first fit
         run.calibrator, record = refit(
-            run.calibrator, pairs, cfg.calibration, 0, "initial", cfg.seed, first_fit=True
+            run.calibrator,
+            pairs,
+            cfg.calibration,
+            0,
+            "initial",
+            cfg.seed,
+            first_fit=True,
+            judge=run.train_judge,
         )
         state.refits.append(
             finite_or_none(
@@ -997,7 +1046,7 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
     if step < cfg.max_steps:  # the next batch's article-side judge work runs during this update
         run.prefetch.start(peek_batch(state, run.splits.train, cfg, acc))
     calibrate_step(run.calibrator, batch)
-    make_pairs(batch, cfg.loss)
+    make_pairs(batch, cfg.loss, state.judge_weight)
     stats = policy_update(run.learner, batch, run.kl_ctl.coef)
     p = batch.p
     assert p is not None
@@ -1012,7 +1061,8 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
     state.step = step
     state.train_log.append(finite_or_none({"step": step, **stats}))
     acc.log({f"train/{k}": v for k, v in stats.items()}, step=step)
-    run.calibrator = maybe_recalibrate(step, state, run.calibrator, run.collect, cfg)
+    run.calibrator = maybe_recalibrate(step, state, run.calibrator, run.collect, cfg, run.train_judge)
+    watch_divergence(run, step)
     if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
         metrics = run.evaluate(step)
         state.history.append(metrics)
@@ -1027,12 +1077,43 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
     return batch
 
 
+def watch_divergence(run: LoopRun, step: int) -> None:
+    """Step 6: when due, the divergence check (:mod:`judgeloop.loop.alarms`) on this step's fresh
+    calibration pairs; an alarm is logged and acted on as ``alarms.action`` says."""
+    cfg, state = run.cfg, run.state
+    if not (cfg.alarms.enabled and step % cfg.alarms.every_n_steps == 0):
+        return
+    pairs = run.collect(step)
+    metrics, fired = check_divergence(
+        step, state.alarm_checks, run.train_judge, run.calibrator, pairs, cfg.alarms
+    )
+    run.accelerator.log({f"alarm/{k}": v for k, v in metrics.items()}, step=step)
+    if not fired:
+        return
+    state.alarms.extend(finite_or_none(a) for a in fired)
+    for a in fired:
+        logger.warning(
+            "step %d: divergence alarm: %s agreement %.3f (95%% CI [%.3f, %.3f], %d pairs) < %.3f; action: %s",
+            step, a["channel"], a["agreement"], a["ci95"][0], a["ci95"][1], a["n"], a["threshold"], a["action"],
+        )  # fmt: skip
+    action = cfg.alarms.action
+    if action == "refit" and needs_fit(cfg.calibration):
+        run.calibrator = maybe_recalibrate(
+            step, state, run.calibrator, run.collect, cfg, run.train_judge, reason="alarm"
+        )
+    elif action == "downweight":
+        state.judge_weight *= cfg.alarms.downweight_factor
+    elif action == "stop":
+        state.stopped_early, state.stop_reason = True, f"divergence alarm at step {step}"
+
+
 def save_run(run: LoopRun, step: int) -> None:
     """A checkpoint of everything the run needs to continue exactly (every process takes part)."""
     state = run.state
     state.judge_status = dict(run.train_judge.stats.status)
     state.judge_cache_hits = run.train_judge.stats.cache_hits
     state.truncated_articles = sorted(run.build_prompt.truncated)
+    state.judge_state = run.train_judge.state_dict() if run.train_judge.learns_from_labels else None
     save_checkpoint(
         run.accelerator,
         run.out_dir / "checkpoints" / f"step_{step}",
@@ -1108,10 +1189,10 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
     metrics, the report; the main process writes ``report.json``, ``per_article.jsonl``, ``policy/``."""
     cfg, state, acc, out_dir = run.cfg, run.state, run.accelerator, run.out_dir
     kept_step, why = state.step, "last step (early stopping off)"
-    if cfg.early_stopping_patience:
+    if cfg.early_stopping_patience or state.stop_reason:
         kept_step = state.best_step
         why = f"best validation ROUGE-L {state.best_val:.4f}; " + (
-            "stopped early" if state.stopped_early else "ran all steps"
+            (state.stop_reason or "stopped early") if state.stopped_early else "ran all steps"
         )
         if kept_step != state.step:
             acc.wait_for_everyone()
@@ -1129,6 +1210,11 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         "kept_step": kept_step,
         "kept_reason": why,
         "stopped_early": state.stopped_early,
+        "stop_reason": state.stop_reason,
+        "alarms": state.alarms,
+        "alarm_checks": state.alarm_checks,
+        "judge_weight": state.judge_weight,
+        "panel": run.train_judge.state_dict() if run.train_judge.learns_from_labels else None,
         "final": final,
         "history": state.history,
         "train_log": state.train_log,

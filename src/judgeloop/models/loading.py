@@ -237,9 +237,10 @@ def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bo
 
 
 def load_sequence_classifier(
-    name: str, num_labels: int = 1, dtype: str | None = "float32", trust_remote_code: bool = False
+    name: str, num_labels: int | None = 1, dtype: str | None = "float32", trust_remote_code: bool = False
 ) -> Any:
-    """A sequence classifier (a reward model: ``num_labels=1``) by name or path."""
+    """A sequence classifier (a reward model: ``num_labels=1``; ``None``: the classes the checkpoint
+    has, e.g. an NLI model's three) by name or path."""
     from judgeloop.models.tiny import build_tiny_model, is_tiny
 
     if is_tiny(name):
@@ -248,7 +249,7 @@ def load_sequence_classifier(
 
     model = AutoModelForSequenceClassification.from_pretrained(
         resolve_model_path(name),
-        num_labels=num_labels,
+        **({} if num_labels is None else {"num_labels": num_labels}),
         dtype=_dtype(dtype),
         **_common_kwargs(trust_remote_code),
     )

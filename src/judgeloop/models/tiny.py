@@ -1,7 +1,8 @@
 """Tiny models and a tokenizer built from config, for tests and benchmarks (no download, seconds on CPU).
 
 Names: ``judgeloop-tiny/causal-lm`` (Llama architecture), ``judgeloop-tiny/encoder`` (BERT),
-``judgeloop-tiny/reward-model`` (Llama with a scalar sequence-classification head). The tokenizer
+``judgeloop-tiny/reward-model`` (Llama with a scalar sequence-classification head),
+``judgeloop-tiny/nli`` (BERT with a 3-class head: contradiction, neutral, entailment). The tokenizer
 is a byte-level BPE that this project trains on its own embedded corpus, deterministically.
 Weights are random but seeded, so every build of a tiny model is identical.
 """
@@ -12,7 +13,7 @@ import functools
 from typing import Any
 
 TINY_PREFIX = "judgeloop-tiny/"
-TINY_KINDS = ("causal-lm", "encoder", "reward-model")
+TINY_KINDS = ("causal-lm", "encoder", "reward-model", "nli")
 
 SPECIAL_TOKENS = [
     "<|pad|>",
@@ -81,6 +82,7 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
     import torch
     from transformers import (
         BertConfig,
+        BertForSequenceClassification,
         BertModel,
         LlamaConfig,
         LlamaForCausalLM,
@@ -100,6 +102,10 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
                     intermediate_size=128, pad_token_id=tok.pad_token_id)  # fmt: skip
         if kind == "encoder":
             return BertModel(BertConfig(**dims, max_position_embeddings=512)).eval()
+        if kind == "nli":
+            labels = {0: "contradiction", 1: "neutral", 2: "entailment"}
+            bert = BertConfig(**dims, max_position_embeddings=512, id2label=labels)
+            return BertForSequenceClassification(bert).eval()
         llama = LlamaConfig(
             **dims, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
