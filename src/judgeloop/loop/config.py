@@ -438,6 +438,12 @@ class FeedbackLoopConfig:
                 "alarms.action=stop keeps the best validation checkpoint and needs a validation split; set "
                 "data.split.validation=0.1"
             )
+        panel = self.judge.type == "panel" or self.calibration.method == "panel"
+        if self.alarms.enabled and not self.alarms.signals and not (panel and self.alarms.members):
+            raise ValueError(
+                f"alarms.every_n_steps={self.alarms.every_n_steps} but there is nothing to check: list "
+                "alarms.signals (rouge, length, copy_rate), or train against a panel with alarms.members=true"
+            )
         if (
             self.calibration.method == "panel"
             and self.judge.type != "panel"
