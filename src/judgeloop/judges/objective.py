@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from judgeloop.judges.base import PointwiseJudge
+from judgeloop.judges.tokens import ModelBacked
 from judgeloop.metrics.text import copy_rate, rouge_max, tokens
 
 OBJECTIVE_SIGNALS = ("rouge", "length", "copy_rate", "factual")
@@ -43,7 +44,7 @@ def signal_value(signal: str, article: str, summary: str, references: Sequence[s
     )
 
 
-class ObjectiveJudge(PointwiseJudge):
+class ObjectiveJudge(PointwiseJudge, ModelBacked):
     """An objective signal (see the module docstring) as a judge: ``s = scale * (v(a) - v(b))``.
 
     Args:
@@ -81,7 +82,7 @@ class ObjectiveJudge(PointwiseJudge):
         self.signal, self.scale, self.max_length = signal, float(scale), max_length
         # ROUGE reads the neutral references; the other signals read none
         self.reference_style = "neutral" if signal == "rouge" else "none"
-        self.device: Any = device
+        self.device = device  # type: ignore[assignment]  # a text signal runs nowhere; factual: resolved
         if signal == "factual":
             self._load_nli(model, entailment_label, device, dtype)
 
