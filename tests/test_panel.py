@@ -271,3 +271,47 @@ def test_panel_arm_trains_checkpoints_and_resumes_exactly(tmp_path):
         [r["loss"] for r in full["train_log"]], rel=1e-5
     )
     assert resumed["final"]["rouge_l_neutral"] == pytest.approx(full["final"]["rouge_l_neutral"], rel=1e-6)
+
+
+def test_the_calibration_lab_fits_a_panel_on_the_calibration_split_only(tmp_path):
+    """A panel of a (random) tiny-encoder judge and the ROUGE signal: the lab fits its members on the
+    calibration pairs before judging; the ROUGE member makes the panel beat the encoder alone on the test
+    pairs, whose labels are ROUGE labels."""
+    from judgeloop.cli import main
+
+    common = ["data.embedded_size=120", "max_pairs_per_article=6", "methods=[platt]"]
+    cfg = str(ROOT / "configs/calibrate/embedded_embedding.yaml")
+    assert (
+        main(
+            [
+                "calibrate",
+                "--config",
+                cfg,
+                *common,
+                "judge.model=judgeloop-tiny/encoder",
+                f"output_dir={tmp_path / 'one'}",
+            ]
+        )
+        == 0
+    )
+    members = (
+        "judge.panel.members=[{type: embedding, model: judgeloop-tiny/encoder, embedding_target: article}, "
+        "{type: objective, signal: rouge, calibrate: true}]"
+    )
+    assert (
+        main(
+            [
+                "calibrate",
+                "--config",
+                cfg,
+                *common,
+                "judge.type=panel",
+                members,
+                f"output_dir={tmp_path / 'panel'}",
+            ]
+        )
+        == 0
+    )
+    one = json.loads((tmp_path / "one" / "report.json").read_text())["methods"]["raw"]
+    panel = json.loads((tmp_path / "panel" / "report.json").read_text())["methods"]["raw"]
+    assert panel["auc"] > one["auc"] + 0.1

@@ -90,6 +90,12 @@ def build_calibrator(method: str, opts: CalibratorOptions) -> Calibrator:
     return make_calibrator(method, **kwargs)
 
 
+def judge_inputs(judge: Judge, pairs: Sequence[LabeledPair]) -> list[Pair]:
+    """The judge's inputs for labeled pairs: the references it reads (extractive or neutral) attached."""
+    extractive = getattr(judge, "reference_style", "neutral") == "extractive"
+    return [Pair(p.article, p.a, p.b, references=p.extractive if extractive else p.references) for p in pairs]
+
+
 def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[str, Any]:
     """Judge every pair in both orientations; returns forward/reverse raw logits and statuses.
 
@@ -105,11 +111,9 @@ def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[s
     step = max(judge.batch_size, 1) * 4
     for start in tqdm(range(0, len(pairs), step), desc=desc, unit="batch"):
         chunk = pairs[start : start + step]
-        refs = [
-            p.extractive if getattr(judge, "reference_style", "neutral") == "extractive" else p.references
-            for p in chunk
-        ]
-        out = judge.score([Pair(p.article, p.a, p.b, references=r) for p, r in zip(chunk, refs)])
+        items = judge_inputs(judge, chunk)
+        refs = [p.references for p in items]
+        out = judge.score(items)
         fwd[start : start + len(chunk)] = out.scores
         if judge.position_debias:
             rev[start : start + len(chunk)] = -out.scores
@@ -213,6 +217,8 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
     fit_ex, eval_ex, n_articles = _split_articles(cfg)
     fit_pairs, eval_pairs, fit_label_stats, eval_label_stats = labeled_pairs(cfg, fit_ex, eval_ex)
     judge = build_judge(cfg.judge)
+    if judge.learns_from_labels:  # a panel: its members' calibrators, fitted on the calibration pairs only
+        judge.fit_labels(judge_inputs(judge, fit_pairs), [p.label for p in fit_pairs])
     fit_scored = score_pairs(judge, fit_pairs, "judging calibration pairs")
     eval_scored = score_pairs(judge, eval_pairs, "judging test pairs")
 
