@@ -15,9 +15,10 @@ close. Each step is ``training_step``, one named function per step over one ``Pa
     rollout_step(policy, tokenizer, build_prompt, batch, cfg, rank)    # 1. two samples per article
     judge_step(train_judge, batch)                                     # 2. raw preference logits
     calibrate_step(calibrator, batch)                                  # 3. p = P(a better than b)
-    make_pairs(batch, cfg.loss)                                        # 4. soft DPO targets + mask
+    make_pairs(batch, cfg.loss, state.judge_weight)                    # 4. soft DPO targets + mask
     policy_update(learner, batch, kl_ctl.coef)                         # 5. soft-target DPO + KL
     calibrator = maybe_recalibrate(step, state, calibrator, ...)       # 6. refit on fresh samples
+    watch_divergence(run, step)                                        # 7. judge vs objective signals
 
 with evaluation on the test split every ``eval_every_n_steps``, early stopping on the validation split,
 and atomic checkpoints every ``save_every_n_steps`` (``resume_from=DIR`` continues exactly).

@@ -54,6 +54,12 @@ def is_zero3(model: Any) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def _zero3_engine(model: Any) -> bool:
+    """Whether ``model`` is partitioned by ZeRO-3, read from its first parameter (ZeRO-3 partitions all)."""
+    first = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return first is not None and hasattr(first, "ds_id")
+
+
 def clean_name(name: str) -> str:
     """A parameter name without the wrappers' prefixes (FSDP1, activation checkpointing, compile)."""
     for part in _WRAPPER_PARTS:
@@ -145,11 +151,19 @@ def load_full_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
 
 @contextlib.contextmanager
 def generation_context(model: Any) -> Iterator[None]:
-    """Around ``generate`` / scoring on the unwrapped model: under FSDP1, the root unit's parameters
+    """Around ``generate`` / scoring on the unwrapped model: under ZeRO-3, every parameter gathered once
+    for the block (not per layer at every token); under FSDP1, the root unit's parameters
     (embeddings, ``lm_head``, final norm) gathered without write-back, the nested units gathering their
     own at each forward (TRL's pattern). Under FSDP2 the root unit is gathered first (a PEFT model's
     ``generate`` bypasses its hooks; the nested units gather at their own forwards) and every unit is
     resharded afterwards (:func:`reshard`)."""
+    if _zero3_engine(model):  # pragma: no cover - DeepSpeed needs a GPU
+        import deepspeed
+
+        # every partition gathered once for the whole rollout, not per layer at every token (TRL's pattern)
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+        return
     fsdp1 = _fsdp1_class()
     if fsdp1 is not None and isinstance(model, fsdp1):  # pragma: no cover - FSDP1 needs a GPU
         with fsdp1.summon_full_params(model, recurse=False, writeback=False):

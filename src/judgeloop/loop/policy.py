@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from judgeloop.io import atomic_path
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import PolicyConfig
 from judgeloop.loop.rollout import token_logprobs
@@ -62,6 +64,7 @@ def load_policy(
     seed: int,
     sft_data: tuple[list[list[int]], list[str]] | None = None,
     frozen_fp32: bool = False,
+    sft_file: Path | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """Return ``(policy, tokenizer, frozen_reference_or_None)``; the reference is None under LoRA.
 
@@ -71,7 +74,9 @@ def load_policy(
     autocast): AdamW on bf16 weights loses most small updates. ``policy.dtype=bfloat16`` stores the
     *frozen* weights in bf16: the LoRA base, or the reference copy under full fine-tuning.
     ``frozen_fp32`` keeps those in float32 too (FSDP, which refuses mixed dtypes in one unit and casts
-    for compute itself).
+    for compute itself). ``sft_file``: where the warm start is shared between processes: the first
+    process to get here (the main one, under ``main_process_first``) trains and writes it, the others
+    read it instead of repeating the same warm-up (a file made for other settings is ignored).
     """
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -89,11 +94,18 @@ def load_policy(
             len(sft_data[0]),
             sum(map(len, sft_data[0])),
         )
+        shared = _read_warm_start(sft_file, key) if sft_file is not None else None
+        if shared is not None:
+            _SFT_CACHE.clear()
+            _SFT_CACHE[key] = shared
         if key not in _SFT_CACHE:  # the ablation runs many arms and seeds from the same warm start
             losses = sft_warmup(model, tokenizer, sft_data[0], sft_data[1], cfg, cfg.sft_seed)
             logger.info("SFT warm-up: %d steps, loss %.3f -> %.3f", cfg.sft_steps, losses[0], losses[-1])
             _SFT_CACHE.clear()
             _SFT_CACHE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if sft_file is not None:
+                with atomic_path(sft_file) as tmp:
+                    torch.save({"key": repr(key), "state": _SFT_CACHE[key]}, tmp)
         model.load_state_dict(_SFT_CACHE[key])
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
@@ -114,6 +126,14 @@ def load_policy(
             p.requires_grad_(False)
     model.train()
     return model, tokenizer, ref
+
+
+def _read_warm_start(path: Path, key: tuple) -> dict[str, torch.Tensor] | None:
+    """The warm start another process wrote to ``path`` for these settings, or None."""
+    if not path.is_file():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    return saved["state"] if saved.get("key") == repr(key) else None
 
 
 @torch.no_grad()

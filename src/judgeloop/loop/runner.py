@@ -1,13 +1,14 @@
 """The calibrated feedback loop, top to bottom.
 
-One training step (:func:`training_step`) is six named functions over one :class:`PairBatch`:
+One training step (:func:`training_step`) is seven named functions over one :class:`PairBatch`:
 
     1. rollout_step       the policy samples two summaries per training article
-    2. judge_step         the judge gives a raw preference logit per pair
+    2. judge_step         the judge (or a panel of judges) gives a raw preference logit per pair
     3. calibrate_step     the arm's calibrator maps it to p = P(a better than b)
-    4. make_pairs         p becomes each pair's soft DPO target (and the mask of pairs that count)
+    4. make_pairs         p becomes each pair's soft DPO target (and the mask / weights of pairs that count)
     5. policy_update      soft-target DPO on the targets, plus kl_coef * KL(pi || pi_ref)
-    6. maybe_recalibrate  refit the calibrator on fresh samples of calibration articles
+    6. maybe_recalibrate  refit the calibrator (and a panel's members) on fresh calibration-split samples
+    7. watch_divergence   when due, the judge's agreement with objective signals; alarms act on it
 
 with evaluation on the test split and early stopping on validation inside it. :func:`train` is the
 whole run, and ``recipes/feedback_loop.py`` spells out its lines:
@@ -936,7 +937,13 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
         [e.neutral[0] if e.neutral else "" for e in splits.train],
     )
     fsdp = accelerator.distributed_type == DistributedType.FSDP
-    model, tokenizer, ref = load_policy(cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp)
+    # several processes: the main one warms the policy up, the others read its result (the same weights)
+    many = accelerator.num_processes > 1 and cfg.policy.sft_steps > 0
+    with accelerator.main_process_first():
+        model, tokenizer, ref = load_policy(
+            cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp,
+            out_dir / "sft_warm_start.pt" if many else None,
+        )  # fmt: skip
     if ref is not None:
         ref = prepare_for_inference(ref.to(accelerator.device), accelerator)  # ZeRO-3: an inference engine
     # auto / cuda: this process's own GPU (one judge per process), the CPU in a CPU run
