@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import pytest
 
-from judgeloop.config import ConfigError, load_config, replace, to_dict
+from judgeloop.config import ConfigError, check_at_least, check_range, load_config, replace, to_dict
 
 
 @dataclass
@@ -69,6 +70,42 @@ def test_value_validation_and_bad_files(tmp_path):
         load_config(Outer, bad)
     with pytest.raises(ConfigError, match="not of the form key=value"):
         load_config(Outer, None, ["steps"])
+
+
+def test_bound_and_interval_checks_name_the_key_the_value_and_the_fix():
+    cfg = SimpleNamespace(lr=0.0, steps=0, cap=None, frac=1.0, p=0.5)
+    check_at_least("train", cfg, "steps", 0)
+    with pytest.raises(ValueError, match=r"^train.lr=0.0 must be > 0 \(e.g. 1e-4\)$"):
+        check_at_least("train", cfg, "lr", 0, " (e.g. 1e-4)", strict=True)
+    with pytest.raises(ValueError, match=r"^steps=0 must be >= 1$"):
+        check_at_least("", cfg, "steps", 1)
+    check_at_least("", cfg, "cap", 1, optional=True)
+    check_range("", cfg, "cap", 0.0, 1.0, optional=True)
+    with pytest.raises(TypeError):  # a None where None is not a setting is a bug, not a config value
+        check_at_least("", cfg, "cap", 1)
+    with pytest.raises(ValueError, match=r"^data.frac=1.0 must be in \(0, 1\); e.g. 0.2$"):
+        check_range("data", cfg, "frac", 0.0, 1.0, hint="; e.g. 0.2")
+    check_range("data", cfg, "frac", 0.0, 1.0, "(]")
+    check_range("data", cfg, "frac", 0, 1, "[]")
+    with pytest.raises(ValueError, match=r"^loss.p=0.5 must be in \[0, 0.5\)$"):
+        check_range("loss", cfg, "p", 0, 0.5, "[)")
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
+        check_range("", SimpleNamespace(x=float("nan")), "x", 0.0, 1.0)
+    with pytest.raises(ConfigError, match=r"invalid config for 'judge': judge.scale=0.0 must be > 0$"):
+        load_config(Checked, None, ["judge.scale=0"])
+
+
+@dataclass
+class CheckedInner:
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_at_least("judge", self, "scale", 0, strict=True)
+
+
+@dataclass
+class Checked:
+    judge: CheckedInner = field(default_factory=CheckedInner)
 
 
 def test_every_shipped_config_loads(repo):

@@ -6,7 +6,8 @@ YAML file, applies the overrides, and builds the schema recursively, checking ev
 * an unknown or misspelled key raises :class:`ConfigError` naming it and the closest valid key
   (a silently dropped ``kl_coef`` costs GPU-days);
 * a value of the wrong type raises :class:`ConfigError` naming the key, the value and the type;
-* dataclasses may validate values further in ``__post_init__`` (raise ``ValueError``).
+* dataclasses may validate values further in ``__post_init__`` (raise ``ValueError``); the common bound
+  and interval checks are :func:`check_at_least` and :func:`check_range`, one message shape for all.
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, ``X | None``,
 ``list[X]``, ``tuple[X, ...]``, ``dict[str, X]``, ``Any`` and nested dataclasses.
@@ -28,6 +29,65 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or override does not match the command's schema."""
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)  # 0.0 -> "0", 0.5 -> "0.5"
+
+
+def _value(section: str, cfg: Any, name: str) -> tuple[str, Any]:
+    return (f"{section}.{name}" if section else name), getattr(cfg, name)
+
+
+def check_at_least(
+    section: str,
+    cfg: Any,
+    name: str,
+    bound: float,
+    hint: str = "",
+    *,
+    strict: bool = False,
+    optional: bool = False,
+) -> None:
+    """The bound check of a ``__post_init__``: ``cfg.<name>`` must be ``>= bound`` (``> bound`` if ``strict``).
+
+    Raises ``ValueError("SECTION.NAME=VALUE must be >= BOUND" + hint)``: one line naming the key and the
+    value; ``hint`` is appended as written (``" (0 = off)"``, ``"; e.g. 8"``, ``" or null"``), so it says
+    what the value means or how to fix it. ``section`` is the key's dotted prefix (``"train"``; ``""`` for
+    a top-level key). ``optional``: ``None`` passes (a nullable field's "off" / "all").
+    """
+    key, value = _value(section, cfg, name)
+    if optional and value is None:
+        return
+    if (value <= bound) if strict else (value < bound):
+        raise ValueError(f"{key}={value} must be {'>' if strict else '>='} {_bound(bound)}{hint}")
+
+
+def check_range(
+    section: str,
+    cfg: Any,
+    name: str,
+    low: float,
+    high: float,
+    interval: Literal["()", "[)", "(]", "[]"] = "()",
+    hint: str = "",
+    *,
+    optional: bool = False,
+) -> None:
+    """The interval check of a ``__post_init__``: ``cfg.<name>`` must lie in ``low``..``high``.
+
+    ``interval`` says which ends belong to it, as written in maths: ``"()"`` open (the default), ``"[)"``,
+    ``"(]"``, ``"[]"`` closed. Raises ``ValueError("SECTION.NAME=VALUE must be in (LOW, HIGH)" + hint)``
+    (a NaN is outside every interval); ``section``, ``hint`` and ``optional`` as in :func:`check_at_least`.
+    """
+    key, value = _value(section, cfg, name)
+    if optional and value is None:
+        return
+    above = (low <= value) if interval[0] == "[" else (low < value)
+    if not (above and ((value <= high) if interval[1] == "]" else (value < high))):
+        raise ValueError(
+            f"{key}={value} must be in {interval[0]}{_bound(low)}, {_bound(high)}{interval[1]}{hint}"
+        )
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:

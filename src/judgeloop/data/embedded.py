@@ -15,7 +15,8 @@ worse summary than the neutral reference, as in real news.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 FIRST = [
@@ -108,198 +109,274 @@ def _person(rng: random.Random) -> str:
     return f"{rng.choice(FIRST)} {rng.choice(LAST)}"
 
 
-def _council(rng: random.Random) -> dict[str, Any]:
-    town = rng.choice(TOWNS)
-    thing = rng.choice(
-        [
-            "a new footbridge over the river",
-            "a covered market hall",
-            "a cycle lane network",
-            "a public library extension",
-            "a flood barrier",
-            "a community solar farm",
-        ]
-    )
-    cost = rng.randint(2, 48)
-    people = rng.randint(3, 40) * 100
-    mayor = _person(rng)
-    day = rng.choice(DAYS)
-    votes_for, votes_against = rng.randint(7, 15), rng.randint(1, 6)
-    work = rng.choice(
-        ["next spring", "in the autumn", "within eighteen months", "before the end of the year"]
-    )
-    sentences = [
-        f"Residents of {town} have argued for years about how the town should spend its reserve fund.",
-        f"The {town} council voted {votes_for} to {votes_against} {day} to build {thing} at a cost of {cost} million crowns.",
-        f"Mayor {mayor} said the project would serve about {people} people who currently have no safe alternative.",
+@dataclass(frozen=True)
+class _Domain:
+    """One kind of article, as data: ``facts`` draws what an article is about (in a fixed order: the corpus
+    is seeded), and ``sentences`` / ``neutral`` are its sentences and its one-sentence summary, as
+    :meth:`str.format` templates over those facts."""
+
+    name: str
+    facts: Callable[[random.Random], dict[str, Any]]
+    sentences: tuple[str, ...]
+    neutral: str
+
+    def __call__(self, rng: random.Random) -> dict[str, Any]:
+        facts = self.facts(rng)
+        return {
+            "domain": self.name,
+            "sentences": [s.format(**facts) for s in self.sentences],
+            "neutral": self.neutral.format(**facts),
+        }
+
+
+def _council_facts(rng: random.Random) -> dict[str, Any]:
+    return {
+        "town": rng.choice(TOWNS),
+        "thing": rng.choice(
+            [
+                "a new footbridge over the river",
+                "a covered market hall",
+                "a cycle lane network",
+                "a public library extension",
+                "a flood barrier",
+                "a community solar farm",
+            ]
+        ),
+        "cost": rng.randint(2, 48),
+        "people": rng.randint(3, 40) * 100,
+        "mayor": _person(rng),
+        "day": rng.choice(DAYS),
+        "votes_for": rng.randint(7, 15),
+        "votes_against": rng.randint(1, 6),
+        "work": rng.choice(
+            ["next spring", "in the autumn", "within eighteen months", "before the end of the year"]
+        ),
+    }
+
+
+_COUNCIL = _Domain(
+    "council",
+    _council_facts,
+    (
+        "Residents of {town} have argued for years about how the town should spend its reserve fund.",
+        "The {town} council voted {votes_for} to {votes_against} {day} to build {thing} at a cost of {cost} million crowns.",
+        "Mayor {mayor} said the project would serve about {people} people who currently have no safe alternative.",
         "Opponents said the money would be better spent on road repairs and questioned the cost estimate.",
-        f"Construction is expected to begin {work}, according to the council's planning office.",
+        "Construction is expected to begin {work}, according to the council's planning office.",
         "A public consultation drew more written responses than any previous scheme in the town.",
-    ]
-    neutral = (
-        f"{town}'s councillors approved a {cost} million crown plan for {thing}, which should help "
-        f"around {people} residents, with work due to start {work}."
-    )
-    return {"domain": "council", "sentences": sentences, "neutral": neutral}
+    ),
+    (
+        "{town}'s councillors approved a {cost} million crown plan for {thing}, which should help "
+        "around {people} residents, with work due to start {work}."
+    ),
+)
 
 
-def _sport(rng: random.Random) -> dict[str, Any]:
+def _sport_facts(rng: random.Random) -> dict[str, Any]:
     a, b = rng.sample(TOWNS, 2)
     sport = rng.choice(["football", "hockey", "rugby", "handball"])
     sa, sb = rng.randint(1, 6), rng.randint(0, 5)
     if sa == sb:
         sa += 1
-    scorer = _person(rng)
-    minute = rng.randint(55, 90)
-    crowd = rng.randint(2, 30) * 1000
-    day = rng.choice(DAYS)
-    place = rng.choice(["second", "third", "fourth", "top"])
-    sentences = [
-        f"Rain fell steadily over the {a} ground as a crowd of {crowd} arrived for the {sport} fixture {day}.",
-        f"{a} beat {b} {sa}-{sb}, with {scorer} scoring the decisive goal in the {minute}th minute.",
-        f"The visitors had led for much of the first half before {a} changed their formation.",
-        f"{scorer} said afterwards that the team had trained for exactly this kind of late pressure.",
-        f"The result lifts {a} to {place} place in the regional league table.",
-        f"{b} will host the return fixture later in the season.",
-    ]
-    neutral = (
-        f"A late goal from {scorer} gave {a} a {sa}-{sb} {sport} win over {b}, "
-        f"moving them up to {place} in the league."
-    )
-    return {"domain": "sport", "sentences": sentences, "neutral": neutral}
+    return {
+        "a": a,
+        "b": b,
+        "sport": sport,
+        "sa": sa,
+        "sb": sb,
+        "scorer": _person(rng),
+        "minute": rng.randint(55, 90),
+        "crowd": rng.randint(2, 30) * 1000,
+        "day": rng.choice(DAYS),
+        "place": rng.choice(["second", "third", "fourth", "top"]),
+    }
 
 
-def _science(rng: random.Random) -> dict[str, Any]:
-    lead = _person(rng)
-    town = rng.choice(TOWNS)
-    subject = rng.choice(
-        [
-            "a species of freshwater snail",
-            "a soil bacterium",
-            "a variety of winter wheat",
-            "a colony of cave bats",
-            "a strain of yeast",
-            "a mountain lichen",
-        ]
-    )
-    finding = rng.choice(
-        [
-            "survives twice as long in warm water",
-            "breaks down plastic film within weeks",
-            "needs a third less irrigation",
-            "navigates using the earth's magnetic field",
-            "produces an unusual heat-resistant protein",
-            "stores carbon faster than expected",
-        ]
-    )
-    n = rng.randint(3, 60) * 10
-    years = rng.randint(2, 9)
-    sentences = [
-        f"Field stations near {town} have collected samples from the surrounding valleys for more than a decade.",
-        f"A team led by {lead} reported that {subject} {finding}, based on {n} samples gathered over {years} years.",
+_SPORT = _Domain(
+    "sport",
+    _sport_facts,
+    (
+        "Rain fell steadily over the {a} ground as a crowd of {crowd} arrived for the {sport} fixture {day}.",
+        "{a} beat {b} {sa}-{sb}, with {scorer} scoring the decisive goal in the {minute}th minute.",
+        "The visitors had led for much of the first half before {a} changed their formation.",
+        "{scorer} said afterwards that the team had trained for exactly this kind of late pressure.",
+        "The result lifts {a} to {place} place in the regional league table.",
+        "{b} will host the return fixture later in the season.",
+    ),
+    (
+        "A late goal from {scorer} gave {a} a {sa}-{sb} {sport} win over {b}, "
+        "moving them up to {place} in the league."
+    ),
+)
+
+
+def _science_facts(rng: random.Random) -> dict[str, Any]:
+    return {
+        "lead": _person(rng),
+        "town": rng.choice(TOWNS),
+        "subject": rng.choice(
+            [
+                "a species of freshwater snail",
+                "a soil bacterium",
+                "a variety of winter wheat",
+                "a colony of cave bats",
+                "a strain of yeast",
+                "a mountain lichen",
+            ]
+        ),
+        "finding": rng.choice(
+            [
+                "survives twice as long in warm water",
+                "breaks down plastic film within weeks",
+                "needs a third less irrigation",
+                "navigates using the earth's magnetic field",
+                "produces an unusual heat-resistant protein",
+                "stores carbon faster than expected",
+            ]
+        ),
+        "n": rng.randint(3, 60) * 10,
+        "years": rng.randint(2, 9),
+    }
+
+
+_SCIENCE = _Domain(
+    "science",
+    _science_facts,
+    (
+        "Field stations near {town} have collected samples from the surrounding valleys for more than a decade.",
+        "A team led by {lead} reported that {subject} {finding}, based on {n} samples gathered over {years} years.",
         "The researchers said the effect was consistent across seasons and sampling sites.",
         "Independent scientists cautioned that the study has not yet been repeated by another laboratory.",
-        f"{lead} said the next step is a larger trial with partners in two other regions.",
+        "{lead} said the next step is a larger trial with partners in two other regions.",
         "The work was funded by a regional research foundation.",
-    ]
-    neutral = (
-        f"Researchers under {lead} found that {subject} {finding}, though the {years}-year study "
-        f"still awaits independent replication."
-    )
-    return {"domain": "science", "sentences": sentences, "neutral": neutral}
+    ),
+    (
+        "Researchers under {lead} found that {subject} {finding}, though the {years}-year study "
+        "still awaits independent replication."
+    ),
+)
 
 
-def _business(rng: random.Random) -> dict[str, Any]:
-    firm = rng.choice(
-        [
-            "Brask Instruments",
-            "Holloway Textiles",
-            "Northwick Ferries",
-            "Solberg Foods",
-            "Tarrow Ceramics",
-            "Kestrel Software",
-            "Marlowe Logistics",
-            "Pellam Paper",
-        ]
+def _business_facts(rng: random.Random) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "firm": rng.choice(
+            [
+                "Brask Instruments",
+                "Holloway Textiles",
+                "Northwick Ferries",
+                "Solberg Foods",
+                "Tarrow Ceramics",
+                "Kestrel Software",
+                "Marlowe Logistics",
+                "Pellam Paper",
+            ]
+        ),
+        "change": rng.randint(3, 35),
+        "up": rng.random() < 0.5,
+        "jobs": rng.randint(2, 30) * 10,
+        "ceo": _person(rng),
+        "town": rng.choice(TOWNS),
+        "reason": rng.choice(
+            [
+                "higher energy prices",
+                "strong export orders",
+                "a new product line",
+                "weak demand at home",
+                "a delayed factory upgrade",
+                "lower shipping costs",
+            ]
+        ),
+        "day": rng.choice(DAYS),
+    }
+    up = facts["up"]
+    facts.update(
+        direction="rose" if up else "fell",
+        plan="add" if up else "cut",
+        verb="climbed" if up else "dropped",
+        act="hire" if up else "shed",
     )
-    change = rng.randint(3, 35)
-    up = rng.random() < 0.5
-    jobs = rng.randint(2, 30) * 10
-    ceo = _person(rng)
-    town = rng.choice(TOWNS)
-    reason = rng.choice(
-        [
-            "higher energy prices",
-            "strong export orders",
-            "a new product line",
-            "weak demand at home",
-            "a delayed factory upgrade",
-            "lower shipping costs",
-        ]
-    )
-    direction = "rose" if up else "fell"
-    sentences = [
-        f"Shares in several regional manufacturers moved sharply as quarterly results arrived {rng.choice(DAYS)}.",
-        f"{firm} said its profit {direction} {change} percent in the quarter, citing {reason}.",
-        f"Chief executive {ceo} told analysts the company would {'add' if up else 'cut'} about {jobs} jobs at its {town} site.",
+    return facts
+
+
+_BUSINESS = _Domain(
+    "business",
+    _business_facts,
+    (
+        "Shares in several regional manufacturers moved sharply as quarterly results arrived {day}.",
+        "{firm} said its profit {direction} {change} percent in the quarter, citing {reason}.",
+        "Chief executive {ceo} told analysts the company would {plan} about {jobs} jobs at its {town} site.",
         "The company kept its forecast for the full year unchanged.",
         "Trade unions said they had not been consulted about the staffing plans.",
         "The next results are due in three months.",
-    ]
-    verb = "climbed" if up else "dropped"
-    act = "hire" if up else "shed"
-    neutral = f"{firm}'s quarterly profit {verb} {change} percent on {reason}, and it plans to {act} roughly {jobs} staff in {town}."
-    return {"domain": "business", "sentences": sentences, "neutral": neutral}
+    ),
+    "{firm}'s quarterly profit {verb} {change} percent on {reason}, and it plans to {act} roughly {jobs} staff in {town}.",
+)
 
 
-def _weather(rng: random.Random) -> dict[str, Any]:
-    town = rng.choice(TOWNS)
-    event = rng.choice(["a storm", "heavy snowfall", "a heatwave", "flash flooding", "gale-force winds"])
-    homes = rng.randint(1, 90) * 10
-    hours = rng.randint(4, 72)
-    official = _person(rng)
-    sentences = [
-        f"Forecasters had warned for several days that the weather over {town} would turn {rng.choice(DAYS)}.",
-        f"{event.capitalize()} left {homes} homes in {town} without power for up to {hours} hours.",
+def _weather_facts(rng: random.Random) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "town": rng.choice(TOWNS),
+        "event": rng.choice(
+            ["a storm", "heavy snowfall", "a heatwave", "flash flooding", "gale-force winds"]
+        ),
+        "homes": rng.randint(1, 90) * 10,
+        "hours": rng.randint(4, 72),
+        "official": _person(rng),
+        "day": rng.choice(DAYS),
+    }
+    return {**facts, "Event": facts["event"].capitalize()}
+
+
+_WEATHER = _Domain(
+    "weather",
+    _weather_facts,
+    (
+        "Forecasters had warned for several days that the weather over {town} would turn {day}.",
+        "{Event} left {homes} homes in {town} without power for up to {hours} hours.",
         "Emergency crews cleared fallen trees from the main roads overnight.",
-        f"{official}, who leads the district's emergency team, said no serious injuries had been reported.",
+        "{official}, who leads the district's emergency team, said no serious injuries had been reported.",
         "Schools in the area stayed closed while engineers checked buildings.",
         "Residents were asked to report damaged power lines rather than approach them.",
-    ]
-    neutral = f"{event.capitalize()} cut electricity to {homes} {town} households for as long as {hours} hours, but nobody was badly hurt."
-    return {"domain": "weather", "sentences": sentences, "neutral": neutral}
+    ),
+    "{Event} cut electricity to {homes} {town} households for as long as {hours} hours, but nobody was badly hurt.",
+)
 
 
-def _culture(rng: random.Random) -> dict[str, Any]:
-    artist = _person(rng)
-    town = rng.choice(TOWNS)
-    work = rng.choice(
-        [
-            "a novel about lighthouse keepers",
-            "an opera set in a mining town",
-            "a series of river paintings",
-            "a documentary about migrating geese",
-            "a collection of harbour songs",
-        ]
-    )
-    prize = rng.choice(
-        ["the Northern Arts Prize", "the Glass Quill Award", "the Meridian Medal", "the Harbour Prize"]
-    )
-    money = rng.randint(5, 50) * 1000
-    sentences = [
-        f"The ceremony in {town} was held in a converted grain store for the first time.",
-        f"{artist} won {prize} for {work}, taking home {money} crowns.",
+def _culture_facts(rng: random.Random) -> dict[str, Any]:
+    return {
+        "artist": _person(rng),
+        "town": rng.choice(TOWNS),
+        "work": rng.choice(
+            [
+                "a novel about lighthouse keepers",
+                "an opera set in a mining town",
+                "a series of river paintings",
+                "a documentary about migrating geese",
+                "a collection of harbour songs",
+            ]
+        ),
+        "prize": rng.choice(
+            ["the Northern Arts Prize", "the Glass Quill Award", "the Meridian Medal", "the Harbour Prize"]
+        ),
+        "money": rng.randint(5, 50) * 1000,
+    }
+
+
+_CULTURE = _Domain(
+    "culture",
+    _culture_facts,
+    (
+        "The ceremony in {town} was held in a converted grain store for the first time.",
+        "{artist} won {prize} for {work}, taking home {money} crowns.",
         "Judges praised the work's patience and its attention to ordinary lives.",
-        f"{artist} said the prize money would fund a workshop for young artists in {town}.",
+        "{artist} said the prize money would fund a workshop for young artists in {town}.",
         "Five other works had been shortlisted from more than two hundred entries.",
-    ]
-    neutral = (
-        f"{artist} received {prize} and {money} crowns for {work}, and plans to spend it on a youth workshop."
-    )
-    return {"domain": "culture", "sentences": sentences, "neutral": neutral}
+    ),
+    "{artist} received {prize} and {money} crowns for {work}, and plans to spend it on a youth workshop.",
+)
 
 
-_DOMAINS = [_council, _sport, _science, _business, _weather, _culture]
+_DOMAINS = [_COUNCIL, _SPORT, _SCIENCE, _BUSINESS, _WEATHER, _CULTURE]
 
 
 def generate_articles(n: int = 600, seed: int = 1234) -> list[dict[str, object]]:

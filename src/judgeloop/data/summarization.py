@@ -214,68 +214,54 @@ def _load_jsonl(cfg: DataConfig) -> list[SummExample]:
     return out
 
 
-def _load_summeval(cfg: DataConfig) -> list[SummExample]:
-    rows = read_jsonl(
-        str(cfg.path),
-        required=["id", "article", "references", "summaries"],
-        kinds={"id": "id", "article": "text", "references": "texts", "summaries": "list"},
+def _fixed_fields(
+    kinds: dict[str, str],
+    example: Callable[[dict[str, Any], str], SummExample],
+    optional: tuple[str, ...] = (),
+) -> Callable[[DataConfig], list[SummExample]]:
+    """The loader of a JSONL format with fixed field names: every field of ``kinds`` (field -> kind, as
+    :func:`read_jsonl` checks them) is required but the ``optional`` ones, and ``example(row, path)``
+    makes each row's example."""
+
+    def load(cfg: DataConfig) -> list[SummExample]:
+        path = str(cfg.path)
+        rows = read_jsonl(path, required=[k for k in kinds if k not in optional], kinds=kinds)
+        return [example(row, path) for row in rows]
+
+    return load
+
+
+def _summeval_example(row: dict[str, Any], path: str) -> SummExample:
+    """A SummEval article with its system summaries as candidates, rated by experts and turkers."""
+    cands = []
+    for s in row["summaries"]:
+        if not isinstance(s, dict) or "text" not in s:
+            raise DataError(f"{path}: article {row['id']} has a summary without 'text'")
+        check_kind(s["text"], "text", f"{path}: article {row['id']}", "summaries[].text")
+        ratings = {f"expert_{k}": float(v) for k, v in (s.get("expert") or {}).items()}
+        ratings.update({f"turker_{k}": float(v) for k, v in (s.get("turker") or {}).items()})
+        cands.append(Candidate(text=s["text"], system=str(s.get("system", "")), ratings=ratings))
+    references = {"neutral": _as_list(row["references"])}
+    return SummExample(id=str(row["id"]), article=row["article"], references=references, candidates=cands)
+
+
+def _debian_example(row: dict[str, Any], path: str) -> SummExample:
+    """A Debian package description with its synopsis as the reference."""
+    return SummExample(
+        id=str(row["id"]),
+        article=row["article"],
+        references={"neutral": [row["summary"]]},
+        meta={"section": row.get("section", "")},
     )
-    out = []
-    for row in rows:
-        cands = []
-        for s in row["summaries"]:
-            if not isinstance(s, dict) or "text" not in s:
-                raise DataError(f"{cfg.path}: article {row['id']} has a summary without 'text'")
-            check_kind(s["text"], "text", f"{cfg.path}: article {row['id']}", "summaries[].text")
-            ratings = {f"expert_{k}": float(v) for k, v in (s.get("expert") or {}).items()}
-            ratings.update({f"turker_{k}": float(v) for k, v in (s.get("turker") or {}).items()})
-            cands.append(Candidate(text=s["text"], system=str(s.get("system", "")), ratings=ratings))
-        out.append(
-            SummExample(
-                id=str(row["id"]),
-                article=row["article"],
-                references={"neutral": _as_list(row["references"])},
-                candidates=cands,
-            )
-        )
-    return out
 
 
-def _load_debian(cfg: DataConfig) -> list[SummExample]:
-    rows = read_jsonl(
-        str(cfg.path),
-        required=["id", "article", "summary"],
-        kinds={"id": "id", "article": "text", "summary": "text", "section": "text"},
-    )
-    return [
-        SummExample(
-            id=str(r["id"]),
-            article=r["article"],
-            references={"neutral": [r["summary"]]},
-            meta={"section": r.get("section", "")},
-        )
-        for r in rows
-    ]
-
-
-def _load_xsumfaith(cfg: DataConfig) -> list[SummExample]:
-    rows = read_jsonl(
-        str(cfg.path),
-        required=["id", "article", "summary", "label"],
-        kinds={"id": "id", "article": "text", "summary": "text", "label": "number"},
-    )
+def _xsumfaith_example(row: dict[str, Any], path: str) -> SummExample:
+    """An XSumFaith article with its system summary as the one candidate, rated by its faithfulness label."""
     # XSumFaith has no reference summary: the faithful system summary is the best stand-in we have, and the
     # faithfulness label rides along as a rating of that candidate.
-    out = []
-    for r in rows:
-        cand = Candidate(text=r["summary"], system="xsum", ratings={"faithful": float(r["label"])})
-        refs = [r["summary"]] if str(r["label"]) == "1" else []
-        out.append(
-            SummExample(
-                id=str(r["id"]), article=r["article"], references={"neutral": refs}, candidates=[cand]
-            )
-        )
-    return out
+    cand = Candidate(text=row["summary"], system="xsum", ratings={"faithful": float(row["label"])})
+    references = {"neutral": [row["summary"]] if str(row["label"]) == "1" else []}
+    return SummExample(id=str(row["id"]), article=row["article"], references=references, candidates=[cand])
 
 
 _HF_DEFAULT_FIELDS = {
@@ -317,9 +303,15 @@ def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs 
 LOADERS: dict[str, Callable[[DataConfig], list[SummExample]]] = {
     "embedded": _load_embedded,
     "jsonl": _load_jsonl,
-    "summeval": _load_summeval,
-    "debian": _load_debian,
-    "xsumfaith": _load_xsumfaith,
+    "summeval": _fixed_fields(
+        {"id": "id", "article": "text", "references": "texts", "summaries": "list"}, _summeval_example
+    ),
+    "debian": _fixed_fields(
+        {"id": "id", "article": "text", "summary": "text", "section": "text"}, _debian_example, ("section",)
+    ),
+    "xsumfaith": _fixed_fields(
+        {"id": "id", "article": "text", "summary": "text", "label": "number"}, _xsumfaith_example
+    ),
     "hf": _load_hf,
 }
 

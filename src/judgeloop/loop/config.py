@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
@@ -60,8 +61,8 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8"
             )
-        if self.lora and self.lora_r < 1:
-            raise ValueError(f"policy.lora_r={self.lora_r} must be >= 1")
+        if self.lora:
+            check_at_least("policy", self, "lora_r", 1)
 
 
 @dataclass
@@ -81,14 +82,9 @@ class GenerationConfig:
     autocast: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature <= 0:
-            raise ValueError(
-                f"generation.temperature={self.temperature} must be > 0 (evaluation is the greedy pass)"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"generation.top_p={self.top_p} must be in (0, 1]")
+        check_at_least("generation", self, "max_new_tokens", 1)
+        check_at_least("generation", self, "temperature", 0, " (evaluation is the greedy pass)", strict=True)
+        check_range("generation", self, "top_p", 0, 1, "(]")
 
 
 @dataclass
@@ -113,19 +109,13 @@ class LossConfig:
     kl_horizon: int = 100
 
     def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"loss.beta={self.beta} must be > 0")
-        if not 0 <= self.margin < 0.5:
-            raise ValueError(
-                f"loss.margin={self.margin} must be in [0, 0.5); pairs with |p - 0.5| < margin are skipped"
-            )
-        if self.kl_coef < 0:
-            raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0")
-        if not 0 < self.max_spread <= 0.5:
-            raise ValueError(
-                f"loss.max_spread={self.max_spread} must be in (0, 0.5]: a panel's spread is the standard "
-                "deviation of probabilities (0.5 keeps every pair)"
-            )
+        check_at_least("loss", self, "beta", 0, strict=True)
+        check_range("loss", self, "margin", 0, 0.5, "[)", "; pairs with |p - 0.5| < margin are skipped")
+        check_at_least("loss", self, "kl_coef", 0)
+        check_range(
+            "loss", self, "max_spread", 0, 0.5, "(]",
+            ": a panel's spread is the standard deviation of probabilities (0.5 keeps every pair)",
+        )  # fmt: skip
         if self.kl_target <= 0 or self.kl_horizon < 1:
             raise ValueError(
                 f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1"
@@ -151,14 +141,10 @@ class OptimConfig:
     update_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.update_chunk_size is not None and self.update_chunk_size < 1:
-            raise ValueError(
-                f"optim.update_chunk_size={self.update_chunk_size} must be >= 1, or null (the whole batch at once)"
-            )
-        if self.learning_rate <= 0:
-            raise ValueError(f"optim.learning_rate={self.learning_rate} must be > 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        hint = ", or null (the whole batch at once)"
+        check_at_least("optim", self, "update_chunk_size", 1, hint, optional=True)
+        check_at_least("optim", self, "learning_rate", 0, strict=True)
+        check_at_least("optim", self, "warmup_steps", 0)
 
 
 @dataclass
@@ -210,18 +196,11 @@ class LoopCalibrationConfig:
                 "calibration.recalibrate_every_n_steps and calibration.monitor_every_n_steps must be >= 0 "
                 "(0 disables)"
             )
-        if self.pairs_per_article < 1:
-            raise ValueError(f"calibration.pairs_per_article={self.pairs_per_article} must be >= 1")
-        if self.num_articles < 2:
-            raise ValueError(f"calibration.num_articles={self.num_articles} must be >= 2")
-        if self.extra_rounds < 0:
-            raise ValueError(
-                f"calibration.extra_rounds={self.extra_rounds} must be >= 0 (0: never draw more)"
-            )
-        if not 0 < self.holdout_fraction < 1:
-            raise ValueError(f"calibration.holdout_fraction={self.holdout_fraction} must be in (0, 1)")
-        if self.ece_bootstrap < 0:
-            raise ValueError(f"calibration.ece_bootstrap={self.ece_bootstrap} must be >= 0 (0: no interval)")
+        check_at_least("calibration", self, "pairs_per_article", 1)
+        check_at_least("calibration", self, "num_articles", 2)
+        check_at_least("calibration", self, "extra_rounds", 0, " (0: never draw more)")
+        check_range("calibration", self, "holdout_fraction", 0, 1)
+        check_at_least("calibration", self, "ece_bootstrap", 0, " (0: no interval)")
 
 
 ALARM_SIGNALS = ("rouge", "length", "copy_rate")
@@ -258,18 +237,11 @@ class AlarmConfig:
         bad = [s for s in self.signals if s not in ALARM_SIGNALS]
         if bad:
             raise ValueError(f"alarms.signals has unknown signal(s) {bad}; choose from {list(ALARM_SIGNALS)}")
-        if self.every_n_steps < 0:
-            raise ValueError(f"alarms.every_n_steps={self.every_n_steps} must be >= 0 (0 disables)")
-        if not 0.0 < self.threshold < 1.0:
-            raise ValueError(
-                f"alarms.threshold={self.threshold} must be in (0, 1); e.g. 0.5 (chance agreement)"
-            )
-        if self.window < 1 or self.min_pairs < 1:
-            raise ValueError(
-                f"alarms.window={self.window} and alarms.min_pairs={self.min_pairs} must be >= 1"
-            )
-        if not 0.0 <= self.downweight_factor < 1.0:
-            raise ValueError(f"alarms.downweight_factor={self.downweight_factor} must be in [0, 1)")
+        check_at_least("alarms", self, "every_n_steps", 0, " (0 disables)")
+        check_range("alarms", self, "threshold", 0, 1, "()", "; e.g. 0.5 (chance agreement)")
+        check_at_least("alarms", self, "window", 1)
+        check_at_least("alarms", self, "min_pairs", 1)
+        check_range("alarms", self, "downweight_factor", 0, 1, "[)")
 
     @property
     def enabled(self) -> bool:
@@ -347,8 +319,7 @@ class AblationConfig:
             raise ValueError(
                 f"ablation.bootstrap_samples={self.bootstrap_samples} is too few for a 95% interval; use >= 1000"
             )
-        if self.num_workers is not None and self.num_workers < 1:
-            raise ValueError(f"ablation.num_workers={self.num_workers} must be >= 1, or null for auto")
+        check_at_least("ablation", self, "num_workers", 1, ", or null for auto", optional=True)
 
 
 @dataclass
@@ -416,10 +387,8 @@ class FeedbackLoopConfig:
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
-        if self.max_steps < 1:
-            raise ValueError(f"max_steps={self.max_steps} must be >= 1")
+        check_at_least("", self, "batch_size", 1)
+        check_at_least("", self, "max_steps", 1)
         if self.eval_every_n_steps < 0 or self.save_every_n_steps < 0 or self.early_stopping_patience < 0:
             raise ValueError(
                 "eval_every_n_steps, save_every_n_steps and early_stopping_patience must be >= 0 (0 disables)"
@@ -453,16 +422,9 @@ class FeedbackLoopConfig:
                 "calibration.method=panel needs other judges beside the configured one: list them in "
                 "calibration.panel.members (e.g. an objective signal), or set judge.type=panel"
             )
-        if self.judge_prefetch_threads is not None and self.judge_prefetch_threads < 1:
-            raise ValueError(
-                f"judge_prefetch_threads={self.judge_prefetch_threads} must be >= 1, or null for half the cores"
-            )
-        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
-            raise ValueError(
-                f"keep_checkpoints={self.keep_checkpoints} must be >= 1, or null to keep every one"
-            )
-        if self.stop_after_n_steps is not None and self.stop_after_n_steps < 1:
-            raise ValueError(f"stop_after_n_steps={self.stop_after_n_steps} must be >= 1 or null")
+        check_at_least("", self, "judge_prefetch_threads", 1, ", or null for half the cores", optional=True)
+        check_at_least("", self, "keep_checkpoints", 1, ", or null to keep every one", optional=True)
+        check_at_least("", self, "stop_after_n_steps", 1, " or null", optional=True)
         bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
         if bad:
             raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.data.splits import LeakageError, hash_unit
 from judgeloop.logging import get_logger
 from judgeloop.models import load_causal_lm, load_tokenizer
@@ -99,10 +100,8 @@ class RaftDataConfig:
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError(f"data.path is not set for data.format={self.format}; pass data.path=PATH")
-        if self.max_questions is not None and self.max_questions < 2:
-            raise ValueError(f"data.max_questions={self.max_questions} must be >= 2 (or null for all)")
-        if self.max_corpus_docs is not None and self.max_corpus_docs < 0:
-            raise ValueError(f"data.max_corpus_docs={self.max_corpus_docs} must be >= 0 (or null for all)")
+        check_at_least("data", self, "max_questions", 2, " (or null for all)", optional=True)
+        check_at_least("data", self, "max_corpus_docs", 0, " (or null for all)", optional=True)
 
 
 @dataclass
@@ -120,10 +119,8 @@ class RaftSplitConfig:
     leak_min_chars: int = 20
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"split.eval_fraction={self.eval_fraction} must be in (0, 1); e.g. 0.2")
-        if self.leak_min_chars < 1:
-            raise ValueError(f"split.leak_min_chars={self.leak_min_chars} must be >= 1")
+        check_range("split", self, "eval_fraction", 0.0, 1.0, hint="; e.g. 0.2")
+        check_at_least("split", self, "leak_min_chars", 1)
 
 
 @dataclass
@@ -136,8 +133,7 @@ class HardNegativeConfig:
     mining: dict[str, Any] = field(default_factory=dict)  # passed to judgeloop.retrieval.mining.MiningConfig
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"distractors.hard.batch_size={self.batch_size} must be >= 1")
+        check_at_least("distractors.hard", self, "batch_size", 1)
 
 
 @dataclass
@@ -156,8 +152,7 @@ class DistractorConfig:
     hard: HardNegativeConfig = field(default_factory=HardNegativeConfig)
 
     def __post_init__(self) -> None:
-        if self.num_distractors < 0:
-            raise ValueError(f"distractors.num_distractors={self.num_distractors} must be >= 0")
+        check_at_least("distractors", self, "num_distractors", 0)
         unknown = sorted(set(self.sources) - set(SOURCES))
         if unknown:
             raise ValueError(
@@ -168,8 +163,7 @@ class DistractorConfig:
                 f"distractors.sources={self.sources} needs non-negative weights with a positive sum, "
                 "e.g. {random: 0.5, bm25: 0.5}"
             )
-        if self.candidate_depth < 1:
-            raise ValueError(f"distractors.candidate_depth={self.candidate_depth} must be >= 1")
+        check_at_least("distractors", self, "candidate_depth", 1)
 
 
 @dataclass
@@ -191,10 +185,7 @@ class TargetConfig:
     abstain_text: str = "The documents do not contain the answer."
 
     def __post_init__(self) -> None:
-        if self.max_quotes < 1:
-            raise ValueError(
-                f"target.max_quotes={self.max_quotes} must be >= 1; every answer quotes the oracle"
-            )
+        check_at_least("target", self, "max_quotes", 1, "; every answer quotes the oracle")
         if self.lm_max_new_tokens < 8:
             raise ValueError(f"target.lm_max_new_tokens={self.lm_max_new_tokens} is too small; use >= 8")
         if not self.abstain_text.strip():
@@ -226,10 +217,8 @@ class BuildRaftConfig:
     output_dir: str = "runs/raft/pubmedqa"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.p_oracle <= 1.0:
-            raise ValueError(f"p_oracle={self.p_oracle} must be in [0, 1] (RAFT uses 0.8)")
-        if self.max_length is not None and self.max_length < 16:
-            raise ValueError(f"max_length={self.max_length} must be >= 16 tokens or null")
+        check_range("", self, "p_oracle", 0.0, 1.0, "[]", " (RAFT uses 0.8)")
+        check_at_least("", self, "max_length", 16, " tokens or null", optional=True)
 
 
 # ------------------------------------------------------------------------------------------- 1. reading

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from judgeloop.config import check_at_least
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import read_jsonl
 from judgeloop.logging import get_logger
@@ -68,10 +69,8 @@ class EvalRaftConfig:
         bad = [s for s in self.settings if s not in SETTINGS]
         if bad or not self.settings:
             raise ValueError(f"settings={self.settings}: each must be one of {list(SETTINGS)}")
-        if self.max_questions is not None and self.max_questions < 1:
-            raise ValueError(f"max_questions={self.max_questions} must be >= 1 or null")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        check_at_least("", self, "max_questions", 1, " or null", optional=True)
+        check_at_least("", self, "batch_size", 1)
         if self.num_generations < 0 or self.max_new_tokens < 1:
             raise ValueError(
                 f"num_generations={self.num_generations} must be >= 0 and max_new_tokens={self.max_new_tokens} >= 1"

@@ -1,6 +1,6 @@
 """Readers that turn QA data sets into RAFT inputs: questions with oracle documents, plus a corpus.
 
-Each reader returns ``(questions, corpus)``: a list of :class:`RaftQuestion` (question text, the ids
+Each reader returns a :class:`ReadResult`: a list of :class:`RaftQuestion` (question text, the ids
 of its oracle documents, the answer, and what is known about where the evidence sits) and a dict
 ``doc_id -> RaftDoc`` holding every oracle document and any extra documents (distractor material).
 
@@ -60,10 +60,11 @@ class RaftQuestion:
 
 @dataclass
 class ReadResult:
-    """What a reader returns: questions, the corpus, and the counts of skipped questions."""
+    """What a reader returns: questions, the corpus, and the counts of skipped questions (a reader starts
+    from an empty one with its skip reasons at 0 and fills it in)."""
 
-    questions: list[RaftQuestion]
-    corpus: dict[str, RaftDoc]
+    questions: list[RaftQuestion] = field(default_factory=list)
+    corpus: dict[str, RaftDoc] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
 
 
@@ -80,9 +81,7 @@ def read_pubmedqa(path: str | Path) -> ReadResult:
             "final_decision": "text",
         },
     )
-    questions: list[RaftQuestion] = []
-    corpus: dict[str, RaftDoc] = {}
-    skipped = {"empty_oracle": 0}
+    res = ReadResult(skipped={"empty_oracle": 0})
     for row in _unique_rows(rows, "id", "question", path):
         decision = str(row["final_decision"]).strip().lower()
         if decision not in ("yes", "no", "maybe"):
@@ -93,10 +92,10 @@ def read_pubmedqa(path: str | Path) -> ReadResult:
         contexts = [row["contexts"]] if isinstance(row["contexts"], str) else row["contexts"]
         text = " ".join(c.strip() for c in contexts if c.strip())
         if not text:  # no abstract to ground the answer in: the question cannot be a RAFT example
-            skipped["empty_oracle"] += 1
+            res.skipped["empty_oracle"] += 1
             continue
-        corpus[doc_id] = RaftDoc(id=doc_id, text=text)
-        questions.append(
+        res.corpus[doc_id] = RaftDoc(id=doc_id, text=text)
+        res.questions.append(
             RaftQuestion(
                 id=str(row["id"]),
                 question=str(row["question"]).strip(),
@@ -106,7 +105,7 @@ def read_pubmedqa(path: str | Path) -> ReadResult:
                 long_answer=row["long_answer"].strip(),
             )
         )
-    return ReadResult(questions, corpus, skipped)
+    return res
 
 
 def read_squad(path: str | Path) -> ReadResult:
@@ -123,27 +122,25 @@ def read_squad(path: str | Path) -> ReadResult:
             "answers": "list",
         },
     )
-    questions: list[RaftQuestion] = []
-    corpus: dict[str, RaftDoc] = {}
-    skipped = {"unanswerable": 0, "answer_not_in_context": 0, "empty_oracle": 0}
+    res = ReadResult(skipped={"unanswerable": 0, "answer_not_in_context": 0, "empty_oracle": 0})
     for row in _unique_rows(rows, "id", "question", path):
         if not row["context"].strip():
-            skipped["empty_oracle"] += 1
+            res.skipped["empty_oracle"] += 1
             continue
         doc_id = f"{row['title']}#p{row['paragraph_index']}"
-        corpus.setdefault(
+        res.corpus.setdefault(
             doc_id,
             RaftDoc(id=doc_id, text=str(row["context"]), title=str(row["title"]), topic=str(row["title"])),
         )
         answers = [a["text"] if isinstance(a, Mapping) else str(a) for a in row["answers"]]
         if row.get("is_impossible") or not answers:
-            skipped["unanswerable"] += 1
+            res.skipped["unanswerable"] += 1
             continue
         start = str(row["context"]).find(answers[0])
         if start < 0:
-            skipped["answer_not_in_context"] += 1
+            res.skipped["answer_not_in_context"] += 1
             continue
-        questions.append(
+        res.questions.append(
             RaftQuestion(
                 id=str(row["id"]),
                 question=str(row["question"]).strip(),
@@ -155,7 +152,7 @@ def read_squad(path: str | Path) -> ReadResult:
                 meta={"all_answers": json.dumps(answers)},
             )
         )
-    return ReadResult(questions, corpus, skipped)
+    return res
 
 
 def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
@@ -176,25 +173,24 @@ def read_scifact(path: str | Path, split: str = "train") -> ReadResult:
     positives = {
         q: [d for d, grade in docs.items() if grade > 0] for q, docs in load_qrels(qrels_path).items()
     }
-    questions: list[RaftQuestion] = []
-    skipped = {"no_evidence": 0, "empty_oracle": 0}
+    res = ReadResult(corpus=corpus, skipped={"no_evidence": 0, "empty_oracle": 0})
     for r in _unique_rows(query_rows, "_id", "text", root / f"queries_{split}.jsonl"):
         qid = str(r["_id"])
         oracle = [d for d in positives.get(qid, []) if d in corpus]
         if not oracle:
-            skipped["no_evidence"] += 1
+            res.skipped["no_evidence"] += 1
             continue
         oracle = [d for d in oracle if corpus[d].text.strip()]
         if not oracle:
-            skipped["empty_oracle"] += 1
+            res.skipped["empty_oracle"] += 1
             continue
         title = corpus[oracle[0]].title or oracle[0]
-        questions.append(
+        res.questions.append(
             RaftQuestion(
                 id=qid, question=str(r["text"]).strip(), oracle_ids=oracle, answer=title, kind="title"
             )
         )
-    return ReadResult(questions, corpus, skipped)
+    return res
 
 
 def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResult:
@@ -212,8 +208,7 @@ def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResul
             names["topic"]: "text",
         },
     )
-    questions: list[RaftQuestion] = []
-    corpus: dict[str, RaftDoc] = {}
+    res = ReadResult()
     for row in _unique_rows(rows, names["id"], names["question"], path):
         qid = str(row[names["id"]])
         oracles = row[names["oracle"]]
@@ -227,12 +222,14 @@ def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResul
         ids = []
         for i, text in enumerate(oracles):
             doc_id = f"{qid}:oracle{i}"
-            corpus[doc_id] = RaftDoc(id=doc_id, text=str(text), topic=None if topic is None else str(topic))
+            res.corpus[doc_id] = RaftDoc(
+                id=doc_id, text=str(text), topic=None if topic is None else str(topic)
+            )
             ids.append(doc_id)
         answer = str(row[names["answer"]]).strip()
         long_answer = row.get(names["long_answer"])
         kind: AnswerKind = "yes_no_maybe" if answer.lower() in ("yes", "no", "maybe") else "free"
-        questions.append(
+        res.questions.append(
             RaftQuestion(
                 id=qid,
                 question=str(row[names["question"]]).strip(),
@@ -243,7 +240,7 @@ def read_generic_jsonl(path: str | Path, fields: Mapping[str, str]) -> ReadResul
                 topic=None if topic is None else str(topic),
             )
         )
-    return ReadResult(questions, corpus)
+    return res
 
 
 def read_corpus_jsonl(path: str | Path) -> dict[str, RaftDoc]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.devices import Device
 
 
@@ -22,10 +23,8 @@ class LoraSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.r < 1:
-            raise ValueError(f"lora.r={self.r} must be >= 1 (e.g. 8)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        check_at_least("lora", self, "r", 1, " (e.g. 8)")
+        check_range("lora", self, "dropout", 0.0, 1.0, "[)")
         if not self.target_modules:
             raise ValueError(
                 "lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]"
@@ -58,8 +57,7 @@ class TrainSettings:
             raise ValueError(
                 f"train.learning_rate={self.learning_rate} must be positive (LoRA: ~1e-4 to 3e-4)"
             )
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"train.max_steps={self.max_steps} must be >= 1 or null (no cap)")
+        check_at_least("train", self, "max_steps", 1, " or null (no cap)", optional=True)
         if self.num_epochs <= 0 and self.max_steps is None:
             raise ValueError(
                 "train.num_epochs <= 0 and train.max_steps is null: nothing to train; set one of them"
@@ -101,10 +99,8 @@ class SftConfig:
                 f"log_with has tracker(s) {unknown} that transformers' Trainer cannot report to; "
                 f"choose from {['jsonl', *SFT_TRACKERS]}"
             )
-        if self.max_train_examples is not None and self.max_train_examples < 1:
-            raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 1 or null")
-        if self.max_length < 32:
-            raise ValueError(f"max_length={self.max_length} must be >= 32 tokens")
+        check_at_least("", self, "max_train_examples", 1, " or null", optional=True)
+        check_at_least("", self, "max_length", 32, " tokens")
 
 
 # trackers transformers' Trainer can report to that judgeloop's other trainers know too (report_to names)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.conformal import (
     AdaptiveConformal,
@@ -55,10 +56,8 @@ class ConformalSection:
         bad = [a for a in self.alphas if not 0.0 < a < 1.0]
         if not self.alphas or bad:
             raise ValueError(f"conformal.alphas={self.alphas} must be a non-empty list of values in (0, 1)")
-        if self.top_k < 2:
-            raise ValueError(f"conformal.top_k={self.top_k} must be >= 2")
-        if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"conformal.confidence={self.confidence} must be in (0, 1)")
+        check_at_least("conformal", self, "top_k", 2)
+        check_range("conformal", self, "confidence", 0.0, 1.0)
 
 
 @dataclass
@@ -74,17 +73,12 @@ class OnlineConfig:
     tolerance: float = 0.05
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha < 1.0:
-            raise ValueError(f"online.alpha={self.alpha} must be in (0, 1); e.g. online.alpha=0.1")
-        if self.gamma < 0.0:
-            raise ValueError(f"online.gamma={self.gamma} must be >= 0 (the ACI step size; 0 = window only)")
+        check_range("online", self, "alpha", 0.0, 1.0, hint="; e.g. online.alpha=0.1")
+        check_at_least("online", self, "gamma", 0.0, " (the ACI step size; 0 = window only)")
         for name in ("window", "monitor_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"online.{name}={getattr(self, name)} must be >= 1")
-        if self.warmup < 1:
-            raise ValueError(f"online.warmup={self.warmup} must be >= 1 (the static quantile needs points)")
-        if not 0.0 <= self.tolerance < 1.0:
-            raise ValueError(f"online.tolerance={self.tolerance} must be in [0, 1)")
+            check_at_least("online", self, name, 1)
+        check_at_least("online", self, "warmup", 1, " (the static quantile needs points)")
+        check_range("online", self, "tolerance", 0.0, 1.0, "[)")
 
 
 @dataclass
@@ -102,10 +96,8 @@ class ConformalConfig:
     cache_dir: str | None = "runs/cache"
 
     def __post_init__(self) -> None:
-        if self.num_trials < 1:
-            raise ValueError(f"num_trials={self.num_trials} must be >= 1")
-        if not 0.0 < self.calibration_fraction < 1.0:
-            raise ValueError(f"calibration_fraction={self.calibration_fraction} must be in (0, 1); e.g. 0.5")
+        check_at_least("", self, "num_trials", 1)
+        check_range("", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")
 
 
 def _weighted_mean(x: np.ndarray, w: np.ndarray) -> float:

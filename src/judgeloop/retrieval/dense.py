@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
+from judgeloop.config import check_at_least
 from judgeloop.hashing import texts_digest
 from judgeloop.io import DataError, atomic_path, read_jsonl
 from judgeloop.logging import get_logger
@@ -48,8 +49,7 @@ class RetrievalDataConfig:
     max_corpus_docs: int | None = None  # keep the relevant docs plus the first N others (quick runs)
 
     def __post_init__(self) -> None:
-        if self.num_buckets < 1:
-            raise ValueError(f"data.num_buckets={self.num_buckets} must be >= 1")
+        check_at_least("data", self, "num_buckets", 1)
 
 
 @dataclass

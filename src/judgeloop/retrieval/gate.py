@@ -331,6 +331,9 @@ class WeakRetrievalGate:
     Learned attributes: ``stats_`` (all signals), ``state_`` (:class:`GateState`).
     """
 
+    # the settings a saved gate carries (state_dict) and restores (load_state_dict)
+    _SAVED_SETTINGS = ("min_separation", "max_correlation", "threshold_rule", "target_recall", "combine")
+
     def __init__(
         self,
         min_separation: float = 0.65,
@@ -418,17 +421,13 @@ class WeakRetrievalGate:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "min_separation": self.min_separation,
-            "max_correlation": self.max_correlation,
-            "threshold_rule": self.threshold_rule,
-            "target_recall": self.target_recall,
-            "combine": self.combine,
+            **{key: getattr(self, key) for key in self._SAVED_SETTINGS},
             "stats_": [vars(s) for s in getattr(self, "stats_", [])],
             "state_": vars(self.state_) if hasattr(self, "state_") else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> WeakRetrievalGate:
-        for key in ("min_separation", "max_correlation", "threshold_rule", "target_recall", "combine"):
+        for key in self._SAVED_SETTINGS:
             setattr(self, key, state[key])
         self.stats_ = [SignalStats(**s) for s in state["stats_"]]
         if state["state_"] is not None:

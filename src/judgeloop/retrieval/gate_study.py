@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, RetrievalDataConfig, load_retrieval_data, retrieve_dense
@@ -65,8 +66,7 @@ class GateSection:
         unknown = [s for s in self.signals if s not in SIGNALS]
         if unknown or not self.signals:
             raise ValueError(f"gate.signals has unknown signal(s) {unknown}; choose from {sorted(SIGNALS)}")
-        if self.window_k < 2:
-            raise ValueError(f"gate.window_k={self.window_k} must be >= 2 (top_gap needs two results)")
+        check_at_least("gate", self, "window_k", 2, " (top_gap needs two results)")
 
 
 @dataclass
@@ -83,8 +83,7 @@ class GateConfig:
     cache_dir: str | None = "runs/cache"
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.calibration_fraction < 1.0:
-            raise ValueError(f"calibration_fraction={self.calibration_fraction} must be in (0, 1); e.g. 0.5")
+        check_range("", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")
 
 
 def gate_signals(cfg: GateConfig, beir: Any, rq: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:

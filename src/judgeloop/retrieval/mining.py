@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.io import DataError, atomic_write_jsonl, read_jsonl
 from judgeloop.logging import get_logger
 
@@ -61,8 +62,7 @@ class MiningConfig:
     use_faiss: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_negatives < 1:
-            raise ValueError(f"mining.num_negatives={self.num_negatives} must be >= 1")
+        check_at_least("mining", self, "num_negatives", 1)
         if not 0 <= self.range_min < self.range_max:
             raise ValueError(
                 f"mining.range_min={self.range_min}, range_max={self.range_max}: need 0 <= range_min < range_max"
@@ -72,14 +72,9 @@ class MiningConfig:
                 f"mining window [{self.range_min}, {self.range_max}) holds fewer than "
                 f"num_negatives={self.num_negatives} candidates; widen range_max"
             )
-        if self.relative_margin is not None and not 0.0 < self.relative_margin <= 1.0:
-            raise ValueError(
-                f"mining.relative_margin={self.relative_margin} must be in (0, 1] (e.g. 0.95) or null"
-            )
-        if self.margin is not None and self.margin < 0:
-            raise ValueError(f"mining.margin={self.margin} must be >= 0 or null")
-        if self.chunk_size < 1:
-            raise ValueError(f"mining.chunk_size={self.chunk_size} must be >= 1")
+        check_range("mining", self, "relative_margin", 0.0, 1.0, "(]", " (e.g. 0.95) or null", optional=True)
+        check_at_least("mining", self, "margin", 0, " or null", optional=True)
+        check_at_least("mining", self, "chunk_size", 1)
 
 
 def exact_topk(

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from judgeloop.checkpointing import load_training_checkpoint, prune_checkpoints, save_training_checkpoint
-from judgeloop.config import to_dict
+from judgeloop.config import check_at_least, check_range, to_dict
 from judgeloop.devices import Device, check_device, native_bf16, on_cpu, resolve_precision
 from judgeloop.distributed import configure_deepspeed, generation_context, refuse_gradcache_under_deepspeed
 from judgeloop.io import DataError
@@ -97,12 +97,8 @@ class RetrieverDataConfig:
     max_corpus_docs: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1); e.g. 0.2")
-        if self.max_corpus_docs is not None and self.max_corpus_docs < 2:
-            raise ValueError(
-                f"data.max_corpus_docs={self.max_corpus_docs} must be >= 2 or null (full corpus)"
-            )
+        check_range("data", self, "eval_fraction", 0.0, 1.0, hint="; e.g. 0.2")
+        check_at_least("data", self, "max_corpus_docs", 2, " or null (full corpus)", optional=True)
 
 
 @dataclass
@@ -125,8 +121,7 @@ class RetrieverLossConfig:
     gather_across_processes: bool = True
 
     def __post_init__(self) -> None:
-        if self.tau <= 0:
-            raise ValueError(f"loss.tau={self.tau} must be > 0 (0.05 = sentence-transformers scale 20)")
+        check_at_least("loss", self, "tau", 0, " (0.05 = sentence-transformers scale 20)", strict=True)
 
 
 @dataclass
@@ -172,14 +167,10 @@ class RetrieverTrainConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 2:
             raise ValueError(f"train.batch_size={self.batch_size}: in-batch negatives need at least 2")
-        if self.num_epochs < 1:
-            raise ValueError(f"train.num_epochs={self.num_epochs} must be >= 1")
-        if self.gradcache_chunk_size < 0:
-            raise ValueError(f"train.gradcache_chunk_size={self.gradcache_chunk_size} must be >= 0 (0 = off)")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints} must be >= 1")
-        if self.learning_rate <= 0:
-            raise ValueError(f"train.learning_rate={self.learning_rate} must be > 0")
+        check_at_least("train", self, "num_epochs", 1)
+        check_at_least("train", self, "gradcache_chunk_size", 0, " (0 = off)")
+        check_at_least("train", self, "keep_checkpoints", 1)
+        check_at_least("train", self, "learning_rate", 0, strict=True)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_cached, encode_texts
@@ -35,10 +36,7 @@ class RouteDataConfig:
     max_questions: int | None = 80  # random sample (seeded); None = all
 
     def __post_init__(self) -> None:
-        if self.max_questions is not None and self.max_questions < 4:
-            raise ValueError(
-                f"data.max_questions={self.max_questions} must be >= 4 (two splits of two) or null"
-            )
+        check_at_least("data", self, "max_questions", 4, " (two splits of two) or null", optional=True)
 
 
 @dataclass
@@ -59,8 +57,7 @@ class RetrieverSection:
     top_k: int = 2
 
     def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ValueError(f"retriever.top_k={self.top_k} must be >= 1")
+        check_at_least("retriever", self, "top_k", 1)
 
 
 @dataclass
@@ -72,12 +69,10 @@ class RouterSection:
     max_retrieval_rate: float | None = None  # retrieval budget on the selection split
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.selection_fraction < 1.0:
-            raise ValueError(f"router.selection_fraction={self.selection_fraction} must be in (0, 1)")
-        if self.max_retrieval_rate is not None and not 0.0 <= self.max_retrieval_rate <= 1.0:
-            raise ValueError(
-                f"router.max_retrieval_rate={self.max_retrieval_rate} must be in [0, 1] or null (no budget)"
-            )
+        check_range("router", self, "selection_fraction", 0.0, 1.0)
+        check_range(
+            "router", self, "max_retrieval_rate", 0.0, 1.0, "[]", " or null (no budget)", optional=True
+        )
 
 
 @dataclass
