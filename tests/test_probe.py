@@ -26,7 +26,8 @@ from judgeloop.judges.hacking import (
     stuffs_keywords,
     top_content_words,
 )
-from judgeloop.judges.probe import ProbeConfig, honest_and_weak, probe, render_markdown
+from judgeloop.judges.probe import ProbeConfig, honest_and_weak, probe
+from judgeloop.judges.probe_report import render_markdown
 
 ARTICLE = (
     "The Orrin Falls council voted 8 to 3 on Tuesday to build a new footbridge over the river. "

@@ -1,15 +1,16 @@
 """``judgeloop probe-judge``: which reward hacks fool which judge, and do debiasing and calibration help?
 
-The probe is :mod:`judgeloop.judges.probe`; this shell runs it and writes ``report.json``, ``report.md``,
-``pairs.jsonl`` (one row per judge, attack and article) and the resolved ``config.yaml`` under
-``output_dir``.
+The probe is :mod:`judgeloop.judges.probe` and its markdown :mod:`judgeloop.judges.probe_report`; this
+shell runs it and writes ``report.json``, ``report.md``, ``pairs.jsonl`` (one row per judge, attack and
+article) and the resolved ``config.yaml`` under ``output_dir``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from judgeloop.judges.probe import ProbeConfig, probe, render_markdown
+from judgeloop.judges.probe import ProbeConfig, probe
+from judgeloop.judges.probe_report import render_markdown
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
 
