@@ -52,3 +52,12 @@ def test_no_function_is_over_100_lines():
             if is_function and node.end_lineno - node.lineno + 1 > 100:
                 long.add(f"{path.relative_to(SRC)}:{node.name}")
     assert not long, f"functions over 100 lines: {sorted(long)}; split them into named steps"
+
+
+def test_the_calibration_leaves_a_panel_uses_import_no_judge():
+    """judges/panel.py calibrates its members with calibration's calibrators and pair features; those
+    modules (and what importing calibration/ runs) must not import judges/, or the two would import each
+    other."""
+    for name in ("__init__.py", "calibrators.py", "labels.py", "metrics.py"):
+        bad = [m for m in _imports(SRC / "calibration" / name) if m.startswith("judgeloop.judges")]
+        assert not bad, f"calibration/{name} imports {bad}; judges/panel.py imports it"

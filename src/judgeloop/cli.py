@@ -19,6 +19,7 @@ from judgeloop.logging import setup_logging
 # command -> "module:ConfigClass:run_function"
 COMMANDS: dict[str, str] = {
     "calibrate": "judgeloop.commands.calibrate:CalibrateConfig:run",
+    "probe-judge": "judgeloop.commands.probe_judge:ProbeConfig:run",
     "conformal": "judgeloop.commands.conformal:ConformalConfig:run",
     "gate": "judgeloop.commands.gate:GateConfig:run",
     "route": "judgeloop.commands.route:RouteConfig:run",
@@ -33,6 +34,7 @@ COMMANDS: dict[str, str] = {
 
 HELP: dict[str, str] = {
     "calibrate": "score judge preferences, fit Platt/isotonic calibrators, write a calibration report",
+    "probe-judge": "attack judges with reward hacks (verdict injection, stuffing, copying...); success rates",
     "conformal": "conformal retrieval sets (per-group thresholds, base rates, ACI) checked over random splits",
     "gate": "select cheap weak-retrieval signals on calibration data, threshold them, report AUCs and cost",
     "route": "confidence routing for QA: retrieve only when the probe is unsure; vs four baselines",

@@ -1,0 +1,28 @@
+"""``judgeloop probe-judge``: which reward hacks fool which judge, and do debiasing and calibration help?
+
+The probe is :mod:`judgeloop.calibration.probe` and its markdown :mod:`judgeloop.calibration.probe_report`; this
+shell runs it and writes ``report.json``, ``report.md``, ``pairs.jsonl`` (one row per judge, attack and
+article) and the resolved ``config.yaml`` under ``output_dir``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from judgeloop.calibration.probe import ProbeConfig, probe
+from judgeloop.calibration.probe_report import render_markdown
+from judgeloop.logging import get_logger
+from judgeloop.reports import write_report
+
+logger = get_logger(__name__)
+
+__all__ = ["ProbeConfig", "run"]
+
+
+def run(cfg: ProbeConfig) -> dict[str, Any]:
+    """Probe the judges of ``cfg`` and write the outputs; returns the report."""
+    result = probe(cfg)
+    markdown = render_markdown(result.report)
+    write_report(cfg.output_dir, cfg, result.report, markdown, {"pairs.jsonl": result.rows})
+    logger.info("\n%s", "\n".join(markdown.splitlines()[: 4 + len(cfg.attacks) + 2]))
+    return result.report
