@@ -43,7 +43,7 @@ from judgeloop.data import DataConfig, SplitConfig, SummExample, load_examples, 
 from judgeloop.data.summarization import Candidate
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import DataError
-from judgeloop.judges import JudgeConfig, build_judge
+from judgeloop.judges import JudgeConfig, build_judge, models_of
 from judgeloop.judges.base import VALID_STATUSES, Judge, Pair, combine_orders, merge_status
 from judgeloop.judges.hacking import (
     ATTACKS,
@@ -274,7 +274,9 @@ def check_models(cfg: ProbeConfig) -> None:
     try:
         for name, jc in cfg.active_judges.items():
             resolve_device(jc.device)
-            check_model(jc.model, f"judges.{name}.model")
+            for key, model, device in models_of(jc, f"judges.{name}"):
+                resolve_device(device)
+                check_model(model, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

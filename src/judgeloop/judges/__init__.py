@@ -208,6 +208,21 @@ class JudgeConfig:
         return self.type == "choice" if self.position_debias is None else self.position_debias
 
 
+def models_of(cfg: JudgeConfig, key: str = "judge") -> list[tuple[str, str, str]]:
+    """``(config key, model, device)`` of every model ``cfg`` loads: none for a text signal, each member's
+    for a panel; for checking them before any weights load."""
+    if cfg.type == "panel":
+        return members_models(cfg.panel, f"{key}.panel")
+    if cfg.type == "objective" and cfg.signal != "factual":
+        return []
+    return [(f"{key}.model", cfg.model, cfg.device)]
+
+
+def members_models(panel: PanelConfig, key: str) -> list[tuple[str, str, str]]:
+    """:func:`models_of` over a panel's members (``KEY.members[i]``)."""
+    return [m for i, member in enumerate(panel.members) for m in models_of(member, f"{key}.members[{i}]")]
+
+
 def build_judge(cfg: JudgeConfig) -> Judge:
     """Load the model and build the judge ``cfg`` describes (styled when ``style_weight`` is not 0)."""
     if cfg.type == "panel":
@@ -285,6 +300,8 @@ __all__ = [
     "PanelConfig",
     "build_panel",
     "member_names",
+    "members_models",
+    "models_of",
     "JudgeOutput",
     "JudgePrompt",
     "JudgeStats",

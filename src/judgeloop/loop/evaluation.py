@@ -3,7 +3,9 @@
 Metrics (means over articles): neutral ROUGE-1/2/L (the task's real target), ROUGE-L against the
 extractive references (how far the policy moved toward the judge's style), copy rate (3-grams
 copied from the article) and novel bigram rate, mean length in words, KL(pi || pi_ref) (k1 on one
-sampled summary per article), the judge's win rate of the policy's summary against the reference
+sampled summary per article), the share of summaries each reward-hacking detector flags
+(:mod:`judgeloop.judges.hacking`: injected verdicts, repetition, a copied lead, keyword stuffing, empty),
+the judge's win rate of the policy's summary against the reference
 policy's, and the calibrator's ECE on (greedy, sampled) pairs labeled by neutral ROUGE-L.
 """
 
@@ -19,6 +21,7 @@ import torch
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
 from judgeloop.judges import Judge, references_for
+from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
 from judgeloop.loop.config import GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
@@ -71,7 +74,14 @@ def text_metrics(ex: SummExample, summary: str) -> dict[str, float]:
         "copy_rate": copy_rate(summary, ex.article),
         "novel_bigram_rate": novel_ngram_rate(summary, ex.article, 2),
         "length": float(len(tokens(summary))),
+        **hack_flags(ex.article, summary),
     }
+
+
+def hack_flags(article: str, summary: str) -> dict[str, float]:
+    """The reward-hacking detectors on one summary: ``hack_KIND`` 1.0 when KIND fires, and ``hack_any``."""
+    flags = detect_hacks(article, summary)
+    return {**{f"hack_{k}": float(v) for k, v in flags.as_dict().items()}, "hack_any": float(flags.any)}
 
 
 @torch.no_grad()
@@ -157,6 +167,12 @@ def aggregate(
     for k in keys:
         vals = np.array([r[k] for r in rows], dtype=float)
         out[k] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+    for kind in (
+        *HACK_KINDS,
+        "any",
+    ):  # the share of the policy's summaries each reward-hacking detector flags
+        flags = [r[f"hack_{kind}"] for r in rows]
+        out[f"hack_{kind}_rate"] = float(np.mean(flags)) if flags else float("nan")
     wins = [r["win"] for r in rows if r["win"] is not None]
     out["win_rate"] = float(np.mean(wins)) if wins else float("nan")
     out["judge_failures"] = float(sum(r["win"] is None for r in rows))

@@ -51,7 +51,7 @@ from judgeloop.distributed import (
     trainable_state,
 )
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
-from judgeloop.judges import Judge, build_judge, references_for
+from judgeloop.judges import Judge, build_judge, members_models, models_of, references_for
 from judgeloop.logging import get_logger
 from judgeloop.loop.alarms import check_divergence
 from judgeloop.loop.checkpoint import (
@@ -771,7 +771,14 @@ def check_models(cfg: FeedbackLoopConfig) -> None:
         check_device(cfg.device, "device")
         resolve_device(cfg.judge.device)
         check_trackers(cfg.log_with)
-        for key, name in (("policy.model", cfg.policy.model), ("judge.model", cfg.judge.model)):
+        check_model(cfg.policy.model, "policy.model")
+        panel = (
+            members_models(cfg.calibration.panel, "calibration.panel")
+            if cfg.calibration.method == "panel"
+            else []
+        )
+        for key, name, device in models_of(cfg.judge) + panel:
+            resolve_device(device)
             check_model(name, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
