@@ -120,6 +120,7 @@ def test_every_shipped_config_loads(repo):
         "conformal": "conformal",
         "gate": "gate",
         "routing": "route",
+        "probe": "probe-judge",
     }
     files = sorted((repo / "configs").rglob("*.yaml"))
     assert files, "no configs found"
