@@ -336,16 +336,20 @@ def test_bad_config_is_one_line_error_before_anything_loads(
 
 def test_null_drops_a_judge_and_empty_judges_are_refused(repo):
     cfg = load_config(ProbeConfig, repo / "configs/probe/summeval.yaml", ["judges.choice=null"])
-    assert list(cfg.active_judges) == ["embedding"]
+    assert list(cfg.active_judges) == ["embedding", "panel"]
     with pytest.raises(ConfigError, match="judges is empty"):
         load_config(
-            ProbeConfig, repo / "configs/probe/summeval.yaml", ["judges.choice=null", "judges.embedding=null"]
+            ProbeConfig,
+            repo / "configs/probe/summeval.yaml",
+            ["judges.choice=null", "judges.embedding=null", "judges.panel=null"],
         )
 
 
 def test_shipped_config_judges(repo):
     cfg = load_config(ProbeConfig, repo / "configs/probe/summeval.yaml")
-    assert {n: j.type for n, j in cfg.active_judges.items()} == {"choice": "choice", "embedding": "embedding"}
+    types = {n: j.type for n, j in cfg.active_judges.items()}
+    assert types == {"choice": "choice", "embedding": "embedding", "panel": "panel"}
+    assert [m.type for m in cfg.active_judges["panel"].panel.members] == ["choice", "embedding"]
     assert cfg.active_judges["choice"].model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert cfg.active_judges["embedding"].model == "sentence-transformers/all-MiniLM-L6-v2"
     assert cfg.attacks == list(ATTACKS)
@@ -361,6 +365,7 @@ def test_summeval_embedding_probe(repo, shared_data, tmp_path):
             "--config",
             str(repo / "configs/probe/summeval.yaml"),
             "judges.choice=null",
+            "judges.panel=null",
             f"data.path={shared_data / 'summeval/summeval_dev.jsonl'}",
             "max_test_articles=6",
             "calibration.max_articles=6",
@@ -373,8 +378,23 @@ def test_summeval_embedding_probe(repo, shared_data, tmp_path):
     j = report["judges"]["embedding"]
     assert report["articles"]["test"] == 6 and report["articles"]["calibration"] == 6
     assert j["attacks"]["empty"]["n_failed"] == 6
-    assert j["n_fit"] >= 10
+    assert j["n_fit"] >= 10 and j["learns_from_labels"] and j["fit_labels"]
     assert report["detectors"]["n_references"] == 66
     assert report["detectors"]["references"]["hack_any_rate"] <= 0.05
     for kind, detector in EXPECTED.items():
         assert report["detectors"]["attacks"][kind][f"hack_{detector}_rate"] == 1.0
+
+
+def test_a_panel_is_fitted_on_the_calibration_split_before_it_is_probed(tmp_path):
+    """A panel (a judge that learns from labels) in the probe: its members' calibrators are fitted on the
+    calibration pairs first; the report lists it like any judge, with both members named."""
+    panel = (
+        "judges.panel={type: panel, panel: {members: [{type: embedding, model: judgeloop-tiny/encoder}, "
+        "{type: objective, signal: length, scale: 1.0}]}}"
+    )
+    cfg = _tiny_cfg(tmp_path, "judges.choice=null", panel)
+    report = probe(cfg).report
+    j = report["judges"]["panel"]
+    assert "judgeloop-tiny/encoder" in j["model"] and set(j["attacks"]) == set(ATTACKS)
+    assert j["attacks"]["empty"]["n_failed"] == report["articles"]["test"]  # the panel refuses it too
+    assert j["n_fit"] >= 10 and j["learns_from_labels"] and j["fit_labels"]

@@ -454,7 +454,7 @@ def probe_one_judge(
     ]
     report = {
         "type": jc.type,
-        "model": jc.model,
+        "model": jc.model if jc.type != "panel" else " + ".join(m.model for m in jc.panel.members),
         "position_debias": bool(judge.position_debias),
         "learns_from_labels": bool(judge.learns_from_labels),
         "calibrator": cal.state_dict(),
