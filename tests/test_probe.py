@@ -323,10 +323,12 @@ def test_bad_config_is_one_line_error_before_anything_loads(
         raise AssertionError("a model was loaded before the config error")
 
     monkeypatch.setattr("judgeloop.calibration.probe.build_judge", no_model)
-    out = tmp_path / "never"
-    rc = main(
-        ["probe-judge", "--config", str(repo / "configs/probe/summeval.yaml"), override, f"output_dir={out}"]
-    )
+    out, data = tmp_path / "never", tmp_path / "summeval.jsonl"
+    _write_summeval(
+        data
+    )  # a SummEval-format file of our own: the checks that read the data run without ../shared
+    cfg = str(repo / "configs/probe/summeval.yaml")
+    rc = main(["probe-judge", "--config", cfg, f"data.path={data}", override, f"output_dir={out}"])
     err = capsys.readouterr().err
     assert rc == 2
     assert message in err, err
