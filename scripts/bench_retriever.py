@@ -350,7 +350,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--num-queries", type=int, default=200, help="SciFact train queries used")
     p.add_argument("--num-docs", type=int, default=1000, help="corpus size for mining (judged docs first)")
-    p.add_argument("--repeats", type=int, default=1, help="mining repetitions (median taken)")
+    p.add_argument("--repeats", type=int, default=3, help="mining repetitions (median taken; one is noise)")
     p.add_argument("--only", choices=["train", "mining"], default=None)
     p.add_argument(
         "--precision",
