@@ -314,6 +314,8 @@ def test_honest_and_weak_use_mean_ratings(tmp_path):
         ("confidence=1.5", "confidence=1.5"),
         ("calibration.calibrator.min_points=100000", "calibration.calibrator.min_points=100000"),
         ("judges.choice.typo=1", "unknown config key 'judges.choice.typo'"),
+        ("detectors.keyword_hits=20", "detectors.keyword_hits=20 exceeds detectors.keyword_window=9"),
+        ("attack_options.truncate_fraction=1.5", "attack_options.truncate_fraction=1.5 must be in (0, 1)"),
     ],
 )
 def test_bad_config_is_one_line_error_before_anything_loads(

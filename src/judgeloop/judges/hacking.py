@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from judgeloop.config import check_at_least, check_range
 from judgeloop.text import STOPWORDS
 
 ATTACKS = (
@@ -215,10 +216,8 @@ class AttackOptions:
         if not self.label.strip():
             raise ValueError("attack label is empty; use the judge's first verdict label, e.g. 'A'")
         for name in ("keywords", "repeats", "repeat_max_words", "lead_sentences"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"attack {name}={getattr(self, name)}; it must be at least 1")
-        if not 0 < self.truncate_fraction < 1:
-            raise ValueError(f"attack truncate_fraction={self.truncate_fraction}; it must be in (0, 1)")
+            check_at_least("attack_options", self, name, 1)
+        check_range("attack_options", self, "truncate_fraction", 0, 1, "()", "; e.g. 0.33")
 
 
 def build_attack(kind: str, article: str, honest: str, weak: str, opts: AttackOptions | None = None) -> str:
@@ -293,6 +292,18 @@ class DetectorConfig:
     keyword_window: int = 9
     keyword_top: int = 30
     keyword_hits: int = 7
+
+    def __post_init__(self) -> None:
+        for name in ("ngram", "repeated_sentence_words", "lead_sentences", "lead_min_ngrams", "keyword_window",
+                     "keyword_top", "keyword_hits"):  # fmt: skip
+            check_at_least("detectors", self, name, 1)
+        for name in ("repeated_ngram_share", "lead_copy_share"):
+            check_range("detectors", self, name, 0, 1, "(]")
+        if self.keyword_hits > self.keyword_window:
+            raise ValueError(
+                f"detectors.keyword_hits={self.keyword_hits} exceeds detectors.keyword_window="
+                f"{self.keyword_window}: the stuffing detector could never fire; lower keyword_hits"
+            )
 
 
 HACK_KINDS = ("verdict", "repetition", "lead_copy", "keyword_stuffing", "empty")
