@@ -16,6 +16,7 @@ from judgeloop.judges.objective import ObjectiveJudge, signal_value
 from judgeloop.judges.panel import PanelJudge
 from judgeloop.loop.alarms import preference_agreement, rolling_agreement
 from judgeloop.loop.config import FeedbackLoopConfig
+from test_loop import FAST as LOOP_FAST
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "feedback_loop" / "tiny.yaml"
@@ -194,19 +195,10 @@ def test_agreement_counts_skip_abstentions_and_pool_a_window():
     assert rolling_agreement(checks, "y", 2) == (0, 0)
 
 
+# the loop's end-to-end settings (tests/ is on sys.path under pytest), with a length-judging style feature
+# and a divergence check every two steps
 FAST = [
-    "judge.model=judgeloop-tiny/encoder",
-    "policy.sft_steps=60",
-    "max_steps=4",
-    "eval_every_n_steps=2",
-    "calibration.num_articles=40",
-    "calibration.min_points=4",
-    "num_eval_articles=4",
-    "num_validation_articles=4",
-    "progress_bar=false",
-    "log_with=[jsonl]",
-    "data.embedded_size=120",
-    "generation.max_new_tokens=8",
+    *LOOP_FAST,
     "alarms.every_n_steps=2",
     "alarms.signals=[length]",
     "judge.style_feature=log_length_ratio",
