@@ -48,11 +48,15 @@ def agreement_counts(
 ) -> dict[str, tuple[int, int]]:
     """This check's (agreeing, counted) pairs per channel: ``judge~SIGNAL`` for each signal, and
     ``MEMBER~MEMBER`` for each pair of a panel's members (when ``cfg.members``)."""
-    res = judge(pairs.articles, pairs.a, pairs.b, pairs.references or None)
-    p = calibrate(calibrator, res.scores, pairs.articles, pairs.a, pairs.b)
+    members: dict[str, np.ndarray] = {}
+    scores = np.asarray(pairs.scores, dtype=float)  # the training judge's logits, judged when collected
+    if judge.learns_from_labels:  # a panel: re-judged, for its members' p (and a refit since collecting)
+        res = judge(pairs.articles, pairs.a, pairs.b, pairs.references or None)
+        scores, members = res.scores, res.members
+    p = calibrate(calibrator, scores, pairs.articles, pairs.a, pairs.b)
     out = {f"judge~{s}": preference_agreement(p, signal_differences(s, pairs)) for s in cfg.signals}
     if cfg.members:
-        for (m1, p1), (m2, p2) in itertools.combinations(res.members.items(), 2):
+        for (m1, p1), (m2, p2) in itertools.combinations(members.items(), 2):
             out[f"{m1}~{m2}"] = preference_agreement(p1, p2 - 0.5)
     return out
 
