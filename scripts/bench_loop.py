@@ -160,6 +160,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
         make_pairs,
         policy_update,
         rollout_step,
+        shares_prompt_pass,
     )
 
     cfg = _cfg(args)
@@ -175,7 +176,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
         model, opt, sched = acc.prepare(model, opt, sched)
         learner = Learner(
             acc, model, ref, opt, sched, cfg.loss, cfg.optim.max_grad_norm, tok.pad_token_id,
-            cfg.optim.update_chunk_size,
+            cfg.optim.update_chunk_size, shares_prompt_pass(cfg, acc, model),
         )  # fmt: skip
         times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
         # as the loop (runner.training_step): with judge_prefetch the next batch's article embeddings are
@@ -189,7 +190,8 @@ def worker_ours(args: argparse.Namespace) -> dict:
                     batch = PairBatch(step + 1, exs[step * args.batch_size : (step + 1) * args.batch_size])
                     _sync()
                     t0 = time.perf_counter()
-                    rollout_step(acc.unwrap_model(model), tok, builder, batch, cfg, 0)
+                    keep = learner.reuses_prompt_pass(len(batch.examples))
+                    rollout_step(acc.unwrap_model(model), tok, builder, batch, cfg, 0, keep)
                     _sync()
                     t1 = time.perf_counter()
                     prefetch.wait()

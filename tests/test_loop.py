@@ -777,6 +777,82 @@ def test_shared_prompt_logprobs_equal_the_plain_pass(lora):
         token_logprobs(model, prompts, comps[:-1], 0, samples_per_prompt=2)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_kept_prompt_pass_gives_the_fresh_pass_values_and_gradients(lora):
+    """optim.share_prompt_pass: sampling keeps its prompt prefill with gradients (PromptPrefix) and the
+    update scores the summaries on top of it. Same samples as without, and the same log-probs and
+    gradients as the update's own pass over the prompts; the kept pass serves one update only."""
+    from judgeloop.loop.config import GenerationConfig
+    from judgeloop.loop.rollout import generate, prefix_reusable, token_logprobs
+    from judgeloop.models import load_causal_lm, load_tokenizer
+
+    model, tok = load_causal_lm("judgeloop-tiny/causal-lm"), load_tokenizer("judgeloop-tiny/causal-lm")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+    assert prefix_reusable(model)
+    prompts = [tok.encode(f"Summarize: the council {'met and voted ' * n}today.") for n in (1, 4, 7, 2)]
+    gen = GenerationConfig(max_new_tokens=9, temperature=1.0)
+    kept: list = []
+    comps = generate(model, tok, prompts, gen, num_samples=2, seed=5, keep_prefix=kept)
+    assert comps == generate(model, tok, prompts, gen, num_samples=2, seed=5)
+    assert len(kept) == 1 and kept[0].cache.layers[-1].values.requires_grad  # the graph is kept
+    ab = comps[0::2] + comps[1::2]  # the loop's order: a-samples, then b-samples
+    model.train()
+    results = []
+    for prefix in (None, kept[0]):
+        model.zero_grad()
+        lp, m = token_logprobs(model, prompts, ab, tok.pad_token_id, 2, prefix)
+        (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((lp.detach(), m, grads))
+    (lp0, m0, g0), (lp1, m1, g1) = results
+    assert torch.equal(m0, m1) and m0.sum() > 8
+    torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="already used"):
+        token_logprobs(model, prompts, ab, tok.pad_token_id, 2, kept[0])
+    with pytest.raises(ValueError, match="other prompts"):
+        kept2: list = []
+        generate(model, tok, prompts, gen, num_samples=2, seed=5, keep_prefix=kept2)
+        token_logprobs(model, prompts[::-1], ab, tok.pad_token_id, 2, kept2[0])
+    # a policy with active dropout computes otherwise in train mode: its prompt pass is not reused
+    model.add_module("extra_dropout", torch.nn.Dropout(0.1))
+    assert not prefix_reusable(model)
+
+
+def test_a_run_sharing_the_prompt_pass_equals_one_that_does_not(tmp_path, monkeypatch):
+    """optim.share_prompt_pass (on by default) takes effect in the loop, and the run's log and final metrics
+    are those of a run whose update runs the prompts itself (up to float rounding)."""
+    from judgeloop.loop import rollout as rollout_module
+    from judgeloop.loop.runner import train
+
+    used = []
+    real = rollout_module._logprobs_on_prefix
+    monkeypatch.setattr(rollout_module, "_logprobs_on_prefix", lambda *a: used.append(1) or real(*a))
+    on = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'on'}"]))
+    assert len(used) == 4  # one update per step, each on its rollout's prompt pass
+    off = train(
+        load_config(
+            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'off'}", "optim.share_prompt_pass=false"]
+        )
+    )
+    assert len(used) == 4
+    for a, b in zip(on["train_log"], off["train_log"], strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k == "margin_agreement" and a["step"] == 1:
+                continue  # at step 1 the policy is its reference: every margin is rounding noise, its sign arbitrary
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert on["final"].keys() == off["final"].keys()
+    for k, v in on["final"].items():
+        assert v == pytest.approx(off["final"][k], rel=1e-4, abs=1e-6), k
+
+
 def test_sampling_with_one_prefill_per_prompt_gives_the_same_samples():
     """generate(num_samples=2) prefills each prompt once and repeats its cache; the samples equal those of
     prefilling each copy of the prompt (same seed, same random draws)."""

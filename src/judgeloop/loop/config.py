@@ -130,6 +130,14 @@ class OptimConfig:
     (their gradients accumulate into one optimizer step), trading a little speed for activation memory;
     null (default) runs the whole per-process batch at once. The update equals the unchunked one up to
     float summation order (measured in the README's benchmarks section).
+
+    ``share_prompt_pass`` (default on): the rollout's pass of the policy over the prompts runs with
+    gradients and the update reuses it instead of running the prompts again
+    (:class:`~judgeloop.loop.rollout.PromptPrefix`); values and gradients are those of a fresh pass up to
+    float rounding (tested). It applies where the two passes compute the same: no active dropout, the
+    update in one chunk, generation and update at one precision (``mixed_precision: no``, or
+    ``generation.autocast``), no ZeRO-3 / FSDP sharding; elsewhere the update runs the prompts itself.
+    It holds the prompts' activations from the rollout to the update (the update holds them anyway).
     """
 
     RENAMED: ClassVar[dict[str, str]] = {"lr": "learning_rate"}
@@ -139,6 +147,7 @@ class OptimConfig:
     scheduler: Literal["constant", "linear"] = "constant"
     max_grad_norm: float = 1.0
     update_chunk_size: int | None = None
+    share_prompt_pass: bool = True
 
     def __post_init__(self) -> None:
         hint = ", or null (the whole batch at once)"
@@ -266,6 +275,7 @@ RESUME_FREE_KEYS = (
     "save_final_policy",
     "judge_prefetch",
     "judge_prefetch_threads",
+    "release_freed_memory",
     "ablation",
 )
 
@@ -341,6 +351,9 @@ class FeedbackLoopConfig:
     while the judge thread works: ``judge_prefetch_threads`` intra-op threads for the judge (default
     half), the rest for the policy. That pays when the policy's step is small (the tiny config), not
     when its matrix products need every core.
+    ``release_freed_memory`` (Linux, glibc): host allocations over 128 KiB get their own mappings, so the
+    memory a step frees goes back to the OS and the peak RSS stays what the step holds at once
+    (:func:`judgeloop.devices.map_large_allocations`; process-wide, no computed value changes).
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     ``start_cache``: a folder where the work done before step 1 is shared with other runs (set by the
     ablation; see :mod:`judgeloop.loop.shared`); one process only, ignored under several.
@@ -373,6 +386,7 @@ class FeedbackLoopConfig:
     early_stopping_patience: int = 0
     judge_prefetch: bool | None = None
     judge_prefetch_threads: int | None = None
+    release_freed_memory: bool = True
     save_final_policy: bool = True
     num_eval_articles: int = 32
     num_validation_articles: int = 16

@@ -3,12 +3,15 @@
 Prompts are left-padded and summaries right-padded, so one forward pass over ``prompt + summary``
 scores a whole batch; only the last ``T + 1`` positions' logits are computed (``logits_to_keep``),
 and log-probs are taken as ``logit[y] - logsumexp(logits)`` so no (N, T, V) log-softmax is kept.
-The two samples of an article share one pass over its prompt (``samples_per_prompt=2``).
+The two samples of an article share one pass over its prompt (``samples_per_prompt=2``), and the
+training rollout can keep the policy's pass over its prompts, with its autograd graph, for the update
+(:class:`PromptPrefix`): sampling and the update then run the prompts through the policy once between them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +91,32 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 @dataclass
+class PromptPrefix:
+    """The policy's forward pass over its prompts but their last token, run *with* gradients before sampling.
+
+    Sampling prefills each prompt once and decodes from there; the update then needs the same pass
+    again, with gradients, to score the summaries. Between the two the policy's weights do not change
+    (the optimizer steps after the update), so this pass is kept, its keys/values still attached to the
+    autograd graph, and the update runs only the last prompt token and the summaries on top of it. Its
+    values and gradients equal a fresh pass up to float rounding, provided the two passes run in the
+    same mode: no active dropout and the same precision (:func:`prefix_reusable` and the runner check).
+    The graph holds the prompts' activations from the rollout until the update's backward.
+    """
+
+    cache: Any  # the KV cache of prompt[:-1], one row per prompt, its tensors carrying the graph
+    ids: torch.Tensor  # (B, P) the left-padded prompts
+    mask: torch.Tensor  # (B, P) their attention mask
+
+    def take(self, k: int) -> Any:
+        """The cache with each prompt's row repeated ``k`` times (differentiably), for one use only."""
+        cache, self.cache = self.cache, None
+        if cache is None:
+            raise RuntimeError("the rollout's prompt pass was already used by an update")
+        cache.batch_repeat_interleave(k)
+        return cache
+
+
+@dataclass
 class Rollout:
     """Two sampled summaries per article: ``a[i]`` and ``b[i]`` share ``prompts[i]``."""
 
@@ -97,6 +126,18 @@ class Rollout:
     b_ids: list[list[int]]
     a_text: list[str]
     b_text: list[str]
+    prefix: PromptPrefix | None = None  # the policy's prompt pass kept for the update (keep_prefix=True)
+
+
+def prefix_reusable(model: Any) -> bool:
+    """Whether the policy computes the same in eval and train mode (no dropout with p > 0, no attention
+    dropout), so that the prompt pass of sampling (eval mode) can serve the update (train mode)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            return False
+        if float(getattr(getattr(m, "config", None), "attention_dropout", 0.0) or 0.0) > 0:
+            return False
+    return True
 
 
 @torch.no_grad()
@@ -108,10 +149,14 @@ def generate(
     num_samples: int = 1,
     greedy: bool = False,
     seed: int | None = None,
+    keep_prefix: list[PromptPrefix] | None = None,
 ) -> list[list[int]]:
     """Batched, KV-cached generation; returns ``len(prompts) * num_samples`` completions (sample j of
     prompt i at index ``i * num_samples + j``), each cut after the first EOS (the EOS is kept: its
     probability is part of the summary's likelihood).
+
+    ``keep_prefix``: a list that receives the :class:`PromptPrefix` of this call (sampling with
+    ``num_samples > 1`` only): the prompt prefill runs with gradients and is kept for the update.
     """
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     if seed is not None:
@@ -142,7 +187,7 @@ def generate(
         if not gen.autocast:  # see GenerationConfig.autocast
             stack.enter_context(torch.autocast(device.type, enabled=False))
             stack.enter_context(_without_prepared_autocast(model))
-        new_tokens = _generate(model, ids, mask, kwargs, greedy, num_samples, device)
+        new_tokens = _generate(model, ids, mask, kwargs, greedy, num_samples, device, keep_prefix)
     if was_training:
         model.train()
     completions: list[list[int]] = []
@@ -184,26 +229,43 @@ def _generate(
     greedy: bool,
     num_samples: int,
     device: torch.device,
+    keep_prefix: list[PromptPrefix] | None = None,
 ) -> torch.Tensor:
     """``generate()`` on left-padded prompts; returns the (N * num_samples, T) new tokens."""
     if not greedy and num_samples > 1 and ids.shape[1] > 1:
         # Prefill each prompt once (all but its last token) and repeat its KV cache for its samples, instead
         # of prefilling num_samples copies; generate() then starts from the last prompt token. Same samples.
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        pre = model(
-            input_ids=ids[:, :-1].to(device),
-            attention_mask=mask[:, :-1].to(device),
-            position_ids=pos[:, :-1].to(device),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with torch.enable_grad() if keep_prefix is not None else contextlib.nullcontext():
+            pre = model(
+                input_ids=ids[:, :-1].to(device),
+                attention_mask=mask[:, :-1].to(device),
+                position_ids=pos[:, :-1].to(device),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache = _output_cache(pre)
+        if keep_prefix is not None:  # the graph-carrying cache goes to the update, a detached copy decodes
+            keep_prefix.append(PromptPrefix(cache, ids, mask))
+            cache = _detached_copy(cache)
         cache.batch_repeat_interleave(num_samples)
         kwargs.pop("num_return_sequences")
         kwargs[_cache_kwarg(model)] = cache
         ids, mask = ids.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)  # (N*k, P+T)
     return out[:, ids.shape[1] :]
+
+
+def _detached_copy(cache: Any) -> Any:
+    """A copy of a KV cache whose layers hold the same keys/values detached from the graph (decoding
+    replaces them as it appends, the kept cache is left as it was)."""
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in cache.layers:
+        new = copy.copy(layer)
+        new.keys, new.values = layer.keys.detach(), layer.values.detach()
+        out.layers.append(new)
+    return out
 
 
 def decode(tokenizer: Any, completions: Sequence[Sequence[int]]) -> list[str]:
@@ -219,17 +281,21 @@ def rollout(
     gen: GenerationConfig,
     seed: int,
     num_pairs: int = 1,
+    keep_prefix: bool = False,
 ) -> Rollout:
     """Step 1 of the loop: the policy samples two summaries per article (``2 * num_pairs`` for
-    calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output)."""
+    calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output).
+    ``keep_prefix``: keep the policy's prompt pass for the update (:class:`PromptPrefix`)."""
     prompts = [build_prompt(a) for a in articles]
-    comps = generate(model, tokenizer, prompts, gen, num_samples=2 * num_pairs, seed=seed)
+    kept: list[PromptPrefix] | None = [] if keep_prefix and num_pairs == 1 else None
+    comps = generate(model, tokenizer, prompts, gen, num_samples=2 * num_pairs, seed=seed, keep_prefix=kept)
     a_ids, b_ids = comps[0::2], comps[1::2]
     rep_articles = [a for a in articles for _ in range(num_pairs)]
     rep_prompts = [p for p in prompts for _ in range(num_pairs)]
     return Rollout(
-        rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids)
-    )
+        rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids),
+        kept[0] if kept else None,
+    )  # fmt: skip
 
 
 def token_logprobs(
@@ -238,6 +304,7 @@ def token_logprobs(
     completions: Sequence[Sequence[int]],
     pad_id: int,
     samples_per_prompt: int = 1,
+    prefix: PromptPrefix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) for every summary token.
 
@@ -246,13 +313,14 @@ def token_logprobs(
     each prompt is run once: its keys/values are computed for the batch of prompts, repeated k times,
     and the summaries attend to them. Gradients flow through the cached keys/values, so values and
     gradients equal the plain ``k * (P + T)`` pass up to float rounding, at ``P + k * T`` tokens of
-    work and activation memory per article.
+    work and activation memory per article. With ``prefix`` (the rollout's own pass over these prompts,
+    :class:`PromptPrefix`) the prompts are not run again: only their last token and the summaries are.
 
     Returns:
         (N, T) token log-probs (0 on padding) and the (N, T) float mask of summary tokens.
     """
     if samples_per_prompt > 1:
-        return _shared_prompt_logprobs(model, prompts, completions, pad_id, samples_per_prompt)
+        return _shared_prompt_logprobs(model, prompts, completions, pad_id, samples_per_prompt, prefix)
     p_ids, p_mask = left_pad(prompts, pad_id)  # (N, P)
     c_ids, c_mask = right_pad(completions, pad_id)  # (N, T)
     ids = torch.cat([p_ids, c_ids], dim=1)  # (N, P + T)
@@ -296,8 +364,9 @@ def _output_cache(out: Any) -> Any:
 
 
 def _shared_prompt_logprobs(
-    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, k: int,
+    prefix: PromptPrefix | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     B, N = len(prompts), len(completions)
     if k * B != N:
         raise ValueError(f"{N} completions for {B} prompts and samples_per_prompt={k}; expected {k * B}")
@@ -307,8 +376,14 @@ def _shared_prompt_logprobs(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(N)
     p_ids, p_mask = left_pad(prompts, pad_id)  # (B, P)
-    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     kw = _cache_kwarg(model)
+    if prefix is not None:
+        if not (torch.equal(prefix.ids, p_ids) and torch.equal(prefix.mask, p_mask)):
+            raise ValueError("the kept prompt pass is of other prompts than the update's")
+        return _logprobs_on_prefix(
+            model, prefix.take(k), p_ids, p_mask, completions, order, inverse, pad_id, k
+        )
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     first = model(
         input_ids=p_ids.to(device),
         attention_mask=p_mask.to(device),
@@ -335,5 +410,31 @@ def _shared_prompt_logprobs(
         [first.logits[:, -1:, :].float().repeat_interleave(k, 0), rest.logits[:, :-1, :].float()], dim=1
     )  # (N, T, V)
     logp, m = _picked_logprobs(logits, c_ids.to(device), c_mask.to(device))
+    inverse = inverse.to(device)
+    return logp[inverse], m[inverse]
+
+
+def _logprobs_on_prefix(
+    model: Any, cache: Any, p_ids: torch.Tensor, p_mask: torch.Tensor, completions: Sequence[Sequence[int]],
+    order: torch.Tensor, inverse: torch.Tensor, pad_id: int, k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Summary log-probs from the kept cache of prompt[:-1] (rows repeated k times): one pass over each
+    sample's last prompt token and its summary but the last token (whose logit predicts nothing)."""
+    device = next(model.parameters()).device
+    c_ids, c_mask = right_pad([completions[int(o)] for o in order], pad_id)  # (N, T), interleaved
+    T = c_ids.shape[1]
+    last = p_ids[:, -1:].repeat_interleave(k, 0)  # (N, 1): always a real token (left padding)
+    inp = torch.cat([last, c_ids[:, :-1]], dim=1)  # (N, T): position t predicts summary token t
+    attn = torch.cat([p_mask.repeat_interleave(k, 0), c_mask[:, :-1]], dim=1)  # (N, P + T - 1)
+    pos = (p_mask.sum(-1) - 1).repeat_interleave(k)[:, None] + torch.arange(T)[None, :]
+    out = model(
+        input_ids=inp.to(device),
+        attention_mask=attn.to(device),
+        position_ids=pos.to(device),
+        use_cache=True,
+        logits_to_keep=T,
+        **{_cache_kwarg(model): cache},
+    )
+    logp, m = _picked_logprobs(out.logits.float(), c_ids.to(device), c_mask.to(device))
     inverse = inverse.to(device)
     return logp[inverse], m[inverse]

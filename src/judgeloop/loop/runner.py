@@ -42,7 +42,7 @@ from judgeloop.calibration.coupling import coupling_line
 from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
 from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
-from judgeloop.devices import check_device, on_cpu, process_device
+from judgeloop.devices import check_device, map_large_allocations, on_cpu, process_device
 from judgeloop.distributed import (
     configure_deepspeed,
     generation_context,
@@ -99,7 +99,14 @@ from judgeloop.loop.recalibration import (
     recalibration_reason,
     refit,
 )
-from judgeloop.loop.rollout import PromptBuilder, Rollout, derive_seed, rollout, token_logprobs
+from judgeloop.loop.rollout import (
+    PromptBuilder,
+    Rollout,
+    derive_seed,
+    prefix_reusable,
+    rollout,
+    token_logprobs,
+)
 from judgeloop.loop.shared import StartCache, model_fingerprint
 from judgeloop.models import load_tokenizer
 from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
@@ -322,11 +329,17 @@ class Learner:
     max_grad_norm: float
     pad_id: int
     chunk_size: int | None = None  # articles per forward/backward pass (None: the whole batch at once)
+    share_prompt_pass: bool = False  # the update reuses the rollout's prompt pass (optim.share_prompt_pass)
+
+    def reuses_prompt_pass(self, num_articles: int) -> bool:
+        """Whether this step's rollout keeps its prompt pass for the update: one chunk covers the batch."""
+        return self.share_prompt_pass and (self.chunk_size is None or self.chunk_size >= num_articles)
 
 
 def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch: PairBatch, cfg: FeedbackLoopConfig,
-                 process_index: int) -> Rollout:  # fmt: skip
-    """Step 1: the policy samples two summaries per article."""
+                 process_index: int, keep_prefix: bool = False) -> Rollout:  # fmt: skip
+    """Step 1: the policy samples two summaries per article (``keep_prefix``: and keeps its prompt pass,
+    with gradients, for the update)."""
     batch.rollout = rollout(
         model,
         tokenizer,
@@ -334,6 +347,7 @@ def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch:
         [e.article for e in batch.examples],
         cfg.generation,
         seed=derive_seed(cfg.seed, "rollout", batch.step, process_index),
+        keep_prefix=keep_prefix,
     )
     return batch.rollout
 
@@ -429,7 +443,9 @@ def _chunk_loss(
         ref_tok, _ = reference_logprobs(
             acc.unwrap_model(model), learner.ref, prompts, comps, learner.pad_id, 2
         )
-    pol_tok, tok_mask = token_logprobs(model, prompts, comps, learner.pad_id, samples_per_prompt=2)  # (2n, T)
+    prefix = roll.prefix if n == B else None  # the rollout's prompt pass, when it was kept (one chunk)
+    roll.prefix = None
+    pol_tok, tok_mask = token_logprobs(model, prompts, comps, learner.pad_id, 2, prefix)  # (2n, T)
     seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2n,)
     h = dpo_margin(seq_pol[:n], seq_pol[n:], seq_ref[:n], seq_ref[n:])  # (n,)
     t, m = targets[lo:hi].to(device), mask[lo:hi].to(device)
@@ -832,7 +848,11 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     *process* at every ``scheduler.step()``, for data loaders whose batches grow with the number of
     processes. The loop's schedule counts optimizer steps (``max_steps``), so under DDP / FSDP the
     default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
+    With ``release_freed_memory`` the process's large host allocations are mapped from here on
+    (:func:`~judgeloop.devices.map_large_allocations`).
     """
+    if cfg.release_freed_memory:
+        map_large_allocations()
     return Accelerator(
         cpu=on_cpu(cfg.device),
         log_with=make_trackers(cfg.log_with, out_dir),
@@ -975,6 +995,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
         cfg.optim.max_grad_norm,
         tokenizer.pad_token_id,
         cfg.optim.update_chunk_size,
+        shares_prompt_pass(cfg, accelerator, model),
     )
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
@@ -984,6 +1005,22 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
         cfg, accelerator, out_dir, splits, tokenizer, build_prompt, learner, judge, train_judge, kl_ctl, start,
         LoopState(kl_coef=kl_ctl.coef), build_calibrator(cfg.calibration),
     )  # fmt: skip
+
+
+def shares_prompt_pass(cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any) -> bool:
+    """``optim.share_prompt_pass`` where the rollout's prompt pass computes what the update's would: no
+    active dropout, one precision for both (generation leaves a bf16 autocast unless
+    ``generation.autocast``), and parameters not sharded (ZeRO-3 / FSDP gather them for the rollout only)."""
+    if not cfg.optim.share_prompt_pass:
+        return False
+    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    same_precision = cfg.mixed_precision == "no" or cfg.generation.autocast
+    ok = not sharded and same_precision and prefix_reusable(accelerator.unwrap_model(model))
+    if not ok:
+        logger.info(
+            "optim.share_prompt_pass: the update runs the prompts itself (dropout, precision or sharding)"
+        )
+    return ok
 
 
 def resume_run(run: LoopRun) -> None:
@@ -1053,8 +1090,9 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
     batch = PairBatch(step, next_batch(state, run.splits.train, cfg, acc))
     with generation_context(run.model):
         rollout_step(
-            acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg, acc.process_index
-        )
+            acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg, acc.process_index,
+            run.learner.reuses_prompt_pass(len(batch.examples)),
+        )  # fmt: skip
     run.prefetch.wait()
     judge_step(run.train_judge, batch)
     if step < cfg.max_steps:  # the next batch's article-side judge work runs during this update
