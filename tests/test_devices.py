@@ -268,7 +268,9 @@ def test_mapped_large_allocations_return_freed_memory_to_the_os():
         pytest.skip("not glibc")
     out = {}
     for mode in ("on", "off"):
-        res = subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True, check=True
+        )
         applied, freed = res.stdout.split()
         out[mode] = (applied, float(freed))
     assert out["on"][0] == "True" and out["on"][1] > 150, out

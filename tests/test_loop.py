@@ -838,7 +838,9 @@ def test_a_run_sharing_the_prompt_pass_equals_one_that_does_not(tmp_path, monkey
     assert len(used) == 4  # one update per step, each on its rollout's prompt pass
     off = train(
         load_config(
-            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'off'}", "optim.share_prompt_pass=false"]
+            FeedbackLoopConfig,
+            TINY,
+            [*FAST, f"output_dir={tmp_path / 'off'}", "optim.share_prompt_pass=false"],
         )
     )
     assert len(used) == 4
