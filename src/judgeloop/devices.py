@@ -70,26 +70,3 @@ def resolve_precision(precision: str, device: str = "cpu") -> str:
         return precision
     return "bf16" if native_bf16(device) else "no"
 
-
-def map_large_allocations(threshold: int = 128 * 1024) -> bool:
-    """Serve every host allocation over ``threshold`` bytes with its own memory mapping (glibc on Linux),
-    so that memory a step frees goes back to the OS when it is freed. Returns whether it was applied.
-
-    By default glibc raises this threshold each time a mapped block is freed, up to 32 MiB, after which
-    the activation tensors of a training step come from the heap, and the memory they free stays in the
-    process, fragmented: a loop's peak RSS then grows step after step above what it ever holds at once.
-    Fixing the threshold at glibc's initial 128 KiB keeps the RSS at what is live (measured on the
-    quickstart's update, 2 CPU cores: peak RSS 2,108 -> 1,873 MB over three steps). It is process-wide and
-    changes no computed value, only where large blocks are allocated.
-    """
-    import ctypes
-    import platform
-    import sys
-
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    m_mmap_threshold = -3  # <malloc.h>
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, int(threshold)))
-    except (OSError, AttributeError):
-        return False

@@ -275,7 +275,6 @@ RESUME_FREE_KEYS = (
     "save_final_policy",
     "judge_prefetch",
     "judge_prefetch_threads",
-    "release_freed_memory",
     "ablation",
 )
 
@@ -351,9 +350,6 @@ class FeedbackLoopConfig:
     while the judge thread works: ``judge_prefetch_threads`` intra-op threads for the judge (default
     half), the rest for the policy. That pays when the policy's step is small (the tiny config), not
     when its matrix products need every core.
-    ``release_freed_memory`` (Linux, glibc): host allocations over 128 KiB get their own mappings, so the
-    memory a step frees goes back to the OS and the peak RSS stays what the step holds at once
-    (:func:`judgeloop.devices.map_large_allocations`; process-wide, no computed value changes).
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     ``start_cache``: a folder where the work done before step 1 is shared with other runs (set by the
     ablation; see :mod:`judgeloop.loop.shared`); one process only, ignored under several.
@@ -386,7 +382,6 @@ class FeedbackLoopConfig:
     early_stopping_patience: int = 0
     judge_prefetch: bool | None = None
     judge_prefetch_threads: int | None = None
-    release_freed_memory: bool = True
     save_final_policy: bool = True
     num_eval_articles: int = 32
     num_validation_articles: int = 16

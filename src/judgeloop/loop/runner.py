@@ -42,7 +42,7 @@ from judgeloop.calibration.coupling import coupling_line
 from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
 from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
-from judgeloop.devices import check_device, map_large_allocations, on_cpu, process_device
+from judgeloop.devices import check_device, on_cpu, process_device
 from judgeloop.distributed import (
     configure_deepspeed,
     generation_context,
@@ -848,11 +848,7 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     *process* at every ``scheduler.step()``, for data loaders whose batches grow with the number of
     processes. The loop's schedule counts optimizer steps (``max_steps``), so under DDP / FSDP the
     default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
-    With ``release_freed_memory`` the process's large host allocations are mapped from here on
-    (:func:`~judgeloop.devices.map_large_allocations`).
     """
-    if cfg.release_freed_memory:
-        map_large_allocations()
     return Accelerator(
         cpu=on_cpu(cfg.device),
         log_with=make_trackers(cfg.log_with, out_dir),
