@@ -237,4 +237,3 @@ def test_a_chunked_update_equals_the_whole_batch_update():
         for k in whole_stats:
             assert stats[k] == pytest.approx(whole_stats[k], rel=1e-4, abs=1e-6), (chunk, k)
     assert any(not torch.equal(whole[k], base.state_dict()[k]) for k in whole)  # the update moved weights
-

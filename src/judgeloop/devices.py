@@ -69,4 +69,3 @@ def resolve_precision(precision: str, device: str = "cpu") -> str:
     if precision != "auto":
         return precision
     return "bf16" if native_bf16(device) else "no"
-
