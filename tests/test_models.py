@@ -74,3 +74,51 @@ def test_smollm2_resolves_offline_from_gguf():
     enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**enc, max_new_tokens=6, do_sample=False)
     assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1] :])
+
+
+def test_grouped_attention_equals_sdpa_with_repeated_heads():
+    """models.attention: on CPU, grouped key/value heads go to scaled_dot_product_attention as they are
+    (enable_gqa) instead of repeated per query head; with left padding, logits and gradients are those of
+    transformers' sdpa (to float rounding), in one pass and in a pass over a cache, and fewer bytes are
+    saved for the backward pass."""
+    import torch
+
+    from judgeloop.models import load_causal_lm
+    from judgeloop.models.attention import NAME, use_grouped_attention
+
+    model = load_causal_lm("judgeloop-tiny/causal-lm").train()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 900, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run():
+        model.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            pre = model(
+                input_ids=ids[:, :8], attention_mask=mask[:, :8], position_ids=pos[:, :8], use_cache=True
+            )
+            out = model(input_ids=ids[:, 8:], attention_mask=mask, position_ids=pos[:, 8:],
+                        past_key_values=pre.past_key_values)  # fmt: skip
+        logits = torch.cat([pre.logits, out.logits], dim=1)
+        (logits.logsumexp(-1) * mask).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()], sum(saved)
+
+    base = run()
+    with torch.no_grad():  # the second pass really attends to the cache: one pass over all 12 positions
+        full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(base[0][mask.bool()], full[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert use_grouped_attention(model) and model.config._attn_implementation == NAME
+    grouped = run()
+    real = mask.bool()
+    torch.testing.assert_close(grouped[0][real], base[0][real], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grouped[1], base[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert grouped[2] < base[2]  # the repeated keys and values are not saved
+    assert not use_grouped_attention(
+        load_causal_lm("judgeloop-tiny/encoder")
+    )  # not a grouped-head sdpa model

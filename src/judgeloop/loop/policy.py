@@ -18,6 +18,7 @@ from judgeloop.logging import get_logger
 from judgeloop.loop.config import PolicyConfig
 from judgeloop.loop.rollout import token_logprobs
 from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.models.attention import use_grouped_attention
 
 logger = get_logger(__name__)
 
@@ -65,6 +66,7 @@ def load_policy(
     sft_data: tuple[list[list[int]], list[str]] | None = None,
     frozen_fp32: bool = False,
     sft_file: Path | None = None,
+    grouped_attention: bool = False,
 ) -> tuple[Any, Any, Any | None]:
     """Return ``(policy, tokenizer, frozen_reference_or_None)``; the reference is None under LoRA.
 
@@ -77,10 +79,14 @@ def load_policy(
     for compute itself). ``sft_file``: where the warm start is shared between processes: the first
     process to get here (the main one, under ``main_process_first``) trains and writes it, the others
     read it instead of repeating the same warm-up (a file made for other settings is ignored).
+    ``grouped_attention`` (a CPU run): grouped key/value heads without repeated copies
+    (:mod:`judgeloop.models.attention`), for the policy, its warm-up and its reference.
     """
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(cfg.model)
     model = load_causal_lm(cfg.model, dtype="float32")
+    if grouped_attention:
+        use_grouped_attention(model)
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not frozen_fp32 else torch.float32
     if cfg.sft_steps and sft_data is not None:
         key = (

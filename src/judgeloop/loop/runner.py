@@ -965,7 +965,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     with accelerator.main_process_first():
         model, tokenizer, ref = load_policy(
             cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp,
-            out_dir / "sft_warm_start.pt" if many else None,
+            out_dir / "sft_warm_start.pt" if many else None, accelerator.device.type == "cpu",
         )  # fmt: skip
     if ref is not None:
         ref = prepare_for_inference(ref.to(accelerator.device), accelerator)  # ZeRO-3: an inference engine
