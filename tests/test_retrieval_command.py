@@ -285,6 +285,26 @@ def test_embedding_cache_serves_a_subset_without_reencoding(tmp_path):
     assert len(list(cache.glob("*.pt"))) == 2
 
 
+def test_embedding_cache_encodes_only_the_texts_it_lacks(tmp_path):
+    """A corpus that gained and changed documents since it was cached: only those are encoded, the rest
+    come from the cache, and the result equals encoding everything afresh."""
+    from judgeloop.retrieval.trainer import encode_texts
+
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
+    cache = tmp_path / "cache"
+    encode_texts(enc, DOCS[:6], 4, False, cache_dir=str(cache))
+    grown = [*DOCS[:4], DOCS[4] + " (edited)", *DOCS[5:]]  # one edited, the ones after 6 are new
+    encoded: list[str] = []
+    real = enc.encode
+    enc.encode = lambda texts, *a, **k: encoded.extend(texts) or real(texts, *a, **k)  # type: ignore[method-assign]
+    got = encode_texts(enc, grown, 4, False, cache_dir=str(cache))
+    assert sorted(encoded) == sorted([grown[4], *DOCS[6:]])
+    torch.testing.assert_close(got, real(grown, batch_size=4), atol=1e-5, rtol=1e-5)
+    encoded.clear()
+    torch.testing.assert_close(encode_texts(enc, grown[::-1], 4, False, cache_dir=str(cache)), got.flip(0))
+    assert encoded == []  # everything is cached now
+
+
 def test_max_corpus_docs_keeps_every_judged_document():
     from judgeloop.retrieval.beir import BeirData
     from judgeloop.retrieval.trainer import _shrink_corpus

@@ -285,8 +285,11 @@ def _text_hashes(texts: Sequence[str]) -> list[str]:
     return [hashlib.sha256(t.encode()).hexdigest()[:20] for t in texts]
 
 
-def _cached_rows(cache_dir: Path, model_fp: str, hashes: list[str]) -> torch.Tensor | None:
-    """Rows for ``hashes`` from any cache file of this model that holds them all (e.g. a corpus subset)."""
+def _cached_rows(cache_dir: Path, model_fp: str, hashes: list[str]) -> tuple[torch.Tensor | None, list[int]]:
+    """The rows of ``hashes`` that any cache file of this model holds, and the indices it holds nowhere:
+    a corpus that gained or changed a few documents re-encodes those only."""
+    emb: torch.Tensor | None = None
+    missing = set(range(len(hashes)))
     for path in sorted(cache_dir.glob(f"{model_fp}-*.pt")):
         try:
             blob = torch.load(path)
@@ -296,10 +299,17 @@ def _cached_rows(cache_dir: Path, model_fp: str, hashes: list[str]) -> torch.Ten
         if not isinstance(blob, dict) or "hashes" not in blob:
             continue
         row_of = {h: i for i, h in enumerate(blob["hashes"])}
-        if all(h in row_of for h in hashes):
-            logger.info("reusing cached embeddings from %s", path)
-            return blob["emb"][[row_of[h] for h in hashes]]
-    return None
+        found = [i for i in sorted(missing) if hashes[i] in row_of]
+        if not found:
+            continue
+        if emb is None:
+            emb = torch.empty(len(hashes), blob["emb"].shape[1])
+        emb[found] = blob["emb"][[row_of[hashes[i]] for i in found]]
+        missing.difference_update(found)
+        logger.info("reusing %d cached embeddings from %s", len(found), path)
+        if not missing:
+            break
+    return emb, sorted(missing)
 
 
 def encode_texts(
@@ -313,37 +323,59 @@ def encode_texts(
 ) -> torch.Tensor:
     """(N, D) embeddings; sharded over processes under accelerate; optionally cached on disk by a
     fingerprint of the weights, settings and texts (so runs from the same base model share the
-    zero-shot corpus encoding)."""
+    zero-shot corpus encoding). With a cache, only the texts no cache file of these weights holds are
+    encoded (a corpus with a few new or edited documents costs those documents)."""
     cache_file, hashes = None, []
+    emb: torch.Tensor | None = None
+    todo = list(range(len(texts)))
     if cache_dir:
         model_fp, hashes = _model_fingerprint(encoder, is_query), _text_hashes(texts)
         texts_fp = hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]
         cache_file = Path(cache_dir) / f"{model_fp}-{texts_fp}.pt"
         if Path(cache_dir).is_dir():
-            hit = _cached_rows(Path(cache_dir), model_fp, hashes)
-            if hit is not None:
-                return hit
-    main = accelerator is None or accelerator.is_main_process
-    if accelerator is None or accelerator.num_processes == 1:
-        emb = encoder.encode(texts, batch_size=batch_size, show_progress=main, is_query=is_query, desc=desc)
+            emb, todo = _cached_rows(Path(cache_dir), model_fp, hashes)
+            if emb is not None and not todo:
+                return emb
+            if emb is not None:
+                logger.info("encoding the %d of %d texts no cache holds", len(todo), len(texts))
+    fresh = _encode_fresh(encoder, [texts[i] for i in todo], batch_size, is_query, accelerator, desc)
+    if emb is None:
+        emb = fresh
     else:
-        from accelerate.utils import gather_object
-
-        # padded (the last index repeats) so every rank runs as many forward passes: under FSDP / ZeRO-3
-        # each one is a collective; the repeated row is written twice with the same embedding
-        with accelerator.split_between_processes(list(range(len(texts))), apply_padding=True) as idx:
-            part = encoder.encode(
-                [texts[i] for i in idx], batch_size, show_progress=main, is_query=is_query, desc=desc
-            )
-        pieces = gather_object([(idx, part)])
-        emb = torch.empty(len(texts), part.shape[1])
-        for piece_idx, piece in pieces:
-            emb[piece_idx] = piece
+        emb[todo] = fresh
+    main = accelerator is None or accelerator.is_main_process
     if cache_file is not None and main:
         from judgeloop.io import atomic_path
 
         with atomic_path(cache_file) as tmp:
             torch.save({"hashes": hashes, "emb": emb}, tmp)
+    return emb
+
+
+def _encode_fresh(
+    encoder: BiEncoder,
+    texts: Sequence[str],
+    batch_size: int,
+    is_query: bool,
+    accelerator: Any,
+    desc: str | None,
+) -> torch.Tensor:
+    """(N, D) embeddings of ``texts``, sharded over the processes when there are several."""
+    main = accelerator is None or accelerator.is_main_process
+    if accelerator is None or accelerator.num_processes == 1:
+        return encoder.encode(texts, batch_size=batch_size, show_progress=main, is_query=is_query, desc=desc)
+    from accelerate.utils import gather_object
+
+    # padded (the last index repeats) so every rank runs as many forward passes: under FSDP / ZeRO-3
+    # each one is a collective; the repeated row is written twice with the same embedding
+    with accelerator.split_between_processes(list(range(len(texts))), apply_padding=True) as idx:
+        part = encoder.encode(
+            [texts[i] for i in idx], batch_size, show_progress=main, is_query=is_query, desc=desc
+        )
+    pieces = gather_object([(idx, part)])
+    emb = torch.empty(len(texts), part.shape[1])
+    for piece_idx, piece in pieces:
+        emb[piece_idx] = piece
     return emb
 
 
