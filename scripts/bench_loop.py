@@ -167,7 +167,7 @@ def worker_ours(args: argparse.Namespace) -> dict:
     exs, builder, _ = _prompts(cfg, args.batch_size * (args.steps + 1))
     with tempfile.TemporaryDirectory() as logs:
         acc = make_accelerator(cfg, Path(logs))  # the loop's own: device, mixed precision, autocast cache
-        model, tok, ref = load_policy(cfg.policy, 0, grouped_attention=acc.device.type == "cpu")
+        model, tok, ref = load_policy(cfg.policy, 0, lean_cpu=acc.device.type == "cpu")
         if ref is not None:
             ref.to(acc.device)
         judge = build_judge(cfg.judge)

@@ -84,7 +84,7 @@ def test_grouped_attention_equals_sdpa_with_repeated_heads():
     import torch
 
     from judgeloop.models import load_causal_lm
-    from judgeloop.models.attention import NAME, use_grouped_attention
+    from judgeloop.models.lean import NAME, use_grouped_attention
 
     model = load_causal_lm("judgeloop-tiny/causal-lm").train()
     assert model.config.num_key_value_heads < model.config.num_attention_heads
@@ -122,3 +122,39 @@ def test_grouped_attention_equals_sdpa_with_repeated_heads():
     assert not use_grouped_attention(
         load_causal_lm("judgeloop-tiny/encoder")
     )  # not a grouped-head sdpa model
+
+
+def test_lean_swiglu_saves_less_and_computes_the_same():
+    """models.lean: a SiLU-gated MLP keeps gate(x) and up(x) for backward, not silu(gate(x)) as well; the
+    logits are bit-identical and the gradients agree to float rounding, with LoRA on the MLP too."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from judgeloop.models import load_causal_lm
+    from judgeloop.models.lean import lean_cpu_forward, use_lean_swiglu
+
+    base = load_causal_lm("judgeloop-tiny/causal-lm")
+    lora = LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "down_proj"], init_lora_weights=False)
+    plain = get_peft_model(copy.deepcopy(base), lora).train()
+    lean = copy.deepcopy(plain)
+    assert use_lean_swiglu(lean)
+    ids = torch.randint(10, 900, (2, 10), generator=torch.Generator().manual_seed(1))
+
+    def run(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logits = model(input_ids=ids).logits
+        logits.logsumexp(-1).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return logits.detach(), grads, sum(saved)
+
+    (l0, g0, s0), (l1, g1, s1) = run(plain), run(lean)
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and any("gate_proj" in n for n in g0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-5, msg=n)
+    assert s1 < s0
+    assert lean_cpu_forward(copy.deepcopy(base)) == ["grouped_attention", "lean_swiglu"]
+    assert lean_cpu_forward(load_causal_lm("judgeloop-tiny/encoder")) == []

@@ -18,7 +18,7 @@ from judgeloop.logging import get_logger
 from judgeloop.loop.config import PolicyConfig
 from judgeloop.loop.rollout import token_logprobs
 from judgeloop.models import load_causal_lm, load_tokenizer
-from judgeloop.models.attention import use_grouped_attention
+from judgeloop.models.lean import lean_cpu_forward
 
 logger = get_logger(__name__)
 
@@ -66,7 +66,7 @@ def load_policy(
     sft_data: tuple[list[list[int]], list[str]] | None = None,
     frozen_fp32: bool = False,
     sft_file: Path | None = None,
-    grouped_attention: bool = False,
+    lean_cpu: bool = False,
 ) -> tuple[Any, Any, Any | None]:
     """Return ``(policy, tokenizer, frozen_reference_or_None)``; the reference is None under LoRA.
 
@@ -79,14 +79,15 @@ def load_policy(
     for compute itself). ``sft_file``: where the warm start is shared between processes: the first
     process to get here (the main one, under ``main_process_first``) trains and writes it, the others
     read it instead of repeating the same warm-up (a file made for other settings is ignored).
-    ``grouped_attention`` (a CPU run): grouped key/value heads without repeated copies
-    (:mod:`judgeloop.models.attention`), for the policy, its warm-up and its reference.
+    ``lean_cpu`` (a CPU run): the memory-lean forward paths of :mod:`judgeloop.models.lean` (grouped
+    key/value heads without repeated copies, a SwiGLU saving two tensors), for the policy, its warm-up
+    and its reference.
     """
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(cfg.model)
     model = load_causal_lm(cfg.model, dtype="float32")
-    if grouped_attention:
-        use_grouped_attention(model)
+    if lean_cpu:
+        lean_cpu_forward(model)
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not frozen_fp32 else torch.float32
     if cfg.sft_steps and sft_data is not None:
         key = (
