@@ -376,7 +376,6 @@ def _shared_prompt_logprobs(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(N)
     p_ids, p_mask = left_pad(prompts, pad_id)  # (B, P)
-    kw = _cache_kwarg(model)
     if prefix is not None:
         if not (torch.equal(prefix.ids, p_ids) and torch.equal(prefix.mask, p_mask)):
             raise ValueError("the kept prompt pass is of other prompts than the update's")
@@ -397,14 +396,7 @@ def _shared_prompt_logprobs(
     T = c_ids.shape[1]
     attn = torch.cat([p_mask.repeat_interleave(k, 0), c_mask], dim=1)  # (N, P + T)
     c_pos = p_mask.sum(-1).repeat_interleave(k)[:, None] + torch.arange(T)[None, :]
-    rest = model(
-        input_ids=c_ids.to(device),
-        attention_mask=attn.to(device),
-        position_ids=c_pos.to(device),
-        use_cache=True,
-        logits_to_keep=T,
-        **{kw: cache},
-    )
+    rest = _forward_on_cache(model, c_ids, attn, c_pos, cache)
     # the prompt's last position predicts summary token 0; summary position t predicts token t + 1
     logits = torch.cat(
         [first.logits[:, -1:, :].float().repeat_interleave(k, 0), rest.logits[:, :-1, :].float()], dim=1
@@ -427,14 +419,22 @@ def _logprobs_on_prefix(
     inp = torch.cat([last, c_ids[:, :-1]], dim=1)  # (N, T): position t predicts summary token t
     attn = torch.cat([p_mask.repeat_interleave(k, 0), c_mask[:, :-1]], dim=1)  # (N, P + T - 1)
     pos = (p_mask.sum(-1) - 1).repeat_interleave(k)[:, None] + torch.arange(T)[None, :]
-    out = model(
-        input_ids=inp.to(device),
-        attention_mask=attn.to(device),
-        position_ids=pos.to(device),
-        use_cache=True,
-        logits_to_keep=T,
-        **{_cache_kwarg(model): cache},
-    )
+    out = _forward_on_cache(model, inp, attn, pos, cache)
     logp, m = _picked_logprobs(out.logits.float(), c_ids.to(device), c_mask.to(device))
     inverse = inverse.to(device)
     return logp[inverse], m[inverse]
+
+
+def _forward_on_cache(
+    model: Any, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache: Any
+) -> Any:
+    """The model over ``ids`` (N, T) attending to ``cache`` and to themselves; logits of all T positions."""
+    device = next(model.parameters()).device
+    return model(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        position_ids=pos.to(device),
+        use_cache=True,
+        logits_to_keep=ids.shape[1],
+        **{_cache_kwarg(model): cache},
+    )
