@@ -12,7 +12,8 @@ close. Each step is ``training_step``, one named function per step over one ``Pa
 (articles -> samples -> logits -> p -> targets -> stats):
 
     batch = PairBatch(step, next_batch(state, splits.train, cfg, accelerator))  # this process's articles
-    rollout_step(policy, tokenizer, build_prompt, batch, cfg, rank)    # 1. two samples per article
+    rollout_step(policy, tokenizer, build_prompt, batch, cfg, rank, keep)  # 1. two samples per article
+                                                                       #    (keep: its prompt pass, for 5)
     judge_step(train_judge, batch)                                     # 2. raw preference logits
     calibrate_step(calibrator, batch)                                  # 3. p = P(a better than b)
     make_pairs(batch, cfg.loss, state.judge_weight)                    # 4. soft DPO targets + mask

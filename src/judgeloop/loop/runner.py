@@ -2,7 +2,8 @@
 
 One training step (:func:`training_step`) is seven named functions over one :class:`PairBatch`:
 
-    1. rollout_step       the policy samples two summaries per training article
+    1. rollout_step       the policy samples two summaries per training article (and keeps its pass over
+                          the prompts, with gradients, for step 5: optim.share_prompt_pass)
     2. judge_step         the judge (or a panel of judges) gives a raw preference logit per pair
     3. calibrate_step     the arm's calibrator maps it to p = P(a better than b)
     4. make_pairs         p becomes each pair's soft DPO target (and the mask / weights of pairs that count)
