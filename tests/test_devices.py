@@ -237,3 +237,28 @@ def test_a_chunked_update_equals_the_whole_batch_update():
         for k in whole_stats:
             assert stats[k] == pytest.approx(whole_stats[k], rel=1e-4, abs=1e-6), (chunk, k)
     assert any(not torch.equal(whole[k], base.state_dict()[k]) for k in whole)  # the update moved weights
+
+
+@pytest.mark.parametrize(
+    "overrides, shared",
+    [([], True), (["policy.dtype=bfloat16"], False), (["mixed_precision=bf16"], False),
+     (["mixed_precision=bf16", "generation.autocast=true"], True), (["optim.share_prompt_pass=false"], False)],
+)  # fmt: skip
+def test_the_prompt_pass_is_shared_only_at_one_precision(overrides, shared):
+    """optim.share_prompt_pass is dropped where generation and update would run at different precisions:
+    a bf16 frozen base turns the run's bf16 autocast on (as mixed_precision=bf16 does) while generation
+    leaves it, unless generation.autocast."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from judgeloop.loop.runner import make_accelerator, shares_prompt_pass
+    from judgeloop.models import load_causal_lm
+
+    cfg = load_config(FeedbackLoopConfig, TINY, ["device=cpu", *overrides])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        acc = make_accelerator(cfg, Path("unused"))
+        assert shares_prompt_pass(cfg, acc, acc.prepare(load_causal_lm(cfg.policy.model))) is shared
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

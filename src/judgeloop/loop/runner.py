@@ -1006,12 +1006,13 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
 
 def shares_prompt_pass(cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any) -> bool:
     """``optim.share_prompt_pass`` where the rollout's prompt pass computes what the update's would: no
-    active dropout, one precision for both (generation leaves a bf16 autocast unless
-    ``generation.autocast``), and parameters not sharded (ZeRO-3 / FSDP gather them for the rollout only)."""
+    active dropout, one precision for both (generation leaves the run's bf16 autocast, which
+    ``mixed_precision: bf16`` or a bf16 frozen base turns on, unless ``generation.autocast``), and
+    parameters not sharded (ZeRO-3 / FSDP gather them for the rollout only)."""
     if not cfg.optim.share_prompt_pass:
         return False
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-    same_precision = cfg.mixed_precision == "no" or cfg.generation.autocast
+    same_precision = str(accelerator.mixed_precision) == "no" or cfg.generation.autocast
     ok = not sharded and same_precision and prefix_reusable(accelerator.unwrap_model(model))
     if not ok:
         logger.info(
