@@ -135,8 +135,9 @@ class OptimConfig:
     gradients and the update reuses it instead of running the prompts again
     (:class:`~judgeloop.loop.rollout.PromptPrefix`); values and gradients are those of a fresh pass up to
     float rounding (tested). It applies where the two passes compute the same: no active dropout, the
-    update in one chunk, generation and update at one precision (``mixed_precision: no``, or
-    ``generation.autocast``), no ZeRO-3 / FSDP sharding; elsewhere the update runs the prompts itself.
+    update in one chunk, generation and update at one precision (no bf16 autocast: ``mixed_precision:
+    no`` and a float32 frozen base; or ``generation.autocast``), no ZeRO-3 / FSDP sharding; elsewhere the
+    update runs the prompts itself.
     It holds the prompts' activations from the rollout to the update (the update holds them anyway).
     """
 
