@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from judgeloop.config import ConfigError, load_config
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -137,16 +137,12 @@ def _results(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference ablation: one process, one thread (so other thread counts compare bit for bit)."""
+    """The reference ablation: one process. Every job runs at ablation.threads_per_job (1) threads however
+    it is launched, so the other launches compare bit for bit with it on any machine."""
     from judgeloop.loop.ablation import run_ablation
 
     out = tmp_path_factory.mktemp("abl") / "one"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_ablation(_cfg(out, "ablation.num_workers=1"))
-    finally:
-        torch.set_num_threads(threads)
+    run_ablation(_cfg(out, "ablation.num_workers=1"))
     return out
 
 
@@ -209,42 +205,67 @@ def test_jobs_one_by_one_then_aggregate_equal_the_one_process_ablation(one_proce
         assert main([*args, "--list-jobs"]) == 0
     listed = buf.getvalue().split()
     assert listed == ["raw:0", "raw:1", "platt:0", "platt:1"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for job in reversed(listed):  # any order: the shared start work is computed by whichever comes first
-            with contextlib.redirect_stdout(io.StringIO()):
-                assert main([*args, "--job", job]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    # at the process's own thread count: each job sets ablation.threads_per_job itself
+    for job in reversed(listed):  # any order: the shared start work is computed by whichever comes first
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main([*args, "--job", job]) == 0
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*args, "--aggregate"]) == 0
     assert _results(out) == _results(one_process)
     assert main([*args, "--job", "oracle:0"]) == 2  # not in the grid: a one-line error
 
 
+def _edit_numerics(out: Path, job: str, **changes) -> None:
+    arm, seed = job.split(":")
+    path = out / arm / f"seed{seed}" / "report.json"
+    report = json.loads(path.read_text())
+    for segment in report["numerics"]:
+        segment.update(changes)
+    path.write_text(json.dumps(report))
+
+
+def test_aggregate_refuses_jobs_at_other_thread_counts_and_names_other_kernels(one_process, tmp_path):
+    import shutil
+
+    from judgeloop.config import ConfigError
+    from judgeloop.loop.ablation import aggregate
+
+    res = _results(one_process)  # every job at ablation.threads_per_job, on one machine: nothing to name
+    assert res["numerics"]["threads"] == 1 and len(res["numerics"]["kernels"]) == 1
+    assert "Numerics differ" not in (one_process / "results.md").read_text()
+    for job in ("raw:0", "raw:1", "platt:0", "platt:1"):
+        arm, seed = job.split(":")
+        cfg = (one_process / arm / f"seed{seed}" / "config.yaml").read_text()
+        assert "\nthreads: 1\n" in cfg  # recorded in each job's config
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(one_process, mixed)
+    _edit_numerics(mixed, "platt:1", threads=2)  # as a job run with threads_per_job=2 would record it
+    with pytest.raises(
+        ConfigError, match=re.escape("(1 thread(s): raw:0, raw:1, platt:0; 2 thread(s): platt:1)")
+    ):
+        aggregate(_cfg(mixed))
+
+    other = tmp_path / "other"
+    shutil.copytree(one_process, other)
+    _edit_numerics(other, "raw:1", kernels="AVX2 avx2")  # a SLURM task on an older node
+    aggregate(_cfg(other))
+    md = (other / "results.md").read_text()
+    assert "**Numerics differ between jobs**" in md and "`AVX2 avx2 fp32`: raw:1" in md
+
+
 def test_two_workers_give_the_same_numbers_as_one(one_process, tmp_path):
     from judgeloop.loop.ablation import run_ablation
 
     out = tmp_path / "two"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # two workers x 1 thread each
-    try:
-        run_ablation(_cfg(out, "ablation.num_workers=2"))
-    finally:
-        torch.set_num_threads(threads)
+    run_ablation(_cfg(out, "ablation.num_workers=2"))  # two workers x ablation.threads_per_job (1) each
     assert _results(out) == _results(one_process)
 
 
 def test_shared_start_work_changes_no_number(one_process, tmp_path):
     from judgeloop.loop.runner import train
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(_cfg(tmp_path / "alone", "calibration.method=platt", "seed=1"))
-    finally:
-        torch.set_num_threads(threads)
+    train(_cfg(tmp_path / "alone", "calibration.method=platt", "seed=1", "threads=1"))  # the jobs' count
     alone = json.loads((tmp_path / "alone" / "report.json").read_text())
     shared = json.loads((one_process / "platt" / "seed1" / "report.json").read_text())
     assert alone["start_cache"] is None and shared["start_cache"]["hits"] >= 3

@@ -492,8 +492,10 @@ def uninterrupted(tmp_path_factory):
     from judgeloop.loop.runner import train
 
     out = tmp_path_factory.mktemp("uninterrupted")
-    report = train(
-        load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "save_every_n_steps=2"])
+    report = train(  # at the faulted run's thread count: equal numbers need equal reduction orders
+        load_config(
+            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "save_every_n_steps=2", "threads=1"]
+        )
     )
     return out, report
 
@@ -512,8 +514,9 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
     out = tmp_path / "run"
     driver = tmp_path / "driver.py"
     driver.write_text(_FAULT_DRIVER)
-    args = ["train", "--config", str(TINY), *FAST, f"output_dir={out}", "save_every_n_steps=2"]
-    env = {**os.environ, "JL_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    # the child at one thread, as the uninterrupted run and the resume (threads=1), on any machine
+    args = ["train", "--config", str(TINY), *FAST, f"output_dir={out}", "save_every_n_steps=2", "threads=1"]
+    env = {**os.environ, "JL_FAULT": fault}
     proc = subprocess.run([sys.executable, str(driver), *args], env=env, capture_output=True, text=True)
     ckpt = out / "checkpoints" / "step_2"
     if fault == "ctrl_c":  # one line naming the checkpoint and the override that continues
@@ -527,7 +530,9 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
     if fault == "kill_in_write":
         assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".step_4.")]
     resumed = train(
-        load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", f"resume_from={ckpt}"])
+        load_config(
+            FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", f"resume_from={ckpt}", "threads=1"]
+        )
     )
 
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # no orphan left
@@ -579,6 +584,46 @@ def resume_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "stop_after_n_steps=1"]))
     return part["checkpoint"]
+
+
+def test_a_resume_at_another_thread_count_says_results_will_differ(tmp_path, resume_checkpoint):
+    """The checkpoint records the numerics it ran with; a resume with others continues, says so in one
+    log line, and the report keeps both segments."""
+    import logging
+    import shutil
+
+    from judgeloop.loop.runner import train
+
+    saved = json.loads((Path(resume_checkpoint) / "state.json").read_text())["numerics"]
+    assert [set(s) for s in saved] == [{"from_step", "threads", "device", "precision", "kernels"}]
+    assert saved[0]["precision"] == "fp32" and saved[0]["device"] == "cpu"
+    other = saved[0]["threads"] + 1
+    out = tmp_path / "run"
+    shutil.copytree(Path(resume_checkpoint).parents[1], out)
+    ckpt = out / "checkpoints" / Path(resume_checkpoint).name
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("judgeloop").addHandler(handler)
+    try:
+        report = train(
+            load_config(
+                FeedbackLoopConfig,
+                TINY,
+                [*FAST, f"output_dir={out}", f"resume_from={ckpt}", f"threads={other}", "max_steps=2"],
+            )
+        )
+    finally:
+        logging.getLogger("judgeloop").removeHandler(handler)
+    lines = [r.getMessage() for r in records if "other numerics" in r.getMessage()]
+    assert lines == [
+        f"resumed with other numerics than the checkpoint was made with (threads: {saved[0]['threads']} -> "
+        f"{other}): results will differ from an uninterrupted run by float rounding"
+    ]
+    assert [(s["from_step"], s["threads"]) for s in report["numerics"]] == [
+        (0, saved[0]["threads"]),
+        (1, other),
+    ]
 
 
 def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpoint):

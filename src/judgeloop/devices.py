@@ -9,6 +9,8 @@ before any work when there is none.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -50,18 +52,70 @@ def process_device(device: str, accelerator: Any) -> str:
     return device
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
 def native_bf16(device: str = "cpu") -> bool:
     """Whether bf16 arithmetic is native here: a GPU that supports it, or a CPU whose flags (read from
     ``/proc/cpuinfo`` at run time) include ``avx512_bf16`` or ``amx_bf16``. Elsewhere bf16 is emulated
     and slower than float32."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:  # not Linux: no cheap way to tell, so assume not
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# The flags that choose which kernels (and so which float rounding) a CPU run gets.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def numerics(device_type: str, precision: str) -> dict[str, Any]:
+    """What decides a run's float rounding besides its config: the intra-op thread count (a reduction
+    split over more threads sums in another order), the kernels torch dispatches to here (its CPU
+    capability and the CPU's kernel flags, or the GPU's name) and the precision path (``fp32`` or
+    ``bf16``). Two runs of one config agree bit for bit only where these agree; checkpoints and
+    reports record them."""
+    out: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "device": device_type,
+        "precision": precision,
+    }
+    if device_type == "cuda" and torch.cuda.is_available():
+        out["kernels"] = torch.cuda.get_device_name()
+    else:
+        flags = set(cpu_flags())
+        out["kernels"] = " ".join(
+            [torch.backends.cpu.get_cpu_capability(), *(f for f in KERNEL_FLAGS if f in flags)]
+        )
+    return out
+
+
+def numerics_differences(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """``key: saved -> now`` for each numerics entry that differs (none when ``saved`` is missing)."""
+    if not saved:
+        return []
+    return [f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k)]
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` inside the block and restored after (``None``:
+    left as the process has it)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def resolve_precision(precision: str, device: str = "cpu") -> str:

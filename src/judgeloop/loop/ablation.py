@@ -61,8 +61,9 @@ TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length",
 DELTA_TABLE = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "novel_bigram_rate", "length", "win")
 # Keys that cannot change a job's results: a finished job with only these different is not rerun. They are
 # the keys a resume may change, except max_steps (a resumed run may extend; a finished job of other length
-# is another job).
-NON_RESULT_KEYS = tuple(k for k in RESUME_FREE_KEYS if k != "max_steps")
+# is another job) and threads (a job at another thread count rounds differently: it is rerun, so a grid's
+# jobs stay at one count).
+NON_RESULT_KEYS = tuple(k for k in RESUME_FREE_KEYS if k not in ("max_steps", "threads"))
 
 
 # --- jobs -------------------------------------------------------------------------------------------
@@ -107,6 +108,7 @@ def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConf
             f"start_cache={shared}",
             f"run_name={arm}-seed{seed}",  # one dashboard run per job, grouped by the ablation's folder
             f"run_group={cfg.run_group or Path(cfg.output_dir).name}",
+            f"threads={'null' if cfg.ablation.threads_per_job is None else cfg.ablation.threads_per_job}",
         ],
     )
 
@@ -164,7 +166,7 @@ JOB_MEMORY_GIB = 4.0
 def default_workers(cfg: FeedbackLoopConfig, n_jobs: int) -> int:
     """Jobs at once when ``ablation.num_workers`` is unset.
 
-    On CPU: one single-thread job per core, as far as memory allows (``JOB_MEMORY_GIB`` per job). Measured
+    On CPU: one job per ``ablation.threads_per_job`` cores (one single-thread job per core by default), as far as memory allows (``JOB_MEMORY_GIB`` per job). Measured
     on 2 cores, the quickstart's raw and platt arms x 2 seeds: 654 s as one two-thread job at a time,
     531 s as two one-thread jobs at a time (1.23x), with the same numbers. Decoding a batch of a few
     prompts is latency-bound and gains little from a second thread, so two jobs use the cores better.
@@ -172,12 +174,12 @@ def default_workers(cfg: FeedbackLoopConfig, n_jobs: int) -> int:
     """
     if not on_cpu(cfg.device):
         return 1
-    cores = os.cpu_count() or 1
+    cores = (os.cpu_count() or 1) // (cfg.ablation.threads_per_job or 1)
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         mem_gib = JOB_MEMORY_GIB
-    return max(1, min(cores, int(mem_gib // JOB_MEMORY_GIB), n_jobs))
+    return max(1, min(cores, int(mem_gib // JOB_MEMORY_GIB), n_jobs))  # cores: of threads_per_job each
 
 
 def _worker_init(threads: int) -> None:
@@ -197,7 +199,8 @@ def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
 def run_jobs(
     cfg: FeedbackLoopConfig, todo: Sequence[tuple[str, int]], num_workers: int
 ) -> list[dict[str, Any]]:
-    """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, the cores split evenly."""
+    """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, each job at
+    ``ablation.threads_per_job`` threads (or, when that is null, the cores split evenly)."""
     if num_workers <= 1 or len(todo) <= 1:
         return [run_job(cfg, arm, seed) for arm, seed in todo]
     import multiprocessing as mp
@@ -205,7 +208,7 @@ def run_jobs(
 
     import torch
 
-    threads = max(1, torch.get_num_threads() // num_workers)
+    threads = cfg.ablation.threads_per_job or max(1, torch.get_num_threads() // num_workers)
     logger.info("ablation: %d jobs on %d workers, %d thread(s) each", len(todo), num_workers, threads)
     with ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _worker_init, (threads,)) as pool:
         futures = [pool.submit(_worker_job, cfg, arm, seed) for arm, seed in todo]
@@ -340,6 +343,56 @@ def paired_comparisons(
     return paired, vs_start, premise
 
 
+def job_numerics(cfg: FeedbackLoopConfig) -> dict[str, list[dict[str, Any]]]:
+    """Each finished job's ``numerics`` (one entry per start or resume; see
+    :func:`judgeloop.devices.numerics`), by ``ARM:SEED``; jobs from before they were recorded are left out."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for arm, seed in jobs(cfg):
+        path = job_dir(cfg, arm, seed) / "report.json"
+        if path.is_file():
+            segments = json.loads(path.read_text()).get("numerics")
+            if segments:
+                out[f"{arm}:{seed}"] = segments
+    return out
+
+
+def check_numerics(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+    """The grid's numerics: an error when its jobs ran at different thread counts (a setting: their float
+    rounding differs and training amplifies it into the paired differences); the kernels (CPU or GPU
+    type, precision path) of each job, and the jobs resumed with other numerics, for the report to name.
+
+    Raises:
+        ConfigError: jobs ran at different intra-op thread counts.
+    """
+    from judgeloop.config import ConfigError
+
+    found = job_numerics(cfg)
+    by_threads: dict[int, list[str]] = {}
+    by_kernels: dict[str, list[str]] = {}
+    for name, segments in found.items():
+        for t in sorted({seg["threads"] for seg in segments}):
+            by_threads.setdefault(t, []).append(name)
+        kernels = " / ".join(sorted({f"{seg['kernels']} {seg['precision']}" for seg in segments}))
+        by_kernels.setdefault(kernels, []).append(name)
+    if len(by_threads) > 1:
+        listed = "; ".join(f"{t} thread(s): {', '.join(names)}" for t, names in sorted(by_threads.items()))
+        raise ConfigError(
+            f"--aggregate: the jobs under {cfg.output_dir} ran at different intra-op thread counts ({listed}), "
+            "so their numbers differ by float rounding as well as by arm and seed; rerun them at one count "
+            "(set ablation.threads_per_job; a finished job made at another count is rerun)"
+        )
+    resumed = [
+        name
+        for name, segments in found.items()
+        if len({(seg["threads"], seg["kernels"], seg["precision"]) for seg in segments}) > 1
+    ]
+    return {
+        "threads": next(iter(by_threads), None),
+        "kernels": by_kernels,
+        "resumed_with_other_numerics": resumed,
+    }
+
+
 def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
 
@@ -347,6 +400,7 @@ def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     from the per-article rows of the runs that exist.
     """
     abl = cfg.ablation
+    numerics = check_numerics(cfg)
     arms: dict[str, Any] = {}
     finals: dict[str, dict[int, Any]] = {}
     starts: dict[str, dict[int, Any]] = {}
@@ -365,6 +419,7 @@ def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
         "seeds": list(abl.seeds),
         "articles_per_seed": n_articles,
         "missing_jobs": missing,
+        "numerics": numerics,
         "num_steps": cfg.max_steps,
         "bootstrap": {
             "samples": abl.bootstrap_samples,
@@ -427,6 +482,7 @@ def results_table(results: dict[str, Any]) -> str:
     lines.append("")
     if results["missing_jobs"]:
         lines += [f"Missing jobs (not run yet): {', '.join(results['missing_jobs'])}.", ""]
+    lines += numerics_lines(results.get("numerics"))
     if premise:
         lines += [
             f"Change of the `{base}` arm from the starting policy (step 0) to the kept policy, paired on (seed, "
@@ -505,6 +561,26 @@ def results_table(results: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines + alarm_lines(results))
+
+
+def numerics_lines(numerics: dict[str, Any] | None) -> list[str]:
+    """A warning in ``results.md`` when the jobs ran on different kernels or were resumed with other
+    numerics (their numbers then differ by float rounding too); nothing when they all agree."""
+    if not numerics:
+        return []
+    lines = []
+    if len(numerics["kernels"]) > 1:
+        listed = "; ".join(f"`{k}`: {', '.join(names)}" for k, names in numerics["kernels"].items())
+        lines.append(
+            f"**Numerics differ between jobs** ({listed}): beside arm and seed, their numbers differ by "
+            "float rounding, which training amplifies."
+        )
+    if numerics["resumed_with_other_numerics"]:
+        lines.append(
+            "Resumed with other numerics than they started with (float rounding differs from an "
+            f"uninterrupted run): {', '.join(numerics['resumed_with_other_numerics'])}."
+        )
+    return [*lines, ""] if lines else []
 
 
 def alarm_lines(results: dict[str, Any]) -> list[str]:

@@ -277,6 +277,7 @@ RESUME_FREE_KEYS = (
     "judge_prefetch",
     "judge_prefetch_threads",
     "ablation",
+    "threads",  # float rounding only; a resume at another count says so in the log
 )
 
 STYLE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
@@ -293,6 +294,12 @@ class AblationConfig:
     between them (``null``: auto, one single-thread job per core as memory allows on CPU, one on a GPU;
     see :func:`judgeloop.loop.ablation.default_workers` for the measurement behind it). ``share_start_work``: compute what every run
     of a seed shares before step 1 once (see :mod:`judgeloop.loop.shared`).
+    ``threads_per_job``: the intra-op thread count of every job, however it is launched (one process,
+    workers, or ``--job`` on a cluster task), recorded in the job's config as its ``threads``; float
+    reductions split over another number of threads round differently, and training amplifies that, so a
+    grid whose jobs ran at different counts would mix that noise into its paired differences
+    (``--aggregate`` refuses one). Default 1: the workers' one single-thread job per core. ``null``: each
+    job keeps the thread count of the process it runs in (not comparable across launches).
     """
 
     arms: list[str] = field(default_factory=lambda: ["raw", "platt", "isotonic", "oracle"])
@@ -304,6 +311,7 @@ class AblationConfig:
     bootstrap_seed: int = 0
     num_workers: int | None = None
     share_start_work: bool = True
+    threads_per_job: int | None = 1
 
     def __post_init__(self) -> None:
         bad = [a for a in self.arms if a not in ARMS]
@@ -330,6 +338,14 @@ class AblationConfig:
                 f"ablation.bootstrap_samples={self.bootstrap_samples} is too few for a 95% interval; use >= 1000"
             )
         check_at_least("ablation", self, "num_workers", 1, ", or null for auto", optional=True)
+        check_at_least(
+            "ablation",
+            self,
+            "threads_per_job",
+            1,
+            ", or null for the launching process's count",
+            optional=True,
+        )
 
 
 @dataclass
@@ -354,6 +370,9 @@ class FeedbackLoopConfig:
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     ``start_cache``: a folder where the work done before step 1 is shared with other runs (set by the
     ablation; see :mod:`judgeloop.loop.shared`); one process only, ignored under several.
+    ``threads``: torch's intra-op CPU thread count for the run (null: as the process has it, e.g. from
+    ``OMP_NUM_THREADS``). Results agree bit for bit only between runs at one count: checkpoints record
+    the count (and the kernels and precision) they ran with, and a resume at another says so in the log.
     """
 
     output_dir: str = "runs/feedback_loop"
@@ -395,9 +414,11 @@ class FeedbackLoopConfig:
     run_name: str | None = None
     run_group: str | None = None
     progress_bar: bool = True
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         check_at_least("", self, "batch_size", 1)
+        check_at_least("", self, "threads", 1, ", or null for the process's own count", optional=True)
         check_at_least("", self, "max_steps", 1)
         if self.eval_every_n_steps < 0 or self.save_every_n_steps < 0 or self.early_stopping_patience < 0:
             raise ValueError(

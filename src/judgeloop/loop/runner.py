@@ -43,7 +43,14 @@ from judgeloop.calibration.coupling import coupling_line
 from judgeloop.checkpointing import prune_checkpoints, save_only_trainable
 from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
 from judgeloop.data import SummExample, load_examples, split_examples
-from judgeloop.devices import check_device, on_cpu, process_device
+from judgeloop.devices import (
+    check_device,
+    intra_op_threads,
+    numerics,
+    numerics_differences,
+    on_cpu,
+    process_device,
+)
 from judgeloop.distributed import (
     configure_deepspeed,
     generation_context,
@@ -143,6 +150,8 @@ class LoopState:
     alarm_checks: list[dict[str, Any]] = field(default_factory=list)
     alarms: list[dict[str, Any]] = field(default_factory=list)
     stop_reason: str = ""
+    # what set the run's float rounding (:func:`judgeloop.devices.numerics`), one entry per start or resume
+    numerics: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -826,6 +835,12 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     out_dir = Path(cfg.output_dir)
     check_output_places(cfg)
     check_models(cfg)
+    with intra_op_threads(cfg.threads), _opened(cfg, out_dir) as run:
+        yield run
+
+
+@contextlib.contextmanager
+def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
     accelerator = make_accelerator(cfg, out_dir)
     # the data next: a split too small for the batch on these processes stops here, before any output
     splits = load_splits(cfg, accelerator.num_processes)
@@ -1035,12 +1050,28 @@ def resume_run(run: LoopRun) -> None:
     run.train_judge.stats.cache_hits += run.state.judge_cache_hits
     run.build_prompt.truncated.update(run.state.truncated_articles)
     logger.info("resumed from %s at step %d", cfg.resume_from, run.state.step)
+    now = run_numerics(run)
+    changed = numerics_differences(run.state.numerics[-1] if run.state.numerics else None, now)
+    if changed:
+        logger.warning(
+            "resumed with other numerics than the checkpoint was made with (%s): results will differ from "
+            "an uninterrupted run by float rounding",
+            "; ".join(changed),
+        )
+    run.state.numerics.append({"from_step": run.state.step, **now})
+
+
+def run_numerics(run: LoopRun) -> dict[str, Any]:
+    """This run's thread count, kernels and precision path (:func:`judgeloop.devices.numerics`)."""
+    acc = run.accelerator
+    return numerics(acc.device.type, "bf16" if acc.mixed_precision == "bf16" else "fp32")
 
 
 def start_run(run: LoopRun) -> None:
     """Step 0: reference summaries, the judge's coupling and the first calibrator fit on samples of the
     starting policy, and the step-0 evaluation."""
     cfg, state = run.cfg, run.state
+    state.numerics = [{"from_step": 0, **run_numerics(run)}]
     with generation_context(run.model):
         state.ref_summaries = reference_summaries(
             run.accelerator, run.model, run.learner.ref, run.tokenizer, run.build_prompt, run.splits.test,
@@ -1274,6 +1305,7 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         "judge_stats": {"status": dict(judge_stats.status), "cache_hits": judge_stats.cache_hits},
         "prompts_truncated": run.build_prompt.num_truncated,
         "per_article": "per_article.jsonl",
+        "numerics": state.numerics,
         "start_cache": None
         if run.start.cache is None
         else {"hits": run.start.cache.hits, "misses": run.start.cache.misses},
