@@ -25,3 +25,26 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tmp_path_factory) -> Path:
+    """A real ``judgeloop calibrate`` run with the tiny encoder on the embedded corpus (seconds): its
+    output folder, with ``calibrated_judge/<method>/`` for raw, platt, isotonic, temperature and
+    feature_platt."""
+    from judgeloop.cli import main
+
+    out = tmp_path_factory.mktemp("tiny_calibration") / "run"
+    rc = main(
+        [
+            "calibrate",
+            "--config",
+            str(REPO / "configs/calibrate/embedded_embedding.yaml"),
+            "judge.model=judgeloop-tiny/encoder",
+            "data.embedded_size=120",
+            "max_pairs_per_article=6",
+            f"output_dir={out}",
+        ]
+    )
+    assert rc == 0
+    return out

@@ -1,3 +1,20 @@
-"""judgeloop: train agents against evaluators whose feedback can be trusted."""
+"""judgeloop: train agents against evaluators whose feedback can be trusted.
+
+``from judgeloop import CalibratedJudge`` loads a calibrated judge saved by ``judgeloop calibrate``
+(:mod:`judgeloop.judges.calibrated`); the import is lazy, so ``import judgeloop`` stays light.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CalibratedJudge", "Comparison"):
+        from judgeloop.judges import calibrated
+
+        return getattr(calibrated, name)
+    raise AttributeError(f"module 'judgeloop' has no attribute {name!r}")
+
+
+__all__ = ["CalibratedJudge", "Comparison", "__version__"]

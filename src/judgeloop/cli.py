@@ -19,6 +19,7 @@ from judgeloop.logging import setup_logging
 # command -> "module:ConfigClass:run_function"
 COMMANDS: dict[str, str] = {
     "calibrate": "judgeloop.commands.calibrate:CalibrateConfig:run",
+    "label-pairs": "judgeloop.commands.label_pairs:LabelPairsConfig:run",
     "probe-judge": "judgeloop.commands.probe_judge:ProbeConfig:run",
     "conformal": "judgeloop.commands.conformal:ConformalConfig:run",
     "gate": "judgeloop.commands.gate:GateConfig:run",
@@ -34,6 +35,7 @@ COMMANDS: dict[str, str] = {
 
 HELP: dict[str, str] = {
     "calibrate": "score judge preferences, fit Platt/isotonic calibrators, write a calibration report",
+    "label-pairs": "label a preference dataset with a saved calibrated judge (p_chosen for TRL's DPO)",
     "probe-judge": "attack judges with reward hacks (verdict injection, stuffing, copying...); success rates",
     "conformal": "conformal retrieval sets (per-group thresholds, base rates, ACI) checked over random splits",
     "gate": "select cheap weak-retrieval signals on calibration data, threshold them, report AUCs and cost",

@@ -150,6 +150,7 @@ class CalibrationLab:
     labels: np.ndarray
     calibrators: dict[str, Calibrator]
     predictions: list[dict[str, Any]]
+    judge: Judge | None = None  # the judge that scored the pairs (a calibrated judge saves with it)
 
 
 def _split_articles(cfg: CalibrateConfig) -> tuple[list[Any], list[Any], int]:
@@ -284,13 +285,40 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
         {
             "article_id": p.article_id,
             "orientation": orient[i],
+            # the pair's two texts in the row's orientation, so anyone can judge the row again
+            "a": p.a if orient[i] == "ab" else p.b,
+            "b": p.b if orient[i] == "ab" else p.a,
             "score": float(s_eval[i]),
             "label": int(y_eval[i]),
             **{f"p_{name}": float(pr[i]) for name, pr in probs.items()},
         }
         for i, p in enumerate(kept_eval + kept_eval)
     ]
-    return CalibrationLab(report, probs, y_eval, calibrators, rows)
+    return CalibrationLab(report, probs, y_eval, calibrators, rows, judge)
+
+
+def judge_card(cfg: CalibrateConfig, report: dict[str, Any], method: str) -> dict[str, Any]:
+    """What a saved calibrated judge says of itself: the data it was fit on and its held-out figures."""
+    m = report["methods"][method]
+    return {
+        "fit": {
+            "split": "calibration",
+            "pairs": report["n_fit"],
+            "articles": report["articles"]["calibration"],
+            "label_type": cfg.labels.type,
+            "label_dimension": cfg.labels.dimension if cfg.labels.type == "human" else None,
+            "data_format": cfg.data.format,
+            "data_path": cfg.data.path,
+            "seed": cfg.seed,
+        },
+        "held_out": {
+            "split": "test",
+            "predictions": report["n_eval"],
+            "articles": report["articles"]["test"],
+            **{k: float(m[k]) for k in ("ece", "brier", "nll", "auc", "accuracy")},
+            "position_bias": float(report["judge"]["position_bias"]["test"]),
+        },
+    }
 
 
 def render_table(report: dict[str, Any]) -> str:

@@ -168,7 +168,8 @@ FEATURE_NAMES = ("log_length_ratio", "copy_rate_diff")
 def pair_features(article: str, a: str, b: str) -> np.ndarray:
     """Antisymmetric style features of a pair: log(len a / len b) in words, copy-rate(a) - copy-rate(b)."""
     la, lb = max(len(tokens(a)), 1), max(len(tokens(b)), 1)
-    return np.array([math.log(la / lb), copy_rate(a, article) - copy_rate(b, article)], dtype=float)
+    # log(la) - log(lb), not log(la / lb): swapping a and b negates every feature exactly
+    return np.array([math.log(la) - math.log(lb), copy_rate(a, article) - copy_rate(b, article)], dtype=float)
 
 
 def pair_feature_matrix(pairs: Sequence[LabeledPair]) -> np.ndarray:

@@ -1,8 +1,9 @@
 """``judgeloop calibrate``: how trustworthy is a judge's preference, before and after calibration?
 
 The lab is :mod:`judgeloop.calibration.lab`; this shell runs it and writes ``report.json``,
-``report.md``, ``reliability.png``, ``predictions.jsonl``, ``calibrators/<method>.json`` and the
-resolved ``config.yaml`` under ``output_dir``.
+``report.md``, ``reliability.png``, ``predictions.jsonl``, ``calibrators/<method>.json``, one calibrated
+judge per method (``calibrated_judge/<method>/``, raw included: ``CalibratedJudge.from_pretrained`` loads
+it) and the resolved ``config.yaml`` under ``output_dir``.
 """
 
 from __future__ import annotations
@@ -10,8 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from judgeloop.calibration.lab import CalibrateConfig, calibration_lab, render_markdown, render_table
+from judgeloop.calibration import IdentityCalibrator
+from judgeloop.calibration.lab import (
+    CalibrateConfig,
+    calibration_lab,
+    judge_card,
+    render_markdown,
+    render_table,
+)
 from judgeloop.calibration.reliability import reliability_diagram
+from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
 
@@ -26,6 +35,10 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
     out_dir = Path(cfg.output_dir)
     for method, cal in lab.calibrators.items():
         cal.save(out_dir / "calibrators" / f"{method}.json")
+    # one calibrated judge per method (and raw: p = sigmoid(logit)), loadable by CalibratedJudge.from_pretrained
+    for method, cal in {"raw": IdentityCalibrator().fit([], []), **lab.calibrators}.items():
+        judge = CalibratedJudge(cfg.judge, cal, judge_card(cfg, lab.report, method), judge=lab.judge)
+        judge.save_pretrained(out_dir / "calibrated_judge" / method)
     title = f"{cfg.judge.type} judge, {cfg.labels.type} labels, {cfg.data.format}"
     reliability_diagram(lab.probs, lab.labels, out_dir / "reliability.png", cfg.num_bins, title=title)
     write_report(

@@ -1,0 +1,1 @@
+"""Adapters that carry judgeloop's judge into other trainers (TRL: :mod:`judgeloop.integrations.trl`)."""

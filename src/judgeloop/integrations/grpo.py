@@ -1,0 +1,120 @@
+"""The schema and the parts of ``recipes/grpo_trl.py``: TRL's ``GRPOTrainer`` rewarded by a calibrated
+judge saved by ``judgeloop calibrate`` (groupwise rewards, :class:`~judgeloop.integrations.trl.JudgeReward`).
+
+The dataset TRL trains on has a conversational ``prompt`` (the summarization instruction with the
+article), the ``article`` the judge reads the completions against and the ``reference`` summary (the
+``anchor`` scheme's anchor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from judgeloop.config import check_at_least
+from judgeloop.data import DataConfig, SplitConfig
+from judgeloop.rewards import check_scheme
+
+
+@dataclass
+class GrpoPolicyConfig:
+    """The policy TRL trains (``policy.*``): LoRA adapters by default (peft, through TRL's ``peft_config``)."""
+
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    lora: bool = True
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
+    max_article_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if "{article}" not in self.prompt_template:
+            raise ValueError(
+                f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
+            )
+        check_at_least("policy", self, "max_article_tokens", 8)
+
+
+@dataclass
+class GrpoRewardConfig:
+    """How the calibrated judge's pairwise judgements become one reward per completion (``reward.*``;
+    :mod:`judgeloop.rewards`). ``anchor: reference`` compares each completion with the article's reference
+    summary (the ``anchor`` scheme)."""
+
+    scheme: Literal["all_pairs", "round_robin", "anchor"] = "all_pairs"
+    aggregate: Literal["win_rate", "bradley_terry"] = "win_rate"
+    m: int = 2
+    prior: float = 0.1
+    probability: Literal["calibrated", "raw"] = "calibrated"
+
+    def __post_init__(self) -> None:
+        check_scheme(self.scheme, self.aggregate, self.m, self.prior)
+
+
+@dataclass
+class GrpoTrainConfig:
+    """TRL's ``GRPOConfig`` settings the recipe sets (``grpo.*``); ``per_device_train_batch_size`` counts
+    completions and must be a multiple of ``num_generations`` (each group on one process)."""
+
+    num_generations: int = 4
+    per_device_train_batch_size: int = 8
+    max_completion_length: int = 24
+    temperature: float = 1.0
+    learning_rate: float = 1e-4
+    beta: float = 0.04
+    max_steps: int = 10
+    logging_steps: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_at_least("grpo", self, "num_generations", 2, " (a group needs two completions to compare)")
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(
+                f"grpo.per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
+                f"grpo.num_generations={self.num_generations}; a group's completions must be on one process"
+            )
+        check_at_least("grpo", self, "max_steps", 1)
+
+
+@dataclass
+class GrpoTrlConfig:
+    """Schema of ``recipes/grpo_trl.py``."""
+
+    judge_path: str = ""
+    judge_overrides: list[str] = field(default_factory=list)
+    policy: GrpoPolicyConfig = field(default_factory=GrpoPolicyConfig)
+    reward: GrpoRewardConfig = field(default_factory=GrpoRewardConfig)
+    grpo: GrpoTrainConfig = field(default_factory=GrpoTrainConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1)))
+    max_train_articles: int | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output_dir: str = "runs/grpo_trl"
+
+    def __post_init__(self) -> None:
+        if not self.judge_path:
+            raise ValueError(
+                "judge_path is empty; set judge_path=DIR, a calibrated judge written by judgeloop calibrate "
+                "(OUTPUT_DIR/calibrated_judge/<method>)"
+            )
+
+
+def prompt_rows(examples: list[Any], tokenizer: Any, policy: GrpoPolicyConfig) -> list[dict[str, Any]]:
+    """TRL's rows: a conversational ``prompt`` (the article cut to ``max_article_tokens`` tokens), the
+    ``article`` the judge reads and the ``reference`` summary."""
+    rows = []
+    for ex in examples:
+        ids = tokenizer(ex.article, add_special_tokens=False)["input_ids"][: policy.max_article_tokens]
+        article = tokenizer.decode(ids)
+        content = policy.prompt_template.format(article=article)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": content}],
+                "article": ex.article,
+                "reference": ex.neutral[0] if ex.neutral else "",
+            }
+        )
+    return rows
+
+
+__all__ = ["GrpoPolicyConfig", "GrpoRewardConfig", "GrpoTrainConfig", "GrpoTrlConfig", "prompt_rows"]

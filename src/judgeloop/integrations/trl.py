@@ -1,0 +1,314 @@
+"""judgeloop's calibrated judge inside TRL's trainers.
+
+* :class:`JudgeReward`: a reward function for ``GRPOTrainer`` and ``RLOOTrainer`` (``reward_funcs=``):
+  groupwise rewards from pairwise calibrated judgements (:mod:`judgeloop.rewards`), the groups read from
+  TRL's batch layout (each prompt's ``num_generations`` completions side by side) and checked against the
+  prompts. In ``anchor`` mode each completion is judged against its row's anchor column alone, which is
+  also what TRL's online DPO (``trl.experimental.online_dpo``) accepts.
+* :func:`soft_dpo_trainer`: TRL's ``DPOTrainer`` with a per-pair soft target read from the dataset's
+  ``p_chosen`` column (what ``judgeloop label-pairs`` writes): judgeloop's soft-target DPO loss
+  (:func:`judgeloop.loop.losses.soft_dpo_loss`) in place of the hard one.
+
+TRL passes reward functions ``prompts``, ``completions`` and every other dataset column by name; the
+judge's source text (the article the completion summarizes) comes from such a column
+(``source_column``), never parsed out of the chat prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from judgeloop.rewards import Group, check_scheme, score_groups
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a TRL completion: a string, or a conversational completion (a list of messages,
+    the assistant's content joined)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
+        return "".join(
+            str(m.get("content", "")) for m in completion if m.get("role", "assistant") == "assistant"
+        )
+    raise ValueError(
+        f"a completion of type {type(completion).__name__} is neither text nor a list of chat messages"
+    )
+
+
+class JudgeReward:
+    """A TRL reward function backed by a calibrated judge.
+
+    Args:
+        judge: a :class:`~judgeloop.judges.calibrated.CalibratedJudge` (or a folder it loads from).
+        scheme, aggregate, m, prior, probability: as in :func:`judgeloop.rewards.score_groups`.
+        num_generations: completions per prompt in TRL's batch (``GRPOConfig.num_generations``); None
+            reads each group as a run of identical consecutive prompts. ``anchor`` mode judges every row
+            alone and needs no groups.
+        source_column: the dataset column with the text the judge reads the completions against.
+        anchor_column: the column with each row's anchor completion (``anchor`` scheme).
+        reference_column: the column with references, for a judge that reads them.
+
+    Each call judges the whole batch in one judge call, and logs through TRL (``log_metric``, when the
+    trainer passes it): ``judge/comparisons_per_group``, ``judge/failed``, ``judge/mean_p``,
+    ``judge/position_bias``. ``history`` keeps the last calls' inputs and rewards (``keep_history``).
+    """
+
+    def __init__(
+        self,
+        judge: Any,
+        scheme: str = "all_pairs",
+        aggregate: str = "win_rate",
+        m: int = 2,
+        prior: float = 0.1,
+        probability: str = "calibrated",
+        num_generations: int | None = None,
+        source_column: str = "article",
+        anchor_column: str | None = None,
+        reference_column: str | None = None,
+        keep_history: int = 0,
+        name: str = "judgeloop",
+    ):
+        check_scheme(scheme, aggregate, m, prior)
+        if scheme == "anchor" and not anchor_column:
+            raise ValueError("scheme=anchor needs anchor_column: the dataset column with each row's anchor")
+        if num_generations is not None and num_generations < 1:
+            raise ValueError(f"num_generations={num_generations}; use TRL's num_generations (>= 1) or None")
+        if isinstance(judge, str) or hasattr(judge, "__fspath__"):
+            from judgeloop.judges.calibrated import CalibratedJudge
+
+            judge = CalibratedJudge.from_pretrained(judge)
+        self.judge = judge
+        self.scheme: Any = scheme
+        self.aggregate: Any = aggregate
+        self.m, self.prior = m, prior
+        self.probability: Any = probability
+        self.num_generations = num_generations
+        self.source_column = source_column
+        self.anchor_column = anchor_column
+        self.reference_column = reference_column
+        self.keep_history = keep_history
+        self.history: list[dict[str, Any]] = []
+        self.calls = 0
+        self.judge_calls = 0
+        self.seconds = 0.0  # spent in this reward function (the judge's share of a trainer's step)
+        self.__name__ = name  # TRL names the reward's log columns after it
+
+    def _column(self, kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
+        if name not in kwargs:
+            cols = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric"))
+            raise ValueError(
+                f"JudgeReward: the batch has no column {name!r} (TRL passes dataset columns by name; this "
+                f"batch has {cols}); add it to the dataset or set the column argument"
+            )
+        values = list(kwargs[name])
+        if len(values) != n:
+            raise ValueError(f"JudgeReward: column {name!r} has {len(values)} values for {n} completions")
+        return values
+
+    def groups(self, prompts: Sequence[Any], n: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of each group in the batch, checked: every row of a group has one prompt."""
+        if self.scheme == "anchor" and self.num_generations is None:
+            return [(i, i + 1) for i in range(n)]
+        if self.num_generations is not None:
+            g = self.num_generations
+            if n % g:
+                raise ValueError(
+                    f"JudgeReward: {n} completions do not split into groups of num_generations={g}; "
+                    "set the per-device batch to a multiple of num_generations so each group is on one process"
+                )
+            spans = [(s, s + g) for s in range(0, n, g)]
+        else:
+            spans, start = [], 0
+            for i in range(1, n + 1):
+                if i == n or prompts[i] != prompts[start]:
+                    spans.append((start, i))
+                    start = i
+        for s, e in spans:
+            if any(prompts[i] != prompts[s] for i in range(s, e)):
+                raise ValueError(
+                    f"JudgeReward: completions {s}-{e - 1} do not share one prompt, so they are no group of "
+                    "TRL's layout (each prompt's num_generations completions side by side); check "
+                    "num_generations and that the per-device batch is a multiple of it"
+                )
+        return spans
+
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
+    ) -> list[float | None]:
+        t0 = time.perf_counter()
+        try:
+            return self._rewards(prompts, completions, kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _rewards(
+        self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: dict[str, Any]
+    ) -> list[float | None]:
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"JudgeReward: {len(prompts)} prompts for {n} completions")
+        texts = [completion_text(c) for c in completions]
+        sources = self._column(kwargs, self.source_column, n)
+        anchors = self._column(kwargs, self.anchor_column, n) if self.anchor_column else [None] * n
+        refs = self._column(kwargs, self.reference_column, n) if self.reference_column else [()] * n
+        spans = self.groups(prompts, n)
+        groups = []
+        for s, e in spans:
+            if any(sources[i] != sources[s] for i in range(s, e)):
+                raise ValueError(
+                    f"JudgeReward: rows {s}-{e - 1} share a prompt but not the {self.source_column!r} column"
+                )
+            ref = refs[s]
+            groups.append(
+                Group(str(sources[s]), texts[s:e], anchors[s], (ref,) if isinstance(ref, str) else tuple(ref))
+            )
+        scores = score_groups(
+            self.judge,
+            groups,
+            self.scheme,
+            self.aggregate,
+            self.m,
+            self.prior,
+            self.probability,  # type: ignore[arg-type]
+        )
+        rewards = [r for group in scores.rewards for r in group]
+        self.calls += 1
+        self.judge_calls += scores.judge_calls
+        log = kwargs.get("log_metric")
+        if callable(log):
+            log("judge/comparisons_per_group", float(np.mean(scores.comparisons)))
+            log("judge/failed", float(sum(scores.failed)))
+            log("judge/mean_p", scores.mean_p)
+            log("judge/position_bias", scores.position_bias)
+        if self.keep_history:
+            self.history.append(
+                {"sources": sources, "completions": texts, "spans": spans, "rewards": rewards}
+            )
+            del self.history[: -self.keep_history]
+        return rewards
+
+
+def soft_dpo_trainer(*args: Any, target_column: str = "p_chosen", **kwargs: Any) -> Any:
+    """TRL's ``DPOTrainer`` whose loss reads a soft target per pair from ``target_column`` (see
+    :class:`SoftDPOTrainer`); arguments as ``DPOTrainer``'s."""
+    return make_soft_dpo_trainer_class()(*args, target_column=target_column, **kwargs)
+
+
+def make_soft_dpo_trainer_class() -> type:
+    """The ``SoftDPOTrainer`` class (built on first use, so importing this module needs no TRL)."""
+    global _SOFT_DPO
+    if _SOFT_DPO is None:
+        _SOFT_DPO = _build_soft_dpo_class()
+    return _SOFT_DPO
+
+
+_SOFT_DPO: type | None = None
+
+
+def sequence_logps(model: Any, inputs: dict[str, Any]) -> Any:
+    """Sum of log pi(token) over each row's completion tokens, for TRL's preference batch layout
+    (``input_ids``, ``attention_mask``, ``completion_mask``: chosen rows, then rejected rows)."""
+    import torch
+
+    logits = model(
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
+    ).logits
+    labels = inputs["input_ids"][:, 1:]
+    mask = inputs["completion_mask"][:, 1:].to(logits.dtype)
+    token = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (token * mask).sum(dim=1)
+
+
+class _WithTarget:
+    """TRL's preference collator, plus each pair's soft target as a tensor (TRL's drops extra columns)."""
+
+    def __init__(self, inner: Any, column: str):
+        self.inner, self.column = inner, column
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        if any(self.column not in ex for ex in examples):
+            raise ValueError(
+                f"SoftDPOTrainer: a pair has no {self.column!r}; label the pairs with judgeloop label-pairs "
+                "(or set target_column)"
+            )
+        targets = [float(ex[self.column]) for ex in examples]
+        bad = [t for t in targets if not 0.0 <= t <= 1.0]
+        if bad:
+            raise ValueError(f"SoftDPOTrainer: {self.column} must lie in [0, 1]; got {bad[0]}")
+        out = self.inner(examples)
+        out[self.column] = torch.tensor(targets, dtype=torch.float32)
+        return out
+
+
+def _build_soft_dpo_class() -> type:
+    import torch
+    from trl import DPOTrainer
+
+    from judgeloop.loop.losses import soft_dpo_loss
+
+    class SoftDPOTrainer(DPOTrainer):  # type: ignore[misc, valid-type]
+        """``DPOTrainer`` with judgeloop's soft-target DPO loss: each pair's target ``p`` (the calibrated
+        P(chosen better), column ``target_column``) weighs both directions,
+        ``-p log s(beta h) - (1 - p) log s(-beta h)``, ``h`` the policy-minus-reference log-ratio margin
+        (:func:`judgeloop.loop.losses.soft_dpo_loss`). With ``p = 1`` everywhere it is TRL's sigmoid loss.
+        The other loss options of ``DPOConfig`` (``loss_type``, f-divergences, ``ld_alpha``) do not apply."""
+
+        def __init__(self, *args: Any, target_column: str = "p_chosen", **kwargs: Any):
+            self.target_column = target_column
+            super().__init__(*args, **kwargs)
+            if self.loss_types != ["sigmoid"] or self.f_divergence_type != "reverse_kl" or self.ld_alpha:
+                raise ValueError(
+                    f"SoftDPOTrainer: loss_type={self.loss_types}, f_divergence_type={self.f_divergence_type}, "
+                    f"ld_alpha={self.ld_alpha}; the soft-target loss is the sigmoid DPO loss: use the defaults"
+                )
+            self.data_collator = _WithTarget(self.data_collator, target_column)
+
+        def _set_signature_columns_if_needed(self) -> None:
+            super()._set_signature_columns_if_needed()
+            if self._signature_columns is not None and self.target_column not in self._signature_columns:
+                self._signature_columns.append(self.target_column)
+
+        def compute_loss(
+            self,
+            model: Any,
+            inputs: dict[str, Any],
+            return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
+            target = inputs.pop(self.target_column)
+            logps = sequence_logps(model, inputs)
+            with torch.no_grad():
+                if self.precompute_ref_logps:
+                    ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
+                elif self.ref_model is None:  # LoRA: the reference is the base with the adapters off
+                    with self.accelerator.unwrap_model(model).disable_adapter():
+                        ref = sequence_logps(model, inputs)
+                else:
+                    ref = sequence_logps(self.ref_model, inputs)
+            chosen, rejected = (logps - ref.to(logps.dtype)).chunk(2)
+            per_pair = soft_dpo_loss(chosen - rejected, target.to(logps), self.beta)
+            mode = "train" if model.training else "eval"
+            gather = self.accelerator.gather_for_metrics
+            margins = (self.beta * (chosen - rejected)).detach()
+            self._metrics[mode]["rewards/margins"].append(gather(margins).mean().item())
+            self._metrics[mode]["rewards/accuracies"].append(gather((margins > 0).float()).mean().item())
+            self._metrics[mode]["soft_target/mean"].append(gather(target.to(margins)).mean().item())
+            loss = per_pair.mean()
+            return (loss, {"per_pair_loss": per_pair.detach()}) if return_outputs else loss
+
+    return SoftDPOTrainer
+
+
+__all__ = [
+    "JudgeReward",
+    "completion_text",
+    "make_soft_dpo_trainer_class",
+    "sequence_logps",
+    "soft_dpo_trainer",
+]

@@ -1,0 +1,248 @@
+"""A calibrated judge that travels: a judge and the calibrator fitted to it, saved in one folder.
+
+``judgeloop calibrate`` writes one per method (``OUTPUT_DIR/calibrated_judge/<method>/``) and the
+feedback loop writes its final one (``OUTPUT_DIR/calibrated_judge/``); a trainer anywhere loads it::
+
+    from judgeloop import CalibratedJudge
+
+    judge = CalibratedJudge.from_pretrained("runs/summeval/calibrated_judge/platt")
+    out = judge.compare(articles, summaries_a, summaries_b)
+    out.p       # calibrated P(a better than b), NaN where the judgement failed
+    out.logit   # the judge's raw logit (both orders combined when the judge debiases)
+    out.status  # per item: ok, truncated, empty_summary, nonfinite, too_long
+
+The folder holds ``judge.yaml`` (the judge's config: type, model, prompt, debiasing, style settings),
+``calibrator.json`` (the fitted calibrator's state), ``calibrated_judge.json`` (the format version,
+what it was fit on and its held-out figures) and a ``README.md`` card. A failed judgement stays a
+status with ``p = nan``, never a number.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from judgeloop.calibration.calibrators import Calibrator, calibrator_from_state
+from judgeloop.calibration.labels import FEATURE_NAMES, pair_features
+from judgeloop.config import ConfigError, load_config, to_yaml
+from judgeloop.io import atomic_dir, atomic_write_json, atomic_write_text
+from judgeloop.judges import JudgeConfig, build_judge
+from judgeloop.judges.base import VALID_STATUSES, Judge, PointwiseJudge
+
+FORMAT = "judgeloop.calibrated_judge"
+FORMAT_VERSION = 1
+CARD_FILE = "calibrated_judge.json"
+
+
+@dataclass
+class Comparison:
+    """What :meth:`CalibratedJudge.compare` returns for N pairs.
+
+    Attributes:
+        p: (N,) calibrated P(a better than b); NaN where the judgement failed.
+        logit: (N,) the judge's raw logit (positive: a preferred); NaN where it failed.
+        status: N statuses (``ok`` and ``truncated`` are valid judgements).
+        forward: (N,) the logit of the (a, b) order alone; ``reverse`` that of (b, a), when the judge
+            scored both orders (position debiasing), else None.
+    """
+
+    p: np.ndarray
+    logit: np.ndarray
+    status: list[str]
+    forward: np.ndarray
+    reverse: np.ndarray | None = None
+
+    @property
+    def valid(self) -> np.ndarray:
+        """(N,) bool: the items judged (status ``ok`` or ``truncated``)."""
+        return np.array([s in VALID_STATUSES for s in self.status], dtype=bool)
+
+    def position_bias(self) -> float:
+        """Mean ``s(a,b) + s(b,a)`` over valid items (0: order-invariant; positive: the first shown wins);
+        NaN when only one order was scored."""
+        if self.reverse is None:
+            return float("nan")
+        ok = self.valid & np.isfinite(self.forward) & np.isfinite(self.reverse)
+        return float(np.mean(self.forward[ok] + self.reverse[ok])) if ok.any() else float("nan")
+
+
+def is_pairwise(judge: Judge) -> bool:
+    """Whether ``judge`` sees both summaries at once (and can favour a position); a pointwise judge values
+    each summary alone, so one order says everything."""
+    base = getattr(judge, "base", judge)  # a styled judge is as pairwise as its base
+    return not isinstance(base, PointwiseJudge)
+
+
+@dataclass
+class CalibratedJudge:
+    """A judge (built from ``config``) and its fitted ``calibrator``; ``card`` says what it was fit on and
+    how it did on held-out pairs. Build one with :meth:`from_pretrained`, or from parts."""
+
+    config: JudgeConfig
+    calibrator: Calibrator
+    card: dict[str, Any] = field(default_factory=dict)
+    judge: Judge | None = None
+
+    def __post_init__(self) -> None:
+        if self.judge is None:
+            self.judge = build_judge(self.config)
+        self.calls = 0  # compare() calls: a batched caller makes one per batch
+
+    @property
+    def method(self) -> str:
+        """The calibration method (``raw`` is p = sigmoid(logit))."""
+        return self.calibrator.method
+
+    @property
+    def pairwise(self) -> bool:
+        assert self.judge is not None
+        return is_pairwise(self.judge)
+
+    @property
+    def debiases(self) -> bool:
+        """Whether :meth:`compare` scores both orders of every pair (position debiasing)."""
+        assert self.judge is not None
+        return bool(self.judge.position_debias)
+
+    def compare(
+        self,
+        prompts: Sequence[str],
+        a: Sequence[str],
+        b: Sequence[str],
+        references: Sequence[Sequence[str]] | None = None,
+    ) -> Comparison:
+        """Calibrated P(``a[i]`` better than ``b[i]``) for the source text ``prompts[i]`` (the article the
+        summaries are of), in one batched judge call; both orders when the judge debiases.
+
+        Raises:
+            ValueError: the three lists (and ``references``, when given) differ in length.
+        """
+        assert self.judge is not None
+        self.calls += 1
+        out = self.judge(list(prompts), list(a), list(b), references)
+        features = None
+        if self.calibrator.uses_features:
+            features = np.zeros((len(out.status), len(FEATURE_NAMES)))
+            for i, ok in enumerate(out.valid):
+                if ok:
+                    features[i] = pair_features(prompts[i], a[i], b[i])
+        logit = np.where(out.valid, out.scores, np.nan)
+        p = self.calibrator.predict_proba(logit, features)
+        return Comparison(p=p, logit=logit, status=list(out.status), forward=out.forward, reverse=out.reverse)
+
+    # --- the folder ----------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the folder :meth:`from_pretrained` reads, atomically (a half-written one never appears)."""
+        from judgeloop import __version__
+
+        card = {
+            **self.card,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "judgeloop_version": __version__,
+            "method": self.method,
+            "feature_names": list(FEATURE_NAMES) if self.calibrator.uses_features else [],
+        }
+        with atomic_dir(path) as tmp:
+            atomic_write_text(tmp / "judge.yaml", to_yaml(self.config))
+            atomic_write_json(tmp / "calibrator.json", self.calibrator.state_dict())
+            atomic_write_json(tmp / CARD_FILE, card)
+            atomic_write_text(tmp / "README.md", model_card(card, self.config))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, overrides: Sequence[str] = ()) -> CalibratedJudge:
+        """Load a saved calibrated judge; ``overrides`` change judge settings that do not change its
+        judgements' meaning, e.g. ``["device=cuda", "batch_size=32", "model=/local/copy"]``.
+
+        Raises:
+            ConfigError: one line naming the file and the fix: not a calibrated judge folder, another
+                format version, a model that cannot be found here, a changed setting the calibrator
+                depends on.
+        """
+        from judgeloop import __version__
+        from judgeloop.judges.tokens import resolve_device
+        from judgeloop.models import check_model
+
+        folder = Path(path)
+        card_path = folder / CARD_FILE
+        if not card_path.is_file():
+            raise ConfigError(
+                f"{folder} is not a calibrated judge (no {CARD_FILE}); pass a folder written by judgeloop "
+                "calibrate (OUTPUT_DIR/calibrated_judge/<method>) or by CalibratedJudge.save_pretrained"
+            )
+        card = json.loads(card_path.read_text())
+        if card.get("format") != FORMAT or card.get("format_version") != FORMAT_VERSION:
+            raise ConfigError(
+                f"{card_path}: format {card.get('format')!r} version {card.get('format_version')!r} (written by "
+                f"judgeloop {card.get('judgeloop_version')}); judgeloop {__version__} reads {FORMAT!r} version "
+                f"{FORMAT_VERSION}: install the judgeloop that wrote it, or calibrate again with this one"
+            )
+        for name in ("judge.yaml", "calibrator.json"):
+            if not (folder / name).is_file():
+                raise ConfigError(f"{folder / name} is missing; the folder is incomplete: calibrate again")
+        changed = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in MEANING_KEYS]
+        if changed:
+            raise ConfigError(
+                f"overrides change {changed} of {folder / 'judge.yaml'}: the calibrator was fit to the judge as "
+                "saved; calibrate the changed judge instead"
+            )
+        config = load_config(JudgeConfig, folder / "judge.yaml", overrides)
+        from judgeloop.judges import models_of
+
+        for key, model, device in models_of(config):
+            try:
+                resolve_device(device)
+                check_model(model, key)
+            except ValueError as err:
+                raise ConfigError(
+                    f"{folder / 'judge.yaml'}: {err}; or load it with overrides=['model=LOCAL_DIR']"
+                ) from None
+        calibrator = calibrator_from_state(json.loads((folder / "calibrator.json").read_text()))
+        return cls(config=config, calibrator=calibrator, card=card)
+
+
+# judge settings whose change changes what the logit means (so the fitted calibrator no longer applies)
+MEANING_KEYS = (
+    "type",
+    "prompt",
+    "position_debias",
+    "embedding_target",
+    "scale",
+    "verdict_tokens",
+    "style_weight",
+    "style_feature",
+    "signal",
+    "panel",
+)
+
+
+def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
+    """The folder's ``README.md``: what the judge is, what it was fit on, how it did on held-out pairs."""
+    held = card.get("held_out", {})
+    fit = card.get("fit", {})
+    lines = [
+        f"# Calibrated judge: `{config.type}` on `{config.model}`, `{card['method']}`",
+        "",
+        "Load it with `CalibratedJudge.from_pretrained(path)` (`from judgeloop import CalibratedJudge`).",
+        "",
+        f"- Prompt `{config.prompt}`, position debiasing {'on' if config.debias else 'off'}"
+        + (f", style bias {config.style_weight} x {config.style_feature}" if config.style_weight else "")
+        + ".",
+    ]
+    if fit:
+        lines.append(
+            "- Fit on " + ", ".join(f"{k}: {v}" for k, v in fit.items() if not isinstance(v, dict)) + "."
+        )
+    if held:
+        lines.append(
+            "- Held out: " + ", ".join(f"{k} {v:.4f}" for k, v in held.items() if isinstance(v, float)) + "."
+        )
+    return "\n".join([*lines, ""])
+
+
+__all__ = ["CalibratedJudge", "Comparison", "is_pairwise"]

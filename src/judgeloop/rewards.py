@@ -1,0 +1,285 @@
+"""Groupwise rewards from pairwise judgements: one reward per completion of a prompt's group.
+
+Group-relative RL (GRPO, RLOO) samples k completions per prompt and needs a reward for each. A pairwise
+judge says which of two is better, so a group's rewards come from comparisons inside it:
+
+* ``scheme`` (which comparisons): ``all_pairs`` (every pair, k(k-1)/2), ``round_robin`` (each completion
+  against the next ``m``, in a canonical order, about k*m comparisons, so cost grows with k, not k^2),
+  ``anchor`` (each completion against one reference text: the dataset's reference, the greedy sample);
+* ``aggregate`` (comparisons -> rewards): ``win_rate`` (mean calibrated p of beating the others, in
+  [0, 1]) or ``bradley_terry`` (the maximum a posteriori Bradley-Terry strengths of the soft outcomes
+  under a Gaussian prior of precision ``prior``, so a completion that wins everything stays finite;
+  strengths sum to 0 over the group, or are relative to the anchor).
+
+Every comparison of every group in a batch goes to the judge in one call (:func:`score_groups`).
+Completions are de-duplicated first: identical completions get identical rewards, and the comparison
+design is built on the distinct completions sorted by content, so the rewards do not depend on the
+order of completions within the group. A pairwise judge that does not debias positions is asked both
+orders of each comparison (the two calibrated p are averaged); a failed comparison is dropped from the
+aggregate and counted, and a completion with no valid comparison gets ``None`` (which TRL reads as "not
+applicable").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from scipy.special import expit
+
+SCHEMES = ("all_pairs", "round_robin", "anchor")
+AGGREGATES = ("win_rate", "bradley_terry")
+Scheme = Literal["all_pairs", "round_robin", "anchor"]
+Aggregate = Literal["win_rate", "bradley_terry"]
+ANCHOR = -1  # the anchor's index in a group's comparisons
+
+
+@dataclass
+class Group:
+    """One prompt's completions: ``source`` is the text the judge reads them against (the article),
+    ``anchor`` the reference completion of the ``anchor`` scheme, ``references`` what a reference-based
+    judge compares to."""
+
+    source: str
+    completions: list[str]
+    anchor: str | None = None
+    references: tuple[str, ...] = ()
+
+
+@dataclass
+class GroupScores:
+    """Rewards of a batch of groups, and what it took to get them.
+
+    Attributes:
+        rewards: per group, one reward per completion (``None``: no valid comparison).
+        comparisons: distinct comparisons judged (after de-duplication), per group.
+        failed: comparisons whose judgement failed (dropped from the aggregates), per group.
+        judge_calls: calls to the judge for the whole batch (1, or 0 when nothing needed judging).
+        mean_p: mean calibrated p of the valid comparisons (as the first-listed completion).
+        position_bias: mean s(a,b) + s(b,a) of the judged comparisons, when both orders were scored.
+    """
+
+    rewards: list[list[float | None]]
+    comparisons: list[int]
+    failed: list[int]
+    judge_calls: int = 0
+    mean_p: float = float("nan")
+    position_bias: float = float("nan")
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+def check_scheme(scheme: str, aggregate: str, m: int, prior: float) -> None:
+    """Refuse a scheme, aggregate, ``m`` or prior that is not one (one line naming the value and the fix)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r}; use one of {list(SCHEMES)}")
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate={aggregate!r}; use one of {list(AGGREGATES)}")
+    if m < 1:
+        raise ValueError(f"m={m}: round_robin compares each completion with the next m; use m >= 1")
+    if not prior > 0:
+        raise ValueError(f"prior={prior}: the Bradley-Terry prior precision must be > 0 (e.g. 0.1)")
+
+
+def _canonical(texts: Sequence[str]) -> list[str]:
+    """The distinct texts in an order that depends only on their content."""
+    return sorted(set(texts), key=lambda t: (hashlib.sha256(t.encode()).hexdigest(), t))
+
+
+def design(n: int, scheme: str, m: int = 2) -> list[tuple[int, int]]:
+    """The comparisons ``(i, j)`` of ``n`` distinct completions (``j == ANCHOR`` for the anchor)."""
+    if scheme == "anchor":
+        return [(i, ANCHOR) for i in range(n)]
+    if scheme == "all_pairs":
+        return [(i, j) for i in range(n) for j in range(i + 1, n)]
+    pairs: set[tuple[int, int]] = set()  # round robin: each against the next m, around the circle
+    for i in range(n):
+        for step in range(1, min(m, n - 1) + 1):
+            j = (i + step) % n
+            pairs.add((min(i, j), max(i, j)))
+    return sorted(pairs)
+
+
+def bradley_terry(
+    n: int, comparisons: Sequence[tuple[int, int]], p: Sequence[float], prior: float = 0.1
+) -> np.ndarray:
+    """MAP Bradley-Terry strengths of ``n`` items from soft outcomes: ``p[c]`` is the probability that
+    item ``i`` beats item ``j`` in comparison ``c = (i, j)``. Maximizes
+    ``sum_c p log sigmoid(t_i - t_j) + (1 - p) log sigmoid(t_j - t_i) - prior / 2 * |t|^2`` by Newton's
+    method (strictly concave: one optimum). The likelihood is shift-invariant, so at the optimum the
+    strengths sum to 0."""
+    theta = np.zeros(n)
+    if not comparisons:
+        return theta
+    idx_i = np.array([c[0] for c in comparisons])
+    idx_j = np.array([c[1] for c in comparisons])
+    target = np.asarray(p, dtype=float)
+    for _ in range(100):
+        q = expit(theta[idx_i] - theta[idx_j])
+        r = target - q  # d loglik / d (t_i - t_j)
+        grad = -prior * theta
+        np.add.at(grad, idx_i, r)
+        np.add.at(grad, idx_j, -r)
+        w = q * (1 - q)
+        hess = -prior * np.eye(n)
+        np.add.at(hess, (idx_i, idx_i), -w)
+        np.add.at(hess, (idx_j, idx_j), -w)
+        np.add.at(hess, (idx_i, idx_j), w)
+        np.add.at(hess, (idx_j, idx_i), w)
+        step = np.linalg.solve(hess, grad)
+        theta = theta - step
+        if np.max(np.abs(step)) < 1e-12:
+            break
+    return theta
+
+
+def _aggregate(
+    n: int, pairs: list[tuple[int, int]], p: list[float], aggregate: str, prior: float, anchored: bool
+) -> list[float | None]:
+    """Rewards of ``n`` distinct completions from their valid comparisons (``p``: i beats j)."""
+    seen = np.zeros(n, dtype=bool)
+    for i, j in pairs:
+        seen[i] = True
+        if j != ANCHOR:
+            seen[j] = True
+    if aggregate == "win_rate":
+        wins: list[list[float]] = [[] for _ in range(n)]
+        for (i, j), pij in zip(pairs, p):
+            wins[i].append(pij)
+            if j != ANCHOR:
+                wins[j].append(1.0 - pij)
+        return [float(np.mean(w)) if w else None for w in wins]
+    size = n + 1 if anchored else n  # the anchor is item n
+    items = [(i, n if j == ANCHOR else j) for i, j in pairs]
+    theta = bradley_terry(size, items, p, prior)
+    if anchored:
+        theta = theta[:n] - theta[n]
+    return [float(theta[i]) if seen[i] else None for i in range(n)]
+
+
+def score_groups(
+    judge: Any,
+    groups: Sequence[Group],
+    scheme: Scheme = "all_pairs",
+    aggregate: Aggregate = "win_rate",
+    m: int = 2,
+    prior: float = 0.1,
+    probability: Literal["calibrated", "raw"] = "calibrated",
+) -> GroupScores:
+    """Rewards for every completion of every group, from one batched call of ``judge``'s
+    :meth:`~judgeloop.judges.calibrated.CalibratedJudge.compare` (see the module docstring).
+
+    ``probability="raw"`` aggregates sigmoid(raw logit) instead of the calibrated p: the rewards then
+    differ from the calibrated ones only through the calibrator.
+
+    Raises:
+        ValueError: a bad scheme / aggregate / ``m`` / prior, or an ``anchor`` scheme without an anchor.
+    """
+    check_scheme(scheme, aggregate, m, prior)
+    if probability not in ("calibrated", "raw"):
+        raise ValueError(f"probability={probability!r}; use calibrated or raw")
+    plans = []  # per group: distinct texts, their comparisons, the batch rows of each
+    sources: list[str] = []
+    a: list[str] = []
+    b: list[str] = []
+    refs: list[tuple[str, ...]] = []
+    both = judge.pairwise and not judge.debiases  # ask both orders ourselves
+    for g in groups:
+        if scheme == "anchor" and not g.anchor:
+            raise ValueError(
+                "scheme=anchor needs an anchor completion for every group (e.g. the dataset's reference "
+                "summary); one group has none"
+            )
+        texts = _canonical(g.completions)
+        plan: list[tuple[int, int, list[int] | None]] = []
+        for i, j in design(len(texts), scheme, m):
+            x, y = texts[i], g.anchor if j == ANCHOR else texts[j]
+            assert y is not None
+            if x == y:  # an identical text ties exactly, with no judge call
+                plan.append((i, j, None))
+                continue
+            rows = []
+            for first, second in [(x, y), (y, x)] if both else [(x, y)]:
+                rows.append(len(a))
+                sources.append(g.source)
+                a.append(first)
+                b.append(second)
+                refs.append(g.references)
+            plan.append((i, j, rows))
+        plans.append((texts, plan))
+    calls = 0
+    if a:
+        out = judge.compare(sources, a, b, refs)
+        calls = 1
+        prob = out.p if probability == "calibrated" else expit(out.logit)
+        valid = out.valid & np.isfinite(prob)
+    result = GroupScores(rewards=[], comparisons=[], failed=[], judge_calls=calls)
+    all_p: list[float] = []
+    for g, (texts, plan) in zip(groups, plans):
+        pairs, ps, failed = [], [], 0
+        for i, j, judged in plan:
+            if judged is None:
+                pairs.append((i, j))
+                ps.append(0.5)
+                continue
+            if not all(valid[r] for r in judged):
+                failed += 1
+                continue
+            p_first = float(prob[judged[0]])
+            pij = p_first if len(judged) == 1 else 0.5 * (p_first + 1.0 - float(prob[judged[1]]))
+            pairs.append((i, j))
+            ps.append(pij)
+        all_p += ps
+        by_text = dict(zip(texts, _aggregate(len(texts), pairs, ps, aggregate, prior, scheme == "anchor")))
+        if len(texts) == 1 < len(g.completions) and scheme != "anchor":  # all identical: an exact tie
+            by_text[texts[0]] = 0.5 if aggregate == "win_rate" else 0.0
+        result.rewards.append([by_text[c] for c in g.completions])
+        result.comparisons.append(len(plan))
+        result.failed.append(failed)
+    if a:
+        result.statuses = {s: out.status.count(s) for s in sorted(set(out.status))}
+        result.position_bias = _position_bias(out, both)
+    result.mean_p = float(np.mean(all_p)) if all_p else float("nan")
+    return result
+
+
+def _position_bias(out: Any, both: bool) -> float:
+    """s(a,b) + s(b,a), averaged: from the judge's own two orders, or from the two rows we asked."""
+    if not both:
+        return out.position_bias()
+    ok = out.valid
+    fwd, rev = out.logit[0::2], out.logit[1::2]
+    keep = ok[0::2] & ok[1::2]
+    return float(np.mean(fwd[keep] + rev[keep])) if keep.any() else float("nan")
+
+
+def group_rewards(
+    judge: Any,
+    prompt: str,
+    completions: Sequence[str],
+    scheme: Scheme = "all_pairs",
+    aggregate: Aggregate = "win_rate",
+    m: int = 2,
+    anchor: str | None = None,
+    references: Sequence[str] = (),
+    prior: float = 0.1,
+    probability: Literal["calibrated", "raw"] = "calibrated",
+) -> list[float | None]:
+    """One reward per completion of one prompt's group (``prompt``: the source text the judge reads);
+    see the module docstring. Several groups at once: :func:`score_groups`."""
+    group = Group(prompt, list(completions), anchor, tuple(references))
+    return score_groups(judge, [group], scheme, aggregate, m, prior, probability).rewards[0]
+
+
+__all__ = [
+    "AGGREGATES",
+    "SCHEMES",
+    "Group",
+    "GroupScores",
+    "bradley_terry",
+    "design",
+    "group_rewards",
+    "score_groups",
+]
