@@ -549,6 +549,21 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
             _same(r, f)
 
 
+def test_the_loop_saves_its_final_calibrated_judge(uninterrupted):
+    """OUTPUT_DIR/calibrated_judge: the configured judge with the run's final calibrator (the last
+    checkpoint's, step 4), loadable where users train."""
+    from judgeloop import CalibratedJudge
+
+    out, report = uninterrupted
+    judge = CalibratedJudge.from_pretrained(out / "calibrated_judge")
+    final = json.loads((out / "checkpoints" / "step_4" / "calibrator.json").read_text())
+    assert judge.method == "platt" and judge.calibrator.state_dict() == final
+    taken = [r for r in report["refits"] if r["refit"]]
+    assert judge.card["fit"]["pairs"] == taken[-1]["n_fit"] and judge.card["fit"]["step"] == taken[-1]["step"]
+    out_p = judge.compare(["the cat sat on the mat"], ["a cat sat"], ["dogs bark"])
+    assert out_p.valid.all() and 0 < out_p.p[0] < 1
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -209,18 +209,24 @@ def make_soft_dpo_trainer_class() -> type:
 _SOFT_DPO: type | None = None
 
 
-def sequence_logps(model: Any, inputs: dict[str, Any]) -> Any:
+def sequence_logps(model: Any, inputs: dict[str, Any], fused: bool = False) -> Any:
     """Sum of log pi(token) over each row's completion tokens, for TRL's preference batch layout
-    (``input_ids``, ``attention_mask``, ``completion_mask``: chosen rows, then rejected rows)."""
+    (``input_ids``, ``attention_mask``, ``completion_mask``: chosen rows, then rejected rows).
+
+    ``fused``: through the fused LM head TRL's trainers install on their models
+    (``model(..., labels=..., fused_lm_head=True).log_probs``, no full logits), as ``DPOTrainer`` itself
+    reads them; else from the plain forward's logits."""
     import torch
 
-    logits = model(
-        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
-    ).logits
-    labels = inputs["input_ids"][:, 1:]
-    mask = inputs["completion_mask"][:, 1:].to(logits.dtype)
-    token = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return (token * mask).sum(dim=1)
+    ids, mask = inputs["input_ids"], inputs["completion_mask"]
+    if fused:
+        labels = ids.masked_fill(mask == 0, -100)
+        out = model(input_ids=ids, attention_mask=inputs["attention_mask"], labels=labels, use_cache=False,
+                    fused_lm_head=True)  # fmt: skip
+        return out.log_probs[:, -(ids.size(1) - 1) :].sum(dim=1)
+    logits = model(input_ids=ids, attention_mask=inputs["attention_mask"], use_cache=False).logits
+    token = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (token * mask[:, 1:].to(token.dtype)).sum(dim=1)
 
 
 class _WithTarget:
@@ -282,15 +288,15 @@ def _build_soft_dpo_class() -> type:
             num_items_in_batch: Any = None,
         ) -> Any:
             target = inputs.pop(self.target_column)
-            logps = sequence_logps(model, inputs)
+            logps = sequence_logps(model, inputs, fused=True)  # TRL's own log-probs (its fused LM head)
             with torch.no_grad():
                 if self.precompute_ref_logps:
                     ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
                 elif self.ref_model is None:  # LoRA: the reference is the base with the adapters off
                     with self.accelerator.unwrap_model(model).disable_adapter():
-                        ref = sequence_logps(model, inputs)
+                        ref = sequence_logps(model, inputs, fused=True)
                 else:
-                    ref = sequence_logps(self.ref_model, inputs)
+                    ref = sequence_logps(self.ref_model, inputs, fused=True)
             chosen, rejected = (logps - ref.to(logps.dtype)).chunk(2)
             per_pair = soft_dpo_loss(chosen - rejected, target.to(logps), self.beta)
             mode = "train" if model.training else "eval"

@@ -1313,6 +1313,37 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
     if cfg.save_final_policy:  # every process: under FSDP / ZeRO-3 the weights are gathered
         export_policy(out_dir / "policy", acc, run.model, run.tokenizer, run.calibrator.state_dict())
     if acc.is_main_process:
+        save_calibrated_judge(run)
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
         atomic_write_json(out_dir / "report.json", report)
     return report
+
+
+def save_calibrated_judge(run: LoopRun) -> None:
+    """The run's final calibrator with the configured judge, as a folder
+    ``CalibratedJudge.from_pretrained`` loads (``OUTPUT_DIR/calibrated_judge``): what the last fit was fit
+    on and its held-out ECE. Not for the oracle arm (it trains against ROUGE, not the judge) nor a panel
+    (its members' calibrators live in the report)."""
+    from judgeloop.judges.calibrated import CalibratedJudge
+
+    cfg, state = run.cfg, run.state
+    if cfg.calibration.method in ("oracle", "panel") or cfg.judge.type == "panel":
+        return
+    taken = [r for r in state.refits if r.get("refit")]
+    last = taken[-1] if taken else None
+    card = {
+        "fit": {
+            "split": "calibration",
+            "pairs": last["n_fit"] if last else 0,
+            "step": last["step"] if last else None,
+            "label_type": cfg.calibration.labels,
+            "data_format": cfg.data.format,
+            "data_path": cfg.data.path,
+            "seed": cfg.seed,
+            "source": "feedback loop",
+        },
+        "held_out": {"split": "calibration (held out)", "ece": last["ece_after"]} if last else {},
+    }
+    CalibratedJudge(cfg.judge, run.calibrator, card, judge=run.judge).save_pretrained(
+        run.out_dir / "calibrated_judge"
+    )

@@ -1,0 +1,249 @@
+"""judgeloop's calibrated judge in TRL: JudgeReward in GRPOTrainer (the recipe) and online DPO, the
+soft-target DPOTrainer, and ``judgeloop label-pairs`` whose output they train on. Real TRL trainers on
+the tiny policy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from judgeloop.calibration.lab import CalibrateConfig
+from judgeloop.cli import main as cli
+from judgeloop.config import load_config
+from judgeloop.data import load_examples
+from judgeloop.integrations.trl import JudgeReward
+from judgeloop.judges import JudgeConfig
+from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.rewards import Group, group_rewards, score_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _length_judge() -> CalibratedJudge:
+    from judgeloop.calibration import IdentityCalibrator
+
+    return CalibratedJudge(JudgeConfig(type="objective", signal="length", scale=0.5), IdentityCalibrator())
+
+
+def test_judge_reward_reads_trl_groups_and_judges_a_batch_in_one_call():
+    judge = _length_judge()
+    reward = JudgeReward(judge, num_generations=3, source_column="article")
+    prompts = [[{"role": "user", "content": "p1"}]] * 3 + [[{"role": "user", "content": "p2"}]] * 3
+    completions = [
+        [{"role": "assistant", "content": t}] for t in ["a b", "a b c", "a", "x y z w", "x", "x y"]
+    ]
+    logged: dict[str, float] = {}
+    out = reward(prompts=prompts, completions=completions, article=["art1"] * 3 + ["art2"] * 3,
+                 log_metric=lambda k, v: logged.__setitem__(k, v))  # fmt: skip
+    assert judge.calls == 1 and reward.judge_calls == 1
+    assert out[:3] == group_rewards(judge, "art1", ["a b", "a b c", "a"])
+    assert out[3:] == group_rewards(judge, "art2", ["x y z w", "x", "x y"])
+    assert logged["judge/comparisons_per_group"] == 3 and logged["judge/failed"] == 0
+    # groups inferred from runs of one prompt when num_generations is not given
+    assert (
+        JudgeReward(judge)(prompts=prompts, completions=completions, article=["art1"] * 3 + ["art2"] * 3)
+        == out
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_generations": 4}, "6 completions do not split into groups of num_generations=4"),
+        ({"num_generations": 2}, "completions 2-3 do not share one prompt"),
+        ({"num_generations": 3, "source_column": "text"}, "the batch has no column 'text'"),
+    ],
+)
+def test_a_batch_whose_groups_do_not_line_up_is_an_error(kwargs, message):
+    reward = JudgeReward(_length_judge(), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        reward(prompts=["p1"] * 3 + ["p2"] * 3, completions=["a"] * 6, article=["x"] * 6)
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_grpo_recipe_trains_and_trl_logs_judgeloops_rewards(tiny_calibration, tmp_path):
+    """Two GRPOTrainer steps on the tiny policy: the rewards TRL logged are judgeloop.rewards' on the
+    same completions, recomputed with a freshly loaded judge."""
+    judge_dir = tiny_calibration / "calibrated_judge" / "platt"
+    out = _recipe().main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"), f"judge_path={judge_dir}",
+                          f"output_dir={tmp_path / 'grpo'}"])  # fmt: skip
+    report, reward = out["report"], out["reward"]
+    assert report["steps"] == 2 and reward.calls == reward.judge_calls == 2
+    assert json.loads((tmp_path / "grpo" / "grpo_report.json").read_text())["steps"] == 2
+    fresh = CalibratedJudge.from_pretrained(judge_dir)
+    assert len(report["logged"]) == len(reward.history) == 2
+    for row, call in zip(report["logged"], reward.history):
+        groups = [Group(call["sources"][s], call["completions"][s:e]) for s, e in call["spans"]]
+        again = [r for group in score_groups(fresh, groups).rewards for r in group]
+        assert again == call["rewards"]  # the same batch: bit for bit
+        # one group at a time the judge embeds other batches: equal up to float rounding
+        alone = [r for g in groups for r in group_rewards(fresh, g.source, g.completions)]
+        np.testing.assert_allclose(alone, again, rtol=1e-5)
+        assert row["rewards/judgeloop/mean"] == pytest.approx(np.mean(again), abs=1e-6)
+        assert row["rewards/judgeloop/std"] == pytest.approx(np.std(again, ddof=1), rel=1e-5)
+        assert row["judge/comparisons_per_group"] == 6  # 4 completions, all pairs
+
+
+def _preference_file(tiny_calibration: Path, path: Path, n: int = 24) -> Path:
+    """Preference pairs from the tiny calibration's test rows (the ROUGE label as the dataset's order)."""
+    cfg = load_config(CalibrateConfig, tiny_calibration / "config.yaml")
+    articles = {e.id: e.article for e in load_examples(cfg.data)}
+    rows = [json.loads(line) for line in (tiny_calibration / "predictions.jsonl").read_text().splitlines()]
+    out = []
+    for r in [r for r in rows if r["orientation"] == "ab"][:n]:
+        chosen, rejected = (r["a"], r["b"]) if r["label"] == 1 else (r["b"], r["a"])
+        out.append({"prompt": articles[r["article_id"]][:200], "article": articles[r["article_id"]],
+                    "chosen": chosen, "rejected": rejected})  # fmt: skip
+    path.write_text("".join(json.dumps(o) + "\n" for o in out))
+    return path
+
+
+@pytest.fixture(scope="module")
+def labeled(tiny_calibration, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("label")
+    data = _preference_file(tiny_calibration, tmp / "pairs.jsonl")
+    out = tmp / "out"
+    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
+              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
+              "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    assert rc == 0
+    return out
+
+
+def test_label_pairs_writes_a_trl_ready_dataset_and_its_report(labeled):
+    from datasets import load_from_disk
+
+    report = json.loads((labeled / "report.json").read_text())
+    rows = [json.loads(line) for line in (labeled / "labeled.jsonl").read_text().splitlines()]
+    ds = load_from_disk(str(labeled / "dataset"))
+    assert len(ds) == len(rows) == report["labeled"] == report["pairs"] == 24
+    assert {
+        "prompt",
+        "chosen",
+        "rejected",
+        "p_chosen",
+        "logit",
+        "orders_agree",
+        "status",
+        "judge_agrees",
+    } <= set(ds.column_names)
+    assert all(r["p_chosen"] >= 0.5 for r in rows)  # ordered by the judge
+    a = report["agreement_with_dataset"]
+    assert a["n"] == 24 and a["k"] == sum(r["judge_agrees"] for r in rows)
+    assert a["wilson95"][0] <= a["rate"] <= a["wilson95"][1]
+    assert sum(report["confidence_histogram"]["counts"]) == 24 and report["pairs_per_s"] > 0
+    assert (labeled / "report.md").read_text().splitlines()[2].startswith("The calibrated judge agrees")
+
+
+@pytest.mark.parametrize(
+    "row, override, message",
+    [
+        ({"prompt": "p", "chosen": "c"}, None, "missing field(s) ['rejected']"),
+        ({"prompt": "p", "chosen": "c", "rejected": " "}, None, "field 'rejected' is empty"),
+        ({"prompt": "p", "chosen": "c", "rejected": "r"}, "judge_path={tmp}", "is not a calibrated judge"),
+    ],
+)
+def test_label_pairs_bad_input_is_one_line_before_any_output(
+    tiny_calibration, tmp_path, capsys, row, override, message
+):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    judge = f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}"
+    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
+            override.format(tmp=tmp_path) if override else judge, f"data.path={data}",
+            "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def _tiny_policy():
+    from judgeloop.models import load_causal_lm, load_tokenizer
+
+    return load_causal_lm("judgeloop-tiny/causal-lm"), load_tokenizer("judgeloop-tiny/causal-lm")
+
+
+def _dpo_args(out: Path, **kw):
+    from trl import DPOConfig
+
+    return DPOConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                     use_cpu=True, save_strategy="no", logging_steps=1, max_length=96, seed=0, **kw)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_soft_dpo_trainer_equals_judgeloops_loss_and_trl_at_hard_targets(labeled, tmp_path):
+    """On the labeled output: the soft-target trainer's loss is soft_dpo_loss on the batch's log-probs;
+    with every target 1 it equals TRL's own sigmoid loss; one training step runs."""
+    import copy
+
+    import torch
+    from datasets import load_from_disk
+    from trl import DPOTrainer
+
+    from judgeloop.integrations.trl import sequence_logps, soft_dpo_trainer
+    from judgeloop.loop.losses import soft_dpo_loss
+
+    ds = load_from_disk(str(labeled / "dataset")).select(range(8))
+    model, tok = _tiny_policy()
+    ref = copy.deepcopy(model).eval()
+    soft = soft_dpo_trainer(model=model, ref_model=ref, args=_dpo_args(tmp_path / "soft"), train_dataset=ds,
+                            processing_class=tok)  # fmt: skip
+    batch = next(iter(soft.get_train_dataloader()))
+    p = batch["p_chosen"].clone()
+    assert torch.all((p >= 0.5) & (p <= 1))
+    model.eval()
+    with torch.no_grad():
+        loss = soft.compute_loss(model, dict(batch))
+        lp, lr = sequence_logps(model, batch, fused=True), sequence_logps(ref, batch, fused=True)
+        # the fused log-probs are the plain forward's of an untouched copy of the weights
+        plain = sequence_logps(_tiny_policy()[0].eval(), batch)
+        torch.testing.assert_close(lp, plain, rtol=1e-5, atol=1e-4)
+        (pc, pr), (rc, rr) = lp.chunk(2), lr.chunk(2)
+        expected = soft_dpo_loss((pc - rc) - (pr - rr), p, soft.beta).mean()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        hard = dict(batch)
+        hard["p_chosen"] = torch.ones_like(p)
+        stock = DPOTrainer(model=model, ref_model=ref, args=_dpo_args(tmp_path / "stock"), train_dataset=ds,
+                           processing_class=tok)  # fmt: skip
+        trl_loss = stock.compute_loss(model, {k: v for k, v in batch.items() if k != "p_chosen"})
+        assert soft.compute_loss(model, hard).item() == pytest.approx(trl_loss.item(), rel=1e-5)
+    model.train()
+    before = {n: t.detach().clone() for n, t in model.named_parameters()}
+    soft.train()
+    assert soft.state.global_step == 1
+    assert any(not torch.equal(before[n], t) for n, t in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_trl_online_dpo_accepts_the_anchor_mode_reward(tmp_path, tiny_calibration):
+    import copy
+
+    from datasets import Dataset
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    judge = CalibratedJudge.from_pretrained(tiny_calibration / "calibrated_judge" / "platt")
+    reward = JudgeReward(judge, scheme="anchor", anchor_column="reference", keep_history=2)
+    model, tok = _tiny_policy()
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"summarize: the cat sat on mat {i}"}],
+                             "article": f"the cat sat on mat {i}", "reference": "a cat sat"} for i in range(8)])  # fmt: skip
+    args = OnlineDPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_new_tokens=6, max_steps=1,
+                           report_to=[], use_cpu=True, save_strategy="no", seed=0)  # fmt: skip
+    trainer = OnlineDPOTrainer(model=model, ref_model=copy.deepcopy(model), reward_funcs=reward, args=args,
+                               train_dataset=ds, processing_class=tok)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 1 and reward.calls == 1
+    call = reward.history[0]
+    assert len(call["completions"]) == 8 and all(e - s == 1 for s, e in call["spans"])  # each row on its own
+    assert all(r is None or 0 <= r <= 1 for r in call["rewards"])
