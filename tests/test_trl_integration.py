@@ -143,7 +143,12 @@ def test_label_pairs_writes_a_trl_ready_dataset_and_its_report(labeled):
     assert a["n"] == 24 and a["k"] == sum(r["judge_agrees"] for r in rows)
     assert a["wilson95"][0] <= a["rate"] <= a["wilson95"][1]
     assert sum(report["confidence_histogram"]["counts"]) == 24 and report["pairs_per_s"] > 0
-    assert (labeled / "report.md").read_text().splitlines()[2].startswith("The calibrated judge agrees")
+    assert (
+        (labeled / "report.md")
+        .read_text()
+        .splitlines()[2]
+        .startswith("The judge (calibration `platt`) agrees")
+    )
 
 
 @pytest.mark.parametrize(

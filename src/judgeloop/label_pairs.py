@@ -192,7 +192,8 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             ]
     seconds = time.perf_counter() - t0
     rows, kept_p, dropped = [], [], {"failed": 0, "low_confidence": 0}
-    agreements = []
+    agreements: list[bool] = []
+    kept_agree: list[bool] = []  # on the pairs min_confidence keeps
     for x, pi, li, st, ag in zip(pairs, p, logit, status, agree):
         if not np.isfinite(pi):
             dropped["failed"] += 1
@@ -203,6 +204,8 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if max(pi, 1 - pi) < cfg.min_confidence:
             dropped["low_confidence"] += 1
             continue
+        if x.ordered:
+            kept_agree.append(judge_first)
         swap = not judge_first and not cfg.keep_order
         chosen, rejected = (x.second, x.first) if swap else (x.first, x.second)
         row = {
@@ -219,7 +222,14 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rows.append(row)
         kept_p.append(row["p_chosen"])
     report = label_report(cfg, judge, pairs, p, status, agree, agreements, rows, dropped, seconds)
+    report["agreement_kept"] = _agreement(kept_agree)
     return rows, report
+
+
+def _agreement(flags: list[bool]) -> dict[str, Any]:
+    k, n = int(sum(flags)), len(flags)
+    lo, hi = wilson_interval(k, n) if n else (float("nan"), float("nan"))
+    return {"k": k, "n": n, "rate": k / n if n else None, "wilson95": [lo, hi]}
 
 
 def label_report(
@@ -232,8 +242,6 @@ def label_report(
     confidence = np.maximum(valid, 1 - valid) if valid.size else valid
     edges = np.linspace(0.5, 1.0, cfg.num_bins + 1)
     counts = np.histogram(confidence, bins=edges)[0].tolist() if valid.size else [0] * cfg.num_bins
-    k, n = int(sum(agreements)), len(agreements)
-    lo, hi = wilson_interval(k, n) if n else (float("nan"), float("nan"))
     known = [a for a in agree if a is not None]
     return {
         "judge": {
@@ -247,7 +255,7 @@ def label_report(
         "labeled": len(rows),
         "dropped": dropped,
         "status": {s: status.count(s) for s in sorted(set(status))},
-        "agreement_with_dataset": {"k": k, "n": n, "rate": k / n if n else None, "wilson95": [lo, hi]},
+        "agreement_with_dataset": _agreement(agreements),
         "orders_agree": {"k": int(sum(known)), "n": len(known)},
         "mean_confidence": float(confidence.mean()) if confidence.size else None,
         "confidence_histogram": {"edges": edges.tolist(), "counts": counts},
@@ -263,7 +271,7 @@ def render_label_report(report: dict[str, Any]) -> str:
     a, j = report["agreement_with_dataset"], report["judge"]
     if a["n"]:
         head = (
-            f"The calibrated judge agrees with the dataset's own order on {a['k']} of {a['n']} pairs "
+            f"The judge (calibration `{j['method']}`) agrees with the dataset's own order on {a['k']} of {a['n']} pairs "
             f"({a['rate']:.3f}, Wilson 95% [{a['wilson95'][0]:.3f}, {a['wilson95'][1]:.3f}])."
         )
     else:
@@ -273,7 +281,14 @@ def render_label_report(report: dict[str, Any]) -> str:
         f"| {lo:.2f}-{hi:.2f} | {c} |"
         for lo, hi, c in zip(hist["edges"][:-1], hist["edges"][1:], hist["counts"])
     ]
-    o = report["orders_agree"]
+    o, kept = report["orders_agree"], report.get("agreement_kept")
+    if a["n"] and kept and kept["n"] != a["n"]:
+        head += (
+            f" On the {kept['n']} pairs kept at min_confidence {report['min_confidence']}: {kept['k']} "
+            f"({kept['rate']:.3f}, Wilson 95% [{kept['wilson95'][0]:.3f}, {kept['wilson95'][1]:.3f}])."
+            if kept["n"]
+            else f" No pair reaches min_confidence {report['min_confidence']}."
+        )
     return "\n".join(
         [
             "# Calibrated preference labels",
