@@ -52,6 +52,7 @@ from judgeloop.devices import (
     process_device,
 )
 from judgeloop.distributed import (
+    accelerator_kwargs,
     configure_deepspeed,
     generation_context,
     load_trainable_state,
@@ -865,12 +866,14 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     processes. The loop's schedule counts optimizer steps (``max_steps``), so under DDP / FSDP the
     default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
     """
+    device = accelerator_kwargs(on_cpu(cfg.device))  # DeepSpeed on a CPU: gloo (judgeloop.distributed)
+    precision = mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision)
     return Accelerator(
-        cpu=on_cpu(cfg.device),
+        cpu=device["cpu"],
         log_with=make_trackers(cfg.log_with, out_dir),
         project_dir=str(out_dir),
         step_scheduler_with_optimizer=False,
-        **mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision),
+        **{**precision, "kwargs_handlers": precision["kwargs_handlers"] + device["kwargs_handlers"]},
     )
 
 

@@ -29,7 +29,12 @@ import torch
 from judgeloop.checkpointing import load_training_checkpoint, prune_checkpoints, save_training_checkpoint
 from judgeloop.config import check_at_least, check_range, to_dict
 from judgeloop.devices import Device, check_device, native_bf16, on_cpu, resolve_precision
-from judgeloop.distributed import configure_deepspeed, generation_context, refuse_gradcache_under_deepspeed
+from judgeloop.distributed import (
+    accelerator_kwargs,
+    configure_deepspeed,
+    generation_context,
+    refuse_gradcache_under_deepspeed,
+)
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval import beir
@@ -807,8 +812,8 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
     )  # fmt: skip
     out = Path(cfg.output_dir)
     accelerator = Accelerator(
-        cpu=on_cpu(cfg.device), log_with=make_trackers(cfg.log_with, out), project_dir=str(out),
-        step_scheduler_with_optimizer=False, **amp,
+        log_with=make_trackers(cfg.log_with, out), project_dir=str(out), step_scheduler_with_optimizer=False,
+        **accelerator_kwargs(on_cpu(cfg.device)), **amp,
     )  # fmt: skip
     refuse_gradcache_under_deepspeed(accelerator, cfg.train.gradcache_chunk_size)
     return accelerator
