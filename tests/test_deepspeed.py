@@ -166,3 +166,59 @@ def _check_export(one: Path, two: Path, lora: bool) -> None:
             return AutoModelForCausalLM.from_pretrained(str(p)).state_dict()
 
     _close(load(one), load(two), atol=3e-5)
+
+
+def _write_beir(root: Path) -> Path:
+    """24 queries over 32 documents, and a tiny encoder without dropout (its draws differ between one
+    process and two; the update must not)."""
+    import json
+
+    from judgeloop.retrieval.encoder import BiEncoder
+
+    root.mkdir(parents=True)
+    topics = ["cats", "dogs", "plants", "stocks", "bones", "qubits", "forests", "hearts"]
+    docs = [f"document {i} about {topics[i % 8]} with words {i * 7 % 11} and {i * 3 % 13}" for i in range(32)]
+    rows = [json.dumps({"_id": f"d{i}", "title": "", "text": t}) + "\n" for i, t in enumerate(docs)]
+    (root / "corpus.jsonl").write_text("".join(rows))
+    queries = [
+        json.dumps({"_id": f"q{i}", "text": f"what about {topics[i % 8]} and {i * 7 % 11}"})
+        for i in range(24)
+    ]
+    (root / "queries.jsonl").write_text("\n".join(queries) + "\n")
+    (root / "qrels.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(24))
+    )
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
+    enc.model.config.hidden_dropout_prob = enc.model.config.attention_probs_dropout_prob = 0.0
+    enc.save(root / "model")
+    return root
+
+
+def test_the_retriever_under_zero3_and_zero2_equals_one_process_and_resumes(tmp_path):
+    """train_retriever end to end (zero-shot evaluation and mining before prepare, three steps, evaluation)
+    under the shipped ZeRO-3 and ZeRO-2 files: losses, learning rates, weights and the final metrics equal
+    one process at twice the batch; resumed from its step-2 checkpoint it ends where the full run does."""
+    script = ROOT / "tests" / "ds_retriever_worker.py"
+    data = _write_beir(tmp_path / "data")
+    args = [str(data), str(data / "model")]
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one"), *args], check=True, env=_env(), timeout=300
+    )
+    _launch(ZERO3, script, [str(tmp_path / "z3"), *args])
+    zero2 = ["--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml")]
+    _launch(zero2, script, [str(tmp_path / "z2"), *args])
+    one = torch.load(tmp_path / "one" / "result.pt")
+    assert one["world"] == 1 and len(one["losses"]) == 3 and len(one["full"]["lrs"]) == 3
+    for name, stage in (("z3", 3), ("z2", 2)):
+        two = torch.load(tmp_path / name / "result.pt")
+        assert two["world"] == 2 and two["full"]["ds"]["zero_optimization"]["stage"] == stage
+        assert two["full"]["ds"]["gradient_clipping"] == 1.0  # train.max_grad_norm through `auto`
+        assert two["full"]["zero3"] is (stage == 3)  # partitioned by the engine, not at load
+        assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert two["full"]["lrs"] == one["full"]["lrs"]
+        _close(one["full"]["weights"], two["full"]["weights"], atol=3e-5)
+        assert two["full"]["report"]["after"] == pytest.approx(one["full"]["report"]["after"], abs=1e-6)
+        # the resumed run: the same steps, losses and weights as the uninterrupted one
+        assert two["resumed"]["report"]["steps"] == 3
+        assert two["resumed"]["report"]["final_loss"] == two["full"]["report"]["final_loss"]
+        _close(two["full"]["weights"], two["resumed"]["weights"], atol=0.0)

@@ -224,6 +224,30 @@ def accelerator_kwargs(cpu: bool) -> dict[str, Any]:
     return {"cpu": cpu, "kwargs_handlers": []}
 
 
+@contextlib.contextmanager
+def whole_models(accelerator: Any) -> Iterator[None]:
+    """Models loaded inside come whole on every process, also under ZeRO-3 with ``zero3_init_flag``
+    (where transformers would load them partitioned, their parameters empty until a DeepSpeed engine
+    gathers them). For a model that runs before ``prepare`` (the retriever's zero-shot evaluation and
+    mining, the policy's SFT warm-up and its reference copy): ``prepare`` partitions it afterwards. The
+    cost is one full copy per process while loading."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or not plugin.zero3_init_flag:
+        yield
+        return
+    # transformers loads partitioned while its module-level DeepSpeed config reference is set; accelerate's
+    # zero3_init_context_manager(enable=False) sets it again at once (accelerate 1.15), so it is unset here
+    # for the block and put back after
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: float, key: str) -> None:
     """Fill what accelerate would take from a DataLoader (the loop prepares none) before ``prepare``.
 

@@ -58,6 +58,7 @@ from judgeloop.distributed import (
     load_trainable_state,
     prepare_for_inference,
     trainable_state,
+    whole_models,
 )
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, members_models, models_of, references_for
@@ -981,7 +982,8 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     # several processes: the main one warms the policy up, the others read its result (the same weights)
     many = accelerator.num_processes > 1 and cfg.policy.sft_steps > 0
-    with accelerator.main_process_first():
+    # whole under ZeRO-3 too: the warm-up trains it and the reference copies it before prepare partitions it
+    with accelerator.main_process_first(), whole_models(accelerator):
         model, tokenizer, ref = load_policy(
             cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp,
             out_dir / "sft_warm_start.pt" if many else None, accelerator.device.type == "cpu",
