@@ -7,6 +7,11 @@
 #   bash scripts/gpu_check.sh                         # on the GPU machine: DEVICE=cuda SIZE=real
 #   DEVICE=cpu SIZE=dry bash scripts/gpu_check.sh     # the dry run of the same steps on CPU, toy widths
 #
+# Then the 2-process DeepSpeed ZeRO-2 / ZeRO-3 checks (tests/test_deepspeed.py: the loop, full and LoRA,
+# and the retriever against one process, resumes, clipping). They pin DS_ACCELERATOR=cpu and device=cpu, so
+# on a GPU machine they check the same CPU path; a GPU ZeRO run is still to be written.
+# Needs deepspeed (pip install -e .[deepspeed]); DS=0 skips them.
+#
 # Writes OUT/loop/check.json, OUT/bench_loop_{no,bf16}.json and OUT/bench_retriever_{no,bf16}.json, and
 # prints every table; a failing step stops the script (set -e) with that step's error last.
 set -euo pipefail
@@ -28,4 +33,8 @@ for P in no bf16; do
       --batch-size $RBATCH --num-queries $QUERIES --num-docs $DOCS --precision $P --peer-precision $P \
       --json "$OUT/bench_retriever_$P.json"
 done
+if [ "${DS:-1}" = 1 ]; then
+  echo "== DeepSpeed ZeRO-2 / ZeRO-3 on 2 processes (the shipped launch files), against 1 process"
+  $PY -m pytest -q tests/test_deepspeed.py
+fi
 echo "== done: $OUT"

@@ -1,9 +1,9 @@
 """The DeepSpeed settings the loop and the retriever fill before ``prepare`` (they pass no DataLoader, so
 accelerate cannot infer them), GradCache refused under DeepSpeed, and checkpoint pruning.
 
-DeepSpeed itself needs GPUs and is not installed here: these tests build accelerate's real
-``DeepSpeedPlugin`` from the shipped launch files' settings, which is what ``accelerate launch`` hands
-the ``Accelerator``, and check what the library writes into it. DeepSpeed runs are not yet made anywhere.
+These tests build accelerate's real ``DeepSpeedPlugin`` from the shipped launch files' settings, which
+is what ``accelerate launch`` hands the ``Accelerator``, and check what the library writes into it; the
+2-process ZeRO-2 / ZeRO-3 runs themselves are in ``tests/test_deepspeed.py``.
 """
 
 from __future__ import annotations
@@ -54,12 +54,51 @@ def test_the_micro_batch_is_set_from_the_config_before_prepare(name):
 
 
 def test_a_different_gradient_clipping_is_an_error_naming_both():
-    acc = _launch("deepspeed_zero2.yaml")  # gradient_clipping: 1.0 in the launch file
+    acc = _launch("deepspeed_zero2.yaml", gradient_clipping=1.0)  # an explicit value in a launch file
     with pytest.raises(ConfigError, match=r"gradient_clipping=1.0 differs from optim.max_grad_norm=0.5"):
         configure_deepspeed(acc, micro_batch_size=8, max_grad_norm=0.5, key="optim.max_grad_norm")
     auto = _launch("deepspeed_zero2.yaml", gradient_clipping="auto")
     configure_deepspeed(auto, micro_batch_size=4, max_grad_norm=0.5, key="optim.max_grad_norm")
     assert auto.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_the_shipped_files_take_max_grad_norm_and_write_clipping_off_out(name):
+    acc = _launch(name)  # gradient_clipping: auto
+    configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=0.0, key="optim.max_grad_norm")
+    # written out: a config without gradient_clipping makes DeepSpeed clip at 1.0
+    assert acc.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] == 0.0
+
+
+def test_a_launch_gradient_clipping_of_zero_is_not_dropped(monkeypatch):
+    """``accelerate launch --use_deepspeed --gradient_clipping 0`` leaves the key out of the DeepSpeed
+    config (0 is falsy there); the plugin keeps it, and it must not become max_grad_norm silently."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "0")
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    assert "gradient_clipping" not in plugin.deepspeed_config
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
+    with pytest.raises(ConfigError, match=r"gradient_clipping=0.0 differs from train.max_grad_norm=1.0"):
+        configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=1.0, key="train.max_grad_norm")
+    configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=0.0, key="train.max_grad_norm")
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.0
+
+
+def test_a_bare_deepspeed_launch_takes_max_grad_norm(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING", raising=False)
+    plugin = DeepSpeedPlugin(zero_stage=3)  # what `--use_deepspeed --zero_stage 3` builds
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
+    configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=0.25, key="optim.max_grad_norm")
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.25
+
+
+def test_on_a_cpu_a_deepspeed_launch_gets_gloo(monkeypatch):
+    from judgeloop.distributed import accelerator_kwargs
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    kw = accelerator_kwargs(cpu=True)
+    assert kw["cpu"] is False and kw["kwargs_handlers"][0].backend == "gloo"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    assert accelerator_kwargs(cpu=True) == {"cpu": True, "kwargs_handlers": []}
 
 
 def test_outside_deepspeed_nothing_changes():

@@ -17,6 +17,7 @@ path is not exercised on this project's CPU test machines.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,13 +203,59 @@ def reshard(model: Any) -> None:
             unit.reshard()
 
 
+def launched_with_deepspeed() -> bool:
+    """Whether ``accelerate launch`` (``--use_deepspeed`` or a DeepSpeed launch file) asked for DeepSpeed;
+    read from the variable accelerate itself reads, before any ``Accelerator`` exists."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def accelerator_kwargs(cpu: bool) -> dict[str, Any]:
+    """The ``cpu=`` and process-group arguments of a run's ``Accelerator``.
+
+    Under DeepSpeed on a CPU, ``Accelerator(cpu=True)`` skips DeepSpeed's process-group set-up, and
+    ``cpu=False`` without a GPU leaves the backend unset: accelerate then counts one process per rank
+    while DeepSpeed counts them all (its batch-size check fails). ``cpu=False`` with the gloo backend
+    gives both the same world (DeepSpeed's CPU accelerator, ``DS_ACCELERATOR=cpu`` or detected).
+    """
+    if cpu and launched_with_deepspeed():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {"cpu": cpu, "kwargs_handlers": []}
+
+
+@contextlib.contextmanager
+def whole_models(accelerator: Any) -> Iterator[None]:
+    """Models loaded inside come whole on every process, also under ZeRO-3 with ``zero3_init_flag``
+    (where transformers would load them partitioned, their parameters empty until a DeepSpeed engine
+    gathers them). For a model that runs before ``prepare`` (the retriever's zero-shot evaluation and
+    mining, the policy's SFT warm-up and its reference copy): ``prepare`` partitions it afterwards. The
+    cost is one full copy per process while loading."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or not plugin.zero3_init_flag:
+        yield
+        return
+    # transformers loads partitioned while its module-level DeepSpeed config reference is set; accelerate's
+    # zero3_init_context_manager(enable=False) sets it again at once (accelerate 1.15), so it is unset here
+    # for the block and put back after
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: float, key: str) -> None:
     """Fill what accelerate would take from a DataLoader (the loop prepares none) before ``prepare``.
 
     ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` set to ``"auto"`` are filled from the
-    per-process batch; DeepSpeed clips gradients itself with its ``gradient_clipping``, so an ``"auto"``
-    one takes ``max_grad_norm`` and a different explicit one is an error naming both (``key`` is the
-    config key of ``max_grad_norm``). Does nothing outside DeepSpeed.
+    per-process batch; DeepSpeed clips gradients itself with its ``gradient_clipping`` (1.0 when its
+    config has none), so an ``"auto"`` or missing one is set to ``max_grad_norm`` (0: off, written out)
+    and a different explicit one, a launch's ``--gradient_clipping`` included, is an error naming both
+    (``key`` is the config key of ``max_grad_norm``). Does nothing outside DeepSpeed.
     """
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
@@ -220,14 +267,17 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
         ds["train_micro_batch_size_per_gpu"] = micro_batch_size
     if ds.get("train_batch_size", "auto") == "auto":
         ds["train_batch_size"] = int(ds["train_micro_batch_size_per_gpu"]) * accum * accelerator.num_processes
-    clip = ds.get("gradient_clipping", "auto")
-    if clip == "auto":
-        ds["gradient_clipping"] = float(max_grad_norm)
+    # accelerate leaves a launch's `--gradient_clipping 0` out of the config (DeepSpeed would then clip at
+    # its default 1.0); the plugin still holds it
+    clip = ds.get("gradient_clipping", plugin.gradient_clipping)
+    if clip is None or clip == "auto":
+        clip = max_grad_norm
     elif float(clip) != float(max_grad_norm):
         raise ConfigError(
             f"the DeepSpeed config's gradient_clipping={clip} differs from {key}={max_grad_norm}; DeepSpeed "
             f"clips with its own value, so set {key}={clip} or gradient_clipping: {max_grad_norm} (or auto)"
         )
+    ds["gradient_clipping"] = float(clip)  # written out, 0 too: without it DeepSpeed clips at 1.0
 
 
 def refuse_gradcache_under_deepspeed(accelerator: Any, chunk_size: int) -> None:

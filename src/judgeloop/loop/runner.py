@@ -52,11 +52,13 @@ from judgeloop.devices import (
     process_device,
 )
 from judgeloop.distributed import (
+    accelerator_kwargs,
     configure_deepspeed,
     generation_context,
     load_trainable_state,
     prepare_for_inference,
     trainable_state,
+    whole_models,
 )
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.judges import Judge, build_judge, members_models, models_of, references_for
@@ -865,12 +867,14 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     processes. The loop's schedule counts optimizer steps (``max_steps``), so under DDP / FSDP the
     default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
     """
+    device = accelerator_kwargs(on_cpu(cfg.device))  # DeepSpeed on a CPU: gloo (judgeloop.distributed)
+    precision = mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision)
     return Accelerator(
-        cpu=on_cpu(cfg.device),
+        cpu=device["cpu"],
         log_with=make_trackers(cfg.log_with, out_dir),
         project_dir=str(out_dir),
         step_scheduler_with_optimizer=False,
-        **mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision),
+        **{**precision, "kwargs_handlers": precision["kwargs_handlers"] + device["kwargs_handlers"]},
     )
 
 
@@ -978,7 +982,8 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     # several processes: the main one warms the policy up, the others read its result (the same weights)
     many = accelerator.num_processes > 1 and cfg.policy.sft_steps > 0
-    with accelerator.main_process_first():
+    # whole under ZeRO-3 too: the warm-up trains it and the reference copies it before prepare partitions it
+    with accelerator.main_process_first(), whole_models(accelerator):
         model, tokenizer, ref = load_policy(
             cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp,
             out_dir / "sft_warm_start.pt" if many else None, accelerator.device.type == "cpu",

@@ -29,7 +29,13 @@ import torch
 from judgeloop.checkpointing import load_training_checkpoint, prune_checkpoints, save_training_checkpoint
 from judgeloop.config import check_at_least, check_range, to_dict
 from judgeloop.devices import Device, check_device, native_bf16, on_cpu, resolve_precision
-from judgeloop.distributed import configure_deepspeed, generation_context, refuse_gradcache_under_deepspeed
+from judgeloop.distributed import (
+    accelerator_kwargs,
+    configure_deepspeed,
+    generation_context,
+    refuse_gradcache_under_deepspeed,
+    whole_models,
+)
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval import beir
@@ -740,6 +746,8 @@ def train_epochs(run: _Run, examples: list[Example], total_steps: int, start_epo
             loss = train_step(
                 run.model, run.encoder, batch, run.train_data, run.negatives, cfg, accelerator, rng
             )
+            if accelerator.num_processes > 1:  # the global batch's loss (each rank has its share's mean)
+                loss = float(accelerator.reduce(torch.tensor(loss, device=accelerator.device), "mean"))
             if cfg.train.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(run.model.parameters(), cfg.train.max_grad_norm)
             run.optimizer.step()
@@ -807,8 +815,8 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
     )  # fmt: skip
     out = Path(cfg.output_dir)
     accelerator = Accelerator(
-        cpu=on_cpu(cfg.device), log_with=make_trackers(cfg.log_with, out), project_dir=str(out),
-        step_scheduler_with_optimizer=False, **amp,
+        log_with=make_trackers(cfg.log_with, out), project_dir=str(out), step_scheduler_with_optimizer=False,
+        **accelerator_kwargs(on_cpu(cfg.device)), **amp,
     )  # fmt: skip
     refuse_gradcache_under_deepspeed(accelerator, cfg.train.gradcache_chunk_size)
     return accelerator
@@ -825,7 +833,8 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
     set_seed(cfg.train.seed)
     train_data, eval_data = load_retrieval_data(cfg.data)
     m = cfg.model
-    encoder = BiEncoder.from_pretrained(m.name, m.pooling, m.normalize, m.max_length, m.query_max_length)
+    with whole_models(accelerator):  # ZeRO-3: evaluated and mined with before prepare partitions it
+        encoder = BiEncoder.from_pretrained(m.name, m.pooling, m.normalize, m.max_length, m.query_max_length)
     encoder.encode_precision = resolve_precision(cfg.eval.precision, accelerator.device.type)  # type: ignore[assignment]
     encoder.to(accelerator.device)
     resume_from = latest_checkpoint(out) if cfg.train.resume else None
