@@ -67,6 +67,9 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument(
         "--aggregate", action="store_true", help="write results.* from the ablation's job folders"
     )
+    parser.add_argument(
+        "--allow-missing", action="store_true", help="with --aggregate: summarize the finished jobs only"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. calibration.method=isotonic")
     args = parser.parse_args(argv)
     setup_logging()
@@ -75,7 +78,7 @@ def _main(argv: list[str] | None) -> int:
         print(json.dumps(run_ablation(cfg, job=args.job)))
         return 0
     if args.aggregate:
-        aggregate(cfg)
+        aggregate(cfg, allow_missing=args.allow_missing)
         return 0
     if args.ablate:
         run_ablation(cfg)

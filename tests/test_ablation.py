@@ -274,3 +274,115 @@ def test_shared_start_work_changes_no_number(one_process, tmp_path):
     assert (tmp_path / "alone" / "per_article.jsonl").read_text() == (
         one_process / "platt" / "seed1" / "per_article.jsonl"
     ).read_text()
+
+
+_KILL_DRIVER = """
+import os, signal, sys
+import judgeloop.loop.runner as rn
+from judgeloop.cli import main
+
+real = rn.maybe_recalibrate
+def maybe_recalibrate(step, *args, **kwargs):  # mid-step 3, after the step-2 checkpoint
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(step, *args, **kwargs)
+rn.maybe_recalibrate = maybe_recalibrate
+sys.exit(main(sys.argv[1:]))
+"""
+
+# what differs between a job run in one go and one killed and rerun, besides timing: the numerics entry
+# of each segment (one more for the rerun) and the start cache's counters (the rerun starts from the checkpoint)
+_SEGMENT_FIELDS = ("numerics", "start_cache")
+
+
+def test_a_killed_job_rerun_with_the_same_job_continues_and_ends_with_the_same_report(tmp_path):
+    """SIGKILL of `--job raw:0` mid-step 3 in a child process; the same `--job` again continues from the
+    step-2 checkpoint (ablation.save_every_n_steps) and writes the uninterrupted job's report.json."""
+    import os
+    import subprocess
+    import sys
+
+    from judgeloop.cli import main
+    from judgeloop.loop.ablation import run_job
+
+    steps = ["max_steps=4", "eval_every_n_steps=2"]
+    run_job(_cfg(tmp_path / "whole", *steps), "raw", 0)
+    whole = json.loads((tmp_path / "whole" / "raw" / "seed0" / "report.json").read_text())
+
+    out = tmp_path / "killed"
+    args = ["ablate", "--config", str(TINY), *FAST, *steps, f"output_dir={out}", "--job", "raw:0"]
+    driver = tmp_path / "driver.py"
+    driver.write_text(_KILL_DRIVER)
+    proc = subprocess.run(
+        [sys.executable, str(driver), *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    folder = out / "raw" / "seed0"
+    assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step_2"]  # keeps the newest only
+    assert not (folder / "report.json").exists()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args) == 0
+    rerun = json.loads((folder / "report.json").read_text())
+    assert [seg["from_step"] for seg in rerun["numerics"]] == [0, 2]  # continued, not started over
+    assert rerun.keys() == whole.keys()
+    for key in whole:
+        if key in _SEGMENT_FIELDS:
+            continue
+        if key in ("final",):
+            for m in whole[key]:
+                assert rerun[key][m] == pytest.approx(whole[key][m], rel=1e-6, abs=1e-9), m
+        elif key in ("train_log", "history", "refits"):
+            assert len(rerun[key]) == len(whole[key]), key
+            for r, w in zip(rerun[key], whole[key]):
+                assert r.keys() == w.keys()
+                for k in w:
+                    if isinstance(w[k], float):
+                        assert r[k] == pytest.approx(w[k], rel=1e-6, abs=1e-9), (key, k)
+                    else:
+                        assert r[k] == w[k], (key, k)
+        else:
+            assert rerun[key] == whole[key], key
+
+
+def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, capsys):
+    import shutil
+
+    from judgeloop.cli import main
+    from judgeloop.config import ConfigError
+    from judgeloop.loop.ablation import aggregate
+
+    empty = tmp_path / "empty"  # no job has finished: an error naming the folder and --list-jobs
+    args = ["ablate", "--config", str(TINY), *FAST, f"output_dir={empty}", "--aggregate"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"judgeloop ablate: error: --aggregate: no job has finished under {empty} (0 of 4 have a report.json); "
+        "run them first, one per line of --list-jobs (judgeloop ablate ... --job ARM:SEED), or check output_dir"
+    )
+    assert not (empty / "results.md").exists()
+
+    some = tmp_path / "some"
+    shutil.copytree(one_process, some)
+    (some / "platt" / "seed1" / "report.json").unlink()
+    (some / "results.md").unlink()
+    with pytest.raises(
+        ConfigError, match=re.escape("1 of 4 jobs under") + ".*not finished: platt:1.*--allow-missing"
+    ):
+        aggregate(_cfg(some))
+    assert not (some / "results.md").exists()
+    res = aggregate(_cfg(some), allow_missing=True)
+    md = (some / "results.md").read_text().splitlines()
+    assert md[2].startswith("**Incomplete grid.** Missing jobs (no report): platt:1.")
+    assert md[4].startswith("**Premise.**")  # after the missing jobs
+    d = res["paired"]["platt"]["rouge_l_neutral"]
+    assert (d["n"], d["n_seeds"]) == (6, 1)  # seed 0 only: the pairs both arms have
+    assert any(line.startswith("| platt | 6 (1 seeds) |") for line in md)
+    assert res["premise"]["metrics"]["copy_rate"]["n"] == 12  # the baseline has both seeds
+
+    full = _results(one_process)  # all finished: no missing line, every pair counted
+    assert full["missing_jobs"] == [] and full["paired"]["platt"]["rouge_l_neutral"]["n"] == 12
+    text = (one_process / "results.md").read_text()
+    assert "Incomplete grid" not in text and "| platt | 12 (2 seeds) |" in text

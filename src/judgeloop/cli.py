@@ -63,6 +63,13 @@ COMMAND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "--list-jobs",
             {"action": "store_true", "help": "print the grid, one ARM:SEED per line; run nothing"},
         ),
+        (
+            "--allow-missing",
+            {
+                "action": "store_true",
+                "help": "with --aggregate: summarize the finished jobs, listing the rest",
+            },
+        ),
     ],
 }
 

@@ -103,7 +103,9 @@ def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConf
             f"calibration.method={arm}",
             f"seed={seed}",
             f"output_dir={job_dir(cfg, arm, seed)}",
-            "resume_from=null",
+            "resume_from=auto",  # a job stopped or killed mid-run continues from its newest checkpoint
+            f"save_every_n_steps={cfg.ablation.save_every_n_steps}",
+            f"keep_checkpoints={cfg.keep_checkpoints or 1}",
             "stop_after_n_steps=null",
             f"start_cache={shared}",
             f"run_name={arm}-seed{seed}",  # one dashboard run per job, grouped by the ablation's folder
@@ -142,7 +144,12 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         return {"arm": arm, "seed": seed, "status": "skipped", "dir": str(folder)}
     if status == "changed":
         logger.info("ablation: %s:%d config changed (%s); rerunning", arm, seed, "; ".join(changes[:5]))
-    if folder.exists():  # a stale or half-finished run: start clean, so no old file survives into the new one
+    can_resume = status != "changed" and resumable(job_cfg)
+    if can_resume:
+        logger.info("ablation: %s:%d continues from its newest checkpoint", arm, seed)
+    elif folder.exists():
+        # a stale run, or a half-finished one with no checkpoint this config can continue: start clean, so
+        # no old file survives into the new one
         stale = folder.with_name(f".{folder.name}.stale")
         if stale.exists():
             shutil.rmtree(stale)
@@ -157,6 +164,27 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         atomic_write_json(folder / "failed.json", {"arm": arm, "seed": seed, "error": str(err)})
         return {"arm": arm, "seed": seed, "status": "failed", "dir": str(folder), "error": str(err)}
     return {"arm": arm, "seed": seed, "status": "ran", "dir": str(folder)}
+
+
+def resumable(job_cfg: FeedbackLoopConfig) -> bool:
+    """Whether the job's folder holds a checkpoint its config can continue from (``resume_from: auto``
+    will take it); one made with a config that would change the run is not."""
+    from judgeloop.config import ConfigError
+    from judgeloop.loop.checkpoint import checked_resume, latest_checkpoint, remove_orphans
+
+    folder = Path(job_cfg.output_dir)
+    if not folder.is_dir():
+        return False
+    remove_orphans(folder)  # a write killed between its two renames leaves the checkpoint as .NAME.old
+    found = latest_checkpoint(folder)
+    if found is None:
+        return False
+    try:
+        checked_resume(to_yaml(job_cfg), found, RESUME_FREE_KEYS, default_dict(type(job_cfg)), type(job_cfg))
+    except ConfigError as err:
+        logger.info("ablation: %s is not continued: %s", found, err)
+        return False
+    return True
 
 
 # Resident memory of one SmolLM2-135M job with the MiniLM judge, measured (3.4 GiB peak), rounded up.
@@ -231,7 +259,7 @@ def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, A
     grid = jobs(cfg)
     n = cfg.ablation.num_workers or default_workers(cfg, len(grid))
     run_jobs(cfg, grid, n)
-    return aggregate(cfg)
+    return aggregate(cfg, allow_missing=True)  # every job ran; a failed one is listed as failed
 
 
 # --- aggregation ----------------------------------------------------------------------------------
@@ -393,13 +421,52 @@ def check_numerics(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     }
 
 
-def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+def unfinished_jobs(cfg: FeedbackLoopConfig) -> tuple[list[str], list[str]]:
+    """The grid's jobs with no ``report.json``: (not run or stopped, failed), each as ``ARM:SEED``."""
+    missing: list[str] = []
+    failed: list[str] = []
+    for arm, seed in jobs(cfg):
+        folder = job_dir(cfg, arm, seed)
+        if not (folder / "report.json").is_file():
+            (failed if (folder / "failed.json").is_file() else missing).append(f"{arm}:{seed}")
+    return missing, failed
+
+
+def check_finished(cfg: FeedbackLoopConfig, allow_missing: bool) -> None:
+    """Before aggregating: an error when no job has finished, and, unless ``allow_missing``, when some
+    have not (naming them).
+
+    Raises:
+        ConfigError: no finished job, or unfinished ones without ``allow_missing``.
+    """
+    from judgeloop.config import ConfigError
+
+    missing, failed = unfinished_jobs(cfg)
+    total = len(jobs(cfg))
+    if len(missing) + len(failed) == total:
+        raise ConfigError(
+            f"--aggregate: no job has finished under {cfg.output_dir} (0 of {total} have a report.json); run "
+            "them first, one per line of --list-jobs (judgeloop ablate ... --job ARM:SEED), or check output_dir"
+        )
+    if (missing or failed) and not allow_missing:
+        parts = [f"not finished: {', '.join(missing)}"] if missing else []
+        parts += [f"failed: {', '.join(failed)} (see their failed.json)"] if failed else []
+        raise ConfigError(
+            f"--aggregate: {len(missing) + len(failed)} of {total} jobs under {cfg.output_dir} have no report "
+            f"({'; '.join(parts)}); run them with --job ARM:SEED, or pass --allow-missing to aggregate the "
+            f"{total - len(missing) - len(failed)} finished ones"
+        )
+
+
+def aggregate(cfg: FeedbackLoopConfig, allow_missing: bool = False) -> dict[str, Any]:
     """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
 
-    Jobs with no report (not run yet, or failed) are listed as missing or failed; every number comes
-    from the per-article rows of the runs that exist.
+    Every job must have finished unless ``allow_missing`` (:func:`check_finished`); then the missing and
+    failed ones are listed first, and every paired comparison uses the (seed, article) pairs both of its
+    arms have (counted in the table). Every number comes from the per-article rows of the runs that exist.
     """
     abl = cfg.ablation
+    check_finished(cfg, allow_missing)
     numerics = check_numerics(cfg)
     arms: dict[str, Any] = {}
     finals: dict[str, dict[int, Any]] = {}
@@ -466,6 +533,12 @@ def _fmt_delta(d: dict[str, Any] | None, mdd: bool = True) -> str:
     return txt + (f" (mdd {d['mdd']:.3f})" if mdd and d.get("mdd") is not None else "")
 
 
+def _pairs(res: dict[str, Any]) -> str:
+    """'N (S seeds)': the (seed, article) cells a paired comparison used (those both arms have)."""
+    d = res.get("rouge_l_neutral") or {}
+    return f"{d.get('n', 0)} ({d.get('n_seeds', 0)} seeds)"
+
+
 def results_table(results: dict[str, Any]) -> str:
     """``results.md``: the premise in words, the paired table against the baseline, then absolute values."""
     base = results["baseline"]
@@ -475,13 +548,25 @@ def results_table(results: dict[str, Any]) -> str:
         f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
         "",
     ]
+    failed = [f"{f['arm']}:{f['seed']}" for arm in results["arms"].values() for f in arm["failed"]]
+    if results["missing_jobs"] or failed:
+        lines += [
+            "**Incomplete grid.** "
+            + (
+                f"Missing jobs (no report): {', '.join(results['missing_jobs'])}. "
+                if results["missing_jobs"]
+                else ""
+            )
+            + (f"Failed jobs: {', '.join(failed)}. " if failed else "")
+            + "Each paired comparison below uses only the (seed, article) pairs both of its arms have "
+            "(column `pairs`).",
+            "",
+        ]
     premise = results["premise"]
     lines.append(
         f"**Premise.** {premise['sentence']}" if premise else "**Premise.** No baseline runs to check it."
     )
     lines.append("")
-    if results["missing_jobs"]:
-        lines += [f"Missing jobs (not run yet): {', '.join(results['missing_jobs'])}.", ""]
     lines += numerics_lines(results.get("numerics"))
     if premise:
         lines += [
@@ -500,11 +585,13 @@ def results_table(results: dict[str, Any]) -> str:
             "Arm minus baseline per (seed, article), mean [95% interval] (minimum detectable difference at "
             "80% power); bold when the interval excludes 0.",
             "",
-            "| arm | " + " | ".join(DELTA_TABLE) + " |",
-            "|---|" + "---|" * len(DELTA_TABLE),
+            "| arm | pairs | " + " | ".join(DELTA_TABLE) + " |",
+            "|---|---|" + "---|" * len(DELTA_TABLE),
         ]
         for arm, res in results["paired"].items():
-            lines.append(f"| {arm} | " + " | ".join(_fmt_delta(res[m]) for m in DELTA_TABLE) + " |")
+            lines.append(
+                f"| {arm} | {_pairs(res)} | " + " | ".join(_fmt_delta(res[m]) for m in DELTA_TABLE) + " |"
+            )
         lines.append("")
     if results["vs_start"]:
         lines += [
