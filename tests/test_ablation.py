@@ -386,3 +386,78 @@ def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, c
     assert full["missing_jobs"] == [] and full["paired"]["platt"]["rouge_l_neutral"]["n"] == 12
     text = (one_process / "results.md").read_text()
     assert "Incomplete grid" not in text and "| platt | 12 (2 seeds) |" in text
+
+
+def test_absolute_intervals_stay_within_the_metric_range():
+    """Two seeds far apart: the t-interval over seeds (t = 12.7) leaves [0, 1]; the two-level bootstrap of
+    the per-article values stays inside the values' range, and a per-seed metric (ECE) with 2 seeds gets no
+    interval but a reason; with 6 seeds, a percentile interval inside the seeds' range."""
+    from judgeloop.loop.ablation import article_cells, summarize
+
+    per_seed = {
+        0: {f"a{i}": {"copy_rate": v} for i, v in enumerate([1.0, 1.0, 0.9, 1.0, 1.0, 0.95])},
+        1: {f"a{i}": {"copy_rate": v} for i, v in enumerate([0.2, 0.0, 0.1, 0.0, 0.3, 0.1])},
+    }
+    cells = article_cells(per_seed, "copy_rate")
+    assert cells.shape == (2, 6)
+    finals = [float(np.mean([r["copy_rate"] for r in per_seed[s].values()])) for s in (0, 1)]
+    s = summarize(finals, cells, 1000, 0)
+    lo, hi = s["ci95"]
+    assert 0.0 <= lo <= s["mean"] <= hi <= 1.0 and s["interval"].startswith("two-level bootstrap")
+    from scipy.stats import t
+
+    half = t.ppf(0.975, 1) * np.std(finals, ddof=1) / np.sqrt(2)  # what the table printed before
+    assert s["mean"] - half < 0.0 and s["mean"] + half > 1.0
+
+    ece = summarize([0.05, 0.30], None, 1000, 0)  # one value per seed, two seeds
+    assert ece["ci95"] == [None, None] and ece["interval"].startswith(
+        "none: one value per seed and 2 seed(s)"
+    )
+    six = [0.05, 0.30, 0.12, 0.2, 0.08, 0.15]
+    ece6 = summarize(six, None, 1000, 0)
+    assert min(six) <= ece6["ci95"][0] <= ece6["mean"] <= ece6["ci95"][1] <= max(six)
+    assert summarize([None], None)["interval"] == "none: no finished run"
+
+
+def test_every_absolute_interval_of_the_ablation_lies_within_its_values(one_process):
+    res = _results(one_process)
+    for arm, summary in res["arms"].items():
+        for metric, s in summary["final"].items():
+            lo, hi = s["ci95"]
+            if metric == "ece":  # one value per seed, 2 seeds: no interval, and the reason
+                assert lo is None and s["interval"].startswith("none:"), arm
+                continue
+            assert lo is not None and lo <= s["mean"] <= hi, (arm, metric)
+            if metric in (
+                "copy_rate",
+                "win_rate",
+                "rouge_l_neutral",
+                "rouge_l_extractive",
+                "novel_bigram_rate",
+            ):
+                assert 0.0 <= lo <= hi <= 1.0, (arm, metric)
+    assert "t-interval" not in (one_process / "results.md").read_text()
+
+
+def test_results_open_with_a_reversed_judge(one_process, tmp_path):
+    """Job reports whose step-0 coupling has the judge's AUC below 0.5 (edited by hand): results.md names
+    the judge reversed in its first lines, before the premise; the real grid's judge is not."""
+    import shutil
+
+    from judgeloop.loop.ablation import aggregate
+
+    assert "is reversed" not in (one_process / "results.md").read_text()
+    out = tmp_path / "reversed"
+    shutil.copytree(one_process, out)
+    for arm in ("raw", "platt"):
+        for seed in (0, 1):
+            path = out / arm / f"seed{seed}" / "report.json"
+            report = json.loads(path.read_text())
+            report["judge_coupling"][0]["auc_label"] = 0.37
+            path.write_text(json.dumps(report))
+    res = aggregate(_cfg(out))
+    assert res["judge_health"]["reversed"] and res["judge_health"]["mean_auc"] == pytest.approx(0.37)
+    md = (out / "results.md").read_text().splitlines()
+    assert md[2].startswith("**The judge (`embedding` on `judgeloop-tiny/encoder`) is reversed**")
+    assert "AUC 0.37 < 0.5 on average; raw:0 0.37, raw:1 0.37, platt:0 0.37, platt:1 0.37" in md[2]
+    assert md[4].startswith("**Premise.**")

@@ -265,20 +265,54 @@ def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, A
 # --- aggregation ----------------------------------------------------------------------------------
 
 
-def summarize(values: Sequence[float | None]) -> dict[str, Any]:
-    """Mean, sample std and 95% Student-t interval over seeds (None values are dropped and counted)."""
+# Final metrics with one value per article (the per-article key), whose interval is the two-level bootstrap.
+ARTICLE_KEY = {**{m: m for m in PAIRED_METRICS if m != "win"}, "win_rate": "win"}
+# Below this many seeds, a metric with one value per seed (ECE) gets no interval: a bootstrap over 2-4
+# values has 3-35 distinct replicates, and a t-interval over 2 seeds (t = 12.7) leaves the metric's range.
+MIN_SEEDS_FOR_INTERVAL = 5
+
+
+def summarize(
+    values: Sequence[float | None], cells: np.ndarray | None = None, n_boot: int = 4000, seed: int = 0
+) -> dict[str, Any]:
+    """Mean and sample std over seeds (None values are dropped and counted) and a 95% interval that lies
+    within what the metric can take: the two-level bootstrap of the per-article values ``cells`` (seeds x
+    articles, NaN = missing; :func:`judgeloop.loop.stats.paired_bootstrap`, as for the paired deltas), or,
+    for a metric with one value per seed, a percentile bootstrap over seeds when there are at least
+    ``MIN_SEEDS_FOR_INTERVAL``; otherwise none, and ``interval`` says why. A percentile interval of means
+    of values never leaves their range."""
     xs = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
     out: dict[str, Any] = {"values": list(values), "n": int(xs.size)}
     if xs.size == 0:
-        return {**out, "mean": None, "std": None, "ci95": [None, None]}
+        return {**out, "mean": None, "std": None, "ci95": [None, None], "interval": "none: no finished run"}
     mean = float(xs.mean())
-    if xs.size == 1:
-        return {**out, "mean": mean, "std": None, "ci95": [None, None]}
-    from scipy.stats import t
+    std = float(xs.std(ddof=1)) if xs.size > 1 else None
+    if cells is not None and np.isfinite(cells).sum() >= 2:
+        d = paired_bootstrap(cells, n_boot, seed)
+        how = f"two-level bootstrap: {d.n_seeds} seed(s) x articles, {d.n} values"
+        return {**out, "mean": mean, "std": std, "ci95": d.ci95, "interval": how}
+    if xs.size < MIN_SEEDS_FOR_INTERVAL:
+        why = f"none: one value per seed and {xs.size} seed(s); an interval needs >= {MIN_SEEDS_FOR_INTERVAL}"
+        return {**out, "mean": mean, "std": std, "ci95": [None, None], "interval": why}
+    rng = np.random.default_rng(seed)
+    means = xs[rng.integers(0, xs.size, size=(n_boot, xs.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    how = f"percentile bootstrap over {xs.size} seeds"
+    return {**out, "mean": mean, "std": std, "ci95": [float(lo), float(hi)], "interval": how}
 
-    std = float(xs.std(ddof=1))
-    half = float(t.ppf(0.975, xs.size - 1) * std / math.sqrt(xs.size))
-    return {**out, "mean": mean, "std": std, "ci95": [mean - half, mean + half]}
+
+def article_cells(per_seed: dict[int, dict[str, dict[str, Any]]], key: str) -> np.ndarray:
+    """``(seeds, articles)`` values of one per-article metric (NaN where missing), for :func:`summarize`."""
+    vals = _values(per_seed, key)
+    ids = sorted({i for arts in vals.values() for i in arts})
+    out = np.full((len(vals), len(ids)), np.nan)
+    for r, s in enumerate(sorted(vals)):
+        for c, i in enumerate(ids):
+            v = vals[s].get(i)
+            if v is not None:
+                out[r, c] = float(v)
+    out[~np.isfinite(out)] = np.nan
+    return out
 
 
 def load_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -320,8 +354,17 @@ def summarize_arm(
     finals = {s: _by_article(rows, rep["kept_step"]) for s, rep, rows in runs}
     starts = {s: _by_article(rows, 0) for s, rep, rows in runs}
     reports = [rep for _, rep, _ in runs]
+    B, bseed = cfg.ablation.bootstrap_samples, cfg.ablation.bootstrap_seed
     summary = {
-        "final": {m: summarize([r["final"].get(m) for r in reports]) for m in FINAL_METRICS},
+        "final": {
+            m: summarize(
+                [r["final"].get(m) for r in reports],
+                article_cells(finals, ARTICLE_KEY[m]) if m in ARTICLE_KEY and finals else None,
+                B,
+                bseed,
+            )
+            for m in FINAL_METRICS
+        },
         "seeds_run": [s for s, *_ in runs],
         "failed": failed,
         "num_refits": int(sum(r["num_refits"] for r in reports)),
@@ -421,6 +464,26 @@ def check_numerics(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     }
 
 
+def judge_reversal(cfg: FeedbackLoopConfig) -> dict[str, Any] | None:
+    """Whether the training judge is reversed on the finished jobs' step-0 calibration pairs: the AUC of
+    its logit for the ROUGE label (``judge_coupling``, both orientations) per job, and ``reversed`` when
+    their mean is below 0.5 (:mod:`judgeloop.calibration.health`). None when no job measured it (the
+    oracle arm does not). The loop scores one order per pair, so position-only is not measured here."""
+    aucs: dict[str, float] = {}
+    for arm, seed in jobs(cfg):
+        path = job_dir(cfg, arm, seed) / "report.json"
+        if not path.is_file():
+            continue
+        coupling = json.loads(path.read_text()).get("judge_coupling") or []
+        first = next((c for c in coupling if c.get("step") == 0 and c.get("auc_label") is not None), None)
+        if first is not None:
+            aucs[f"{arm}:{seed}"] = float(first["auc_label"])
+    if not aucs:
+        return None
+    mean = float(np.mean(list(aucs.values())))
+    return {"auc_label": aucs, "mean_auc": mean, "reversed": mean < 0.5}
+
+
 def unfinished_jobs(cfg: FeedbackLoopConfig) -> tuple[list[str], list[str]]:
     """The grid's jobs with no ``report.json``: (not run or stopped, failed), each as ``ARM:SEED``."""
     missing: list[str] = []
@@ -494,6 +557,7 @@ def aggregate(cfg: FeedbackLoopConfig, allow_missing: bool = False) -> dict[str,
             "method": "two-level: seeds with replacement, then articles with replacement within each seed; "
             "percentile 95% interval; mdd = 2.8 x bootstrap SE (80% power, 5% two-sided)",
         },
+        "judge_health": judge_reversal(cfg),
         "judge": {
             "type": cfg.judge.type,
             "model": cfg.judge.model,
@@ -548,6 +612,16 @@ def results_table(results: dict[str, Any]) -> str:
         f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
         "",
     ]
+    health = results.get("judge_health")
+    if health and health["reversed"]:
+        listed = ", ".join(f"{job} {v:.2f}" for job, v in health["auc_label"].items())
+        lines += [
+            f"**The judge (`{results['judge']['type']}` on `{results['judge']['model']}`) is reversed**: on the "
+            f"step-0 calibration pairs its logit ranks the ROUGE labels below chance (AUC {health['mean_auc']:.2f} "
+            f"< 0.5 on average; {listed}). It prefers the worse summary; the calibrated arms fit a reversed map "
+            "to it, and the raw arm trains toward what it wrongly prefers.",
+            "",
+        ]
     failed = [f"{f['arm']}:{f['seed']}" for arm in results["arms"].values() for f in arm["failed"]]
     if results["missing_jobs"] or failed:
         lines += [
@@ -609,7 +683,9 @@ def results_table(results: dict[str, Any]) -> str:
         "## Absolute values",
         "",
         f"Policy `{results['policy']}`; judge `{results['judge']['type']}` on `{results['judge']['model']}`; "
-        f"data `{results['data']['format']}`. Mean [95% t-interval over seeds] of the kept policy.",
+        f"data `{results['data']['format']}`. Mean over seeds of the kept policy [95% interval: the two-level "
+        "bootstrap over (seed, article), as for the paired differences; `ece` is one value per seed and gets "
+        f"an interval (a bootstrap over seeds) only with >= {MIN_SEEDS_FOR_INTERVAL} seeds].",
         "",
         "| arm | "
         + " | ".join(TABLE_METRICS)
