@@ -1201,3 +1201,34 @@ def test_a_batch_the_train_split_cannot_fill_stops_before_any_output(tmp_path):
     with pytest.raises(ConfigError, match=r"train split has \d+ articles, fewer than batch_size=5000; lower"):
         train(cfg)
     assert not out.exists()  # no config.yaml, no tracker folder, no metrics.jsonl
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "stop_signals=[SIGTREM]",
+            "stop_signals lists 'SIGTREM', which is no signal name; did you mean SIGTERM?",
+        ),
+        (
+            "stop_signals=[SIGKILL]",
+            "stop_signals lists SIGKILL, which cannot be caught; use SIGTERM or SIGUSR1",
+        ),
+        ("ablation.save_every_n_steps=-1", "ablation.save_every_n_steps=-1 must be >= 0 (0: no checkpoints)"),
+    ],
+)
+def test_stop_signal_and_job_checkpoint_errors_name_the_key(override, message):
+    from judgeloop.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(FeedbackLoopConfig, TINY, [override])
+
+
+def test_allow_missing_goes_with_aggregate(tmp_path, capsys):
+    from judgeloop.cli import main
+
+    assert main(["ablate", "--config", str(TINY), f"output_dir={tmp_path}", "--allow-missing"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "judgeloop ablate: error: --allow-missing goes with --aggregate (it lets the summary leave out "
+        "unfinished jobs)"
+    )
