@@ -603,15 +603,9 @@ def _pairs(res: dict[str, Any]) -> str:
     return f"{d.get('n', 0)} ({d.get('n_seeds', 0)} seeds)"
 
 
-def results_table(results: dict[str, Any]) -> str:
-    """``results.md``: the premise in words, the paired table against the baseline, then absolute values."""
-    base = results["baseline"]
-    n_art = results["articles_per_seed"]
-    arts = "/".join(str(n) for n in n_art) if n_art else "0"
-    lines = [
-        f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
-        "",
-    ]
+def opening_lines(results: dict[str, Any]) -> list[str]:
+    """What ``results.md`` says before the premise: a reversed judge, then the jobs the grid lacks."""
+    lines: list[str] = []
     health = results.get("judge_health")
     if health and health["reversed"]:
         listed = ", ".join(f"{job} {v:.2f}" for job, v in health["auc_label"].items())
@@ -636,6 +630,19 @@ def results_table(results: dict[str, Any]) -> str:
             "(column `pairs`).",
             "",
         ]
+    return lines
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """``results.md``: the premise in words, the paired table against the baseline, then absolute values."""
+    base = results["baseline"]
+    n_art = results["articles_per_seed"]
+    arts = "/".join(str(n) for n in n_art) if n_art else "0"
+    lines = [
+        f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
+        "",
+    ]
+    lines += opening_lines(results)
     premise = results["premise"]
     lines.append(
         f"**Premise.** {premise['sentence']}" if premise else "**Premise.** No baseline runs to check it."
