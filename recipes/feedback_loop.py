@@ -36,6 +36,7 @@ from judgeloop.logging import setup_logging
 from judgeloop.loop.ablation import aggregate, run_ablation
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.runner import after_step, close_run, open_run, stepping, training_step
+from judgeloop.signals import Stopped
 
 
 def train(cfg: FeedbackLoopConfig) -> dict:
@@ -49,6 +50,14 @@ def train(cfg: FeedbackLoopConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except Stopped as err:  # a stop signal (stop_signals): its checkpoint is written; how to continue
+        sys.stderr.write(f"feedback_loop: {err}\n")
+        return err.exit_status
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config (configs/feedback_loop/*.yaml)")
     parser.add_argument("--ablate", action="store_true", help="run every arm x seed and write results.md")
@@ -58,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--aggregate", action="store_true", help="write results.* from the ablation's job folders"
     )
+    parser.add_argument(
+        "--allow-missing", action="store_true", help="with --aggregate: summarize the finished jobs only"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. calibration.method=isotonic")
     args = parser.parse_args(argv)
     setup_logging()
@@ -66,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_ablation(cfg, job=args.job)))
         return 0
     if args.aggregate:
-        aggregate(cfg)
+        aggregate(cfg, allow_missing=args.allow_missing)
         return 0
     if args.ablate:
         run_ablation(cfg)

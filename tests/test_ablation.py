@@ -274,3 +274,190 @@ def test_shared_start_work_changes_no_number(one_process, tmp_path):
     assert (tmp_path / "alone" / "per_article.jsonl").read_text() == (
         one_process / "platt" / "seed1" / "per_article.jsonl"
     ).read_text()
+
+
+_KILL_DRIVER = """
+import os, signal, sys
+import judgeloop.loop.runner as rn
+from judgeloop.cli import main
+
+real = rn.maybe_recalibrate
+def maybe_recalibrate(step, *args, **kwargs):  # mid-step 3, after the step-2 checkpoint
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(step, *args, **kwargs)
+rn.maybe_recalibrate = maybe_recalibrate
+sys.exit(main(sys.argv[1:]))
+"""
+
+# what differs between a job run in one go and one killed and rerun, besides timing: the numerics entry
+# of each segment (one more for the rerun) and the start cache's counters (the rerun starts from the checkpoint)
+_SEGMENT_FIELDS = ("numerics", "start_cache")
+
+
+def test_a_killed_job_rerun_with_the_same_job_continues_and_ends_with_the_same_report(tmp_path):
+    """SIGKILL of `--job raw:0` mid-step 3 in a child process; the same `--job` again continues from the
+    step-2 checkpoint (ablation.save_every_n_steps) and writes the uninterrupted job's report.json."""
+    import os
+    import subprocess
+    import sys
+
+    from judgeloop.cli import main
+    from judgeloop.loop.ablation import run_job
+
+    steps = ["max_steps=4", "eval_every_n_steps=2"]
+    run_job(_cfg(tmp_path / "whole", *steps), "raw", 0)
+    whole = json.loads((tmp_path / "whole" / "raw" / "seed0" / "report.json").read_text())
+
+    out = tmp_path / "killed"
+    args = ["ablate", "--config", str(TINY), *FAST, *steps, f"output_dir={out}", "--job", "raw:0"]
+    driver = tmp_path / "driver.py"
+    driver.write_text(_KILL_DRIVER)
+    proc = subprocess.run(
+        [sys.executable, str(driver), *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    folder = out / "raw" / "seed0"
+    assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step_2"]  # keeps the newest only
+    assert not (folder / "report.json").exists()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args) == 0
+    rerun = json.loads((folder / "report.json").read_text())
+    assert [seg["from_step"] for seg in rerun["numerics"]] == [0, 2]  # continued, not started over
+    assert rerun.keys() == whole.keys()
+    for key in whole:
+        if key in _SEGMENT_FIELDS:
+            continue
+        if key in ("final",):
+            for m in whole[key]:
+                assert rerun[key][m] == pytest.approx(whole[key][m], rel=1e-6, abs=1e-9), m
+        elif key in ("train_log", "history", "refits"):
+            assert len(rerun[key]) == len(whole[key]), key
+            for r, w in zip(rerun[key], whole[key]):
+                assert r.keys() == w.keys()
+                for k in w:
+                    if isinstance(w[k], float):
+                        assert r[k] == pytest.approx(w[k], rel=1e-6, abs=1e-9), (key, k)
+                    else:
+                        assert r[k] == w[k], (key, k)
+        else:
+            assert rerun[key] == whole[key], key
+
+
+def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, capsys):
+    import shutil
+
+    from judgeloop.cli import main
+    from judgeloop.config import ConfigError
+    from judgeloop.loop.ablation import aggregate
+
+    empty = tmp_path / "empty"  # no job has finished: an error naming the folder and --list-jobs
+    args = ["ablate", "--config", str(TINY), *FAST, f"output_dir={empty}", "--aggregate"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"judgeloop ablate: error: --aggregate: no job has finished under {empty} (0 of 4 have a report.json); "
+        "run them first, one per line of --list-jobs (judgeloop ablate ... --job ARM:SEED), or check output_dir"
+    )
+    assert not (empty / "results.md").exists()
+
+    some = tmp_path / "some"
+    shutil.copytree(one_process, some)
+    (some / "platt" / "seed1" / "report.json").unlink()
+    (some / "results.md").unlink()
+    with pytest.raises(
+        ConfigError, match=re.escape("1 of 4 jobs under") + ".*not finished: platt:1.*--allow-missing"
+    ):
+        aggregate(_cfg(some))
+    assert not (some / "results.md").exists()
+    res = aggregate(_cfg(some), allow_missing=True)
+    md = (some / "results.md").read_text().splitlines()
+    assert md[2].startswith("**Incomplete grid.** Missing jobs (no report): platt:1.")
+    assert md[4].startswith("**Premise.**")  # after the missing jobs
+    d = res["paired"]["platt"]["rouge_l_neutral"]
+    assert (d["n"], d["n_seeds"]) == (6, 1)  # seed 0 only: the pairs both arms have
+    assert any(line.startswith("| platt | 6 (1 seeds) |") for line in md)
+    assert res["premise"]["metrics"]["copy_rate"]["n"] == 12  # the baseline has both seeds
+
+    full = _results(one_process)  # all finished: no missing line, every pair counted
+    assert full["missing_jobs"] == [] and full["paired"]["platt"]["rouge_l_neutral"]["n"] == 12
+    text = (one_process / "results.md").read_text()
+    assert "Incomplete grid" not in text and "| platt | 12 (2 seeds) |" in text
+
+
+def test_absolute_intervals_stay_within_the_metric_range():
+    """Two seeds far apart: the t-interval over seeds (t = 12.7) leaves [0, 1]; the two-level bootstrap of
+    the per-article values stays inside the values' range, and a per-seed metric (ECE) with 2 seeds gets no
+    interval but a reason; with 6 seeds, a percentile interval inside the seeds' range."""
+    from judgeloop.loop.ablation import article_cells, summarize
+
+    per_seed = {
+        0: {f"a{i}": {"copy_rate": v} for i, v in enumerate([1.0, 1.0, 0.9, 1.0, 1.0, 0.95])},
+        1: {f"a{i}": {"copy_rate": v} for i, v in enumerate([0.2, 0.0, 0.1, 0.0, 0.3, 0.1])},
+    }
+    cells = article_cells(per_seed, "copy_rate")
+    assert cells.shape == (2, 6)
+    finals = [float(np.mean([r["copy_rate"] for r in per_seed[s].values()])) for s in (0, 1)]
+    s = summarize(finals, cells, 1000, 0)
+    lo, hi = s["ci95"]
+    assert 0.0 <= lo <= s["mean"] <= hi <= 1.0 and s["interval"].startswith("two-level bootstrap")
+    from scipy.stats import t
+
+    half = t.ppf(0.975, 1) * np.std(finals, ddof=1) / np.sqrt(2)  # what the table printed before
+    assert s["mean"] - half < 0.0 and s["mean"] + half > 1.0
+
+    ece = summarize([0.05, 0.30], None, 1000, 0)  # one value per seed, two seeds
+    assert ece["ci95"] == [None, None] and ece["interval"].startswith(
+        "none: one value per seed and 2 seed(s)"
+    )
+    six = [0.05, 0.30, 0.12, 0.2, 0.08, 0.15]
+    ece6 = summarize(six, None, 1000, 0)
+    assert min(six) <= ece6["ci95"][0] <= ece6["mean"] <= ece6["ci95"][1] <= max(six)
+    assert summarize([None], None)["interval"] == "none: no finished run"
+
+
+def test_every_absolute_interval_of_the_ablation_lies_within_its_values(one_process):
+    res = _results(one_process)
+    for arm, summary in res["arms"].items():
+        for metric, s in summary["final"].items():
+            lo, hi = s["ci95"]
+            if metric == "ece":  # one value per seed, 2 seeds: no interval, and the reason
+                assert lo is None and s["interval"].startswith("none:"), arm
+                continue
+            assert lo is not None and lo <= s["mean"] <= hi, (arm, metric)
+            if metric in (
+                "copy_rate",
+                "win_rate",
+                "rouge_l_neutral",
+                "rouge_l_extractive",
+                "novel_bigram_rate",
+            ):
+                assert 0.0 <= lo <= hi <= 1.0, (arm, metric)
+    assert "t-interval" not in (one_process / "results.md").read_text()
+
+
+def test_results_open_with_a_reversed_judge(one_process, tmp_path):
+    """Job reports whose step-0 coupling has the judge's AUC below 0.5 (edited by hand): results.md names
+    the judge reversed in its first lines, before the premise; the real grid's judge is not."""
+    import shutil
+
+    from judgeloop.loop.ablation import aggregate
+
+    assert "is reversed" not in (one_process / "results.md").read_text()
+    out = tmp_path / "reversed"
+    shutil.copytree(one_process, out)
+    for arm in ("raw", "platt"):
+        for seed in (0, 1):
+            path = out / arm / f"seed{seed}" / "report.json"
+            report = json.loads(path.read_text())
+            report["judge_coupling"][0]["auc_label"] = 0.37
+            path.write_text(json.dumps(report))
+    res = aggregate(_cfg(out))
+    assert res["judge_health"]["reversed"] and res["judge_health"]["mean_auc"] == pytest.approx(0.37)
+    md = (out / "results.md").read_text().splitlines()
+    assert md[2].startswith("**The judge (`embedding` on `judgeloop-tiny/encoder`) is reversed**")
+    assert "AUC 0.37 < 0.5 on average; raw:0 0.37, raw:1 0.37, platt:0 0.37, platt:1 0.37" in md[2]
+    assert md[4].startswith("**Premise.**")

@@ -564,6 +564,102 @@ def test_the_loop_saves_its_final_calibrated_judge(uninterrupted):
     assert out_p.valid.all() and 0 < out_p.p[0] < 1
 
 
+_SIGNAL_DRIVER = """
+import os, signal, sys
+import judgeloop.loop.runner as rn
+from judgeloop.cli import main
+
+sig = getattr(signal, os.environ["JL_SIGNAL"])
+if os.environ.get("JL_TWICE"):  # a second signal while the step-3 checkpoint is being written
+    from accelerate import Accelerator
+    real_save_state = Accelerator.save_state
+    def save_state(self, output_dir=None, **kwargs):
+        if ".step_3." in str(output_dir):
+            os.kill(os.getpid(), sig)
+        return real_save_state(self, output_dir, **kwargs)
+    Accelerator.save_state = save_state
+real = rn.maybe_recalibrate
+def maybe_recalibrate(step, *args, **kwargs):  # mid-step 3: the step still finishes
+    if step == 3:
+        os.kill(os.getpid(), sig)
+    return real(step, *args, **kwargs)
+rn.maybe_recalibrate = maybe_recalibrate
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "resume", "twice"),
+    [("SIGTERM", 143, "path", False), ("SIGUSR1", 138, "auto", False), ("SIGTERM", 143, "path", True)],
+)
+def test_a_stop_signal_checkpoints_the_step_then_resume_equals_the_uninterrupted_run(
+    tmp_path, sig, status, resume, twice, uninterrupted
+):
+    """SIGTERM / SIGUSR1 mid-step 3 (and a second one during the checkpoint write): the step finishes,
+    its checkpoint is written, one line names it and how to continue, the exit status is 128 + signum;
+    the resumed run ends with the uninterrupted run's metrics, log rows and counters."""
+    import os
+    import subprocess
+    import sys
+
+    from judgeloop.loop.runner import train
+
+    full_dir, full = uninterrupted
+    out = tmp_path / "run"
+    driver = tmp_path / "driver.py"
+    driver.write_text(_SIGNAL_DRIVER)
+    common = [*FAST, f"output_dir={out}", "save_every_n_steps=2", "threads=1"]
+    auto = ["resume_from=auto"] if resume == "auto" else []
+    env = {**os.environ, "JL_SIGNAL": sig, "JL_TWICE": "1" if twice else ""}
+    proc = subprocess.run(
+        [sys.executable, str(driver), "train", "--config", str(TINY), *common, *auto],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    ckpt = out / "checkpoints" / "step_3"
+    assert proc.returncode == status, proc.stderr[-3000:]
+    how = (
+        "run the same command again to continue from it (resume_from=auto)"
+        if resume == "auto"
+        else f"continue with resume_from={ckpt}"
+    )
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"judgeloop train: stopped by {sig} after step 3; checkpoint {ckpt}: {how}"
+    )
+    assert json.loads((ckpt / "state.json").read_text())["step"] == 3
+    assert not (out / "report.json").exists()
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    again = auto or [f"resume_from={ckpt}"]
+    resumed = train(load_config(FeedbackLoopConfig, TINY, [*common, *again]))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    full_rows = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], sorted(r)) for r in rows] == [(r["step"], sorted(r)) for r in full_rows]
+    assert resumed["steps_run"] == full["steps_run"]
+    for key in ("judge_stats", "prompts_truncated", "num_refits", "kept_step", "judge_weight"):
+        assert resumed[key] == full[key], key
+    _same(resumed["final"], full["final"])
+    for key in ("train_log", "refits", "history"):
+        assert len(resumed[key]) == len(full[key]), key
+        for r, f in zip(resumed[key], full[key]):
+            _same(r, f)
+
+
+def test_resume_from_auto_starts_fresh_then_takes_the_newest_checkpoint(tmp_path, caplog):
+    import logging
+
+    from judgeloop.loop.runner import train
+
+    common = [*FAST, f"output_dir={tmp_path}", "resume_from=auto", "max_steps=2"]
+    with caplog.at_level(logging.INFO, logger="judgeloop"):
+        part = train(load_config(FeedbackLoopConfig, TINY, [*common, "stop_after_n_steps=1"]))
+    assert "resume_from=auto: no checkpoint under" in caplog.text and part["step"] == 1
+    (tmp_path / "checkpoints" / ".step_2.ab12.tmp").mkdir()  # a half-written one is never taken
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="judgeloop"):
+        report = train(load_config(FeedbackLoopConfig, TINY, common))
+    assert f"resume_from=auto: resuming from {tmp_path / 'checkpoints' / 'step_1'}" in caplog.text
+    assert report["steps_run"] == 2 and [r["step"] for r in report["train_log"]] == [1, 2]
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -1120,3 +1216,34 @@ def test_a_batch_the_train_split_cannot_fill_stops_before_any_output(tmp_path):
     with pytest.raises(ConfigError, match=r"train split has \d+ articles, fewer than batch_size=5000; lower"):
         train(cfg)
     assert not out.exists()  # no config.yaml, no tracker folder, no metrics.jsonl
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "stop_signals=[SIGTREM]",
+            "stop_signals lists 'SIGTREM', which is no signal name; did you mean SIGTERM?",
+        ),
+        (
+            "stop_signals=[SIGKILL]",
+            "stop_signals lists SIGKILL, which cannot be caught; use SIGTERM or SIGUSR1",
+        ),
+        ("ablation.save_every_n_steps=-1", "ablation.save_every_n_steps=-1 must be >= 0 (0: no checkpoints)"),
+    ],
+)
+def test_stop_signal_and_job_checkpoint_errors_name_the_key(override, message):
+    from judgeloop.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(FeedbackLoopConfig, TINY, [override])
+
+
+def test_allow_missing_goes_with_aggregate(tmp_path, capsys):
+    from judgeloop.cli import main
+
+    assert main(["ablate", "--config", str(TINY), f"output_dir={tmp_path}", "--allow-missing"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "judgeloop ablate: error: --allow-missing goes with --aggregate (it lets the summary leave out "
+        "unfinished jobs)"
+    )

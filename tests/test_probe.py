@@ -280,6 +280,57 @@ def test_stages_position_bias_and_fit_labels(tmp_path, monkeypatch):
         mine = [r for r in result.rows if r["attack"] == kind]
         assert [r["win_debiased"] for r in mine] == [len(r["adversarial"]) > len(r["honest"]) for r in mine]
     assert "fooled by" in render_markdown(result.report)
+    # named a position-only judge in the report's first lines, before any "fooled by"
+    assert j["health"]["position_only"] and j["health"]["position_side"] == "first"
+    md = render_markdown(result.report)
+    assert md.splitlines()[2].startswith(
+        "**`biased` is a position-only judge**: it prefers the summary shown first"
+    )
+    assert md.index("position-only judge") < md.index("fooled by")
+    assert "`biased` (choice, " in md and "**position-only judge (see above)**; fooled by" in md
+
+
+def test_judge_health_names_a_reversed_and_a_position_only_judge_from_hand_built_scores():
+    from judgeloop.calibration.health import health_lines, judge_health
+
+    y = np.array([1, 0, 1, 0, 1, 0, 1, 0], dtype=float)
+    t = np.array([2.0, -1.0, 1.5, -0.5, 1.0, -2.0, 0.5, -1.5])  # a genuine preference: + where a is better
+    good = judge_health(t, -t, y)
+    assert good["auc_debiased"] == 1.0 and not good["reversed"] and not good["position_only"]
+    assert health_lines("good", good) == []
+    bad = judge_health(-t, t, y)  # prefers the worse summary in both orders
+    assert bad["auc_debiased"] == 0.0 and bad["reversed"] and not bad["position_only"]
+    (line,) = health_lines("bad", bad)
+    assert line.startswith("**`bad` is a reversed judge**") and "AUC 0.00 < 0.5" in line
+    first = judge_health(3.0 + 0.1 * t, 3.0 - 0.1 * t, y)  # prefers whatever is shown first
+    assert first["position_only"] and first["position_side"] == "first" and first["first_share"] == 1.0
+    assert not first["reversed"]  # the debiased logit keeps the small genuine preference
+    second = judge_health(np.full(8, -1.0), np.r_[np.full(7, -1.0), 1.0], y)  # 7 of 8 prefer the second
+    assert second["second_share"] == 0.875 and not second["position_only"]  # below POSITION_ONLY_SHARE
+    nan = judge_health(np.array([np.nan, 1.0]), np.array([1.0, 1.0]), np.array([1.0, 0.0]))
+    assert nan["n_pairs"] == 1 and nan["auc_debiased"] is None  # one class left: no AUC, not reversed
+
+
+def test_the_calibration_report_opens_with_a_reversed_judge():
+    from judgeloop.calibration.health import judge_health
+    from judgeloop.calibration.lab import render_markdown as lab_markdown
+
+    y = np.array([1, 0, 1, 0], dtype=float)
+    t = np.array([1.0, -1.0, 2.0, -2.0])
+    report = {
+        "judge": {
+            "type": "choice", "model": "m", "prompt": "p", "position_debias": False,
+            "position_bias": {"calibration": 0.0, "test": 0.0}, "status": {"calibration": {}, "test": {}},
+            "health": judge_health(-t, t, y),
+        },
+        "coupling": {"n_pairs": 2}, "labels": {"type": "rouge", "dimension": None, "calibration": {}, "test": {}},
+        "n_fit": 4, "articles": {"calibration": 2, "test": 2}, "n_eval": 4, "n_eval_pairs": 2, "n_bins": 10,
+        "methods": {},
+    }  # fmt: skip
+    lines = lab_markdown(report).splitlines()
+    assert lines[2].startswith(
+        "**`choice` is a reversed judge**: its position-debiased logit ranks the labels"
+    )
 
 
 def _examples(cfg: ProbeConfig):

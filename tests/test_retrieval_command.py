@@ -186,6 +186,71 @@ def test_train_retriever_resumes_exactly(tmp_path, beir_dir):
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
 
 
+_SIGNAL_DRIVER = """
+import os, signal, sys
+import judgeloop.retrieval.trainer as tr
+from judgeloop.cli import main
+
+sig = getattr(signal, os.environ["JL_SIGNAL"])
+calls = []
+real = tr.train_step
+def train_step(*args, **kwargs):  # mid-step 3: the step still finishes
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), sig)
+    return real(*args, **kwargs)
+tr.train_step = train_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("sig", "status"), [("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_a_stop_signal_checkpoints_the_step_then_the_rerun_equals_the_uninterrupted_run(
+    tmp_path, beir_dir, sig, status
+):
+    """A real SIGTERM / SIGUSR1 mid-step 3 in a child process: step 3 finishes, its checkpoint is written,
+    one line names it, exit 128 + signum; the same command again continues from it and ends with the
+    uninterrupted run's weights (bit for bit), losses and metrics. Every segment runs at one thread."""
+    import os
+    import subprocess
+    import sys
+
+    from judgeloop.commands.train_retriever import run
+    from judgeloop.devices import intra_op_threads
+
+    common = ["train.num_epochs=2", "train.mixed_precision='no'", "eval.precision='no'"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    with intra_op_threads(1):
+        reference = run(_cfg(_overrides(beir_dir, full, *common)))
+    assert reference["steps"] > 3
+    driver = tmp_path / "driver.py"
+    driver.write_text(_SIGNAL_DRIVER)
+    (tmp_path / "empty.yaml").write_text("")
+    env = {**os.environ, "JL_SIGNAL": sig, "OMP_NUM_THREADS": "1"}
+    command = ["train-retriever", "--config", str(tmp_path / "empty.yaml"), "--allow-empty-config"]
+    proc = subprocess.run(
+        [sys.executable, str(driver), *command, *_overrides(beir_dir, part, *common)],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == status, proc.stderr[-3000:]
+    ckpt = part / "checkpoints" / "step_3"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"judgeloop train-retriever: stopped by {sig} after step 3; checkpoint {ckpt}: "
+        "run the same command again to continue from it (train.resume=true)"
+    )
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 3
+    assert not (part / "report.json").exists()
+    with intra_op_threads(1):
+        resumed = run(_cfg(_overrides(beir_dir, part, *common)))
+    assert resumed["steps"] == reference["steps"]
+    assert resumed["after"] == reference["after"] and resumed["before"] == reference["before"]
+    assert resumed["final_loss"] == reference["final_loss"]
+    a = BiEncoder.from_pretrained(str(full / "model")).state_dict()
+    b = BiEncoder.from_pretrained(str(part / "model")).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
 def test_mine_negatives_command(tmp_path, beir_dir):
     from judgeloop.commands.mine_negatives import MineNegativesConfig, run
 

@@ -134,3 +134,36 @@ def test_the_retriever_logs_through_the_same_trackers(tmp_path):
     final = [r for r in logged if "eval/ndcg@10" in r]
     assert [r["step"] for r in final] == [0, report["steps"]]
     assert final[-1]["eval/ndcg@10"] == pytest.approx(report["after"]["ndcg@10"])
+
+
+@pytest.mark.skipif(not HAVE_MLFLOW, reason="mlflow(-skinny) is a dev dependency")
+def test_mlflow_without_a_tracking_uri_logs_under_output_dir_and_writes_nothing_to_the_cwd(
+    tmp_path, monkeypatch
+):
+    """mlflow-skinny and no MLFLOW_TRACKING_URI: MLflow's own default (sqlite:///mlflow.db in the working
+    directory) fails mid-run; the run logs to a file store under output_dir instead, the cwd stays empty."""
+    import mlflow
+    from accelerate import Accelerator
+
+    from judgeloop.tracking import init_trackers, make_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "run"
+    try:
+        acc = Accelerator(cpu=True, log_with=make_trackers(["jsonl", "mlflow"], out), project_dir=str(out))
+        init_trackers(acc, "judgeloop-test", "platt-seed0", "grid", {"calibration": {"method": "platt"}})
+        acc.log({"train/loss": 0.5}, step=1)
+        acc.log({"train/loss": 0.25}, step=2)
+        acc.end_training()
+        uri = (out / "mlruns").as_uri()
+        assert mlflow.get_tracking_uri() == uri
+        client, run = _mlflow_run(uri, "judgeloop-test", "platt-seed0")
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+        assert history == [(1, 0.5), (2, 0.25)]
+        assert list(cwd.iterdir()) == []  # no mlflow.db, no mlruns/ where the command was started
+    finally:
+        mlflow.set_tracking_uri("")

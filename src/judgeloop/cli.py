@@ -65,6 +65,13 @@ COMMAND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "--list-jobs",
             {"action": "store_true", "help": "print the grid, one ARM:SEED per line; run nothing"},
         ),
+        (
+            "--allow-missing",
+            {
+                "action": "store_true",
+                "help": "with --aggregate: summarize the finished jobs, listing the rest",
+            },
+        ),
     ],
 }
 
@@ -131,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "aggregate" in extra:
         extra["aggregate_only"] = extra.pop("aggregate")
     from judgeloop.calibration import CalibrationError
+    from judgeloop.signals import Stopped
 
     try:
         run(cfg, **{k: v for k, v in extra.items() if v not in (None, False)})
@@ -145,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}; check the path and its permissions\n")
         return 2
+    except Stopped as err:  # a stop signal: the checkpoint is written; one line on how to continue
+        sys.stderr.write(f"judgeloop {args.command}: {err}\n")
+        return err.exit_status
     except KeyboardInterrupt:
         if args.debug:
             raise

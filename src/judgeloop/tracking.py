@@ -96,9 +96,33 @@ def check_trackers(names: list[str], key: str = "log_with") -> None:
             )
 
 
+def use_mlflow_file_store(output_dir: str | Path) -> str | None:
+    """With no ``MLFLOW_TRACKING_URI`` set, point MLflow at a file store under the run's output folder
+    (``OUTPUT_DIR/mlruns``) and return its URI; ``None`` when a URI is set (it is used as it is).
+
+    MLflow 3's own default is ``sqlite:///mlflow.db`` in the working directory, which ``mlflow-skinny``
+    (what ``make install`` brings) cannot open: the run would fail once started and leave ``mlflow.db``
+    behind. MLflow 3 keeps the file store behind ``MLFLOW_ALLOW_FILE_STORE``, set here unless set already.
+    """
+    import os
+
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    import mlflow
+
+    uri = (Path(output_dir).resolve() / "mlruns").as_uri()
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri(uri)
+    logger.info("mlflow: no MLFLOW_TRACKING_URI set; logging to the file store %s", uri)
+    return uri
+
+
 def make_trackers(names: list[str], output_dir: str | Path) -> list[Any]:
-    """The ``log_with`` of an ``Accelerator``: judgeloop's JSONL tracker, and accelerate's by name."""
+    """The ``log_with`` of an ``Accelerator``: judgeloop's JSONL tracker, and accelerate's by name
+    (MLflow without a tracking URI: a file store under ``output_dir``, :func:`use_mlflow_file_store`)."""
     check_trackers(names)
+    if "mlflow" in names:
+        use_mlflow_file_store(output_dir)
     return [JSONLTracker("judgeloop", output_dir) if n == "jsonl" else n for n in names]
 
 

@@ -19,6 +19,7 @@ from scipy.special import expit
 
 from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator, make_calibrator
 from judgeloop.calibration.coupling import coupling_line, judge_coupling
+from judgeloop.calibration.health import health_lines, judge_health
 from judgeloop.calibration.labels import (
     FEATURE_NAMES,
     LabelConfig,
@@ -254,6 +255,12 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
             "model": cfg.judge.model,
             "prompt": cfg.judge.prompt,
             "position_debias": bool(judge.position_debias),
+            # reversed (AUC < 0.5) or position-only on the calibration pairs: the report opens with it
+            "health": judge_health(
+                fit_scored["forward"][fit_ok],
+                fit_scored["reverse"][fit_ok],
+                np.array([p.label for p in fit_pairs], dtype=float)[fit_ok],
+            ),
             "position_bias": {
                 "calibration": fit_scored["position_bias"],
                 "test": eval_scored["position_bias"],
@@ -337,6 +344,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         [
             "# Judge calibration report",
             "",
+            *[w for line in health_lines(j["type"], j.get("health")) for w in (line, "")],
             f"On the test pairs, the {coupling_line(report['coupling'])}.",
             "",
             f"Judge: `{j['type']}` on `{j['model']}` (prompt `{j['prompt']}`, position debiasing "

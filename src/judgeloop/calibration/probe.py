@@ -35,6 +35,7 @@ import numpy as np
 from scipy.special import expit
 
 from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator
+from judgeloop.calibration.health import judge_health
 from judgeloop.calibration.lab import CalibratorOptions, build_calibrator
 from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs, pair_features
 from judgeloop.calibration.metrics import auc
@@ -335,6 +336,8 @@ def fit_judge(
         "fit_status": dict(Counter(scored.status)),
         "position_bias": _position_bias(scored),
         "fit_labels": bool(judge.learns_from_labels),
+        # reversed (AUC < 0.5) or position-only: named first in the report (judgeloop.calibration.health)
+        "health": judge_health(scored.forward[ok], scored.reverse[ok], labels[ok]),
     }
     return cal, info
 

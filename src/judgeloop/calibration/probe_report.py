@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from judgeloop.calibration.health import health_lines
 from judgeloop.calibration.probe import STAGES, ci_key
 from judgeloop.text import fmt_number
 
@@ -44,6 +45,24 @@ def _names(kinds: Sequence[str]) -> str:
     return ", ".join(f"`{k}`" for k in kinds) if kinds else "no attack"
 
 
+def health_warnings(report: dict[str, Any]) -> list[str]:
+    """The report's opening warnings: each judge that is reversed or position-only on the calibration pairs
+    (:mod:`judgeloop.calibration.health`), before any "fooled by"."""
+    return [
+        line
+        for name, judge in report["judges"].items()
+        for line in health_lines(
+            name, judge.get("health"), f"`{report['calibration']['split']}` calibration pairs"
+        )
+    ]
+
+
+def _health_tag(judge: dict[str, Any]) -> str:
+    h = judge.get("health") or {}
+    tags = [t for t, on in (("position-only", h.get("position_only")), ("reversed", h.get("reversed"))) if on]
+    return f" **{' and '.join(tags)} judge (see above)**;" if tags else ""
+
+
 def verdict_line(name: str, judge: dict[str, Any], key: str) -> str:
     """One judge's answer in words: which attacks fool it, and what debiasing and calibration did."""
     m = stage_means(judge)
@@ -58,7 +77,7 @@ def verdict_line(name: str, judge: dict[str, Any], key: str) -> str:
             + (", below chance, so the calibrator inverts the judge" if fit_auc < 0.5 else "")
         )
     return (
-        f"- `{name}` ({judge['type']}, `{judge['model']}`): fooled by {_names(fooling_attacks(judge, key))} "
+        f"- `{name}` ({judge['type']}, `{judge['model']}`):{_health_tag(judge)} fooled by {_names(fooling_attacks(judge, key))} "
         f"(before calibration, debiased: {_names(fooling_attacks(judge, key, 'debiased'))}). Mean success over "
         f"the attacks: shown first {fmt_number(m['forward'], 2)}, shown second {fmt_number(m['reverse'], 2)}, "
         f"both orders combined {fmt_number(m['debiased'], 2)}, calibrated {fmt_number(m['calibrated'], 2)}; "
@@ -109,9 +128,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     pct = round(100 * report["confidence"])
     names = list(report["judges"])
     a = report["articles"]
+    warnings = health_warnings(report)
     lines = [
         "# Judge probe: which attacks fool which judge, and do debiasing and calibration help?",
         "",
+        *[w for line in warnings for w in (line, "")],
         f"Each cell: the share of {a['test']} test articles where the judge prefers the adversarial summary to "
         f"the honest one (the best-rated by mean {', '.join(report['honest_rating'])}), after position "
         f"debiasing and `{report['calibration']['method']}` calibration (p > 0.5), [{pct}% Wilson interval]. "

@@ -1,7 +1,8 @@
 """``judgeloop ablate --config CONFIG [k=v ...]``: the loop per calibration arm and seed, plus the summary.
 
-``--job ARM:SEED`` runs one job (for a cluster task); ``--aggregate`` builds ``results.*`` from the job
-folders that exist; ``--list-jobs`` prints one ``ARM:SEED`` per line (for a job array).
+``--job ARM:SEED`` runs one job (for a cluster task; run again, it continues from its checkpoint);
+``--aggregate`` builds ``results.*`` from the job folders once every job has finished (``--allow-missing``:
+from those that have); ``--list-jobs`` prints one ``ARM:SEED`` per line (for a job array).
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ __all__ = ["FeedbackLoopConfig", "run"]
 
 
 def run(
-    cfg: FeedbackLoopConfig, job: str | None = None, aggregate_only: bool = False, list_jobs: bool = False
+    cfg: FeedbackLoopConfig,
+    job: str | None = None,
+    aggregate_only: bool = False,
+    list_jobs: bool = False,
+    allow_missing: bool = False,
 ) -> dict[str, Any]:
     """Run the command on ``cfg`` (the CLI calls this after loading and checking the config)."""
     if sum([job is not None, aggregate_only, list_jobs]) > 1:
         raise ConfigError("use only one of --job, --aggregate and --list-jobs")
+    if allow_missing and not aggregate_only:
+        raise ConfigError(
+            "--allow-missing goes with --aggregate (it lets the summary leave out unfinished jobs)"
+        )
     if list_jobs:
         sys.stdout.write("".join(f"{arm}:{seed}\n" for arm, seed in jobs(cfg)))
         return {}
@@ -34,6 +43,6 @@ def run(
         result = run_ablation(cfg, job=job)
         sys.stdout.write(f"{job}: {result['status']} ({result['dir']})\n")
         return result
-    results = aggregate(cfg) if aggregate_only else run_ablation(cfg)
+    results = aggregate(cfg, allow_missing) if aggregate_only else run_ablation(cfg)
     sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
     return results

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from judgeloop.calibration.probe import ProbeConfig, probe
-from judgeloop.calibration.probe_report import render_markdown
+from judgeloop.calibration.probe_report import health_warnings, render_markdown
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
 
@@ -24,5 +24,6 @@ def run(cfg: ProbeConfig) -> dict[str, Any]:
     result = probe(cfg)
     markdown = render_markdown(result.report)
     write_report(cfg.output_dir, cfg, result.report, markdown, {"pairs.jsonl": result.rows})
-    logger.info("\n%s", "\n".join(markdown.splitlines()[: 4 + len(cfg.attacks) + 2]))
+    shown = 4 + 2 * len(health_warnings(result.report)) + len(cfg.attacks) + 2  # the warnings, the table
+    logger.info("\n%s", "\n".join(markdown.splitlines()[:shown]))
     return result.report

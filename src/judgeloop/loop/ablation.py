@@ -103,7 +103,9 @@ def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConf
             f"calibration.method={arm}",
             f"seed={seed}",
             f"output_dir={job_dir(cfg, arm, seed)}",
-            "resume_from=null",
+            "resume_from=auto",  # a job stopped or killed mid-run continues from its newest checkpoint
+            f"save_every_n_steps={cfg.ablation.save_every_n_steps}",
+            f"keep_checkpoints={cfg.keep_checkpoints or 1}",
             "stop_after_n_steps=null",
             f"start_cache={shared}",
             f"run_name={arm}-seed{seed}",  # one dashboard run per job, grouped by the ablation's folder
@@ -142,7 +144,12 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         return {"arm": arm, "seed": seed, "status": "skipped", "dir": str(folder)}
     if status == "changed":
         logger.info("ablation: %s:%d config changed (%s); rerunning", arm, seed, "; ".join(changes[:5]))
-    if folder.exists():  # a stale or half-finished run: start clean, so no old file survives into the new one
+    can_resume = status != "changed" and resumable(job_cfg)
+    if can_resume:
+        logger.info("ablation: %s:%d continues from its newest checkpoint", arm, seed)
+    elif folder.exists():
+        # a stale run, or a half-finished one with no checkpoint this config can continue: start clean, so
+        # no old file survives into the new one
         stale = folder.with_name(f".{folder.name}.stale")
         if stale.exists():
             shutil.rmtree(stale)
@@ -157,6 +164,27 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         atomic_write_json(folder / "failed.json", {"arm": arm, "seed": seed, "error": str(err)})
         return {"arm": arm, "seed": seed, "status": "failed", "dir": str(folder), "error": str(err)}
     return {"arm": arm, "seed": seed, "status": "ran", "dir": str(folder)}
+
+
+def resumable(job_cfg: FeedbackLoopConfig) -> bool:
+    """Whether the job's folder holds a checkpoint its config can continue from (``resume_from: auto``
+    will take it); one made with a config that would change the run is not."""
+    from judgeloop.config import ConfigError
+    from judgeloop.loop.checkpoint import checked_resume, latest_checkpoint, remove_orphans
+
+    folder = Path(job_cfg.output_dir)
+    if not folder.is_dir():
+        return False
+    remove_orphans(folder)  # a write killed between its two renames leaves the checkpoint as .NAME.old
+    found = latest_checkpoint(folder)
+    if found is None:
+        return False
+    try:
+        checked_resume(to_yaml(job_cfg), found, RESUME_FREE_KEYS, default_dict(type(job_cfg)), type(job_cfg))
+    except ConfigError as err:
+        logger.info("ablation: %s is not continued: %s", found, err)
+        return False
+    return True
 
 
 # Resident memory of one SmolLM2-135M job with the MiniLM judge, measured (3.4 GiB peak), rounded up.
@@ -231,26 +259,60 @@ def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, A
     grid = jobs(cfg)
     n = cfg.ablation.num_workers or default_workers(cfg, len(grid))
     run_jobs(cfg, grid, n)
-    return aggregate(cfg)
+    return aggregate(cfg, allow_missing=True)  # every job ran; a failed one is listed as failed
 
 
 # --- aggregation ----------------------------------------------------------------------------------
 
 
-def summarize(values: Sequence[float | None]) -> dict[str, Any]:
-    """Mean, sample std and 95% Student-t interval over seeds (None values are dropped and counted)."""
+# Final metrics with one value per article (the per-article key), whose interval is the two-level bootstrap.
+ARTICLE_KEY = {**{m: m for m in PAIRED_METRICS if m != "win"}, "win_rate": "win"}
+# Below this many seeds, a metric with one value per seed (ECE) gets no interval: a bootstrap over 2-4
+# values has 3-35 distinct replicates, and a t-interval over 2 seeds (t = 12.7) leaves the metric's range.
+MIN_SEEDS_FOR_INTERVAL = 5
+
+
+def summarize(
+    values: Sequence[float | None], cells: np.ndarray | None = None, n_boot: int = 4000, seed: int = 0
+) -> dict[str, Any]:
+    """Mean and sample std over seeds (None values are dropped and counted) and a 95% interval that lies
+    within what the metric can take: the two-level bootstrap of the per-article values ``cells`` (seeds x
+    articles, NaN = missing; :func:`judgeloop.loop.stats.paired_bootstrap`, as for the paired deltas), or,
+    for a metric with one value per seed, a percentile bootstrap over seeds when there are at least
+    ``MIN_SEEDS_FOR_INTERVAL``; otherwise none, and ``interval`` says why. A percentile interval of means
+    of values never leaves their range."""
     xs = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
     out: dict[str, Any] = {"values": list(values), "n": int(xs.size)}
     if xs.size == 0:
-        return {**out, "mean": None, "std": None, "ci95": [None, None]}
+        return {**out, "mean": None, "std": None, "ci95": [None, None], "interval": "none: no finished run"}
     mean = float(xs.mean())
-    if xs.size == 1:
-        return {**out, "mean": mean, "std": None, "ci95": [None, None]}
-    from scipy.stats import t
+    std = float(xs.std(ddof=1)) if xs.size > 1 else None
+    if cells is not None and np.isfinite(cells).sum() >= 2:
+        d = paired_bootstrap(cells, n_boot, seed)
+        how = f"two-level bootstrap: {d.n_seeds} seed(s) x articles, {d.n} values"
+        return {**out, "mean": mean, "std": std, "ci95": d.ci95, "interval": how}
+    if xs.size < MIN_SEEDS_FOR_INTERVAL:
+        why = f"none: one value per seed and {xs.size} seed(s); an interval needs >= {MIN_SEEDS_FOR_INTERVAL}"
+        return {**out, "mean": mean, "std": std, "ci95": [None, None], "interval": why}
+    rng = np.random.default_rng(seed)
+    means = xs[rng.integers(0, xs.size, size=(n_boot, xs.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    how = f"percentile bootstrap over {xs.size} seeds"
+    return {**out, "mean": mean, "std": std, "ci95": [float(lo), float(hi)], "interval": how}
 
-    std = float(xs.std(ddof=1))
-    half = float(t.ppf(0.975, xs.size - 1) * std / math.sqrt(xs.size))
-    return {**out, "mean": mean, "std": std, "ci95": [mean - half, mean + half]}
+
+def article_cells(per_seed: dict[int, dict[str, dict[str, Any]]], key: str) -> np.ndarray:
+    """``(seeds, articles)`` values of one per-article metric (NaN where missing), for :func:`summarize`."""
+    vals = _values(per_seed, key)
+    ids = sorted({i for arts in vals.values() for i in arts})
+    out = np.full((len(vals), len(ids)), np.nan)
+    for r, s in enumerate(sorted(vals)):
+        for c, i in enumerate(ids):
+            v = vals[s].get(i)
+            if v is not None:
+                out[r, c] = float(v)
+    out[~np.isfinite(out)] = np.nan
+    return out
 
 
 def load_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -292,8 +354,17 @@ def summarize_arm(
     finals = {s: _by_article(rows, rep["kept_step"]) for s, rep, rows in runs}
     starts = {s: _by_article(rows, 0) for s, rep, rows in runs}
     reports = [rep for _, rep, _ in runs]
+    B, bseed = cfg.ablation.bootstrap_samples, cfg.ablation.bootstrap_seed
     summary = {
-        "final": {m: summarize([r["final"].get(m) for r in reports]) for m in FINAL_METRICS},
+        "final": {
+            m: summarize(
+                [r["final"].get(m) for r in reports],
+                article_cells(finals, ARTICLE_KEY[m]) if m in ARTICLE_KEY and finals else None,
+                B,
+                bseed,
+            )
+            for m in FINAL_METRICS
+        },
         "seeds_run": [s for s, *_ in runs],
         "failed": failed,
         "num_refits": int(sum(r["num_refits"] for r in reports)),
@@ -393,13 +464,72 @@ def check_numerics(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     }
 
 
-def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+def judge_reversal(cfg: FeedbackLoopConfig) -> dict[str, Any] | None:
+    """Whether the training judge is reversed on the finished jobs' step-0 calibration pairs: the AUC of
+    its logit for the ROUGE label (``judge_coupling``, both orientations) per job, and ``reversed`` when
+    their mean is below 0.5 (:mod:`judgeloop.calibration.health`). None when no job measured it (the
+    oracle arm does not). The loop scores one order per pair, so position-only is not measured here."""
+    aucs: dict[str, float] = {}
+    for arm, seed in jobs(cfg):
+        path = job_dir(cfg, arm, seed) / "report.json"
+        if not path.is_file():
+            continue
+        coupling = json.loads(path.read_text()).get("judge_coupling") or []
+        first = next((c for c in coupling if c.get("step") == 0 and c.get("auc_label") is not None), None)
+        if first is not None:
+            aucs[f"{arm}:{seed}"] = float(first["auc_label"])
+    if not aucs:
+        return None
+    mean = float(np.mean(list(aucs.values())))
+    return {"auc_label": aucs, "mean_auc": mean, "reversed": mean < 0.5}
+
+
+def unfinished_jobs(cfg: FeedbackLoopConfig) -> tuple[list[str], list[str]]:
+    """The grid's jobs with no ``report.json``: (not run or stopped, failed), each as ``ARM:SEED``."""
+    missing: list[str] = []
+    failed: list[str] = []
+    for arm, seed in jobs(cfg):
+        folder = job_dir(cfg, arm, seed)
+        if not (folder / "report.json").is_file():
+            (failed if (folder / "failed.json").is_file() else missing).append(f"{arm}:{seed}")
+    return missing, failed
+
+
+def check_finished(cfg: FeedbackLoopConfig, allow_missing: bool) -> None:
+    """Before aggregating: an error when no job has finished, and, unless ``allow_missing``, when some
+    have not (naming them).
+
+    Raises:
+        ConfigError: no finished job, or unfinished ones without ``allow_missing``.
+    """
+    from judgeloop.config import ConfigError
+
+    missing, failed = unfinished_jobs(cfg)
+    total = len(jobs(cfg))
+    if len(missing) + len(failed) == total:
+        raise ConfigError(
+            f"--aggregate: no job has finished under {cfg.output_dir} (0 of {total} have a report.json); run "
+            "them first, one per line of --list-jobs (judgeloop ablate ... --job ARM:SEED), or check output_dir"
+        )
+    if (missing or failed) and not allow_missing:
+        parts = [f"not finished: {', '.join(missing)}"] if missing else []
+        parts += [f"failed: {', '.join(failed)} (see their failed.json)"] if failed else []
+        raise ConfigError(
+            f"--aggregate: {len(missing) + len(failed)} of {total} jobs under {cfg.output_dir} have no report "
+            f"({'; '.join(parts)}); run them with --job ARM:SEED, or pass --allow-missing to aggregate the "
+            f"{total - len(missing) - len(failed)} finished ones"
+        )
+
+
+def aggregate(cfg: FeedbackLoopConfig, allow_missing: bool = False) -> dict[str, Any]:
     """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
 
-    Jobs with no report (not run yet, or failed) are listed as missing or failed; every number comes
-    from the per-article rows of the runs that exist.
+    Every job must have finished unless ``allow_missing`` (:func:`check_finished`); then the missing and
+    failed ones are listed first, and every paired comparison uses the (seed, article) pairs both of its
+    arms have (counted in the table). Every number comes from the per-article rows of the runs that exist.
     """
     abl = cfg.ablation
+    check_finished(cfg, allow_missing)
     numerics = check_numerics(cfg)
     arms: dict[str, Any] = {}
     finals: dict[str, dict[int, Any]] = {}
@@ -427,6 +557,7 @@ def aggregate(cfg: FeedbackLoopConfig) -> dict[str, Any]:
             "method": "two-level: seeds with replacement, then articles with replacement within each seed; "
             "percentile 95% interval; mdd = 2.8 x bootstrap SE (80% power, 5% two-sided)",
         },
+        "judge_health": judge_reversal(cfg),
         "judge": {
             "type": cfg.judge.type,
             "model": cfg.judge.model,
@@ -466,6 +597,42 @@ def _fmt_delta(d: dict[str, Any] | None, mdd: bool = True) -> str:
     return txt + (f" (mdd {d['mdd']:.3f})" if mdd and d.get("mdd") is not None else "")
 
 
+def _pairs(res: dict[str, Any]) -> str:
+    """'N (S seeds)': the (seed, article) cells a paired comparison used (those both arms have)."""
+    d = res.get("rouge_l_neutral") or {}
+    return f"{d.get('n', 0)} ({d.get('n_seeds', 0)} seeds)"
+
+
+def opening_lines(results: dict[str, Any]) -> list[str]:
+    """What ``results.md`` says before the premise: a reversed judge, then the jobs the grid lacks."""
+    lines: list[str] = []
+    health = results.get("judge_health")
+    if health and health["reversed"]:
+        listed = ", ".join(f"{job} {v:.2f}" for job, v in health["auc_label"].items())
+        lines += [
+            f"**The judge (`{results['judge']['type']}` on `{results['judge']['model']}`) is reversed**: on the "
+            f"step-0 calibration pairs its logit ranks the ROUGE labels below chance (AUC {health['mean_auc']:.2f} "
+            f"< 0.5 on average; {listed}). It prefers the worse summary; the calibrated arms fit a reversed map "
+            "to it, and the raw arm trains toward what it wrongly prefers.",
+            "",
+        ]
+    failed = [f"{f['arm']}:{f['seed']}" for arm in results["arms"].values() for f in arm["failed"]]
+    if results["missing_jobs"] or failed:
+        lines += [
+            "**Incomplete grid.** "
+            + (
+                f"Missing jobs (no report): {', '.join(results['missing_jobs'])}. "
+                if results["missing_jobs"]
+                else ""
+            )
+            + (f"Failed jobs: {', '.join(failed)}. " if failed else "")
+            + "Each paired comparison below uses only the (seed, article) pairs both of its arms have "
+            "(column `pairs`).",
+            "",
+        ]
+    return lines
+
+
 def results_table(results: dict[str, Any]) -> str:
     """``results.md``: the premise in words, the paired table against the baseline, then absolute values."""
     base = results["baseline"]
@@ -475,13 +642,12 @@ def results_table(results: dict[str, Any]) -> str:
         f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
         "",
     ]
+    lines += opening_lines(results)
     premise = results["premise"]
     lines.append(
         f"**Premise.** {premise['sentence']}" if premise else "**Premise.** No baseline runs to check it."
     )
     lines.append("")
-    if results["missing_jobs"]:
-        lines += [f"Missing jobs (not run yet): {', '.join(results['missing_jobs'])}.", ""]
     lines += numerics_lines(results.get("numerics"))
     if premise:
         lines += [
@@ -500,11 +666,13 @@ def results_table(results: dict[str, Any]) -> str:
             "Arm minus baseline per (seed, article), mean [95% interval] (minimum detectable difference at "
             "80% power); bold when the interval excludes 0.",
             "",
-            "| arm | " + " | ".join(DELTA_TABLE) + " |",
-            "|---|" + "---|" * len(DELTA_TABLE),
+            "| arm | pairs | " + " | ".join(DELTA_TABLE) + " |",
+            "|---|---|" + "---|" * len(DELTA_TABLE),
         ]
         for arm, res in results["paired"].items():
-            lines.append(f"| {arm} | " + " | ".join(_fmt_delta(res[m]) for m in DELTA_TABLE) + " |")
+            lines.append(
+                f"| {arm} | {_pairs(res)} | " + " | ".join(_fmt_delta(res[m]) for m in DELTA_TABLE) + " |"
+            )
         lines.append("")
     if results["vs_start"]:
         lines += [
@@ -522,7 +690,9 @@ def results_table(results: dict[str, Any]) -> str:
         "## Absolute values",
         "",
         f"Policy `{results['policy']}`; judge `{results['judge']['type']}` on `{results['judge']['model']}`; "
-        f"data `{results['data']['format']}`. Mean [95% t-interval over seeds] of the kept policy.",
+        f"data `{results['data']['format']}`. Mean over seeds of the kept policy [95% interval: the two-level "
+        "bootstrap over (seed, article), as for the paired differences; `ece` is one value per seed and gets "
+        f"an interval (a bootstrap over seeds) only with >= {MIN_SEEDS_FOR_INTERVAL} seeds].",
         "",
         "| arm | "
         + " | ".join(TABLE_METRICS)

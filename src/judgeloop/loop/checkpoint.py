@@ -122,6 +122,17 @@ def remove_orphans(out_dir: str | Path) -> list[tuple[Path, str]]:
     return found
 
 
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint ``out_dir/checkpoints/step_N`` (by N), or None. Each is moved into
+    place whole (:func:`judgeloop.io.replace_dir`), so a ``step_N`` with its ``state.json`` is complete;
+    half-written ``.step_N.*`` folders are never taken."""
+    root = Path(out_dir) / "checkpoints"
+    found = [
+        p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / "state.json").is_file()
+    ]
+    return max(found, key=lambda p: int(p.name[5:]), default=None)
+
+
 def checked_resume(
     cfg_yaml: str,
     resume_from: str | Path,

@@ -13,6 +13,7 @@ from judgeloop.config import check_at_least, check_range
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
+from judgeloop.signals import DEFAULT_STOP_SIGNALS, check_signal_names
 from judgeloop.tracking import TRACKERS
 
 ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle")
@@ -278,6 +279,7 @@ RESUME_FREE_KEYS = (
     "judge_prefetch_threads",
     "ablation",
     "threads",  # float rounding only; a resume at another count says so in the log
+    "stop_signals",
 )
 
 STYLE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
@@ -300,6 +302,13 @@ class AblationConfig:
     grid whose jobs ran at different counts would mix that noise into its paired differences
     (``--aggregate`` refuses one). Default 1: the workers' one single-thread job per core. ``null``: each
     job keeps the thread count of the process it runs in (not comparable across launches).
+    ``save_every_n_steps``: every job keeps its newest checkpoint at this interval and runs with
+    ``resume_from: auto``, so a job killed or preempted mid-run and started again with the same ``--job``
+    continues from it (0: no checkpoints, a rerun starts over). Default 1, measured on the tiny config
+    (2 CPU cores, one thread): a 1.75 MB checkpoint takes 11-18 ms against 60-100 ms for a step without
+    refit (2.5% of the six steps' time, refits included); a quickstart job's checkpoint is the LoRA adapters
+    and their two Adam moments (0.92 M parameters x 3 x 4 bytes, about 11 MB, some 0.1 s at that rate)
+    against steps of seconds, well under 1% of the job.
     """
 
     arms: list[str] = field(default_factory=lambda: ["raw", "platt", "isotonic", "oracle"])
@@ -312,6 +321,7 @@ class AblationConfig:
     num_workers: int | None = None
     share_start_work: bool = True
     threads_per_job: int | None = 1
+    save_every_n_steps: int = 1
 
     def __post_init__(self) -> None:
         bad = [a for a in self.arms if a not in ARMS]
@@ -346,6 +356,7 @@ class AblationConfig:
             ", or null for the launching process's count",
             optional=True,
         )
+        check_at_least("ablation", self, "save_every_n_steps", 0, " (0: no checkpoints)")
 
 
 @dataclass
@@ -373,6 +384,12 @@ class FeedbackLoopConfig:
     ``threads``: torch's intra-op CPU thread count for the run (null: as the process has it, e.g. from
     ``OMP_NUM_THREADS``). Results agree bit for bit only between runs at one count: checkpoints record
     the count (and the kernels and precision) they ran with, and a resume at another says so in the log.
+    ``resume_from``: a checkpoint folder, or ``auto``: the newest checkpoint under
+    ``output_dir/checkpoints``, or a fresh start when there is none (the log says which).
+    ``stop_signals``: signals that stop the run like a scheduler's preemption (:mod:`judgeloop.signals`):
+    the step in progress finishes, a checkpoint is written, one line names it and how to continue, and
+    the exit status is 128 + the signal's number (143 for SIGTERM). Ctrl-C (SIGINT) stops at once unless
+    listed here.
     """
 
     output_dir: str = "runs/feedback_loop"
@@ -415,6 +432,7 @@ class FeedbackLoopConfig:
     run_group: str | None = None
     progress_bar: bool = True
     threads: int | None = None
+    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
 
     def __post_init__(self) -> None:
         check_at_least("", self, "batch_size", 1)
@@ -456,6 +474,7 @@ class FeedbackLoopConfig:
         check_at_least("", self, "judge_prefetch_threads", 1, ", or null for half the cores", optional=True)
         check_at_least("", self, "keep_checkpoints", 1, ", or null to keep every one", optional=True)
         check_at_least("", self, "stop_after_n_steps", 1, " or null", optional=True)
+        check_signal_names(self.stop_signals)
         bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
         if bad:
             raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")

@@ -67,6 +67,7 @@ from judgeloop.loop.alarms import check_divergence
 from judgeloop.loop.checkpoint import (
     checked_resume,
     export_policy,
+    latest_checkpoint,
     load_checkpoint,
     load_policy_weights,
     remove_orphans,
@@ -119,6 +120,7 @@ from judgeloop.loop.rollout import (
 )
 from judgeloop.loop.shared import StartCache, model_fingerprint
 from judgeloop.models import load_tokenizer
+from judgeloop.signals import Stopped, StopRequest, stop_signals
 from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
 
 logger = get_logger(__name__)
@@ -837,13 +839,35 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     out_dir = Path(cfg.output_dir)
     check_output_places(cfg)
     check_models(cfg)
-    with intra_op_threads(cfg.threads), _opened(cfg, out_dir) as run:
+    # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
+    with stop_signals(cfg.stop_signals) as stop, intra_op_threads(cfg.threads), _opened(cfg, out_dir) as run:
+        run.stop = stop
         yield run
+
+
+def resolve_resume(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> FeedbackLoopConfig:
+    """``resume_from: auto`` made concrete: the newest complete checkpoint under ``output_dir`` (after the
+    main process has cleaned up a killed write, which may restore one), or null for a fresh start; the
+    log says which. Any other value is returned as it is."""
+    if cfg.resume_from != "auto":
+        return cfg
+    if accelerator.is_main_process:
+        for orphan, what in remove_orphans(out_dir):
+            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
+    accelerator.wait_for_everyone()
+    found = latest_checkpoint(out_dir)
+    if found is None:
+        logger.info("resume_from=auto: no checkpoint under %s; starting fresh", out_dir / "checkpoints")
+    else:
+        logger.info("resume_from=auto: resuming from %s, the newest checkpoint", found)
+    return dataclasses.replace(cfg, resume_from=None if found is None else str(found))
 
 
 @contextlib.contextmanager
 def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
     accelerator = make_accelerator(cfg, out_dir)
+    auto = cfg.resume_from == "auto"
+    cfg = resolve_resume(cfg, accelerator, out_dir)
     # the data next: a split too small for the batch on these processes stops here, before any output
     splits = load_splits(cfg, accelerator.num_processes)
     check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
@@ -852,6 +876,7 @@ def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
         run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
         init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
         run = setup_run(cfg, accelerator, out_dir, splits)
+        run.auto_resume = auto
         if cfg.resume_from:
             resume_run(run)
         else:
@@ -921,7 +946,11 @@ class LoopRun:
     prefetch: JudgePrefetch | None = None
     bar: Any = None  # the progress bar while stepping
     steps_this_run: int = 0
-    interrupted: bool = False  # stopped at stop_after_n_steps before max_steps
+    interrupted: bool = False  # stopped at stop_after_n_steps (or by a stop signal) before max_steps
+    stop: StopRequest | None = None  # set by a stop signal (cfg.stop_signals)
+    stopped_by: int | None = None  # the signal the run stopped on
+    saved_step: int | None = None  # the step of the last checkpoint this run wrote
+    auto_resume: bool = False  # the config says resume_from: auto
     collected: tuple[int, CalibrationPairs] | None = None  # the last step's fresh calibration pairs
 
     @property
@@ -1209,6 +1238,7 @@ def save_run(run: LoopRun, step: int) -> None:
     )
     if run.accelerator.is_main_process:
         prune_checkpoints(run.out_dir / "checkpoints", run.cfg.keep_checkpoints)
+    run.saved_step = step
 
 
 @contextlib.contextmanager
@@ -1228,6 +1258,8 @@ def stepping(run: LoopRun) -> Iterator[Iterator[int]]:
 
     def numbers() -> Iterator[int]:
         while state.step < cfg.max_steps and not state.stopped_early and not run.interrupted:
+            if stop_requested(run):
+                return
             yield state.step + 1
 
     try:
@@ -1238,6 +1270,18 @@ def stepping(run: LoopRun) -> Iterator[Iterator[int]]:
         run.prefetch.close()
         if run.bar is not None:
             run.bar.close()
+
+
+def stop_requested(run: LoopRun) -> bool:
+    """Between two steps: when a stop signal came (on any process), write the checkpoint of the state
+    after the step that finished (unless it was just written) and mark the run interrupted."""
+    signum = None if run.stop is None else run.stop.agreed(run.accelerator)
+    if signum is None:
+        return False
+    if run.saved_step != run.state.step:
+        save_run(run, run.state.step)
+    run.stopped_by, run.interrupted = signum, True
+    return True
 
 
 def after_step(run: LoopRun, batch: PairBatch) -> None:
@@ -1260,10 +1304,18 @@ def close_run(run: LoopRun) -> dict[str, Any]:
     if run.interrupted:
         run.accelerator.end_training()
         step = run.state.step
+        ckpt = run.out_dir / "checkpoints" / f"step_{step}"
+        if run.stopped_by is not None:
+            how = (
+                "run the same command again to continue from it (resume_from=auto)"
+                if run.auto_resume
+                else f"continue with resume_from={ckpt}"
+            )
+            raise Stopped(run.stopped_by, step, str(ckpt), how)
         return {
             "interrupted": True,
             "step": step,
-            "checkpoint": str(run.out_dir / "checkpoints" / f"step_{step}"),
+            "checkpoint": str(ckpt),
         }
     report = finish_run(run)
     run.accelerator.end_training()

@@ -51,6 +51,7 @@ from judgeloop.retrieval.mining import (
     mine_hard_negatives,
     save_negatives,
 )
+from judgeloop.signals import DEFAULT_STOP_SIGNALS, Stopped, StopRequest, check_signal_names, stop_signals
 from judgeloop.tracking import TRACKERS, check_trackers, init_trackers, make_trackers, truncate_jsonl_log
 
 logger = get_logger(__name__)
@@ -204,7 +205,9 @@ class TrainRetrieverConfig:
     """Schema of ``judgeloop train-retriever``. ``device``: auto (a GPU when accelerate sees one), cpu or
     cuda (an error before any work where there is none). ``log_with``: trackers (``jsonl`` writes
     ``OUTPUT_DIR/metrics.jsonl``; any accelerate tracker, :mod:`judgeloop.tracking`), the run named
-    ``run_name`` (default ``retriever``) in ``project_name``."""
+    ``run_name`` (default ``retriever``) in ``project_name``. ``stop_signals``: signals that stop the run
+    like a scheduler's preemption (:mod:`judgeloop.signals`): the step finishes, a checkpoint is written,
+    one line names it, the exit status is 128 + signum; the same command continues (``train.resume``)."""
 
     output_dir: str = "outputs/retriever"
     device: Device = "auto"
@@ -217,10 +220,12 @@ class TrainRetrieverConfig:
     log_with: list[str] = field(default_factory=lambda: ["jsonl"])
     project_name: str = "judgeloop"
     run_name: str | None = None
+    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
 
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ValueError("output_dir is empty; set output_dir=outputs/retriever")
+        check_signal_names(self.stop_signals)
         bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
         if bad:
             raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")
@@ -650,6 +655,8 @@ class _Run:
     scheduler: Any = None
     global_step: int = 0
     pairs_seen: int = 0
+    stop: StopRequest | None = None  # set by a stop signal (cfg.stop_signals)
+    saved_step: int | None = None  # the step of the last checkpoint written
 
     def checkpoint(self, epoch: int, batch_in_epoch: int) -> None:
         state = {
@@ -661,6 +668,24 @@ class _Run:
             "losses": self.losses,
         }
         save_checkpoint(self.accelerator, self.out, state, self.cfg.train.keep_checkpoints)
+        self.saved_step = self.global_step
+
+    def stop_if_asked(self, epoch: int, batch_in_epoch: int) -> None:
+        """Between two steps: when a stop signal came (on any process), checkpoint the state after the
+        step that finished (unless just written) and raise :class:`Stopped`."""
+        signum = None if self.stop is None else self.stop.agreed(self.accelerator)
+        if signum is None:
+            return
+        if self.saved_step != self.global_step:
+            self.checkpoint(epoch, batch_in_epoch)
+        self.accelerator.end_training()  # the trackers flush and close
+        ckpt = self.out / "checkpoints" / f"step_{self.global_step}"
+        how = (
+            "run the same command again to continue from it (train.resume=true)"
+            if self.cfg.train.resume
+            else "continue from it with train.resume=true"
+        )
+        raise Stopped(signum, self.global_step, str(ckpt), how)
 
 
 def initial_negatives(
@@ -766,6 +791,11 @@ def train_epochs(run: _Run, examples: list[Example], total_steps: int, start_epo
                 )
             if cfg.train.save_every_n_steps and run.global_step % cfg.train.save_every_n_steps == 0:
                 run.checkpoint(epoch, b_idx + 1)
+            try:
+                run.stop_if_asked(epoch, b_idx + 1)
+            except Stopped:
+                bar.close()  # its last line ends before the one that names the checkpoint
+                raise
         skip = 0
         _maybe_remine(run, epoch, total_steps)
     bar.close()
@@ -824,7 +854,13 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
 
 def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncoder, Any]:
     """Zero-shot eval -> mine -> train (re-mining) -> eval. Returns (report, trained encoder, accelerator);
-    the caller saves them (:mod:`judgeloop.commands.train_retriever`)."""
+    the caller saves them (:mod:`judgeloop.commands.train_retriever`). A stop signal (``stop_signals``),
+    from the start on, stops it after the step in progress with a checkpoint (:class:`Stopped`)."""
+    with stop_signals(cfg.stop_signals) as stop:
+        return _train_retriever(cfg, stop)
+
+
+def _train_retriever(cfg: TrainRetrieverConfig, stop: StopRequest) -> tuple[dict[str, Any], BiEncoder, Any]:
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
 
@@ -886,6 +922,7 @@ def train_retriever(cfg: TrainRetrieverConfig) -> tuple[dict[str, Any], BiEncode
             "resumed from %s (step %d, epoch %d, batch %d)", resume_from, run.global_step, start_epoch, skip
         )
     train_t0 = time.time()
+    run.stop = stop
     train_epochs(run, examples, total_steps, start_epoch, skip)
     train_seconds = time.time() - train_t0
     # 4) evaluation after training
