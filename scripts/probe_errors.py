@@ -58,6 +58,23 @@ def run_cli(argv: list[str]) -> tuple[int, float, str]:
 
 def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
     """(case, argv builder, text the first error line must hold)."""
+    label_pairs = [
+        "label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
+        "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp / 'labeled'}",
+    ]  # fmt: skip
+    pair = {"prompt": "an article", "chosen": "a summary", "rejected": "another"}
+
+    def saved_judge() -> Path:
+        """A calibrated judge that needs no model: the objective length signal, raw."""
+        from judgeloop.calibration import IdentityCalibrator
+        from judgeloop.judges import JudgeConfig
+        from judgeloop.judges.calibrated import CalibratedJudge
+
+        folder = tmp / "length_judge"
+        if not folder.is_dir():
+            judge = CalibratedJudge(JudgeConfig(type="objective", signal="length"), IdentityCalibrator())
+            judge.save_pretrained(folder)
+        return folder
 
     def write(name: str, data: bytes | str) -> Path:
         path = tmp / name
@@ -267,6 +284,39 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "ablation.save_every_n_steps=-1",
             lambda: ["ablate", "--config", TINY, "ablation.save_every_n_steps=-1"],
             "ablation.save_every_n_steps=-1 must be >= 0",
+        ),
+        (
+            "label-pairs: judge_path is no calibrated judge",
+            lambda: [*label_pairs, f"judge_path={tmp}", f"data.path={jsonl('pairs.jsonl', [pair])}"],
+            "is not a calibrated judge (no calibrated_judge.json)",
+        ),
+        (
+            "label-pairs: a pair without its rejected field",
+            lambda: [
+                *label_pairs,
+                f"judge_path={saved_judge()}",
+                f"data.path={jsonl('norej.jsonl', [{'prompt': 'p', 'chosen': 'c'}])}",
+            ],  # fmt: skip
+            "missing field(s) ['rejected']",
+        ),
+        (
+            "label-pairs: an empty completion",
+            lambda: [
+                *label_pairs,
+                f"judge_path={saved_judge()}",
+                f"data.path={jsonl('empty.jsonl', [{**pair, 'rejected': ' '}])}",
+            ],  # fmt: skip
+            "field 'rejected' is empty",
+        ),
+        (
+            "label-pairs: min_confidence=0.3",
+            lambda: [*label_pairs, f"judge_path={tmp}", "data.path=x.jsonl", "min_confidence=0.3"],
+            "min_confidence=0.3 must be in [0.5, 1]",
+        ),
+        (
+            "threads=0 (train)",
+            lambda: ["train", "--config", TINY, "threads=0"],
+            "threads=0 must be >= 1",
         ),
         (
             "an empty config file",
