@@ -252,3 +252,31 @@ def test_trl_online_dpo_accepts_the_anchor_mode_reward(tmp_path, tiny_calibratio
     call = reward.history[0]
     assert len(call["completions"]) == 8 and all(e - s == 1 for s, e in call["spans"])  # each row on its own
     assert all(r is None or 0 <= r <= 1 for r in call["rewards"])
+
+
+@pytest.mark.slow
+def test_trl_rloo_trainer_takes_the_reward_with_its_groups(tmp_path, tiny_calibration):
+    """RLOOTrainer lays out its groups as GRPOTrainer does: JudgeReward reads them, checks them against
+    the prompts and judges the batch in one call."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import RLOOConfig, RLOOTrainer
+
+    judge = CalibratedJudge.from_pretrained(tiny_calibration / "calibrated_judge" / "platt")
+    reward = JudgeReward(judge, scheme="round_robin", m=1, aggregate="bradley_terry", num_generations=4,
+                         keep_history=1)  # fmt: skip
+    model, tok = _tiny_policy()
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
+                             "article": f"the dog ran {i} miles"} for i in range(8)])  # fmt: skip
+    args = RLOOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, max_steps=1,
+                      max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                      logging_steps=1)  # fmt: skip
+    trainer = RLOOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 1 and reward.calls == reward.judge_calls == 1
+    call = reward.history[0]
+    assert [e - s for s, e in call["spans"]] == [4, 4]
+    for s, e in call["spans"]:  # Bradley-Terry strengths of a group's distinct completions sum to 0
+        distinct = dict(zip(call["completions"][s:e], call["rewards"][s:e]))
+        assert abs(sum(r for r in distinct.values() if r is not None)) < 1e-9
