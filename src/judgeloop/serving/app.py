@@ -177,6 +177,33 @@ def api_key(cfg: ServeConfig) -> str | None:
     return value
 
 
+def reward_settings(body: RewardsRequest, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The server's reward settings with the request's own (422 for a bad one)."""
+    settings = dict(defaults)
+    for key in settings:
+        if getattr(body, key) is not None:
+            settings[key] = getattr(body, key)
+    try:
+        check_scheme(settings["scheme"], settings["aggregate"], settings["m"], settings["prior"])
+        if settings["probability"] not in ("calibrated", "raw"):
+            raise ValueError(f"probability={settings['probability']!r}; use calibrated or raw")
+    except ValueError as err:
+        raise ApiError(422, str(err)) from None
+    return settings
+
+
+def reward_texts(body: RewardsRequest) -> list[tuple[str, str]]:
+    """(field, text) of every text of a rewards request; 422 for a group with no completions."""
+    texts = [(f"groups[{i}].prompt", g.prompt) for i, g in enumerate(body.groups)]
+    for i, g in enumerate(body.groups):
+        texts += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
+        if g.anchor is not None:
+            texts.append((f"groups[{i}].anchor", g.anchor))
+        if not g.completions:
+            raise ApiError(422, f"groups[{i}].completions is empty; send each prompt's completions")
+    return texts
+
+
 def _one_line(err: RequestValidationError) -> tuple[int, str]:
     errors = err.errors()
     first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
@@ -185,6 +212,23 @@ def _one_line(err: RequestValidationError) -> tuple[int, str]:
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return 422, f"{loc}: {first.get('msg', 'invalid')}{more}"
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as ``{"error": "<one line>"}`` with its status (module docstring)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse({"error": err.message}, status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        status, message = _one_line(err)
+        return JSONResponse({"error": message}, status_code=status)
+
+    @app.exception_handler(JudgeFailure)
+    async def _judge_failed(request: Request, err: JudgeFailure) -> JSONResponse:
+        return JSONResponse({"error": f"the judge failed on this request: {err}"}, status_code=500)
 
 
 # --- the application -----------------------------------------------------------------------------
@@ -220,18 +264,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
         if not hmac.compare_digest(given.encode(), token.encode()):
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse({"error": err.message}, status_code=err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        status, message = _one_line(err)
-        return JSONResponse({"error": message}, status_code=status)
-
-    @app.exception_handler(JudgeFailure)
-    async def _judge_failed(request: Request, err: JudgeFailure) -> JSONResponse:
-        return JSONResponse({"error": f"the judge failed on this request: {err}"}, status_code=500)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -272,24 +305,8 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
 
     @app.post("/v1/rewards", dependencies=[Depends(authorize)])
     async def rewards(body: RewardsRequest) -> dict[str, Any]:
-        settings = dict(defaults)
-        for key in settings:
-            if getattr(body, key) is not None:
-                settings[key] = getattr(body, key)
-        try:
-            check_scheme(settings["scheme"], settings["aggregate"], settings["m"], settings["prior"])
-            if settings["probability"] not in ("calibrated", "raw"):
-                raise ValueError(f"probability={settings['probability']!r}; use calibrated or raw")
-        except ValueError as err:
-            raise ApiError(422, str(err)) from None
-        texts = [(f"groups[{i}].prompt", g.prompt) for i, g in enumerate(body.groups)]
-        for i, g in enumerate(body.groups):
-            texts += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
-            if g.anchor is not None:
-                texts.append((f"groups[{i}].anchor", g.anchor))
-            if not g.completions:
-                raise ApiError(422, f"groups[{i}].completions is empty; send each prompt's completions")
-        check_texts(cfg, sum(len(g.completions) for g in body.groups), texts)
+        settings = reward_settings(body, defaults)
+        check_texts(cfg, sum(len(g.completions) for g in body.groups), reward_texts(body))
         groups = [Group(g.prompt, g.completions, g.anchor, tuple(g.references)) for g in body.groups]
         try:
             scores = await served_group_scores(batcher, groups, settings)
