@@ -22,6 +22,26 @@ logger = get_logger(__name__)
 __all__ = ["ServeConfig", "run"]
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse an address that cannot be listened on, with the fix, before the judge serves.
+
+    Raises:
+        ConfigError: the port is taken, or the host is no address of this machine.
+    """
+    import socket
+
+    from judgeloop.config import ConfigError
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ConfigError(
+                f"server.host={host} server.port={port} cannot be listened on ({err.strerror}); choose a free "
+                "port (server.port=PORT) or another host"
+            ) from None
+
+
 def run(cfg: ServeConfig) -> None:
     """Load the judge, build the app, serve until SIGTERM."""
     import uvicorn
@@ -30,7 +50,8 @@ def run(cfg: ServeConfig) -> None:
     from judgeloop.serving.app import build_app
 
     judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)  # fails before binding
-    app = build_app(judge, cfg)
+    app = build_app(judge, cfg)  # checks the token's variable
+    check_port(cfg.server.host, cfg.server.port)
     logger.info(
         "serving %s judge (%s, %s) on http://%s:%d (max_batch_size=%d, max_wait_ms=%g, token %s)",
         judge.config.type,
