@@ -1,7 +1,7 @@
 """Throughput and latency of ``judgeloop serve-judge`` on loopback: batched vs ``max_batch_size=1``.
 
     .venv/bin/python scripts/bench_judge_server.py --judge runs/cal/calibrated_judge/platt \
-        [--judge OTHER_DIR ...] [--clients 1 4 16] [--requests 20] [--items 8] [--out runs/bench_server.json]
+        [--judge OTHER_DIR ...] [--clients 1 4 16] [--requests 5] [--items 8] [--out runs/bench_server.json]
 
 For each judge folder and each server setting (batched: the config's ``max_batch_size`` /
 ``max_wait_ms``; unbatched: ``max_batch_size=1``, ``max_wait_ms=0``) it starts the real server as a
@@ -132,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--judge", action="append", required=True, help="a calibrated judge folder (repeatable)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--requests", type=int, default=20, help="requests per client")
+    ap.add_argument("--requests", type=int, default=5, help="requests per client")
     ap.add_argument("--items", type=int, default=8, help="comparisons per request")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
