@@ -323,6 +323,62 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             lambda: ["calibrate", "--config", str(write("empty.yaml", "# to do\n"))],
             "is empty",
         ),
+        *serve_cases(tmp, write),
+    ]
+
+
+def serve_cases(
+    tmp: Path, write: Callable[[str, str], Path]
+) -> list[tuple[str, Callable[[], list[str]], str]]:
+    """``serve-judge``'s bad inputs: each must stop before the port is bound."""
+    import socket
+
+    from judgeloop.calibration import IdentityCalibrator
+    from judgeloop.judges import JudgeConfig
+    from judgeloop.judges.calibrated import CalibratedJudge
+
+    serve = ["serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml")]
+    judge = tmp / "length_judge"
+
+    def good_judge() -> str:
+        if not judge.exists():
+            CalibratedJudge(
+                JudgeConfig(type="objective", signal="length"), IdentityCalibrator()
+            ).save_pretrained(judge)
+        return f"judge_path={judge}"
+
+    def taken_port() -> list[str]:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken.append(s)  # held until the probe ends
+        return [*serve, good_judge(), f"server.port={s.getsockname()[1]}"]
+
+    taken: list[socket.socket] = []
+    return [
+        (
+            "serve-judge: judge_path is no calibrated judge",
+            lambda: [*serve, f"judge_path={tmp}"],
+            "is not a calibrated judge",
+        ),
+        ("serve-judge: judge_path empty", lambda: [*serve, "judge_path="], "judge_path is empty"),
+        (
+            "serve-judge: server.api_key_env names an unset variable",
+            lambda: [*serve, good_judge(), "server.api_key_env=JUDGELOOP_PROBE_UNSET_TOKEN"],
+            "JUDGELOOP_PROBE_UNSET_TOKEN is unset or empty",
+        ),
+        ("serve-judge: server.port already taken", taken_port, "cannot be listened on"),
+        (
+            "serve-judge: server.max_batch_size=0",
+            lambda: [*serve, "server.max_batch_size=0"],
+            "server.max_batch_size=0",
+        ),
+        ("serve-judge: rewards.scheme=pairs", lambda: [*serve, "rewards.scheme=pairs"], "rewards.scheme"),
+        (
+            "serve-judge: a judge override that changes its meaning",
+            lambda: [*serve, good_judge(), "judge_overrides=[scale=3]"],
+            "overrides change ['scale']",
+        ),
     ]
 
 

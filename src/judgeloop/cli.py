@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "ablate": "judgeloop.commands.ablate:FeedbackLoopConfig:run",
     "train-retriever": "judgeloop.commands.train_retriever:TrainRetrieverConfig:run",
     "mine-negatives": "judgeloop.commands.mine_negatives:MineNegativesConfig:run",
+    "serve-judge": "judgeloop.commands.serve_judge:ServeConfig:run",
 }
 
 HELP: dict[str, str] = {
@@ -47,6 +48,7 @@ HELP: dict[str, str] = {
     "ablate": "run the feedback loop per calibration arm and seed; write results.json/md and curves.png",
     "train-retriever": "zero-shot eval, train a bi-encoder with mined hard negatives, eval again",
     "mine-negatives": "mine hard negatives for a set of queries with a bi-encoder (JSONL with scores)",
+    "serve-judge": "serve a saved calibrated judge over HTTP (OpenRLHF, verl, any client), batched",
 }
 
 

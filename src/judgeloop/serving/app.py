@@ -1,0 +1,328 @@
+"""The judge server's HTTP application: routes, request limits, the bearer token, error bodies.
+
+Built on FastAPI (on Starlette) and served by uvicorn. Why these: the two trainers it serves speak
+plain JSON over HTTP (OpenRLHF's own reward-model server is FastAPI + uvicorn), FastAPI validates the
+request bodies from typed models and documents them at ``/docs``, uvicorn drains in-flight requests on
+SIGTERM, and both are widely used and maintained. LitServe would batch requests itself, but batches
+*requests* of one fixed shape; judgeloop's requests carry different numbers of comparisons, and
+``/v1/rewards`` turns one request into a planned set of comparisons before judging, so the batching that
+matters (comparisons from many requests in one judge call, never splitting a request) lives in
+:mod:`judgeloop.serving.batcher`, a few dozen lines under judgeloop's own tests.
+
+Every error answers ``{"error": "<one line>"}``: 400 malformed JSON, 401 a missing or wrong token, 413
+a body, request or text over its limit, 422 a missing field, a wrong type or an empty text, 500 a judge
+failure (the server stays up).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from judgeloop.config import ConfigError, to_dict
+from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.rewards import Group, check_scheme
+from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
+from judgeloop.serving.config import ServeConfig
+from judgeloop.serving.groups import PromptGroups, served_group_scores
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ApiError(Exception):
+    """An HTTP error with a one-line reason."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+# --- request bodies ---------------------------------------------------------------------------
+class CompareItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+    a: str
+    b: str
+    references: list[str] = Field(default_factory=list)
+
+
+class CompareRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[CompareItem]
+
+
+class RewardGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+    completions: list[str]
+    anchor: str | None = None
+    references: list[str] = Field(default_factory=list)
+
+
+class RewardsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    groups: list[RewardGroup]
+    scheme: str | None = None
+    aggregate: str | None = None
+    m: int | None = None
+    prior: float | None = None
+    probability: str | None = None
+
+
+# --- checks -------------------------------------------------------------------------------------
+def check_texts(cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]]) -> None:
+    """Refuse a request over the limits (413) or with an empty text (422); ``texts``: (field, text)."""
+    limits = cfg.server
+    if n_items > limits.max_items_per_request:
+        raise ApiError(
+            413,
+            f"{n_items} items in one request; the limit is server.max_items_per_request="
+            f"{limits.max_items_per_request}: split the request",
+        )
+    for name, text in texts:
+        if len(text) > limits.max_chars_per_text:
+            raise ApiError(
+                413,
+                f"{name} has {len(text)} characters; the limit is server.max_chars_per_text="
+                f"{limits.max_chars_per_text}",
+            )
+    for name, text in texts:
+        if not text.strip():
+            raise ApiError(422, f"{name} is empty; every prompt and completion needs text")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` is answered 413 before the app reads it (a declared
+    Content-Length at once; a chunked body as soon as it passes the limit)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, int(declared))
+            return
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            total += len(chunks[-1])
+            if total > self.max_bytes:
+                await self._refuse(send, total)
+                return
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send, size: int) -> None:
+        body = json.dumps(
+            {"error": f"request body of {size} bytes; the limit is server.max_body_bytes={self.max_bytes}"}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def api_key(cfg: ServeConfig) -> str | None:
+    """The bearer token the server requires (from ``server.api_key_env``), or None.
+
+    Raises:
+        ConfigError: ``server.api_key_env`` names an unset or empty variable.
+    """
+    name = cfg.server.api_key_env
+    if not name:
+        return None
+    value = os.environ.get(name, "")
+    if not value:
+        raise ConfigError(
+            f"server.api_key_env={name}, but the environment variable {name} is unset or empty; export "
+            f"{name}=TOKEN, or set server.api_key_env= (empty) for no token"
+        )
+    return value
+
+
+def reward_settings(body: RewardsRequest, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The server's reward settings with the request's own (422 for a bad one)."""
+    settings = dict(defaults)
+    for key in settings:
+        if getattr(body, key) is not None:
+            settings[key] = getattr(body, key)
+    try:
+        check_scheme(settings["scheme"], settings["aggregate"], settings["m"], settings["prior"])
+        if settings["probability"] not in ("calibrated", "raw"):
+            raise ValueError(f"probability={settings['probability']!r}; use calibrated or raw")
+    except ValueError as err:
+        raise ApiError(422, str(err)) from None
+    return settings
+
+
+def reward_texts(body: RewardsRequest) -> list[tuple[str, str]]:
+    """(field, text) of every text of a rewards request; 422 for a group with no completions."""
+    texts = [(f"groups[{i}].prompt", g.prompt) for i, g in enumerate(body.groups)]
+    for i, g in enumerate(body.groups):
+        texts += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
+        if g.anchor is not None:
+            texts.append((f"groups[{i}].anchor", g.anchor))
+        if not g.completions:
+            raise ApiError(422, f"groups[{i}].completions is empty; send each prompt's completions")
+    return texts
+
+
+def _one_line(err: RequestValidationError) -> tuple[int, str]:
+    errors = err.errors()
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return 400, f"malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return 422, f"{loc}: {first.get('msg', 'invalid')}{more}"
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as ``{"error": "<one line>"}`` with its status (module docstring)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse({"error": err.message}, status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        status, message = _one_line(err)
+        return JSONResponse({"error": message}, status_code=status)
+
+    @app.exception_handler(JudgeFailure)
+    async def _judge_failed(request: Request, err: JudgeFailure) -> JSONResponse:
+        return JSONResponse({"error": f"the judge failed on this request: {err}"}, status_code=500)
+
+
+# --- the application -----------------------------------------------------------------------------
+def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
+    """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
+    :mod:`judgeloop.commands.serve_judge`)."""
+    from judgeloop import __version__
+    from judgeloop.integrations.openrlhf import openrlhf_router
+
+    token = api_key(cfg)
+    batcher = ComparisonBatcher(judge, cfg.server.max_batch_size, cfg.server.max_wait_ms)
+    defaults = to_dict(cfg.rewards)
+    prompt_groups = PromptGroups(
+        batcher, defaults, max(cfg.openrlhf.n_samples_per_prompt, 1), cfg.openrlhf.group_wait_s
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="judgeloop judge server", version=__version__, lifespan=lifespan)
+    app.state.batcher, app.state.cfg, app.state.prompt_groups = batcher, cfg, prompt_groups
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = (
+            header[7:] if header.lower().startswith("bearer ") else request.query_params.get("api_key", "")
+        )
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
+
+    add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/info", dependencies=[Depends(authorize)])
+    async def info() -> dict[str, Any]:
+        return {
+            "judge": to_dict(judge.config),
+            "calibrator": judge.method,
+            "pairwise": judge.pairwise,
+            "debiases": judge.debiases,
+            "card": judge.card,
+            "judgeloop_version": __version__,
+            "rewards": defaults,
+            "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
+            "stats": {
+                **batcher.stats.as_dict(),
+                "openrlhf_groups": prompt_groups.groups,
+                "openrlhf_partial_groups": prompt_groups.partial_groups,
+            },
+        }
+
+    @app.post("/v1/compare", dependencies=[Depends(authorize)])
+    async def compare(body: CompareRequest) -> dict[str, Any]:
+        items = body.items
+        texts = [
+            (f"items[{i}].{k}", getattr(it, k)) for i, it in enumerate(items) for k in ("prompt", "a", "b")
+        ]
+        check_texts(cfg, len(items), texts)
+        if not items:
+            return {"p": [], "logit": [], "status": []}
+        refs = [it.references for it in items] if any(it.references for it in items) else None
+        out = await batcher.submit(
+            [it.prompt for it in items], [it.a for it in items], [it.b for it in items], refs
+        )
+        return {"p": to_json_floats(out.p), "logit": to_json_floats(out.logit), "status": out.status}
+
+    @app.post("/v1/rewards", dependencies=[Depends(authorize)])
+    async def rewards(body: RewardsRequest) -> dict[str, Any]:
+        settings = reward_settings(body, defaults)
+        check_texts(cfg, sum(len(g.completions) for g in body.groups), reward_texts(body))
+        groups = [Group(g.prompt, g.completions, g.anchor, tuple(g.references)) for g in body.groups]
+        try:
+            scores = await served_group_scores(batcher, groups, settings)
+        except ValueError as err:  # e.g. scheme=anchor and a group without an anchor
+            raise ApiError(422, str(err)) from None
+        return {
+            "rewards": scores.rewards,
+            "comparisons": scores.comparisons,
+            "failed": scores.failed,
+            "mean_p": scores.mean_p if scores.mean_p == scores.mean_p else None,
+        }
+
+    app.include_router(
+        openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
+    )
+    return BodyLimit(app, cfg.server.max_body_bytes)
+
+
+__all__ = ["ApiError", "BodyLimit", "build_app", "check_texts"]

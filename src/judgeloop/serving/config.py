@@ -1,0 +1,107 @@
+"""Schema of ``judgeloop serve-judge``: the judge folder, the server's address and limits, the default
+groupwise-reward settings and the OpenRLHF route's grouping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from judgeloop.config import check_at_least
+from judgeloop.rewards import check_scheme
+
+
+@dataclass
+class ServerConfig:
+    """Address, access and limits (``server.*``).
+
+    ``host`` is loopback unless set otherwise (``0.0.0.0`` exposes the judge to the network: set
+    ``api_key_env`` then). ``api_key_env`` names an environment variable holding a bearer token; empty:
+    no token. ``max_batch_size`` / ``max_wait_ms``: concurrent requests are merged into one judge call of
+    up to ``max_batch_size`` comparisons, waiting at most ``max_wait_ms`` after the first for others
+    (1 / 0: every request is its own judge call). ``drain_timeout_s``: on SIGTERM, how long in-flight
+    requests may take to finish."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key_env: str = ""
+    max_batch_size: int = 256
+    max_wait_ms: float = 5.0
+    max_items_per_request: int = 4096
+    max_chars_per_text: int = 50_000
+    max_body_bytes: int = 32 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        check_at_least("server", self, "port", 0, " (0: any free port)")
+        check_at_least("server", self, "max_batch_size", 1)
+        check_at_least("server", self, "max_wait_ms", 0)
+        check_at_least("server", self, "max_items_per_request", 1)
+        check_at_least("server", self, "max_chars_per_text", 1)
+        check_at_least("server", self, "max_body_bytes", 1024)
+        check_at_least("server", self, "drain_timeout_s", 0)
+
+
+@dataclass
+class RewardDefaults:
+    """The groupwise scheme of ``/v1/rewards`` and the OpenRLHF route (:func:`judgeloop.rewards.score_groups`);
+    a ``/v1/rewards`` request may name its own."""
+
+    scheme: Literal["all_pairs", "round_robin", "anchor"] = "all_pairs"
+    aggregate: Literal["win_rate", "bradley_terry"] = "win_rate"
+    m: int = 2
+    prior: float = 0.1
+    probability: Literal["calibrated", "raw"] = "calibrated"
+
+    def __post_init__(self) -> None:
+        check_scheme(self.scheme, self.aggregate, self.m, self.prior)
+
+
+@dataclass
+class OpenRLHFConfig:
+    """How the OpenRLHF route (``POST /openrlhf/get_reward``) forms groups.
+
+    OpenRLHF's executor posts each sample alone (one query per request), so ``n_samples_per_prompt``
+    (set it to the trainer's ``--rollout.n_samples_per_prompt``) collects the completions of one prompt
+    across requests; a group still short after ``group_wait_s`` is scored as it is. 0 groups the queries
+    of each request by prompt (clients that post a whole batch). ``source``: what the judge reads the
+    completions against: the prompt, or the dataset label (``--data.label_key`` naming the article).
+    With the ``anchor`` scheme the label is the anchor. ``strip_suffixes``: end-of-turn tokens the
+    client leaves in the decoded query, removed from the completion's end."""
+
+    n_samples_per_prompt: int = 0
+    group_wait_s: float = 60.0
+    source: Literal["prompt", "label"] = "prompt"
+    strip_suffixes: list[str] = field(
+        default_factory=lambda: ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"]
+    )
+
+    def __post_init__(self) -> None:
+        check_at_least("openrlhf", self, "n_samples_per_prompt", 0, " (0: group each request's queries)")
+        check_at_least("openrlhf", self, "group_wait_s", 0, strict=True)
+
+
+@dataclass
+class ServeConfig:
+    """Schema of ``judgeloop serve-judge``."""
+
+    judge_path: str = ""
+    judge_overrides: list[str] = field(default_factory=list)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    rewards: RewardDefaults = field(default_factory=RewardDefaults)
+    openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
+
+    def __post_init__(self) -> None:
+        if not self.judge_path:
+            raise ValueError(
+                "judge_path is empty; set judge_path=DIR, a folder written by judgeloop calibrate "
+                "(OUTPUT_DIR/calibrated_judge/<method>)"
+            )
+        if self.rewards.scheme == "anchor" and self.openrlhf.source == "label":
+            raise ValueError(
+                "rewards.scheme=anchor uses the OpenRLHF label as the anchor, so openrlhf.source=label cannot "
+                "also make it the source text; set openrlhf.source=prompt or another scheme"
+            )
+
+
+__all__ = ["OpenRLHFConfig", "RewardDefaults", "ServeConfig", "ServerConfig"]

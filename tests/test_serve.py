@@ -1,0 +1,403 @@
+"""The judge server as users run it: ``judgeloop serve-judge`` started as a real process on a free
+loopback port and called over HTTP (no test client): answers equal the in-process calibrated judge
+exactly; the OpenRLHF route answers OpenRLHF's own client code; verl's ``compute_score`` round-trips;
+bad requests get their codes and one-line reasons; 16 concurrent clients lose nothing; SIGTERM drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from judgeloop.calibration import PlattCalibrator
+from judgeloop.judges import JudgeConfig
+from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.rewards import Group, score_groups
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "serve" / "judge.yaml")
+JUDGELOOP = str(Path(sys.executable).parent / "judgeloop")
+
+ARTICLES = [
+    "The city council voted on Tuesday to expand the bus network to the northern suburbs, citing rising demand.",
+    "A new study finds that regular walking lowers blood pressure in adults over sixty, researchers said.",
+    "The football club confirmed its coach will leave at the end of the season after five years in charge.",
+]
+SUMMARIES = [
+    "The council expanded buses to the north.",
+    "Council votes to extend bus lines to northern suburbs because demand rises.",
+    "Buses.",
+    "Walking lowers blood pressure in older adults, a study finds.",
+    "A study about walking.",
+    "The coach leaves the club after five years.",
+    "The club's coach will depart at season's end after five years.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(
+    judge_path: Path, *overrides: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real ``judgeloop serve-judge`` process; yields its base URL once ``/health`` answers."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            JUDGELOOP,
+            "serve-judge",
+            "--config",
+            CONFIG,
+            f"judge_path={judge_path}",
+            f"server.port={port}",
+            *overrides,
+        ],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"server exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not come up in 90 s"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def items(n: int, seed: int) -> list[dict[str, str]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        i, j = rng.choice(len(SUMMARIES), 2, replace=False)
+        out.append(
+            {"prompt": ARTICLES[int(rng.integers(len(ARTICLES)))], "a": SUMMARIES[i], "b": SUMMARIES[j]}
+        )
+    return out
+
+
+def local(judge: CalibratedJudge, batch: list[dict[str, str]]) -> dict[str, list]:
+    out = judge.compare([x["prompt"] for x in batch], [x["a"] for x in batch], [x["b"] for x in batch])
+    return {
+        "p": [float(v) if np.isfinite(v) else None for v in out.p],
+        "logit": [float(v) if np.isfinite(v) else None for v in out.logit],
+        "status": out.status,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_judge_path(tiny_calibration: Path) -> Path:
+    return tiny_calibration / "calibrated_judge" / "platt"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_judge_path: Path) -> Iterator[str]:
+    with serve(
+        tiny_judge_path,
+        "server.max_items_per_request=50",
+        "server.max_chars_per_text=5000",
+        "server.max_body_bytes=200000",
+    ) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def length_judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("length_judge") / "judge"
+    platt = PlattCalibrator().load_state_dict(
+        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
+         "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
+    )  # fmt: skip
+    CalibratedJudge(JudgeConfig(type="objective", signal="length", scale=0.5), platt).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def length_server(length_judge_path: Path) -> Iterator[str]:
+    with serve(
+        length_judge_path,
+        "server.api_key_env=JUDGE_TEST_TOKEN",
+        "server.max_batch_size=64",
+        "server.max_wait_ms=10",
+        "openrlhf.n_samples_per_prompt=4",
+        env={"JUDGE_TEST_TOKEN": "s3cret"},
+    ) as (url, _):
+        yield url
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+# --- answers equal the in-process judge -----------------------------------------------------------
+def test_compare_equals_in_process(tiny_server: str, tiny_judge_path: Path) -> None:
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    for seed, n in [(0, 1), (1, 7), (2, 30)]:
+        batch = items(n, seed)
+        got = httpx.post(tiny_server + "/v1/compare", json={"items": batch}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json() == local(judge, batch)  # exact: the same floats, the same statuses
+
+
+def test_info_names_judge_and_held_out_figures(tiny_server: str, tiny_judge_path: Path) -> None:
+    info = httpx.get(tiny_server + "/v1/info").json()
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    assert info["calibrator"] == "platt" and info["judge"]["model"] == "judgeloop-tiny/encoder"
+    assert info["card"]["held_out"] == judge.card["held_out"]
+    assert info["server"]["host"] == "127.0.0.1" and "api_key_env" not in info["server"]
+
+
+def test_rewards_equal_score_groups(tiny_server: str, tiny_judge_path: Path) -> None:
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    groups = [
+        Group(ARTICLES[0], SUMMARIES[:3]),
+        Group(ARTICLES[1], [SUMMARIES[3], SUMMARIES[4], SUMMARIES[3]]),
+    ]
+    body = {"groups": [{"prompt": g.source, "completions": g.completions} for g in groups]}
+    for settings in [{}, {"scheme": "round_robin", "m": 1, "aggregate": "bradley_terry"}]:
+        got = httpx.post(tiny_server + "/v1/rewards", json={**body, **settings}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["rewards"] == score_groups(judge, groups, **settings).rewards  # type: ignore[arg-type]
+
+
+# --- the peers' own protocols --------------------------------------------------------------------
+async def openrlhf_post(url: str, data: dict) -> dict:
+    """OpenRLHF's client, as ``SingleTurnAgentExecutor._fetch_rewards_via_http`` posts (openrlhf/utils/agent.py):
+    aiohttp, ``session.post(url, json=data)``, ``raise_for_status``, ``response.json()``."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=180)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.post(url, json=data) as response:
+        response.raise_for_status()
+        return await response.json()
+
+
+def test_openrlhf_batched_request_groups_by_prompt(tiny_server: str, tiny_judge_path: Path) -> None:
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    prompts = [ARTICLES[0]] * 3 + [ARTICLES[1]] * 2
+    completions = [SUMMARIES[0], SUMMARIES[1], SUMMARIES[2], SUMMARIES[3], SUMMARIES[4]]
+    query = [p + c + "<|im_end|>" for p, c in zip(prompts, completions)]
+    data = {"query": query, "prompts": prompts, "labels": [None] * 5}
+    got = asyncio.run(openrlhf_post(tiny_server + "/openrlhf/get_reward", data))
+    want = score_groups(
+        judge, [Group(ARTICLES[0], completions[:3]), Group(ARTICLES[1], completions[3:])]
+    ).rewards
+    assert got["rewards"] == want[0] + want[1]
+    assert got["scores"] == got["rewards"] and got["extra_logs"]["judge_reward"] == got["rewards"]
+
+
+def test_openrlhf_per_sample_requests_form_one_group(length_server: str, length_judge_path: Path) -> None:
+    """OpenRLHF 0.11 posts each sample alone; n_samples_per_prompt=4 gathers a prompt's four."""
+    judge = CalibratedJudge.from_pretrained(length_judge_path)
+    prompt = "<|im_start|>user\nSummarize: " + ARTICLES[2] + "<|im_end|>\n<|im_start|>assistant\n"
+    completions = SUMMARIES[:4]
+
+    async def four() -> list[dict]:
+        url = length_server + "/openrlhf/get_reward?api_key=s3cret"
+        one = [
+            {"query": [prompt + c + "<|im_end|>"], "prompts": [prompt], "labels": [""]} for c in completions
+        ]
+        return await asyncio.gather(*(openrlhf_post(url, d) for d in one))
+
+    got = [r["rewards"][0] for r in asyncio.run(four())]
+    assert got == score_groups(judge, [Group(prompt, completions)]).rewards[0]
+
+
+def test_verl_compute_score_round_trips(tiny_server: str, tiny_judge_path: Path) -> None:
+    from judgeloop.integrations.verl import compute_score
+
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    sols = SUMMARIES[:3] + SUMMARIES[3:5]
+    infos = [{"article": ARTICLES[0], "index": i} for i in range(3)] + [{"article": ARTICLES[1]}] * 2
+    got = compute_score(
+        data_sources=["summeval"] * 5,
+        solution_strs=sols,
+        ground_truths=[None] * 5,
+        extra_infos=infos,
+        server_url=tiny_server,
+    )
+    want = score_groups(judge, [Group(ARTICLES[0], sols[:3]), Group(ARTICLES[1], sols[3:])]).rewards
+    assert [r["score"] for r in got] == want[0] + want[1]
+    with pytest.raises(ValueError, match="has no 'article'"):
+        compute_score(["x"], ["a summary"], [None], [{}], server_url=tiny_server)
+
+
+# --- bad requests ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body, status, reason",
+    [
+        (b'{"items": [', 400, "malformed JSON"),
+        ({"items": [{"prompt": "x", "a": "y"}]}, 422, "items.0.b: Field required"),
+        ({"items": [{"prompt": "x", "a": "y", "b": 3}]}, 422, "items.0.b"),
+        ({"items": [], "colour": 1}, 422, "colour"),
+        ({"items": [{"prompt": "x", "a": " ", "b": "y"}]}, 422, "items[0].a is empty"),
+        ({"groups": [{"prompt": "x", "completions": []}]}, 422, "completions is empty"),
+        ({"groups": [{"prompt": "x", "completions": ["a", ""]}]}, 422, "completions[1] is empty"),
+        ({"groups": [{"prompt": "x", "completions": ["a", "b"]}], "scheme": "pairs"}, 422, "scheme='pairs'"),
+        ({"groups": [{"prompt": "x", "completions": ["a", "b"]}], "scheme": "anchor"}, 422, "anchor"),
+        ({"items": [{"prompt": "x", "a": "y", "b": "z"}] * 51}, 413, "max_items_per_request=50"),
+        ({"items": [{"prompt": "x" * 5001, "a": "y", "b": "z"}]}, 413, "max_chars_per_text=5000"),
+        ({"items": [{"prompt": "x" * 4000, "a": "y", "b": "z"}] * 50}, 413, "max_body_bytes=200000"),
+        ({"query": ["p a"], "prompts": ["p "], "labels": [None]}, 422, "no valid comparison"),
+        ({"query": ["p a", "p b"], "prompts": ["p "], "labels": None}, 422, "must match"),
+    ],
+)
+def test_bad_requests_get_their_code(tiny_server: str, body: object, status: int, reason: str) -> None:
+    route = (
+        "/v1/rewards"
+        if "groups" in str(body)
+        else "/openrlhf/get_reward"
+        if "query" in str(body)
+        else "/v1/compare"
+    )
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    got = httpx.post(tiny_server + route, timeout=60, headers={"content-type": "application/json"}, **kwargs)  # type: ignore[arg-type]
+    assert got.status_code == status, got.text
+    assert reason in got.json()["error"] and "\n" not in got.json()["error"]
+    assert httpx.get(tiny_server + "/health").status_code == 200  # still up
+
+
+def test_bearer_token(length_server: str) -> None:
+    body = {"items": items(2, 0)}
+    assert httpx.post(length_server + "/v1/compare", json=body).status_code == 401
+    wrong = httpx.post(length_server + "/v1/compare", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "bearer token" in wrong.json()["error"]
+    assert httpx.post(length_server + "/v1/compare", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(length_server + "/health").status_code == 200  # health needs no token
+
+
+def test_not_a_judge_fails_before_binding(tmp_path: Path) -> None:
+    port = free_port()
+    done = subprocess.run(
+        [JUDGELOOP, "serve-judge", "--config", CONFIG, f"judge_path={tmp_path}", f"server.port={port}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "is not a calibrated judge" in done.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the port was never taken
+
+
+# --- load: 16 clients x 25 requests ----------------------------------------------------------------
+def test_concurrent_clients_lose_nothing(length_server: str, length_judge_path: Path) -> None:
+    judge = CalibratedJudge.from_pretrained(length_judge_path)
+    before = httpx.get(length_server + "/v1/info", headers=AUTH).json()["stats"]
+
+    async def client(k: int) -> list[tuple[list[dict], dict]]:
+        out = []
+        async with httpx.AsyncClient(base_url=length_server, headers=AUTH, timeout=60) as http:
+            for r in range(25):
+                batch = items(1 + (k + r) % 6, seed=1000 * k + r)
+                got = await http.post("/v1/compare", json={"items": batch})
+                assert got.status_code == 200, got.text
+                out.append((batch, got.json()))
+        return out
+
+    async def all_clients() -> list[list[tuple[list[dict], dict]]]:
+        return await asyncio.gather(*(client(k) for k in range(16)))
+
+    results = [r for c in asyncio.run(all_clients()) for r in c]
+    assert len(results) == 400
+    for batch, got in results:
+        assert got == local(judge, batch)  # each caller got its own answers, in order
+    after = httpx.get(length_server + "/v1/info", headers=AUTH).json()["stats"]
+    assert after["requests"] - before["requests"] == 400
+    assert after["judge_calls"] - before["judge_calls"] < 400  # requests were merged
+
+
+# --- a judge failure, SIGTERM ----------------------------------------------------------------------
+def test_judge_failure_is_a_500_and_the_server_stays_up(length_judge_path: Path) -> None:
+    """A judge that raises on one text (injected into a real CalibratedJudge): that request gets a 500
+    body; a request merged into the same call, and later ones, are answered."""
+    import uvicorn
+
+    from judgeloop.config import load_config
+    from judgeloop.serving.app import build_app
+    from judgeloop.serving.config import ServeConfig
+
+    judge = CalibratedJudge.from_pretrained(length_judge_path)
+    inner = judge.judge
+    assert inner is not None
+
+    def breaking(articles, a, b, references=None):  # type: ignore[no-untyped-def]
+        if "BOOM" in a:
+            raise RuntimeError("the model ran out of memory")
+        return inner(articles, a, b, references)
+
+    judge.judge = breaking  # type: ignore[assignment]
+    judge.judge.position_debias = False  # type: ignore[attr-defined]
+    port = free_port()
+    cfg = load_config(ServeConfig, CONFIG, [f"judge_path={length_judge_path}", "server.max_wait_ms=200"])
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(judge, cfg), host="127.0.0.1", port=port, log_level="error")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    while not server.started:
+        time.sleep(0.05)
+
+    async def two() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            bad = {"items": [{"prompt": "x", "a": "BOOM", "b": "y"}]}
+            good = {"items": items(3, 5)}
+            return await asyncio.gather(
+                http.post("/v1/compare", json=bad), http.post("/v1/compare", json=good)
+            )
+
+    bad, good = asyncio.run(two())
+    assert bad.status_code == 500 and "ran out of memory" in bad.json()["error"]
+    assert good.status_code == 200 and len(good.json()["p"]) == 3
+    assert httpx.get(url + "/health").status_code == 200
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_sigterm_drains_in_flight_requests(length_judge_path: Path) -> None:
+    with serve(length_judge_path, "server.max_wait_ms=1500") as (url, proc):
+        answer: dict[str, httpx.Response] = {}
+
+        def call() -> None:
+            answer["r"] = httpx.post(url + "/v1/compare", json={"items": items(4, 9)}, timeout=30)
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.5)  # the request waits in the batcher (max_wait_ms=1500)
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=30)
+        # uvicorn re-raises the signal once drained: the exit reads as "ended by SIGTERM", as process
+        # managers expect
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert answer["r"].status_code == 200 and len(answer["r"].json()["p"]) == 4
