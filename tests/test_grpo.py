@@ -239,7 +239,7 @@ def test_grpo_settings_are_checked_before_any_work():
 GRPO = [
     "judge.model=judgeloop-tiny/encoder",
     "judge.cache_size=0",
-    "policy.sft_steps=20",
+    "policy.sft_steps=10",
     "max_steps=2",
     "eval_every_n_steps=0",
     "calibration.recalibrate_every_n_steps=0",
@@ -305,3 +305,22 @@ def test_a_grpo_run_resumed_from_its_checkpoint_equals_the_uninterrupted_one(grp
         for key in r:
             assert r[key] == pytest.approx(f[key], rel=1e-6, abs=1e-9), key
     assert resumed["final"]["rouge_l_neutral"] == pytest.approx(full["final"]["rouge_l_neutral"], rel=1e-6)
+
+
+def test_a_chunked_grpo_update_equals_the_whole_batch_one(grpo_runs):
+    """optim.update_chunk_size=1 (one article's group per forward/backward, so the rollout's prompt pass is
+    not reused either) gives the run of the whole-batch update that reuses it: the token normalizer and
+    the KL share are the batch's in every chunk."""
+    from judgeloop.loop.runner import train
+
+    root, reports = grpo_runs
+    over = [
+        *GRPO,
+        "calibration.method=platt",
+        f"output_dir={root / 'chunked'}",
+        f"start_cache={root / 'cache'}",
+    ]
+    chunked = train(load_config(FeedbackLoopConfig, TINY, [*over, "optim.update_chunk_size=1"]))
+    for r, f in zip(chunked["train_log"], reports["platt"]["train_log"], strict=True):
+        for key in ("loss", "grpo_loss", "kl", "kl_k1", "reward_mean", "grad_norm"):
+            assert r[key] == pytest.approx(f[key], rel=1e-4, abs=1e-6), key
