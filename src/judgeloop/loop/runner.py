@@ -14,8 +14,8 @@ One training step (:func:`training_step`) is seven named functions over one :cla
 with evaluation on the test split and early stopping on validation inside it. Under ``loss.type: grpo``
 (:mod:`judgeloop.loop.grpo`) step 1 samples a group of k per article, steps 2-3 are
 :func:`judge_groups_step` (comparisons inside each group, judged and calibrated in one call, aggregated
-into one reward per sample), step 4 is :func:`make_advantages` and step 5 the GRPO update; 6 and 7 as in DPO. :func:`train` is the
-whole run, and ``recipes/feedback_loop.py`` spells out its lines:
+into one reward per sample), step 4 is :func:`make_advantages` (group-relative advantages) and step 5
+:func:`grpo_update`; 6 and 7 are the same. :func:`train` is the whole run, and ``recipes/feedback_loop.py`` spells out its lines:
 
     with open_run(cfg) as run:          # setup_run, then resume_run or start_run (step 0: the first fit)
         with stepping(run) as steps:    # the judge's prefetch thread and the progress bar live meanwhile
@@ -1242,7 +1242,7 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
         make_pairs(batch, cfg.loss, state.judge_weight)
     stats = policy_update(run.learner, batch, run.kl_ctl.coef)
     stats.update(
-        kl_coef=run.kl_ctl.coef, lr=float(run.learner.scheduler.get_last_lr()[0]), **judged_stats(batch)
+        kl_coef=run.kl_ctl.coef, **judged_stats(batch), lr=float(run.learner.scheduler.get_last_lr()[0])
     )
     run.kl_ctl.update(stats["kl"])
     state.kl_coef = run.kl_ctl.coef
