@@ -225,7 +225,7 @@ def test_grpo_settings_are_checked_before_any_work():
     for overrides, message in [
         (["generation.num_samples_per_article=4"], "generation.num_samples_per_article=4 is read under loss.type=grpo"),
         (["loss.scale_rewards=none"], "loss.scale_rewards='none' is a GRPO setting"),
-        (["loss.type=grpo", "loss.beta=0.2"], "loss.beta=0.2 is a DPO setting"),
+        (["loss.type=grpo", "loss.beta=0.2"], "loss.beta=0.2 is a DPO setting (the DPO temperature"),
         (["loss.type=grpo", "loss.spread_weighting=true"], "loss.spread_weighting=True is a DPO setting"),
         (["loss.type=grpo", "generation.num_samples_per_article=1"], "generation.num_samples_per_article"),
         (["loss.type=grpo", "loss.epsilon=0"], "loss.epsilon"),

@@ -143,9 +143,11 @@ class LossConfig:
         if self.type == "grpo":
             dpo_only = [k for k in DPO_ONLY_KEYS if getattr(self, k) != getattr(LossConfig, k)]
             if dpo_only:
+                key = dpo_only[0]
+                why = " (the DPO temperature; grpo's KL weight is loss.kl_coef)" if key == "beta" else ""
                 raise ValueError(
-                    f"loss.{dpo_only[0]}={getattr(self, dpo_only[0])!r} is a DPO setting; loss.type=grpo does "
-                    "not read it: drop it (the KL weight is loss.kl_coef)"
+                    f"loss.{key}={getattr(self, key)!r} is a DPO setting{why}; loss.type=grpo does not read "
+                    f"it: leave it at its default {getattr(LossConfig, key)!r}"
                 )
 
 
@@ -520,11 +522,12 @@ class FeedbackLoopConfig:
         if k != 2:
             raise ValueError(
                 f"generation.num_samples_per_article={k} is read under loss.type=grpo only (DPO samples one "
-                "pair per article); set loss.type=grpo or drop it"
+                "pair per article); set loss.type=grpo or leave it at 2"
             )
         grpo_only = [key for key in GRPO_ONLY_KEYS if getattr(self.loss, key) != getattr(LossConfig, key)]
         if grpo_only:
+            key = grpo_only[0]
             raise ValueError(
-                f"loss.{grpo_only[0]}={getattr(self.loss, grpo_only[0])!r} is a GRPO setting; loss.type=dpo does "
-                "not read it: set loss.type=grpo or drop it"
+                f"loss.{key}={getattr(self.loss, key)!r} is a GRPO setting; loss.type=dpo does not read it: "
+                f"set loss.type=grpo or leave it at its default {getattr(LossConfig, key)!r}"
             )
