@@ -27,6 +27,7 @@ from judgeloop.models import load_causal_lm
 import copy
 
 out = sys.argv[1]
+kind = sys.argv[2]  # dpo, or grpo: groups of 4 whose completion tokens differ between the processes
 acc = Accelerator(cpu=True)
 n = 4
 g = torch.Generator().manual_seed(0)
@@ -40,6 +41,10 @@ mask = torch.ones(n)
 per = n // acc.num_processes
 lo, hi = acc.process_index * per, (acc.process_index + 1) * per
 roll = Rollout(["x"] * per, prompts[lo:hi], a[lo:hi], b[lo:hi], ["a"] * per, ["b"] * per)
+more = [[seq(1, 9) + [2] for _ in range(n)] for _ in range(2)]
+adv = torch.randn(n, 4, generator=g)
+if kind == "grpo":
+    roll.more_ids, roll.more_text = [m[lo:hi] for m in more], [["c"] * per, ["d"] * per]
 model = load_causal_lm("judgeloop-tiny/causal-lm").train()
 ref = copy.deepcopy(model).eval()
 with torch.no_grad():  # move the policy away from the reference so the KL term has a gradient too
@@ -52,7 +57,12 @@ sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
 model, opt, sched = acc.prepare(model, opt, sched)
 for _ in range(2):
     batch = PairBatch(1, [], rollout=roll, targets=p[lo:hi], mask=mask[lo:hi])
-    stats = policy_update(Learner(acc, model, ref, opt, sched, LossConfig(beta=0.5), 0.0, 0), batch, 0.1)
+    loss_cfg = LossConfig(beta=0.5)
+    if kind == "grpo":
+        batch = PairBatch(1, [], rollout=roll, mask=torch.ones(per, 4), rewards=torch.zeros(per, 4),
+                          advantages=adv[lo:hi])
+        loss_cfg = LossConfig(type="grpo")
+    stats = policy_update(Learner(acc, model, ref, opt, sched, loss_cfg, 0.0, 0), batch, 0.1)
 if acc.is_main_process:
     torch.save({"params": {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()},
                 "init": init, "world": acc.num_processes, "loss": stats["loss"]}, out)
@@ -73,7 +83,10 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_double_batch(tmp_path):
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_two_processes_equal_one_process_with_double_batch(tmp_path, kind):
+    """grpo: the token average is over the global batch's completion tokens, which the two processes
+    hold unequal shares of."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which(
         "accelerate"
     )
@@ -82,7 +95,7 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    subprocess.run([sys.executable, str(script), str(one)], check=True, env=_env(), timeout=120)
+    subprocess.run([sys.executable, str(script), str(one), kind], check=True, env=_env(), timeout=120)
     port = str(random.randint(20000, 40000))
     cmd = [
         accelerate,
@@ -100,6 +113,7 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
         port,
         str(script),
         str(two),
+        kind,
     ]
     res = subprocess.run(cmd, env=_env(), timeout=180, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]

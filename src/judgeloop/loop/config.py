@@ -68,7 +68,8 @@ class PolicyConfig:
 
 @dataclass
 class GenerationConfig:
-    """Sampling for rollouts (two summaries per article); evaluation decodes greedily.
+    """Sampling for rollouts (two summaries per article; ``num_samples_per_article`` under
+    ``loss.type: grpo``, where it is the group size k); evaluation decodes greedily.
 
     ``autocast``: generate under the run's mixed-precision autocast. Off by default: decoding reads every
     weight once per token, and autocast would re-cast each float32 weight at each step (measured on 2 CPU
@@ -81,23 +82,40 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     autocast: bool = False
+    num_samples_per_article: int = 2
 
     def __post_init__(self) -> None:
         check_at_least("generation", self, "max_new_tokens", 1)
+        check_at_least("generation", self, "num_samples_per_article", 2, " (a group needs two to compare)")
         check_at_least("generation", self, "temperature", 0, " (evaluation is the greedy pass)", strict=True)
         check_range("generation", self, "top_p", 0, 1, "(]")
 
 
 @dataclass
 class LossConfig:
-    """Soft-target DPO plus an explicit KL penalty ``kl_coef * KL(pi || pi_ref)``.
+    """The policy objective plus an explicit KL penalty ``kl_coef * KL(pi || pi_ref)``.
 
-    ``margin``: pairs with ``|p - 0.5| < margin`` are skipped. With a judge panel, ``max_spread`` skips
+    ``type: dpo`` (default): soft-target DPO on one pair per article. ``margin``: pairs with
+    ``|p - 0.5| < margin`` are skipped. With a judge panel, ``max_spread`` skips
     pairs whose members disagree more than that (the standard deviation of their calibrated p, at most
     0.5; the default 0.5 skips none), and ``spread_weighting`` weights each pair's DPO term by
     ``1 - 2 * spread`` (1 when the members agree, 0 at the widest disagreement).
+
+    ``type: grpo``: group-relative policy gradient (:mod:`judgeloop.loop.grpo`) on
+    ``generation.num_samples_per_article`` samples per article. Each sample's reward comes from the
+    arm's calibrated p of comparisons inside its group (:func:`judgeloop.rewards.score_groups` with
+    ``reward_scheme`` and ``reward_aggregate``); its advantage is ``r - mean(group)``, divided by the
+    group's standard deviation under ``scale_rewards: group`` (TRL's GRPO) and not under ``none``
+    (Dr. GRPO); the loss is TRL's clipped surrogate with clip range ``epsilon``, averaged over the
+    batch's completion tokens. ``beta``, ``target``, ``margin``, ``max_spread`` and ``spread_weighting``
+    are DPO settings (an error under grpo); the KL weight is ``kl_coef`` under both.
     """
 
+    type: Literal["dpo", "grpo"] = "dpo"
+    scale_rewards: Literal["group", "none"] = "group"
+    reward_scheme: Literal["all_pairs", "round_robin", "anchor"] = "round_robin"
+    reward_aggregate: Literal["win_rate", "bradley_terry"] = "win_rate"
+    epsilon: float = 0.2
     beta: float = 0.1
     target: Literal["soft", "hard"] = "soft"
     margin: float = 0.0
@@ -121,6 +139,20 @@ class LossConfig:
             raise ValueError(
                 f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1"
             )
+        check_at_least("loss", self, "epsilon", 0, strict=True)
+        if self.type == "grpo":
+            dpo_only = [k for k in DPO_ONLY_KEYS if getattr(self, k) != getattr(LossConfig, k)]
+            if dpo_only:
+                key = dpo_only[0]
+                why = " (the DPO temperature; grpo's KL weight is loss.kl_coef)" if key == "beta" else ""
+                raise ValueError(
+                    f"loss.{key}={getattr(self, key)!r} is a DPO setting{why}; loss.type=grpo does not read "
+                    f"it: leave it at its default {getattr(LossConfig, key)!r}"
+                )
+
+
+DPO_ONLY_KEYS = ("beta", "target", "margin", "max_spread", "spread_weighting")
+GRPO_ONLY_KEYS = ("scale_rewards", "reward_scheme", "reward_aggregate", "epsilon")
 
 
 @dataclass
@@ -471,6 +503,7 @@ class FeedbackLoopConfig:
                 "calibration.method=panel needs other judges beside the configured one: list them in "
                 "calibration.panel.members (e.g. an objective signal), or set judge.type=panel"
             )
+        self._check_loss_type()
         check_at_least("", self, "judge_prefetch_threads", 1, ", or null for half the cores", optional=True)
         check_at_least("", self, "keep_checkpoints", 1, ", or null to keep every one", optional=True)
         check_at_least("", self, "stop_after_n_steps", 1, " or null", optional=True)
@@ -480,3 +513,21 @@ class FeedbackLoopConfig:
             raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")
         if "jsonl" not in self.log_with:  # the loop's resume and the ablation's report read it
             self.log_with = ["jsonl", *self.log_with]
+
+    def _check_loss_type(self) -> None:
+        """Settings of the other objective are errors, not silently dropped."""
+        if self.loss.type == "grpo":
+            return
+        k = self.generation.num_samples_per_article
+        if k != 2:
+            raise ValueError(
+                f"generation.num_samples_per_article={k} is read under loss.type=grpo only (DPO samples one "
+                "pair per article); set loss.type=grpo or leave it at 2"
+            )
+        grpo_only = [key for key in GRPO_ONLY_KEYS if getattr(self.loss, key) != getattr(LossConfig, key)]
+        if grpo_only:
+            key = grpo_only[0]
+            raise ValueError(
+                f"loss.{key}={getattr(self.loss, key)!r} is a GRPO setting; loss.type=dpo does not read it: "
+                f"set loss.type=grpo or leave it at its default {getattr(LossConfig, key)!r}"
+            )

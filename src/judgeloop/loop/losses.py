@@ -1,4 +1,5 @@
-"""Losses of the feedback loop: DPO with soft (calibrated) targets, and the KL penalty estimators.
+"""Losses of the feedback loop: DPO with soft (calibrated) targets, GRPO on group-relative advantages,
+and the KL penalty estimators.
 
 Soft-target DPO (Rafailov et al. 2023, eq. 7, with the hard label replaced by a probability p):
 
@@ -8,6 +9,17 @@ Soft-target DPO (Rafailov et al. 2023, eq. 7, with the hard label replaced by a 
 At p = 1 this is TRL's ``loss_type="sigmoid"`` DPO loss (label smoothing 0); at p = 0 it is the same
 loss with a and b swapped. Per-pair losses are averaged over the *whole* per-process batch (skipped
 pairs count as zero), so that under DDP the gradient all-reduce gives exactly the full-batch mean.
+
+Group-relative policy gradient (GRPO; Shao et al. 2024, "DeepSeekMath", sec. 4.1; the loss of TRL's
+``GRPOTrainer._compute_loss``): k samples per prompt with rewards r, advantages
+
+    A_i  = r_i - mean(r)                                  scale_rewards="none" (Dr. GRPO, Liu et al. 2025)
+    A_i  = (r_i - mean(r)) / (std(r) + 1e-4)              scale_rewards="group" (std with Bessel's correction)
+
+and, with rho_t = pi(y_t) / pi_old(y_t), the clipped surrogate summed over the completion tokens of the
+batch and divided by their number (TRL's token-level averaging):
+
+    loss = -sum_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) / num_tokens
 
 KL penalty on samples y ~ pi (Schulman, "Approximating KL divergence", 2020,
 http://joschu.net/blog/kl-approx.html), with per-token log-ratio r_t = log pi_ref(y_t) - log pi(y_t):
@@ -80,6 +92,70 @@ def targets_from_probs(
     mask = ok & ((safe - 0.5).abs() >= margin)
     t = (safe >= 0.5).to(p.dtype) if target == "hard" else safe
     return t, mask.to(p.dtype)
+
+
+def group_advantages(
+    rewards: torch.Tensor, valid: torch.Tensor, scale_rewards: Literal["group", "none"] = "group"
+) -> torch.Tensor:
+    """Group-relative advantages (module docstring), over each group's valid samples.
+
+    Args:
+        rewards: (G, k) rewards, one row per prompt's group (any value where ``valid`` is False).
+        valid: (G, k) bool, the samples that have a reward (a failed judgement has none).
+        scale_rewards: ``group`` divides by the group's standard deviation (+ 1e-4, as TRL); ``none``
+            does not.
+
+    Returns:
+        (G, k) advantages; 0 for invalid samples and for every sample of a group with fewer than two
+        valid ones (nothing to compare against).
+    """
+    if rewards.shape != valid.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"group_advantages: rewards {tuple(rewards.shape)} and valid {tuple(valid.shape)} must be one "
+            "(num_groups, k) shape"
+        )
+    if scale_rewards not in ("group", "none"):
+        raise ValueError(f"loss.scale_rewards must be 'group' or 'none', got {scale_rewards!r}")
+    v = valid.to(rewards.dtype)
+    n = v.sum(-1, keepdim=True)  # (G, 1)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards))
+    mean = r.sum(-1, keepdim=True) / n.clamp(min=1)
+    centered = (r - mean) * v
+    adv = centered
+    if scale_rewards == "group":
+        std = (centered.pow(2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # unbiased, as torch.std
+        adv = centered / (std + 1e-4)
+    return adv * (n >= 2).to(rewards.dtype)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    epsilon: float = 0.2,
+    num_tokens: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The clipped GRPO surrogate (module docstring), token-averaged.
+
+    Args:
+        logp: (N, T) log pi(y_t) of the sampled tokens, with gradients.
+        old_logp: (N, T) the same under the policy that sampled them (detached; on-policy: ``logp.detach()``,
+            so the ratio is 1 and the gradient is that of ``A * log pi``).
+        advantages: (N,) one per sample.
+        token_mask: (N, T) 1 on completion tokens (0 on padding and on samples that do not count).
+        epsilon: clip range of the ratio.
+        num_tokens: what the token sum is divided by (default ``token_mask.sum()``; the whole batch's
+            count when this is one chunk of it, or the global count / processes under DDP).
+
+    Returns:
+        The scalar loss.
+    """
+    ratio = torch.exp(logp - old_logp)  # (N, T)
+    a = advantages.unsqueeze(-1)  # (N, 1)
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * a)  # (N, T)
+    total = token_mask.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+    return (per_token * token_mask).sum() / total
 
 
 def kl_per_sequence(

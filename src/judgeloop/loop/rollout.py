@@ -14,7 +14,7 @@ import contextlib
 import copy
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -118,7 +118,8 @@ class PromptPrefix:
 
 @dataclass
 class Rollout:
-    """Two sampled summaries per article: ``a[i]`` and ``b[i]`` share ``prompts[i]``."""
+    """Two sampled summaries per article: ``a[i]`` and ``b[i]`` share ``prompts[i]``; a group rollout
+    (``num_samples`` k > 2) has its samples 3..k in ``more_ids`` / ``more_text`` (sample-major)."""
 
     articles: list[str]
     prompts: list[list[int]]
@@ -127,6 +128,22 @@ class Rollout:
     a_text: list[str]
     b_text: list[str]
     prefix: PromptPrefix | None = None  # the policy's prompt pass kept for the update (keep_prefix=True)
+    more_ids: list[list[list[int]]] = field(default_factory=list)  # (k - 2) lists of one sample per article
+    more_text: list[list[str]] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per article (k)."""
+        return 2 + len(self.more_ids)
+
+    def sample_ids(self) -> list[list[list[int]]]:
+        """The k lists of samples (``sample_ids()[j][i]``: sample j of article i)."""
+        return [self.a_ids, self.b_ids, *self.more_ids]
+
+    def group_texts(self) -> list[list[str]]:
+        """Per article, its k samples' texts (article i's group)."""
+        texts = [self.a_text, self.b_text, *self.more_text]
+        return [[t[i] for t in texts] for i in range(len(self.articles))]
 
 
 def prefix_reusable(model: Any) -> bool:
@@ -282,19 +299,27 @@ def rollout(
     seed: int,
     num_pairs: int = 1,
     keep_prefix: bool = False,
+    num_samples: int = 2,
 ) -> Rollout:
     """Step 1 of the loop: the policy samples two summaries per article (``2 * num_pairs`` for
-    calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output).
+    calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output), or
+    a group of ``num_samples`` (GRPO; one draw, so the first two are the samples a k = 2 rollout gives).
     ``keep_prefix``: keep the policy's prompt pass for the update (:class:`PromptPrefix`)."""
+    if num_samples != 2 and num_pairs != 1:
+        raise ValueError(
+            f"num_samples={num_samples} with num_pairs={num_pairs}: a group rollout has one group"
+        )
     prompts = [build_prompt(a) for a in articles]
     kept: list[PromptPrefix] | None = [] if keep_prefix and num_pairs == 1 else None
-    comps = generate(model, tokenizer, prompts, gen, num_samples=2 * num_pairs, seed=seed, keep_prefix=kept)
-    a_ids, b_ids = comps[0::2], comps[1::2]
+    k = num_samples * num_pairs
+    comps = generate(model, tokenizer, prompts, gen, num_samples=k, seed=seed, keep_prefix=kept)
+    samples = [comps[j::num_samples] for j in range(num_samples)]  # sample j of each article (or pair)
+    a_ids, b_ids = samples[0], samples[1]
     rep_articles = [a for a in articles for _ in range(num_pairs)]
     rep_prompts = [p for p in prompts for _ in range(num_pairs)]
     return Rollout(
         rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids),
-        kept[0] if kept else None,
+        kept[0] if kept else None, samples[2:], [decode(tokenizer, c) for c in samples[2:]],
     )  # fmt: skip
 
 

@@ -11,8 +11,11 @@ One training step (:func:`training_step`) is seven named functions over one :cla
     6. maybe_recalibrate  refit the calibrator (and a panel's members) on fresh calibration-split samples
     7. watch_divergence   when due, the judge's agreement with objective signals; alarms act on it
 
-with evaluation on the test split and early stopping on validation inside it. :func:`train` is the
-whole run, and ``recipes/feedback_loop.py`` spells out its lines:
+with evaluation on the test split and early stopping on validation inside it. Under ``loss.type: grpo``
+(:mod:`judgeloop.loop.grpo`) step 1 samples a group of k per article, steps 2-3 are
+:func:`judge_groups_step` (comparisons inside each group, judged and calibrated in one call, aggregated
+into one reward per sample), step 4 is :func:`make_advantages` (group-relative advantages) and step 5
+:func:`grpo_update`; 6 and 7 are the same. :func:`train` is the whole run, and ``recipes/feedback_loop.py`` spells out its lines:
 
     with open_run(cfg) as run:          # setup_run, then resume_run or start_run (step 0: the first fit)
         with stepping(run) as steps:    # the judge's prefetch thread and the progress bar live meanwhile
@@ -85,9 +88,11 @@ from judgeloop.loop.evaluation import (
     shard_pairs,
     validation_metrics,
 )
+from judgeloop.loop.grpo import grpo_chunk_terms, judge_groups, num_completion_tokens, reward_matrix
 from judgeloop.loop.losses import (
     AdaptiveKLController,
     dpo_margin,
+    group_advantages,
     kl_per_sequence,
     soft_dpo_loss,
     targets_from_probs,
@@ -321,12 +326,14 @@ class PairBatch:
 
     step: int
     examples: list[SummExample]  # this process's training articles
-    rollout: Rollout | None = None  # prompts, the two samples' token ids and texts
-    judged: Any = None  # the judge's output: raw logit and status per pair
+    rollout: Rollout | None = None  # prompts, the two (grpo: k) samples' token ids and texts
+    judged: Any = None  # the judge's output: raw logit and status per pair (grpo: the GroupScores)
     p: np.ndarray | None = None  # calibrated P(a better than b) per pair
     targets: torch.Tensor | None = None  # soft DPO targets (B,)
-    mask: torch.Tensor | None = None  # pairs that enter the loss (B,)
+    mask: torch.Tensor | None = None  # pairs that enter the loss (B,); grpo: samples with a reward (B, k)
     weights: torch.Tensor | None = None  # per-pair weight of the DPO term (B,); None: all 1
+    rewards: torch.Tensor | None = None  # grpo: each sample's groupwise reward (B, k)
+    advantages: torch.Tensor | None = None  # grpo: group-relative advantages (B, k)
     stats: dict[str, float] = field(default_factory=dict)  # what the update measured
 
 
@@ -352,8 +359,8 @@ class Learner:
 
 def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch: PairBatch, cfg: FeedbackLoopConfig,
                  process_index: int, keep_prefix: bool = False) -> Rollout:  # fmt: skip
-    """Step 1: the policy samples two summaries per article (``keep_prefix``: and keeps its prompt pass,
-    with gradients, for the update)."""
+    """Step 1: the policy samples two summaries per article, or ``generation.num_samples_per_article``
+    under grpo (``keep_prefix``: and keeps its prompt pass, with gradients, for the update)."""
     batch.rollout = rollout(
         model,
         tokenizer,
@@ -362,6 +369,7 @@ def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch:
         cfg.generation,
         seed=derive_seed(cfg.seed, "rollout", batch.step, process_index),
         keep_prefix=keep_prefix,
+        num_samples=cfg.generation.num_samples_per_article if cfg.loss.type == "grpo" else 2,
     )
     return batch.rollout
 
@@ -380,6 +388,31 @@ def calibrate_step(calibrator: Calibrator, batch: PairBatch) -> np.ndarray:
     assert roll is not None and batch.judged is not None, "calibrate_step needs the judged rollout"
     batch.p = calibrate(calibrator, batch.judged.scores, roll.articles, roll.a_text, roll.b_text)
     return batch.p
+
+
+def judge_groups_step(judge: Judge, calibrator: Calibrator, cfg: FeedbackLoopConfig, batch: PairBatch) -> Any:
+    """Steps 2-3 under grpo: the judge compares the samples inside each article's group
+    (``loss.reward_scheme``), the arm's calibrator maps each comparison to p, and the p of each sample's
+    comparisons become its reward (``loss.reward_aggregate``), in one batched judge call."""
+    roll = batch.rollout
+    assert roll is not None, "judge_groups_step needs the rollout"
+    batch.judged = judge_groups(judge, calibrator, cfg.judge, roll, batch.examples, cfg.loss)
+    batch.rewards, valid = reward_matrix(batch.judged)
+    batch.mask = valid.float()
+    return batch.judged
+
+
+def make_advantages(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:
+    """Step 4 under grpo: group-relative advantages ``r - mean(group)`` (divided by the group's std under
+    ``loss.scale_rewards: group``); samples without a reward, and groups with fewer than two, get 0.
+
+    ``judge_weight`` < 1 (a divergence alarm down-weighted the judge) scales the advantages: the judge's
+    weight in the policy gradient against the KL term.
+    """
+    assert batch.rewards is not None and batch.mask is not None, "make_advantages needs the rewards"
+    batch.advantages = judge_weight * group_advantages(
+        batch.rewards, batch.mask.bool(), loss_cfg.scale_rewards
+    )
 
 
 def make_pairs(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:
@@ -413,15 +446,33 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     the articles go through the forward and backward passes that many at a time, their gradients
     adding up to the same update (up to float summation order) at a fraction of the activation memory.
     """
+    if learner.loss.type == "grpo":
+        return grpo_update(learner, batch, kl_coef)
     roll, targets, mask = batch.rollout, batch.targets, batch.mask
     assert roll is not None and targets is not None and mask is not None, "policy_update needs the pairs"
-    acc, model = learner.accelerator, learner.model
+    acc = learner.accelerator
     B = len(roll.prompts)
     chunk = learner.chunk_size or B
     parts = [
         _chunk_loss(learner, roll, targets, mask, lo, min(lo + chunk, B), B, kl_coef, batch.weights)
         for lo in range(0, B, chunk)
     ]
+    grad_norm = optimizer_step(learner)
+    # each chunk's terms are already weighted by its share of the batch: their sums are the batch's
+    totals = [torch.stack([p[i] for p in parts]).sum() if len(parts) > 1 else parts[0][i] for i in range(5)]
+    stats = torch.stack([*totals, mask.float().mean().to(acc.device)])
+    agree_n = mask.sum().clamp(min=1).to(acc.device)
+    stats[4] = stats[4] / agree_n
+    stats = acc.reduce(stats, reduction="mean")
+    names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction"]
+    batch.stats.update({n: float(v) for n, v in zip(names, stats.tolist())})
+    batch.stats["grad_norm"] = grad_norm
+    return batch.stats
+
+
+def optimizer_step(learner: Learner) -> float:
+    """Clip the gradients (when ``max_grad_norm`` > 0), step the optimizer and the schedule; the norm."""
+    acc, model = learner.accelerator, learner.model
     grad_norm = float("nan")
     if learner.max_grad_norm > 0:
         # every parameter, not only the trainable ones: frozen ones have no gradient and add nothing, and
@@ -431,13 +482,33 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     learner.optimizer.step()
     learner.scheduler.step()
     learner.optimizer.zero_grad(set_to_none=True)
-    # each chunk's terms are already weighted by its share of the batch: their sums are the batch's
-    totals = [torch.stack([p[i] for p in parts]).sum() if len(parts) > 1 else parts[0][i] for i in range(5)]
-    stats = torch.stack([*totals, mask.float().mean().to(acc.device)])
-    agree_n = mask.sum().clamp(min=1).to(acc.device)
-    stats[4] = stats[4] / agree_n
-    stats = acc.reduce(stats, reduction="mean")
-    names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction"]
+    return grad_norm
+
+
+def grpo_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[str, float]:
+    """Step 5 under grpo: one optimizer step of the clipped GRPO surrogate on the advantages
+    (:func:`judgeloop.loop.losses.grpo_loss`, token-averaged over the global batch as TRL's default
+    ``loss_type="dapo"``) + kl_coef * KL(pi || pi_ref) (a mean over samples), chunked as the DPO update."""
+    roll, adv, mask = batch.rollout, batch.advantages, batch.mask
+    assert roll is not None and adv is not None and mask is not None, "grpo_update needs the advantages"
+    acc = learner.accelerator
+    B = len(roll.prompts)
+    tokens = torch.tensor(float(num_completion_tokens(roll)), device=acc.device)
+    normalizer = (acc.reduce(tokens, reduction="sum") / acc.num_processes).clamp(min=1.0)
+    chunk = learner.chunk_size or B
+    parts = [
+        grpo_chunk_terms(learner, roll, adv, lo, min(lo + chunk, B), B, kl_coef, normalizer)
+        for lo in range(0, B, chunk)
+    ]
+    grad_norm = optimizer_step(learner)
+    totals = [torch.stack([p[i] for p in parts]).sum() for i in range(4)]
+    rewards = batch.rewards
+    assert rewards is not None
+    n = mask.sum().clamp(min=1)
+    r_mean = (rewards * mask).sum() / n
+    extra = [r_mean, mask.mean(), (adv.abs() * mask).sum() / n]
+    stats = acc.reduce(torch.stack([*totals, *[x.to(acc.device) for x in extra]]), reduction="mean")
+    names = ["loss", "grpo_loss", "kl", "kl_k1", "reward_mean", "kept_fraction", "advantage_abs_mean"]
     batch.stats.update({n: float(v) for n, v in zip(names, stats.tolist())})
     batch.stats["grad_norm"] = grad_norm
     return batch.stats
@@ -1157,19 +1228,21 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
             run.learner.reuses_prompt_pass(len(batch.examples)),
         )  # fmt: skip
     run.prefetch.wait()
-    judge_step(run.train_judge, batch)
+    grpo = cfg.loss.type == "grpo"
+    if grpo:  # the judge and the calibrator inside each group, in one call
+        judge_groups_step(run.train_judge, run.calibrator, cfg, batch)
+    else:
+        judge_step(run.train_judge, batch)
     if step < cfg.max_steps:  # the next batch's article-side judge work runs during this update
         run.prefetch.start(peek_batch(state, run.splits.train, cfg, acc))
-    calibrate_step(run.calibrator, batch)
-    make_pairs(batch, cfg.loss, state.judge_weight)
+    if grpo:
+        make_advantages(batch, cfg.loss, state.judge_weight)
+    else:
+        calibrate_step(run.calibrator, batch)
+        make_pairs(batch, cfg.loss, state.judge_weight)
     stats = policy_update(run.learner, batch, run.kl_ctl.coef)
-    p = batch.p
-    assert p is not None
     stats.update(
-        kl_coef=run.kl_ctl.coef,
-        p_mean=float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
-        judge_failures=float((~batch.judged.valid).sum()),
-        lr=float(run.learner.scheduler.get_last_lr()[0]),
+        kl_coef=run.kl_ctl.coef, **judged_stats(batch), lr=float(run.learner.scheduler.get_last_lr()[0])
     )
     run.kl_ctl.update(stats["kl"])
     state.kl_coef = run.kl_ctl.coef
@@ -1190,6 +1263,18 @@ def training_step(run: LoopRun, step: int) -> PairBatch:
                 step, cfg.early_stopping_patience, state.best_val, state.best_step,
             )  # fmt: skip
     return batch
+
+
+def judged_stats(batch: PairBatch) -> dict[str, float]:
+    """The step's mean calibrated p and its failed judgements (pairs, or a group's comparisons)."""
+    if batch.advantages is not None:  # grpo: the GroupScores
+        return {"p_mean": batch.judged.mean_p, "judge_failures": float(sum(batch.judged.failed))}
+    p = batch.p
+    assert p is not None
+    return {
+        "p_mean": float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
+        "judge_failures": float((~batch.judged.valid).sum()),
+    }
 
 
 def watch_divergence(run: LoopRun, step: int) -> None:
