@@ -71,6 +71,22 @@ class GroupScores:
     statuses: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class RewardConfig:
+    """How pairwise judgements become one reward per completion (see the module docstring): the
+    ``reward.*`` block of ``recipes/grpo_trl.py`` and the ``rewards.*`` defaults of ``judgeloop serve-judge``.
+    ``probability: raw`` aggregates sigmoid(raw logit) instead of the calibrated p."""
+
+    scheme: Scheme = "all_pairs"
+    aggregate: Aggregate = "win_rate"
+    m: int = 2
+    prior: float = 0.1
+    probability: Literal["calibrated", "raw"] = "calibrated"
+
+    def __post_init__(self) -> None:
+        check_scheme(self.scheme, self.aggregate, self.m, self.prior)
+
+
 def check_scheme(scheme: str, aggregate: str, m: int, prior: float) -> None:
     """Refuse a scheme, aggregate, ``m`` or prior that is not one (one line naming the value and the fix)."""
     if scheme not in SCHEMES:
@@ -278,6 +294,7 @@ __all__ = [
     "SCHEMES",
     "Group",
     "GroupScores",
+    "RewardConfig",
     "bradley_terry",
     "design",
     "group_rewards",

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from judgeloop.config import check_at_least
 from judgeloop.data import DataConfig, SplitConfig
-from judgeloop.rewards import check_scheme
+from judgeloop.rewards import RewardConfig
 
 
 @dataclass
@@ -34,22 +34,6 @@ class GrpoPolicyConfig:
                 f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
             )
         check_at_least("policy", self, "max_article_tokens", 8)
-
-
-@dataclass
-class GrpoRewardConfig:
-    """How the calibrated judge's pairwise judgements become one reward per completion (``reward.*``;
-    :mod:`judgeloop.rewards`). ``anchor: reference`` compares each completion with the article's reference
-    summary (the ``anchor`` scheme)."""
-
-    scheme: Literal["all_pairs", "round_robin", "anchor"] = "all_pairs"
-    aggregate: Literal["win_rate", "bradley_terry"] = "win_rate"
-    m: int = 2
-    prior: float = 0.1
-    probability: Literal["calibrated", "raw"] = "calibrated"
-
-    def __post_init__(self) -> None:
-        check_scheme(self.scheme, self.aggregate, self.m, self.prior)
 
 
 @dataclass
@@ -84,7 +68,7 @@ class GrpoTrlConfig:
     judge_path: str = ""
     judge_overrides: list[str] = field(default_factory=list)
     policy: GrpoPolicyConfig = field(default_factory=GrpoPolicyConfig)
-    reward: GrpoRewardConfig = field(default_factory=GrpoRewardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # anchor: the article's reference summary
     grpo: GrpoTrainConfig = field(default_factory=GrpoTrainConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1)))
     max_train_articles: int | None = None
@@ -117,4 +101,4 @@ def prompt_rows(examples: list[Any], tokenizer: Any, policy: GrpoPolicyConfig) -
     return rows
 
 
-__all__ = ["GrpoPolicyConfig", "GrpoRewardConfig", "GrpoTrainConfig", "GrpoTrlConfig", "prompt_rows"]
+__all__ = ["GrpoPolicyConfig", "GrpoTrainConfig", "GrpoTrlConfig", "prompt_rows"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from judgeloop.config import check_at_least
-from judgeloop.rewards import check_scheme
+from judgeloop.rewards import RewardConfig
 
 
 @dataclass
@@ -43,21 +43,6 @@ class ServerConfig:
 
 
 @dataclass
-class RewardDefaults:
-    """The groupwise scheme of ``/v1/rewards`` and the OpenRLHF route (:func:`judgeloop.rewards.score_groups`);
-    a ``/v1/rewards`` request may name its own."""
-
-    scheme: Literal["all_pairs", "round_robin", "anchor"] = "all_pairs"
-    aggregate: Literal["win_rate", "bradley_terry"] = "win_rate"
-    m: int = 2
-    prior: float = 0.1
-    probability: Literal["calibrated", "raw"] = "calibrated"
-
-    def __post_init__(self) -> None:
-        check_scheme(self.scheme, self.aggregate, self.m, self.prior)
-
-
-@dataclass
 class OpenRLHFConfig:
     """How the OpenRLHF route (``POST /openrlhf/get_reward``) forms groups.
 
@@ -88,7 +73,7 @@ class ServeConfig:
     judge_path: str = ""
     judge_overrides: list[str] = field(default_factory=list)
     server: ServerConfig = field(default_factory=ServerConfig)
-    rewards: RewardDefaults = field(default_factory=RewardDefaults)
+    rewards: RewardConfig = field(default_factory=RewardConfig)  # a /v1/rewards request may name its own
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
 
     def __post_init__(self) -> None:
@@ -104,4 +89,4 @@ class ServeConfig:
             )
 
 
-__all__ = ["OpenRLHFConfig", "RewardDefaults", "ServeConfig", "ServerConfig"]
+__all__ = ["OpenRLHFConfig", "ServeConfig", "ServerConfig"]
