@@ -191,7 +191,8 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                 for fw, rv, ok in zip(out.forward, out.reverse, out.valid)
             ]
     seconds = time.perf_counter() - t0
-    rows, kept_p, dropped = [], [], {"failed": 0, "low_confidence": 0}
+    rows: list[dict[str, Any]] = []
+    dropped = {"failed": 0, "low_confidence": 0}
     agreements: list[bool] = []
     kept_agree: list[bool] = []  # on the pairs min_confidence keeps
     for x, pi, li, st, ag in zip(pairs, p, logit, status, agree):
@@ -220,7 +221,6 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if x.ordered:
             row["judge_agrees"] = bool(judge_first)
         rows.append(row)
-        kept_p.append(row["p_chosen"])
     report = label_report(cfg, judge, pairs, p, status, agree, agreements, rows, dropped, seconds)
     report["agreement_kept"] = _agreement(kept_agree)
     return rows, report
