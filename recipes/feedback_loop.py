@@ -1,99 +1,116 @@
-"""Recipe: the calibrated feedback loop (online DPO against a judge), launched with accelerate.
+"""Recipe: the calibrated feedback loop (online DPO, or GRPO, against a judge), top to bottom.
 
+    judgeloop train --config configs/feedback_loop/quickstart.yaml loss.beta=0.2     # runs this file
     accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/feedback_loop.py \
         --config configs/feedback_loop/quickstart.yaml loss.beta=0.2
     python recipes/feedback_loop.py --config configs/feedback_loop/tiny.yaml        # one CPU process
-    python recipes/feedback_loop.py --config configs/feedback_loop/tiny.yaml --ablate
-    accelerate launch recipes/feedback_loop.py --config C --job platt:1   # one ablation job (a cluster task)
-    python recipes/feedback_loop.py --config C --aggregate                 # results.* from the job folders
 
-The run is ``train`` below, the library's own lines (src/judgeloop/loop/runner.py): set up, step,
-close. Each step is ``training_step``, one named function per step over one ``PairBatch``
-(articles -> samples -> logits -> p -> targets -> stats):
-
-    batch = PairBatch(step, next_batch(state, splits.train, cfg, accelerator))  # this process's articles
-    rollout_step(policy, tokenizer, build_prompt, batch, cfg, rank, keep)  # 1. two samples per article
-                                                                       #    (keep: its prompt pass, for 5)
-    judge_step(train_judge, batch)                                     # 2. raw preference logits
-    calibrate_step(calibrator, batch)                                  # 3. p = P(a better than b)
-    make_pairs(batch, cfg.loss, state.judge_weight)                    # 4. soft DPO targets + mask
-    policy_update(learner, batch, kl_ctl.coef)                         # 5. soft-target DPO + KL
-    calibrator = maybe_recalibrate(step, state, calibrator, ...)       # 6. refit on fresh samples
-    watch_divergence(run, step)                                        # 7. judge vs objective signals
-
-with evaluation on the test split every ``eval_every_n_steps``, early stopping on the validation split,
-and atomic checkpoints every ``save_every_n_steps`` (``resume_from=DIR`` continues exactly).
+The ablation (every arm x seed, one job of the grid, the aggregate) is ``judgeloop ablate``; each of its
+jobs runs ``train`` below. The steps are numbered once, in :mod:`judgeloop.loop.steps`, and called here
+in that order; under ``accelerate launch`` each process runs them on its share of every batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 from judgeloop.config import load_config
+from judgeloop.distributed import generation_context
 from judgeloop.logging import setup_logging
-from judgeloop.loop.ablation import aggregate, run_ablation
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.runner import after_step, close_run, open_run, stepping, training_step
+from judgeloop.loop.evaluation import evaluate_when_due
+from judgeloop.loop.run import after_step, close_run, stepping
+from judgeloop.loop.setup import open_run
+from judgeloop.loop.state import next_batch, peek_batch
+from judgeloop.loop.steps import (
+    PairBatch,
+    calibrate_step,
+    judge_groups_step,
+    judge_step,
+    make_advantages,
+    make_pairs,
+    maybe_recalibrate,
+    policy_update,
+    record_update,
+    rollout_step,
+    watch_divergence,
+)
 from judgeloop.signals import Stopped
 
+Phase = Callable[[str], AbstractContextManager[Any]]
 
-def train(cfg: FeedbackLoopConfig) -> dict:
-    """One run of the loop (what ``judgeloop train`` runs)."""
-    with open_run(cfg) as run:  # checks, accelerator, data, policy, judge; resume, or step 0 (first fit)
-        with stepping(run) as steps:  # until max_steps, early stopping or stop_after_n_steps
+
+def untimed(name: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
+    """One run of the loop; returns (and writes) its report. ``phase(name)`` wraps the rollout, the
+    judging and the update of every step (``scripts/bench_loop.py`` times them with it)."""
+    # 1. Set-up: the config checked before any work (output folder, models, devices, trackers), the
+    #    accelerator, the data splits, the policy (after its SFT warm start), the reference, the judges,
+    #    the optimizer; then a resume from a checkpoint, or step 0 (reference summaries, the first
+    #    calibrator fit on samples of the starting policy, the step-0 evaluation).
+    with open_run(cfg) as run:
+        acc, grpo = run.accelerator, cfg.loss.type == "grpo"
+        # 2. The steps, until max_steps, early stopping, stop_after_n_steps or a stop signal.
+        with stepping(run) as steps:
             for step in steps:
-                batch = training_step(run, step)  # rollout -> judge -> calibrate -> pairs -> update -> refit
-                after_step(run, batch)  # the scheduled checkpoint, the progress bar
-        return close_run(run)  # the kept policy, its final metrics, report.json
+                batch = PairBatch(step, next_batch(run.state, run.splits.train, cfg, acc))
+                with phase("rollout"), generation_context(run.model):  # 1. samples per article
+                    rollout_step(
+                        acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg,
+                        acc.process_index, run.learner.reuses_prompt_pass(len(batch.examples)),
+                    )  # fmt: skip
+                with phase("judge"):
+                    run.prefetch.wait()  # the article-side judge work, done during the last update
+                    if grpo:  # 2-3. each group's comparisons, judged and calibrated in one call
+                        judge_groups_step(run.train_judge, run.calibrator, cfg, batch)
+                    else:
+                        judge_step(run.train_judge, batch)  # 2. raw preference logits
+                    if step < cfg.max_steps:  # the next batch's article-side work, during this update
+                        run.prefetch.start(peek_batch(run.state, run.splits.train, cfg, acc))
+                    if grpo:
+                        make_advantages(batch, cfg.loss, run.state.judge_weight)  # 4. group-relative
+                    else:
+                        calibrate_step(run.calibrator, batch)  # 3. p = P(a better than b)
+                        make_pairs(batch, cfg.loss, run.state.judge_weight)  # 4. soft DPO targets
+                with phase("update"):
+                    policy_update(run.learner, batch, run.kl_ctl.coef)  # 5. one optimizer step
+                record_update(run, batch)
+                run.calibrator = maybe_recalibrate(  # 6. ECE monitor and refit on fresh samples
+                    step, run.state, run.calibrator, run.collect, cfg, run.train_judge
+                )
+                watch_divergence(run, step)  # 7. the judge against objective signals
+                # 3. Evaluation on the test split (reported) and early stopping on validation.
+                evaluate_when_due(run, step)
+                # 4. The scheduled checkpoint (resume_from continues exactly), the progress bar.
+                after_step(run, batch)
+        # 5. The kept policy (best validation under early stopping, else the last), its final
+        #    metrics, report.json, per_article.jsonl, policy/ and calibrated_judge/.
+        return close_run(run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except Stopped as err:  # a stop signal (stop_signals): its checkpoint is written; how to continue
-        sys.stderr.write(f"feedback_loop: {err}\n")
-        return err.exit_status
-
-
-def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config (configs/feedback_loop/*.yaml)")
-    parser.add_argument("--ablate", action="store_true", help="run every arm x seed and write results.md")
-    parser.add_argument(
-        "--job", metavar="ARM:SEED", help="run one job of the ablation grid (skipped when done)"
-    )
-    parser.add_argument(
-        "--aggregate", action="store_true", help="write results.* from the ablation's job folders"
-    )
-    parser.add_argument(
-        "--allow-missing", action="store_true", help="with --aggregate: summarize the finished jobs only"
-    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. calibration.method=isotonic")
     args = parser.parse_args(argv)
     setup_logging()
     cfg = load_config(FeedbackLoopConfig, args.config, args.overrides)
-    if args.job:
-        print(json.dumps(run_ablation(cfg, job=args.job)))
-        return 0
-    if args.aggregate:
-        aggregate(cfg, allow_missing=args.allow_missing)
-        return 0
-    if args.ablate:
-        run_ablation(cfg)
-        return 0
-    report = train(cfg)
-    print(
-        json.dumps(
-            {
-                k: report[k]
-                for k in ("arm", "seed", "kept_step", "kept_reason", "num_refits", "final")
-                if k in report
-            },
-            indent=2,
-        )
-    )
+    try:
+        report = train(cfg)
+    except Stopped as err:  # a stop signal: its checkpoint is written; how to continue
+        sys.stderr.write(f"feedback_loop: {err}\n")
+        return err.exit_status
+    keys = ("arm", "seed", "kept_step", "kept_reason", "num_refits", "final", "interrupted", "checkpoint")
+    print(json.dumps({k: report[k] for k in keys if k in report}, indent=2))
     return 0
 
 

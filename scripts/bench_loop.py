@@ -131,7 +131,7 @@ def _gpu_peak_mb() -> float | None:
 
 def _prompts(cfg, n: int):
     from judgeloop.loop.rollout import PromptBuilder
-    from judgeloop.loop.runner import load_splits
+    from judgeloop.loop.state import load_splits
     from judgeloop.models import load_tokenizer
 
     splits = load_splits(cfg)
@@ -146,71 +146,42 @@ def _peak_rss_mb() -> float:
 
 
 def worker_ours(args: argparse.Namespace) -> dict:
-    from judgeloop.judges import build_judge
-    from judgeloop.loop.policy import load_policy
-    from judgeloop.loop.recalibration import build_calibrator
-    from judgeloop.loop.runner import (
-        JudgePrefetch,
-        Learner,
-        PairBatch,
-        calibrate_step,
-        judge_step,
-        make_accelerator,
-        make_optimizer,
-        make_pairs,
-        policy_update,
-        rollout_step,
-        shares_prompt_pass,
-    )
+    """Our loop as users run it: the step sequence of ``recipes/feedback_loop.py`` (``train``), timed per
+    phase through its ``phase`` hook; no evaluation, checkpoints or recalibration (the raw arm). The first
+    step is warm-up and not timed. Set-up (and the step-0 work of the raw arm: reference summaries and the
+    judge's coupling on a few calibration pairs) runs before the first step and is not timed either."""
+    import contextlib
+
+    from judgeloop.config import replace
+    from judgeloop.recipes import train
 
     cfg = _cfg(args)
-    exs, builder, _ = _prompts(cfg, args.batch_size * (args.steps + 1))
-    with tempfile.TemporaryDirectory() as logs:
-        acc = make_accelerator(cfg, Path(logs))  # the loop's own: device, mixed precision, autocast cache
-        model, tok, ref = load_policy(cfg.policy, 0, lean_cpu=acc.device.type == "cpu")
-        if ref is not None:
-            ref.to(acc.device)
-        judge = build_judge(cfg.judge)
-        cal = build_calibrator(cfg.calibration)
-        opt, sched = make_optimizer(model, cfg)
-        model, opt, sched = acc.prepare(model, opt, sched)
-        learner = Learner(
-            acc, model, ref, opt, sched, cfg.loss, cfg.optim.max_grad_norm, tok.pad_token_id,
-            cfg.optim.update_chunk_size, shares_prompt_pass(cfg, acc, model),
-        )  # fmt: skip
-        times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
-        # as the loop (runner.training_step): with judge_prefetch the next batch's article embeddings are
-        # computed on a background thread while this batch generates and updates
-        with acc.autocast():  # as runner.train: both passes and the judge (bf16 when asked); not generation
-            enabled = cfg.judge_prefetch if args.prefetch == "config" else args.prefetch == "on"
-            prefetch = JudgePrefetch(judge, enabled, cfg.judge_prefetch_threads)
-            try:
-                prefetch.start(exs[: args.batch_size])
-                for step in range(args.steps + 1):
-                    batch = PairBatch(step + 1, exs[step * args.batch_size : (step + 1) * args.batch_size])
-                    _sync()
-                    t0 = time.perf_counter()
-                    keep = learner.reuses_prompt_pass(len(batch.examples))
-                    rollout_step(acc.unwrap_model(model), tok, builder, batch, cfg, 0, keep)
-                    _sync()
-                    t1 = time.perf_counter()
-                    prefetch.wait()
-                    judge_step(judge, batch)
-                    if step < args.steps:
-                        prefetch.start(exs[(step + 1) * args.batch_size : (step + 2) * args.batch_size])
-                    calibrate_step(cal, batch)
-                    make_pairs(batch, cfg.loss)
-                    t2 = time.perf_counter()
-                    policy_update(learner, batch, 0.0)
-                    _sync()
-                    t3 = time.perf_counter()
-                    if step:
-                        times.append(t3 - t0)
-                        phases["rollout"] += t1 - t0
-                        phases["judge"] += t2 - t1
-                        phases["update"] += t3 - t2
-            finally:  # as the loop: no prefetch thread, and the caller's thread count back, on any error
-                prefetch.close()
+    times, phases = [], {"rollout": 0.0, "judge": 0.0, "update": 0.0}
+    current: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        _sync()
+        t0 = time.perf_counter()
+        yield
+        _sync()
+        current[name] = time.perf_counter() - t0
+        if name == "update":  # the step's last phase
+            if current.pop("warm", None) is not None:
+                times.append(sum(current.values()))
+                for k, v in current.items():
+                    phases[k] += v
+            current.clear()
+            current["warm"] = 0.0  # every step after the first is timed
+
+    with tempfile.TemporaryDirectory() as out:
+        overrides = [f"output_dir={out}", f"max_steps={args.steps + 1}", "eval_every_n_steps=0",
+                     "save_every_n_steps=0", "save_final_policy=false", "calibration.recalibrate_every_n_steps=0",
+                     "num_eval_articles=1", "num_validation_articles=0", "calibration.num_articles=2",
+                     "calibration.pairs_per_article=1", "calibration.extra_rounds=0"]  # fmt: skip
+        if args.prefetch != "config":
+            overrides.append(f"judge_prefetch={args.prefetch == 'on'}")
+        train(replace(cfg, overrides), phase=phase)
     return {
         "step_times": times,
         "phases_s": phases,

@@ -40,7 +40,7 @@ def main() -> int:
     from judgeloop.config import load_config
     from judgeloop.io import atomic_write_json
     from judgeloop.loop.config import FeedbackLoopConfig
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     with tempfile.TemporaryDirectory() as tmp:
         models = build_models(args.size, Path(tmp) / "models")

@@ -18,7 +18,9 @@ from judgeloop.distributed import full_state_dict, generation_context, is_zero3,
 from judgeloop.loop.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.rollout import Rollout, rollout
-from judgeloop.loop.runner import PairBatch, load_splits, make_accelerator, policy_update, setup_run
+from judgeloop.loop.setup import make_accelerator, setup_run
+from judgeloop.loop.state import load_splits
+from judgeloop.loop.steps import PairBatch, policy_update
 
 
 def job(out, mode, extra):

@@ -139,7 +139,7 @@ def _results(out: Path) -> dict:
 def one_process(tmp_path_factory):
     """The reference ablation: one process. Every job runs at ablation.threads_per_job (1) threads however
     it is launched, so the other launches compare bit for bit with it on any machine."""
-    from judgeloop.loop.ablation import run_ablation
+    from judgeloop.studies.ablation import run_ablation
 
     out = tmp_path_factory.mktemp("abl") / "one"
     run_ablation(_cfg(out, "ablation.num_workers=1"))
@@ -177,7 +177,7 @@ def test_ablation_writes_per_article_rows_paired_deltas_and_the_premise(one_proc
 def test_finished_jobs_are_skipped_and_a_changed_job_is_rerun(one_process, tmp_path):
     import shutil
 
-    from judgeloop.loop.ablation import run_job
+    from judgeloop.studies.ablation import run_job
 
     out = tmp_path / "copy"
     shutil.copytree(one_process, out)
@@ -228,7 +228,7 @@ def test_aggregate_refuses_jobs_at_other_thread_counts_and_names_other_kernels(o
     import shutil
 
     from judgeloop.config import ConfigError
-    from judgeloop.loop.ablation import aggregate
+    from judgeloop.studies.ablation_report import aggregate
 
     res = _results(one_process)  # every job at ablation.threads_per_job, on one machine: nothing to name
     assert res["numerics"]["threads"] == 1 and len(res["numerics"]["kernels"]) == 1
@@ -255,7 +255,7 @@ def test_aggregate_refuses_jobs_at_other_thread_counts_and_names_other_kernels(o
 
 
 def test_two_workers_give_the_same_numbers_as_one(one_process, tmp_path):
-    from judgeloop.loop.ablation import run_ablation
+    from judgeloop.studies.ablation import run_ablation
 
     out = tmp_path / "two"
     run_ablation(_cfg(out, "ablation.num_workers=2"))  # two workers x ablation.threads_per_job (1) each
@@ -263,7 +263,7 @@ def test_two_workers_give_the_same_numbers_as_one(one_process, tmp_path):
 
 
 def test_shared_start_work_changes_no_number(one_process, tmp_path):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     train(_cfg(tmp_path / "alone", "calibration.method=platt", "seed=1", "threads=1"))  # the jobs' count
     alone = json.loads((tmp_path / "alone" / "report.json").read_text())
@@ -278,7 +278,7 @@ def test_shared_start_work_changes_no_number(one_process, tmp_path):
 
 _KILL_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.runner as rn
+import judgeloop.loop.steps as rn
 from judgeloop.cli import main
 
 real = rn.maybe_recalibrate
@@ -303,7 +303,7 @@ def test_a_killed_job_rerun_with_the_same_job_continues_and_ends_with_the_same_r
     import sys
 
     from judgeloop.cli import main
-    from judgeloop.loop.ablation import run_job
+    from judgeloop.studies.ablation import run_job
 
     steps = ["max_steps=4", "eval_every_n_steps=2"]
     run_job(_cfg(tmp_path / "whole", *steps), "raw", 0)
@@ -352,7 +352,7 @@ def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, c
 
     from judgeloop.cli import main
     from judgeloop.config import ConfigError
-    from judgeloop.loop.ablation import aggregate
+    from judgeloop.studies.ablation_report import aggregate
 
     empty = tmp_path / "empty"  # no job has finished: an error naming the folder and --list-jobs
     args = ["ablate", "--config", str(TINY), *FAST, f"output_dir={empty}", "--aggregate"]
@@ -392,7 +392,7 @@ def test_absolute_intervals_stay_within_the_metric_range():
     """Two seeds far apart: the t-interval over seeds (t = 12.7) leaves [0, 1]; the two-level bootstrap of
     the per-article values stays inside the values' range, and a per-seed metric (ECE) with 2 seeds gets no
     interval but a reason; with 6 seeds, a percentile interval inside the seeds' range."""
-    from judgeloop.loop.ablation import article_cells, summarize
+    from judgeloop.studies.ablation_report import article_cells, summarize
 
     per_seed = {
         0: {f"a{i}": {"copy_rate": v} for i, v in enumerate([1.0, 1.0, 0.9, 1.0, 1.0, 0.95])},
@@ -444,7 +444,7 @@ def test_results_open_with_a_reversed_judge(one_process, tmp_path):
     the judge reversed in its first lines, before the premise; the real grid's judge is not."""
     import shutil
 
-    from judgeloop.loop.ablation import aggregate
+    from judgeloop.studies.ablation_report import aggregate
 
     assert "is reversed" not in (one_process / "results.md").read_text()
     out = tmp_path / "reversed"

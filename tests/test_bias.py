@@ -79,7 +79,7 @@ def test_extractive_target_reads_the_extractive_references():
     assert got > 0  # the lead sentence is the extractive reference itself
     # the loop's judge step hands it the extractive references as well
     from judgeloop.loop.rollout import Rollout
-    from judgeloop.loop.runner import PairBatch, judge_step
+    from judgeloop.loop.steps import PairBatch, judge_step
 
     roll = Rollout(prompts=[[1]], a_ids=[[1]], b_ids=[[1]], articles=[ex.article], a_text=[a], b_text=[b])
     assert judge_step(ext, PairBatch(1, [ex], rollout=roll)).scores[0] == pytest.approx(got)

@@ -37,7 +37,7 @@ def test_bad_device_values_are_config_errors():
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
 def test_cuda_without_a_gpu_stops_before_any_work(tmp_path):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     out = tmp_path / "run"
     cfg = load_config(FeedbackLoopConfig, TINY, ["device=cuda", f"output_dir={out}"])
@@ -88,7 +88,7 @@ def test_bf16_policy_keeps_float32_master_weights_and_trains_at_a_small_lr():
     """policy.dtype=bfloat16: the trained weights stay float32 (AdamW at lr 1e-6 on bf16 weights loses
     almost every update), the frozen weights are bf16; frozen_fp32 (FSDP) keeps every weight float32."""
     from judgeloop.loop.policy import load_policy
-    from judgeloop.loop.runner import make_optimizer
+    from judgeloop.loop.setup import make_optimizer
 
     cfg = load_config(
         FeedbackLoopConfig, TINY, ["policy.dtype=bfloat16", "policy.sft_steps=0", "optim.learning_rate=1e-6"]
@@ -127,7 +127,7 @@ CACHE_PROBE = r"""
 import sys, torch
 from judgeloop.config import load_config
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.runner import make_accelerator
+from judgeloop.loop.setup import make_accelerator
 cfg = load_config(FeedbackLoopConfig, sys.argv[1], sys.argv[3:])
 acc = make_accelerator(cfg, __import__("pathlib").Path(sys.argv[2]))
 with acc.autocast():
@@ -164,7 +164,7 @@ def test_generation_autocast_off_reaches_a_prepared_model():
     from accelerate.state import AcceleratorState, GradientState
 
     from judgeloop.loop.rollout import generate
-    from judgeloop.loop.runner import mixed_precision_kwargs
+    from judgeloop.loop.setup import mixed_precision_kwargs
     from judgeloop.models import load_causal_lm, load_tokenizer
 
     cfg = load_config(FeedbackLoopConfig, TINY, ["generation.max_new_tokens=3"])
@@ -197,7 +197,7 @@ def test_a_chunked_update_equals_the_whole_batch_update():
     from accelerate import Accelerator
 
     from judgeloop.loop.rollout import Rollout
-    from judgeloop.loop.runner import Learner, PairBatch, policy_update
+    from judgeloop.loop.steps import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
 
     cfg = load_config(FeedbackLoopConfig, TINY, ["loss.kl_coef=0.2"])
@@ -250,7 +250,7 @@ def test_the_prompt_pass_is_shared_only_at_one_precision(overrides, shared):
     leaves it, unless generation.autocast."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from judgeloop.loop.runner import make_accelerator, shares_prompt_pass
+    from judgeloop.loop.setup import make_accelerator, shares_prompt_pass
     from judgeloop.models import load_causal_lm
 
     cfg = load_config(FeedbackLoopConfig, TINY, ["device=cpu", *overrides])

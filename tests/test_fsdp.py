@@ -32,7 +32,7 @@ from judgeloop.loop.checkpoint import export_policy, load_policy_weights, save_p
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
 from judgeloop.loop.policy import load_policy
 from judgeloop.loop.rollout import Rollout, generate
-from judgeloop.loop.runner import Learner, PairBatch, policy_update
+from judgeloop.loop.steps import Learner, PairBatch, policy_update
 
 out, root, lora = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "lora"
 acc = Accelerator(cpu=True)

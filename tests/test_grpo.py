@@ -292,7 +292,7 @@ def test_judgeloop_train_runs_grpo_for_raw_platt_and_oracle(grpo_runs):
 
 
 def test_a_grpo_run_resumed_from_its_checkpoint_equals_the_uninterrupted_one(grpo_runs):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     root, reports = grpo_runs
     base = [*GRPO, "calibration.method=platt", f"output_dir={root / 'cut'}", f"start_cache={root / 'cache'}"]
@@ -311,7 +311,7 @@ def test_a_chunked_grpo_update_equals_the_whole_batch_one(grpo_runs):
     """optim.update_chunk_size=1 (one article's group per forward/backward, so the rollout's prompt pass is
     not reused either) gives the run of the whole-batch update that reuses it: the token normalizer and
     the KL share are the batch's in every chunk."""
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     root, reports = grpo_runs
     over = [

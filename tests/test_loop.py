@@ -203,7 +203,7 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     from accelerate import Accelerator
 
     from judgeloop.loop.config import LossConfig
-    from judgeloop.loop.runner import Learner, PairBatch, policy_update
+    from judgeloop.loop.steps import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
 
     acc = Accelerator(cpu=True)
@@ -246,7 +246,8 @@ def test_recalibration_schedule_fires_when_it_should():
 
 def test_maybe_recalibrate_refits_on_high_monitored_ece():
     from judgeloop.calibration import make_calibrator
-    from judgeloop.loop.runner import LoopState, maybe_recalibrate
+    from judgeloop.loop.state import LoopState
+    from judgeloop.loop.steps import maybe_recalibrate
 
     rng = np.random.default_rng(0)
     n = 80
@@ -373,7 +374,7 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_exact_resume_after_interruption(tmp_path):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     full = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'full'}"]))
     part = train(
@@ -431,7 +432,7 @@ def test_exact_resume_after_interruption(tmp_path):
 def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
     from safetensors.torch import load_file
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     lora = [*FAST, "policy.lora=true", "policy.lora_target_modules=[q_proj,v_proj]", "max_steps=2"]
     lora += ["eval_every_n_steps=0", "calibration.recalibrate_every_n_steps=0"]
@@ -459,7 +460,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path)
 # presses Ctrl-C (SIGINT) at one exact point of the run. Only the timing is patched; the run is the real one.
 _FAULT_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.runner as rn
+import judgeloop.loop.steps as rn
 from judgeloop.cli import main
 
 fault = os.environ["JL_FAULT"]
@@ -489,7 +490,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     out = tmp_path_factory.mktemp("uninterrupted")
     report = train(  # at the faulted run's thread count: equal numbers need equal reduction orders
@@ -508,7 +509,7 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
     import subprocess
     import sys
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     full_dir, full = uninterrupted
     out = tmp_path / "run"
@@ -566,7 +567,7 @@ def test_the_loop_saves_its_final_calibrated_judge(uninterrupted):
 
 _SIGNAL_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.runner as rn
+import judgeloop.loop.steps as rn
 from judgeloop.cli import main
 
 sig = getattr(signal, os.environ["JL_SIGNAL"])
@@ -602,7 +603,7 @@ def test_a_stop_signal_checkpoints_the_step_then_resume_equals_the_uninterrupted
     import subprocess
     import sys
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     full_dir, full = uninterrupted
     out = tmp_path / "run"
@@ -646,7 +647,7 @@ def test_a_stop_signal_checkpoints_the_step_then_resume_equals_the_uninterrupted
 def test_resume_from_auto_starts_fresh_then_takes_the_newest_checkpoint(tmp_path, caplog):
     import logging
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     common = [*FAST, f"output_dir={tmp_path}", "resume_from=auto", "max_steps=2"]
     with caplog.at_level(logging.INFO, logger="judgeloop"):
@@ -674,7 +675,7 @@ def test_resume_from_auto_starts_fresh_then_takes_the_newest_checkpoint(tmp_path
 )
 def test_resume_refuses_a_changed_config_naming_the_key(tmp_path, change, resume_checkpoint):
     from judgeloop.config import ConfigError
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     key = change.split("=")[0]
     with pytest.raises(ConfigError, match=f"would change the run: {key}: "):
@@ -690,7 +691,7 @@ def test_resume_refuses_a_changed_config_naming_the_key(tmp_path, change, resume
 
 @pytest.fixture(scope="module")
 def resume_checkpoint(tmp_path_factory):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     out = tmp_path_factory.mktemp("ckpt")
     part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "stop_after_n_steps=1"]))
@@ -703,7 +704,7 @@ def test_a_resume_at_another_thread_count_says_results_will_differ(tmp_path, res
     import logging
     import shutil
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     saved = json.loads((Path(resume_checkpoint) / "state.json").read_text())["numerics"]
     assert [set(s) for s in saved] == [{"from_step", "threads", "device", "precision", "kernels"}]
@@ -757,7 +758,7 @@ def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
     Run on one intra-op thread, so that no core split happens and the comparison can be exact: with
     several threads the split gives the policy fewer threads, which changes float rounding only.
     """
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     cached = [o for o in FAST if not o.startswith("judge.cache_size")] + [
         "max_steps=3",
@@ -799,7 +800,7 @@ def test_judge_prefetch_auto_rule_and_core_split():
     auto = JudgePrefetch(judge)
     assert auto._pool is None
     auto.close()
-    from judgeloop.loop.runner import load_splits
+    from judgeloop.loop.state import load_splits
 
     batch = load_splits(cfg).train[:2]
     threads = torch.get_num_threads()
@@ -833,7 +834,8 @@ def test_early_stopping_unit(tmp_path):
     """Patience counts evaluations without improvement; the best policy is saved when validation improves."""
     from accelerate import Accelerator
 
-    from judgeloop.loop.runner import LoopState, early_stopping
+    from judgeloop.loop.evaluation import early_stopping
+    from judgeloop.loop.state import LoopState
     from judgeloop.models import load_causal_lm
 
     acc = Accelerator(cpu=True)
@@ -863,7 +865,7 @@ def test_early_stopping_restores_the_best_validation_policy(tmp_path):
     validation step (chosen without the test split), and exports that policy, not the last one."""
     from safetensors.torch import load_file
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     over = [
         *FAST,
@@ -985,7 +987,7 @@ def test_a_run_sharing_the_prompt_pass_equals_one_that_does_not(tmp_path, monkey
     """optim.share_prompt_pass (on by default) takes effect in the loop, and the run's log and final metrics
     are those of a run whose update runs the prompts itself (up to float rounding)."""
     from judgeloop.loop import rollout as rollout_module
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     used = []
     real = rollout_module._logprobs_on_prefix
@@ -1037,13 +1039,8 @@ def test_bf16_loop_context_serves_updated_weights():
     from judgeloop.loop.losses import targets_from_probs
     from judgeloop.loop.policy import load_policy
     from judgeloop.loop.rollout import PromptBuilder, rollout, token_logprobs
-    from judgeloop.loop.runner import (
-        Learner,
-        PairBatch,
-        make_optimizer,
-        mixed_precision_kwargs,
-        policy_update,
-    )
+    from judgeloop.loop.setup import make_optimizer, mixed_precision_kwargs
+    from judgeloop.loop.steps import Learner, PairBatch, policy_update
 
     cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", "optim.learning_rate=0.05"])
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -1078,7 +1075,7 @@ def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
     finite losses; master weights stay float32."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -1109,8 +1106,9 @@ def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pair
 
     from judgeloop.judges import build_judge
     from judgeloop.loop.policy import load_policy
+    from judgeloop.loop.recalibration import collect_calibration_pairs
     from judgeloop.loop.rollout import PromptBuilder
-    from judgeloop.loop.runner import collect_calibration_pairs, load_splits
+    from judgeloop.loop.state import load_splits
 
     def collect(*over: str):
         cfg = load_config(
@@ -1181,7 +1179,7 @@ def test_generation_runs_outside_autocast_unless_asked(inside):
     ],
 )
 def test_an_unresolvable_model_is_one_config_error_before_any_work(tmp_path, override, message):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path}", override])
     with pytest.raises(ConfigError, match=re.escape(message)):  # offline here: no hub retries first
@@ -1189,27 +1187,34 @@ def test_an_unresolvable_model_is_one_config_error_before_any_work(tmp_path, ove
     assert not (tmp_path / "config.yaml").exists()  # nothing written
 
 
-def test_the_recipe_runs_the_loop_it_spells_out(tmp_path):
-    """recipes/feedback_loop.py writes out the step loop (open_run -> stepping -> training_step ->
-    after_step -> close_run); run as a script it trains and reports like ``judgeloop train``."""
+def test_judgeloop_train_and_accelerate_launch_of_the_recipe_give_the_same_report(tmp_path):
+    """``judgeloop train`` runs recipes/feedback_loop.py (one copy of the loop): the CLI and
+    ``accelerate launch recipes/feedback_loop.py`` on the same config write the same report.json and
+    per_article.jsonl, and the recipe prints the report's head."""
     import subprocess
     import sys
 
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "feedback_loop.py"), "--config", str(TINY), *FAST,
-         "max_steps=2", "eval_every_n_steps=2", f"output_dir={out}"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    printed = json.loads(proc.stdout[proc.stdout.index("{") :])
-    report = json.loads((out / "report.json").read_text())
-    assert printed["kept_step"] == report["kept_step"] == 2
-    assert report["steps_run"] == 2 and (out / "policy").is_dir()
+    args = ["--config", str(TINY), *FAST, "max_steps=2", "eval_every_n_steps=2", "threads=1"]
+    cli, launched = tmp_path / "cli", tmp_path / "launched"
+    runs = [
+        [sys.executable, "-m", "judgeloop.cli", "train", *args, f"output_dir={cli}"],
+        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "recipes" / "feedback_loop.py"),
+         *args, f"output_dir={launched}"],
+    ]  # fmt: skip
+    procs = [subprocess.run(cmd, capture_output=True, text=True, timeout=600) for cmd in runs]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(procs[1].stdout[procs[1].stdout.index("{") :])
+    report = json.loads((launched / "report.json").read_text())
+    assert printed["kept_step"] == report["kept_step"] == 2 and report["steps_run"] == 2
+    assert (cli / "report.json").read_bytes() == (launched / "report.json").read_bytes()
+    assert (cli / "per_article.jsonl").read_bytes() == (launched / "per_article.jsonl").read_bytes()
+    assert (launched / "policy").is_dir()
 
 
 def test_a_batch_the_train_split_cannot_fill_stops_before_any_output(tmp_path):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     out = tmp_path / "run"
     cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, "batch_size=5000", f"output_dir={out}"])

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from judgeloop.loop.config import LossConfig
 from judgeloop.loop.rollout import Rollout
-from judgeloop.loop.runner import Learner, PairBatch, policy_update
+from judgeloop.loop.steps import Learner, PairBatch, policy_update
 from judgeloop.models import load_causal_lm
 import copy
 
@@ -132,7 +132,7 @@ import json, os, sys
 from pathlib import Path
 from judgeloop.config import load_config
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.runner import make_accelerator, make_optimizer
+from judgeloop.loop.setup import make_accelerator, make_optimizer
 from judgeloop.models import load_causal_lm
 
 root = Path(sys.argv[2])
@@ -195,7 +195,9 @@ from judgeloop.data import load_examples
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.evaluation import greedy_summaries
 from judgeloop.loop.rollout import PromptBuilder
-from judgeloop.loop.runner import make_accelerator, real_part, shard, train
+from judgeloop.loop.setup import make_accelerator
+from judgeloop.distributed import real_part, shard
+from judgeloop.recipes import train
 from judgeloop.models import load_causal_lm, load_tokenizer
 
 out, root = Path(sys.argv[1]), Path(sys.argv[2])

@@ -206,7 +206,7 @@ FAST = [
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     return train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / name}", *overrides]))
 

@@ -46,7 +46,7 @@ def _mlflow_run(uri: str, experiment: str, run_name: str):
     not (HAVE_TB and HAVE_MLFLOW), reason="tensorboard and mlflow(-skinny) are dev dependencies"
 )
 def test_the_loop_logs_to_tensorboard_and_mlflow_and_both_read_back(tmp_path, monkeypatch):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
     from test_loop import FAST  # tests/ is on sys.path under pytest
 
     uri = f"file:{tmp_path / 'mlruns'}"
@@ -74,7 +74,7 @@ def test_the_loop_logs_to_tensorboard_and_mlflow_and_both_read_back(tmp_path, mo
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="checks a tracker that is absent")
 def test_a_tracker_that_is_not_installed_is_a_one_line_error_before_any_work(tmp_path):
-    from judgeloop.loop.runner import train
+    from judgeloop.recipes import train
 
     out = tmp_path / "run"
     cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={out}", "log_with=[jsonl,wandb]"])
@@ -95,7 +95,7 @@ def test_an_unknown_tracker_names_the_valid_ones():
 
 
 def test_ablation_jobs_are_named_runs_in_one_group(tmp_path):
-    from judgeloop.loop.ablation import arm_config
+    from judgeloop.studies.ablation import arm_config
 
     cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={tmp_path / 'study'}"])
     jobs = [arm_config(cfg, arm, seed) for arm in ("raw", "platt") for seed in (0, 1)]

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from judgeloop.config import ConfigError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -326,3 +329,21 @@ def prepare_for_inference(model: Any, accelerator: Any) -> Any:
     )
     engine.eval()  # pragma: no cover
     return engine.module  # pragma: no cover - forwards gather through the engine's hooks
+
+
+def shard(items: Sequence[Any], accelerator: Accelerator) -> list[Any]:
+    """This process's share of ``items`` (every ``num_processes``-th item, from its index), padded so that
+    every process gets the same number: the last item repeats where a process would have one fewer.
+
+    Under FSDP and ZeRO-3 each forward pass is a collective (every rank gathers the weights), so a rank
+    with one batch fewer would leave the others waiting forever. Results for the padding are dropped
+    with :func:`real_part` before they are gathered.
+    """
+    n, size = len(items), accelerator.num_processes
+    padded = list(items) + [items[-1]] * (-n % size) if n else []
+    return padded[accelerator.process_index :: size]
+
+
+def real_part(results: Sequence[Any], num_items: int, accelerator: Accelerator) -> list[Any]:
+    """The results of this process's real items of a :func:`shard` of ``num_items`` (the padding dropped)."""
+    return list(results[: len(range(accelerator.process_index, num_items, accelerator.num_processes))])

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from judgeloop.config import ConfigError
-from judgeloop.loop.ablation import aggregate, jobs, parse_job, run_ablation
 from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.studies.ablation import jobs, parse_job, run_ablation
+from judgeloop.studies.ablation_report import aggregate
 
 __all__ = ["FeedbackLoopConfig", "run"]
 

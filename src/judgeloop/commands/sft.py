@@ -14,7 +14,8 @@ from typing import Any
 
 from judgeloop.devices import check_device
 from judgeloop.logging import get_logger
-from judgeloop.raft.sft import SftConfig, recipe_path
+from judgeloop.raft.sft import SftConfig
+from judgeloop.recipes import recipe_path
 from judgeloop.tracking import check_trackers
 
 logger = get_logger(__name__)
@@ -35,7 +36,7 @@ def run(cfg: SftConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     cfg_path = out / "sft_config.yaml"
     atomic_write_text(cfg_path, to_yaml(cfg))
-    recipe = recipe_path()
+    recipe = recipe_path("sft_raft.py")
     if cfg.launch == "inline":
         argv = sys.argv
         try:

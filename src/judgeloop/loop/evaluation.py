@@ -7,27 +7,44 @@ sampled summary per article), the share of summaries each reward-hacking detecto
 (:mod:`judgeloop.judges.hacking`: injected verdicts, repetition, a copied lead, keyword stuffing, empty),
 the judge's win rate of the policy's summary against the reference
 policy's, and the calibrator's ECE on (greedy, sampled) pairs labeled by neutral ROUGE-L.
+
+The loop's glue is here too: :func:`run_evaluation` (one evaluation of a run, sharded over processes),
+:func:`reference_summaries` (the reference policy's, once), :func:`evaluate_when_due` (the scheduled
+evaluation after a step) and :func:`early_stopping` (the best validation policy, and patience).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
+from judgeloop.distributed import real_part, shard
 from judgeloop.judges import Judge, references_for
 from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
-from judgeloop.loop.config import GenerationConfig
+from judgeloop.logging import get_logger
+from judgeloop.loop.checkpoint import save_policy
+from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
 from judgeloop.loop.recalibration import CalibrationPairs, label_pairs, pair_ece
-from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
+from judgeloop.loop.rollout import PromptBuilder, decode, derive_seed, generate, token_logprobs
+from judgeloop.loop.state import LoopState, Splits, finite_or_none
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
+
+if TYPE_CHECKING:
+    from judgeloop.loop.setup import LoopRun
+    from judgeloop.loop.shared import StartWork
+
+logger = get_logger(__name__)
 
 
 @contextlib.contextmanager
@@ -206,3 +223,157 @@ def merge_pairs(parts: Sequence[dict[str, Any]]) -> CalibrationPairs:
             else:
                 setattr(out, name, getattr(out, name) + value)
     return out
+
+
+def run_evaluation(
+    accelerator: Accelerator,
+    model: Any,
+    ref: Any | None,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    splits: Splits,
+    state: LoopState,
+    judge: Judge,
+    train_judge: Judge,
+    calibrator: Calibrator,
+    cfg: FeedbackLoopConfig,
+    step: int,
+    start: StartWork | None = None,
+) -> dict[str, float]:
+    """Test-split metrics (reported, never used to choose a checkpoint) and validation ROUGE-L.
+
+    The per-article rows (summary, sample, every text metric, win, KL) are kept in
+    ``state.per_article`` with their step. ``start``: at step 0, the starting policy's shared outputs.
+    """
+    unwrapped = accelerator.unwrap_model(model)
+    ids = list(range(len(splits.test)))
+    mine = shard(ids, accelerator)
+    exs = [splits.test[i] for i in mine]
+    seed = derive_seed(cfg.seed, "eval", step, accelerator.process_index)
+    greedy = sampled = val_greedy = None
+    gen, bs = cfg.generation, cfg.eval_batch_size
+    if start is not None and start.cache is not None:
+        with eval_mode(unwrapped):
+            greedy = start.greedy(
+                "policy", exs, lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, exs, gen, bs)
+            )
+            kls, samples = start.get(
+                "sampled",
+                {
+                    "policy": start.policy_fp,
+                    "reference": start.ref_fp,
+                    "seed": seed,
+                    "ids": [e.id for e in exs],
+                },
+                lambda: list(sampled_kl(unwrapped, ref, tokenizer, build_prompt, exs, gen, bs, seed)),
+            )
+            sampled = ([float("nan") if k is None else k for k in kls], samples)
+            vexs = shard(splits.validation, accelerator)
+            if vexs:
+                val_greedy = start.greedy(
+                    "policy",
+                    vexs,
+                    lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs),
+                )
+    rows = evaluate_shard(
+        unwrapped,
+        ref,
+        tokenizer,
+        build_prompt,
+        exs,
+        [state.ref_summaries[i] for i in mine],
+        judge,
+        gen,
+        bs,
+        seed=seed,
+        greedy=greedy,
+        sampled=sampled,
+    )
+    rows = real_part(rows, len(ids), accelerator)
+    pairs = merge_pairs(gather_object([shard_pairs(rows, {e.id: e for e in exs}, train_judge).as_dict()]))
+    rows = gather_object(rows)
+    state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
+    metrics = aggregate(rows, pairs, calibrator, cfg.calibration.num_bins)
+    if splits.validation:
+        vexs = shard(splits.validation, accelerator)
+        if val_greedy is None:
+            with eval_mode(unwrapped):
+                val_greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs)
+        n_val = len(splits.validation)
+        val = gather_object(real_part(validation_metrics(vexs, val_greedy), n_val, accelerator))
+        for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
+            vals = np.array([v[key] for v in val], dtype=float)
+            metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+    metrics["step"] = step
+    metrics["num_refits"] = sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial")
+    return finite_or_none(metrics)
+
+
+def keeps_best(cfg: FeedbackLoopConfig) -> bool:
+    """Whether the run keeps its best validation policy: under early stopping, or when a divergence
+    alarm may stop it."""
+    return bool(cfg.early_stopping_patience or (cfg.alarms.enabled and cfg.alarms.action == "stop"))
+
+
+def early_stopping(
+    metrics: dict[str, float], state: LoopState, cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any
+) -> bool:
+    """Track the best validation ROUGE-L (saving that policy); True when patience is exhausted."""
+    val = metrics.get("val_rouge_l_neutral")
+    if val is None:
+        return False
+    if val > state.best_val + 1e-9:
+        state.best_val, state.best_step, state.bad_evals = val, int(metrics["step"]), 0
+        if keeps_best(cfg):  # every process: under FSDP / ZeRO-3 the weights are gathered
+            save_policy(Path(cfg.output_dir) / "best_policy", accelerator, model)
+        return False
+    state.bad_evals += 1
+    return bool(cfg.early_stopping_patience and state.bad_evals >= cfg.early_stopping_patience)
+
+
+def reference_summaries(
+    accelerator: Accelerator,
+    model: Any,
+    ref: Any | None,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    test: Sequence[SummExample],
+    cfg: FeedbackLoopConfig,
+    start: StartWork | None = None,
+) -> list[str]:
+    """Greedy summaries of the reference policy on the test articles (computed once: pi_ref never changes)."""
+    unwrapped = accelerator.unwrap_model(model)
+    mine = shard(list(range(len(test))), accelerator)
+    exs = [test[i] for i in mine]
+
+    def compute() -> list[str]:
+        if ref is not None:
+            return greedy_summaries(ref, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size)
+        with unwrapped.disable_adapter():
+            return greedy_summaries(
+                unwrapped, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size
+            )
+
+    out = start.greedy("reference", exs, compute) if start is not None else compute()
+    pairs = list(zip(mine, out))
+    pairs = gather_object(pairs)
+    texts = dict(pairs)
+    return [texts[i] for i in range(len(test))]
+
+
+def evaluate_when_due(run: LoopRun, step: int) -> None:
+    """Every ``eval_every_n_steps``: the test and validation metrics of the current policy (into the
+    history and the trackers), and the early-stopping check on validation ROUGE-L."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    if not (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0):
+        return
+    metrics = run.evaluate(step)
+    state.history.append(metrics)
+    acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+    if early_stopping(metrics, state, cfg, acc, run.model):
+        state.stopped_early = True
+        logger.info(
+            "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
+            "(best %.4f at step %d)",
+            step, cfg.early_stopping_patience, state.best_val, state.best_step,
+        )  # fmt: skip

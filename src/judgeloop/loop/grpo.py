@@ -2,7 +2,7 @@
 judge, and the GRPO term of one update chunk.
 
 Under grpo the step is still ``rollout -> judge -> calibrate -> rewards -> update``
-(:func:`judgeloop.loop.runner.training_step`): the rollout samples a group of k summaries per article;
+(the steps of :mod:`judgeloop.loop.steps`): the rollout samples a group of k summaries per article;
 the judge compares them inside each group and the arm's calibrator maps every comparison to p, both in
 one batched call (:func:`judge_groups`: the run's training judge and current calibrator wrapped in a
 :class:`~judgeloop.judges.calibrated.CalibratedJudge`, so every arm's calibrator applies as in DPO);
@@ -50,8 +50,8 @@ def judge_groups(
     examples: Sequence[SummExample],
     loss_cfg: LossConfig,
 ) -> GroupScores:
-    """Steps 2-3 under grpo: every comparison of every group judged in one call and calibrated by the
-    arm's current ``calibrator``; one reward per sample (``None`` where no comparison was valid)."""
+    """The work of the judge_groups_step (:mod:`judgeloop.loop.steps`): every comparison of every group
+    judged in one call and calibrated by the arm's current ``calibrator``; one reward per sample (``None`` where no comparison was valid)."""
     from judgeloop.judges.calibrated import CalibratedJudge
 
     calibrated = CalibratedJudge(judge_cfg, calibrator, judge=judge)

@@ -13,7 +13,7 @@ from judgeloop.judges import Judge, references_for
 
 
 class JudgePrefetch:
-    """The summary-independent half of step 2, one step ahead.
+    """The summary-independent half of judge_step, one step ahead.
 
     While the policy generates and updates on batch t, a background thread lets the judge do for
     batch t+1 what does not depend on the summaries (an embedding judge embeds the articles or

@@ -1,4 +1,4 @@
-"""Step 5 of the loop: (re)calibrate the judge on fresh policy samples from the ``calibration`` split.
+"""The loop's maybe_recalibrate step (:mod:`judgeloop.loop.steps`): (re)calibrate the judge on fresh policy samples from the ``calibration`` split.
 
 Fresh samples matter: the calibrator maps the judge's logit on the *current* policy's summaries,
 whose distribution drifts as the policy learns. Labels are neutral ROUGE labels (ties dropped).
@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from judgeloop.calibration import (
     CalibrationError,
@@ -25,9 +27,15 @@ from judgeloop.calibration import (
 )
 from judgeloop.config import ConfigError
 from judgeloop.data import LeakageError, SummExample, check_disjoint
+from judgeloop.distributed import generation_context, real_part, shard
 from judgeloop.judges import Judge, Pair, build_panel, references_for
-from judgeloop.loop.config import LoopCalibrationConfig
+from judgeloop.loop.config import FeedbackLoopConfig, LoopCalibrationConfig
 from judgeloop.loop.oracle import RougeOracleJudge
+from judgeloop.loop.rollout import PromptBuilder, derive_seed, rollout
+
+if TYPE_CHECKING:
+    from judgeloop.loop.shared import StartWork
+    from judgeloop.loop.state import Splits
 
 
 def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequence[SummExample]) -> None:
@@ -102,7 +110,7 @@ def features_for(
 def calibrate(
     calibrator: Calibrator, scores: np.ndarray, articles: Sequence[str], a: Sequence[str], b: Sequence[str]
 ) -> np.ndarray:
-    """Step 3: raw judge logits -> p = P(a better than b). NaN stays NaN (a failed judgement is skipped)."""
+    """calibrate_step's map: raw judge logits -> p = P(a better than b). NaN stays NaN (a failed judgement is skipped)."""
     return calibrator.predict_proba(scores, features_for(calibrator, articles, a, b))
 
 
@@ -367,3 +375,119 @@ def refit(
     rec = RefitRecord(step, reason, len(fit_pairs), len(hold_pairs), before, after, True)
     rec.set_intervals(ci)
     return new, rec
+
+
+def collect_calibration_pairs(
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    judge: Judge,
+    calibration: Sequence[SummExample],
+    cfg: FeedbackLoopConfig,
+    step: int,
+) -> CalibrationPairs:
+    """Fresh pairs for the calibrator: two samples of the *current* policy per calibration article,
+    judged and ROUGE-labeled (articles drawn from the calibration split only).
+
+    ``calibration.num_articles`` articles are drawn in a seeded order. Pairs whose two summaries tie on
+    ROUGE-L carry no label and are dropped; when that leaves fewer than ``calibration.min_points`` pairs
+    on the fit side (articles not held out), up to ``calibration.extra_rounds`` more batches of
+    ``num_articles`` articles are drawn from the same order, so a weak policy whose samples often tie
+    still gets a calibrator.
+    """
+    ccfg = cfg.calibration
+    order = np.random.RandomState(derive_seed(cfg.seed, "calib_articles", step)).permutation(len(calibration))
+    out = CalibrationPairs()
+    for round_ in range(ccfg.extra_rounds + 1):
+        pick = order[round_ * ccfg.num_articles : (round_ + 1) * ccfg.num_articles]
+        if not len(pick):
+            break
+        # round 0 keeps the seed the loop has always used; later rounds get their own
+        tag: tuple[Any, ...] = (step, accelerator.process_index) + ((round_,) if round_ else ())
+        picked = [calibration[i] for i in sorted(pick)]
+        rows = _calibration_rows(
+            accelerator,
+            model,
+            tokenizer,
+            build_prompt,
+            judge,
+            (shard(picked, accelerator), len(real_part(picked, len(picked), accelerator))),
+            cfg,
+            derive_seed(cfg.seed, "calib", *tag),
+        )
+        all_rows = gather_object(rows)
+        for r in all_rows:
+            if "ties" in r:
+                out.ties_dropped += r["ties"]
+                out.judge_failures += r["failures"]
+                continue
+            out.article_ids.append(r["id"])
+            out.articles.append(r["article"])
+            out.a.append(r["a"])
+            out.b.append(r["b"])
+            out.scores.append(r["s"])
+            out.labels.append(r["y"])
+            out.references.append(r["refs"])
+        fit = int((~holdout_mask(out.article_ids, ccfg.holdout_fraction, cfg.seed)).sum())
+        if fit >= ccfg.min_points:  # the same on every process: the rows were gathered
+            break
+    return out
+
+
+def _calibration_rows(
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    judge: Judge,
+    share: tuple[Sequence[SummExample], int],
+    cfg: FeedbackLoopConfig,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """This process's labeled pairs for its share of the calibration articles, plus one counts row.
+    ``share``: the padded shard and how many of its articles are real (the rest only keep the ranks'
+    generate calls in step)."""
+    mine, num_real = share
+    if not mine:
+        return []
+    with generation_context(model):
+        roll = rollout(
+            accelerator.unwrap_model(model),
+            tokenizer,
+            build_prompt,
+            [e.article for e in mine],
+            cfg.generation,
+            seed=seed,
+            num_pairs=cfg.calibration.pairs_per_article,
+        )
+    k = cfg.calibration.pairs_per_article
+    exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as rollout returns them
+    pairs = label_pairs(exs, roll.a_text[: len(exs)], roll.b_text[: len(exs)], judge)
+    rows: list[dict[str, Any]] = [
+        {"id": i, "article": a, "a": x, "b": y, "s": s, "y": lab, "refs": r}
+        for i, a, x, y, s, lab, r in zip(
+            pairs.article_ids, pairs.articles, pairs.a, pairs.b, pairs.scores, pairs.labels, pairs.references
+        )
+    ]
+    rows.append({"ties": pairs.ties_dropped, "failures": pairs.judge_failures})
+    return rows
+
+
+def initial_calibration_pairs(
+    start: StartWork, cfg: FeedbackLoopConfig, splits: Splits, collect: Any
+) -> CalibrationPairs:
+    """The step-0 calibration pairs: samples of the starting policy, judged and labeled; shared by the
+    calibrated arms of a seed (they differ only in the map fitted on these pairs)."""
+    ccfg = cfg.calibration
+    key = {
+        "policy_fp": getattr(start, "policy_fp", None),
+        "seed": cfg.seed,
+        "judge": dataclasses.asdict(cfg.judge),
+        "calibration_ids": [e.id for e in splits.calibration],
+        "sampling": [ccfg.num_articles, ccfg.extra_rounds, ccfg.pairs_per_article, ccfg.holdout_fraction],
+        "min_points": ccfg.min_points,
+    }
+    if ccfg.method == "panel":  # judged by the panel, not by the judge the other arms share
+        key["panel"] = dataclasses.asdict(ccfg.panel)
+    return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))

@@ -99,7 +99,7 @@ class PromptPrefix:
     (the optimizer steps after the update), so this pass is kept, its keys/values still attached to the
     autograd graph, and the update runs only the last prompt token and the summaries on top of it. Its
     values and gradients equal a fresh pass up to float rounding, provided the two passes run in the
-    same mode: no active dropout and the same precision (:func:`prefix_reusable` and the runner check).
+    same mode: no active dropout and the same precision (:func:`prefix_reusable` and :func:`judgeloop.loop.setup.shares_prompt_pass`).
     The graph holds the prompts' activations from the rollout until the update's backward.
     """
 
@@ -301,7 +301,7 @@ def rollout(
     keep_prefix: bool = False,
     num_samples: int = 2,
 ) -> Rollout:
-    """Step 1 of the loop: the policy samples two summaries per article (``2 * num_pairs`` for
+    """The loop's rollout_step: the policy samples two summaries per article (``2 * num_pairs`` for
     calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output), or
     a group of ``num_samples`` (GRPO; one draw, so the first two are the samples a k = 2 rollout gives).
     ``keep_prefix``: keep the policy's prompt pass for the update (:class:`PromptPrefix`)."""

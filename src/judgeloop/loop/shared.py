@@ -21,19 +21,24 @@ and reads its result. Values round-trip exactly (JSON keeps every float's repr).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 
+from judgeloop.data import SummExample
 from judgeloop.hashing import json_digest
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
+from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.evaluation import eval_mode
+from judgeloop.loop.rollout import PromptBuilder
 
 logger = get_logger(__name__)
 
@@ -83,3 +88,57 @@ class StartCache:
             atomic_write_json(path, {"kind": kind, "key": key, "value": value})
             self.misses += 1
             return value
+
+
+class StartWork:
+    """What the starting policy computes before step 1, shared with the other runs of an ablation.
+
+    With a :class:`StartCache` (``cfg.start_cache``, one process), each result is stored under a key
+    made of the model's fingerprint and every setting it depends on, so the runs that share them (every
+    arm of a seed; every seed too when the start is seed-free) compute it once. Without one, or under
+    several processes, everything is computed here as always. Either way the values are the same.
+    """
+
+    def __init__(
+        self,
+        cfg: FeedbackLoopConfig,
+        accelerator: Accelerator,
+        model: Any,
+        ref: Any | None,
+        tokenizer: Any,
+        build_prompt: PromptBuilder,
+        probe_article: str,
+    ):
+        self.cache: StartCache | None = None
+        if cfg.start_cache and accelerator.num_processes == 1:
+            self.cache = StartCache(cfg.start_cache)
+        elif cfg.start_cache:
+            logger.info("start_cache is ignored under %d processes", accelerator.num_processes)
+        if self.cache is None:
+            return
+        probe = torch.tensor([build_prompt(probe_article)])
+        unwrapped = accelerator.unwrap_model(model)
+        self.policy_fp = model_fingerprint(unwrapped, probe)
+        if ref is not None:
+            self.ref_fp = model_fingerprint(ref, probe)
+        else:
+            with unwrapped.disable_adapter():
+                self.ref_fp = model_fingerprint(unwrapped, probe)
+        self.base = {
+            "policy": dataclasses.asdict(cfg.policy),
+            "data": dataclasses.asdict(cfg.data),
+            "generation": dataclasses.asdict(cfg.generation),
+            "eval_batch_size": cfg.eval_batch_size,
+            "mixed_precision": cfg.mixed_precision,
+        }
+
+    def get(self, kind: str, key: dict[str, Any], compute: Any) -> Any:
+        if self.cache is None:
+            return compute()
+        return self.cache.get_or_compute(kind, {**self.base, **key}, compute)
+
+    def greedy(self, which: str, examples: Sequence[SummExample], compute: Any) -> list[str]:
+        """Greedy summaries of the starting policy (``which="policy"``) or the reference (``"reference"``):
+        one entry when their fingerprints agree (the LoRA reference is the start)."""
+        fp = None if self.cache is None else (self.policy_fp if which == "policy" else self.ref_fp)
+        return list(self.get("greedy", {"model": fp, "ids": [e.id for e in examples]}, compute))

@@ -154,11 +154,3 @@ def load_sft_dataset(cfg: SftConfig) -> Any:
     if cfg.completion_only:
         ds = ds.map(to_prompt_completion, remove_columns=[c for c in ds.column_names if c != "meta"])
     return ds.remove_columns(["meta"])
-
-
-def recipe_path() -> Path:
-    """``recipes/sft_raft.py`` of this checkout (the package lives in ``src/judgeloop``)."""
-    path = Path(__file__).resolve().parents[3] / "recipes" / "sft_raft.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"recipe {path} not found; run from a judgeloop source checkout")
-    return path

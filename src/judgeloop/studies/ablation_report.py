@@ -1,46 +1,29 @@
-"""The raw-vs-calibrated ablation: the same loop per arm x seed, on the same articles with the same seeds,
-compared on per-article differences paired on (seed, article).
+"""The ablation's report: from the job folders of an ablation (:mod:`judgeloop.studies.ablation`) to
+``results.json``, ``results.md``, ``curves.png`` and ``deltas.png``.
 
-An ablation is a grid of *jobs* (arm, seed), each an ordinary ``train`` run in
-``output_dir/ARM/seedS``. Jobs can run here one after another, several at once
-(``ablation.num_workers``), or one per cluster task (``judgeloop ablate --job ARM:SEED``), and
-:func:`aggregate` builds the summary from whatever job folders exist. A job whose ``report.json``
-exists and whose saved config matches is skipped, so an interrupted ablation continues where it
-stopped; a job whose config changed is rerun. The runs of an ablation share the starting policy's
-work (:mod:`judgeloop.loop.shared`) through ``output_dir/_shared``.
-
-Outputs under ``output_dir``:
-
-* ``results.json``: the premise check, paired deltas of every per-article final metric against the
-  baseline arm and against the starting policy (95% two-level bootstrap interval and minimum
-  detectable difference), per-arm means over seeds, curves, refits, and the path of every run's
-  ``per_article.jsonl`` (so every number can be recomputed);
-* ``results.md``: the premise sentence first, then the paired table, then absolute values;
-* ``curves.png`` (means over seeds with min-max bands) and ``deltas.png`` (a forest plot).
+Every final metric is compared per article, paired on (seed, article), against the baseline arm and
+against the starting policy (95% two-level bootstrap interval and minimum detectable difference); the
+premise check, the numerics every job ran with and the divergence alarms come first in results.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from judgeloop.calibration import CalibrationError
-from judgeloop.config import config_changes, default_dict, migrate, replace, to_yaml
-from judgeloop.devices import on_cpu
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
-from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.stats import PREMISE_METRICS, paired_bootstrap, paired_matrix, premise_check
+from judgeloop.studies.ablation import job_dir, jobs
 
 logger = get_logger(__name__)
+
 
 FINAL_METRICS = (
     "rouge_l_neutral",
@@ -59,213 +42,8 @@ FINAL_METRICS = (
 PAIRED_METRICS = (*(m for m in FINAL_METRICS if m not in ("win_rate", "ece")), "win")
 TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "kl", "win_rate", "ece")
 DELTA_TABLE = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "novel_bigram_rate", "length", "win")
-# Keys that cannot change a job's results: a finished job with only these different is not rerun. They are
-# the keys a resume may change, except max_steps (a resumed run may extend; a finished job of other length
-# is another job) and threads (a job at another thread count rounds differently: it is rerun, so a grid's
-# jobs stay at one count).
-NON_RESULT_KEYS = tuple(k for k in RESUME_FREE_KEYS if k not in ("max_steps", "threads"))
 
 
-# --- jobs -------------------------------------------------------------------------------------------
-
-
-def jobs(cfg: FeedbackLoopConfig) -> list[tuple[str, int]]:
-    """Every (arm, seed) of the ablation, in run order (arm-major: the arms of one seed reuse its start)."""
-    return [(arm, seed) for arm in cfg.ablation.arms for seed in cfg.ablation.seeds]
-
-
-def parse_job(text: str, cfg: FeedbackLoopConfig) -> tuple[str, int]:
-    """``"platt:1"`` -> ("platt", 1), checked against the ablation's arms and seeds."""
-    arm, sep, seed = text.partition(":")
-    if not sep or not seed.lstrip("-").isdigit():
-        raise ValueError(
-            f"--job {text!r} is not ARM:SEED; e.g. --job {cfg.ablation.arms[0]}:{cfg.ablation.seeds[0]}"
-        )
-    if (arm, int(seed)) not in jobs(cfg):
-        raise ValueError(
-            f"--job {text!r} is not in this ablation (arms {cfg.ablation.arms}, seeds {cfg.ablation.seeds}); "
-            "list them with --list-jobs"
-        )
-    return arm, int(seed)
-
-
-def job_dir(cfg: FeedbackLoopConfig, arm: str, seed: int) -> Path:
-    """The folder of one ablation job: ``OUTPUT_DIR/ARM/seedSEED``."""
-    return Path(cfg.output_dir) / arm / f"seed{seed}"
-
-
-def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConfig:
-    """The config of one job: the arm's method, the seed, its own folder, the shared start cache."""
-    shared = str(Path(cfg.output_dir) / "_shared") if cfg.ablation.share_start_work else "null"
-    return replace(
-        cfg,
-        [
-            f"calibration.method={arm}",
-            f"seed={seed}",
-            f"output_dir={job_dir(cfg, arm, seed)}",
-            "resume_from=auto",  # a job stopped or killed mid-run continues from its newest checkpoint
-            f"save_every_n_steps={cfg.ablation.save_every_n_steps}",
-            f"keep_checkpoints={cfg.keep_checkpoints or 1}",
-            "stop_after_n_steps=null",
-            f"start_cache={shared}",
-            f"run_name={arm}-seed{seed}",  # one dashboard run per job, grouped by the ablation's folder
-            f"run_group={cfg.run_group or Path(cfg.output_dir).name}",
-            f"threads={'null' if cfg.ablation.threads_per_job is None else cfg.ablation.threads_per_job}",
-        ],
-    )
-
-
-def result_key(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """The part of a config (as a dict) that can change a job's results."""
-    return {k: v for k, v in cfg_dict.items() if k not in NON_RESULT_KEYS}
-
-
-def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
-    """``done`` (report exists, config matches), ``changed`` (report exists, config differs: the
-    differences are returned) or ``todo``."""
-    folder = Path(job_cfg.output_dir)
-    if not (folder / "report.json").is_file() or not (folder / "config.yaml").is_file():
-        return "todo", []
-    saved = result_key(migrate(type(job_cfg), yaml.safe_load((folder / "config.yaml").read_text()) or {}))
-    new = result_key(yaml.safe_load(to_yaml(job_cfg)))
-    changes = config_changes(saved, new, defaults=default_dict(type(job_cfg)))
-    return ("changed", changes) if changes else ("done", [])
-
-
-def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
-    """Run one job unless it is already done; returns {"arm", "seed", "status", "dir"[, "error"]}."""
-    from judgeloop.loop.runner import train
-
-    job_cfg = arm_config(cfg, arm, seed)
-    folder = Path(job_cfg.output_dir)
-    status, changes = job_status(job_cfg)
-    if status == "done":
-        logger.info("ablation: %s:%d already done in %s; skipped", arm, seed, folder)
-        return {"arm": arm, "seed": seed, "status": "skipped", "dir": str(folder)}
-    if status == "changed":
-        logger.info("ablation: %s:%d config changed (%s); rerunning", arm, seed, "; ".join(changes[:5]))
-    can_resume = status != "changed" and resumable(job_cfg)
-    if can_resume:
-        logger.info("ablation: %s:%d continues from its newest checkpoint", arm, seed)
-    elif folder.exists():
-        # a stale run, or a half-finished one with no checkpoint this config can continue: start clean, so
-        # no old file survives into the new one
-        stale = folder.with_name(f".{folder.name}.stale")
-        if stale.exists():
-            shutil.rmtree(stale)
-        os.replace(folder, stale)
-        shutil.rmtree(stale)
-    (folder / "failed.json").unlink(missing_ok=True)
-    logger.info("ablation: arm=%s seed=%d", arm, seed)
-    try:
-        train(job_cfg)
-    except CalibrationError as err:  # a failed run is reported as failed, never as numbers
-        logger.error("ablation: arm=%s seed=%d failed: %s", arm, seed, err)
-        atomic_write_json(folder / "failed.json", {"arm": arm, "seed": seed, "error": str(err)})
-        return {"arm": arm, "seed": seed, "status": "failed", "dir": str(folder), "error": str(err)}
-    return {"arm": arm, "seed": seed, "status": "ran", "dir": str(folder)}
-
-
-def resumable(job_cfg: FeedbackLoopConfig) -> bool:
-    """Whether the job's folder holds a checkpoint its config can continue from (``resume_from: auto``
-    will take it); one made with a config that would change the run is not."""
-    from judgeloop.config import ConfigError
-    from judgeloop.loop.checkpoint import checked_resume, latest_checkpoint, remove_orphans
-
-    folder = Path(job_cfg.output_dir)
-    if not folder.is_dir():
-        return False
-    remove_orphans(folder)  # a write killed between its two renames leaves the checkpoint as .NAME.old
-    found = latest_checkpoint(folder)
-    if found is None:
-        return False
-    try:
-        checked_resume(to_yaml(job_cfg), found, RESUME_FREE_KEYS, default_dict(type(job_cfg)), type(job_cfg))
-    except ConfigError as err:
-        logger.info("ablation: %s is not continued: %s", found, err)
-        return False
-    return True
-
-
-# Resident memory of one SmolLM2-135M job with the MiniLM judge, measured (3.4 GiB peak), rounded up.
-JOB_MEMORY_GIB = 4.0
-
-
-def default_workers(cfg: FeedbackLoopConfig, n_jobs: int) -> int:
-    """Jobs at once when ``ablation.num_workers`` is unset.
-
-    On CPU: one job per ``ablation.threads_per_job`` cores (one single-thread job per core by default), as far as memory allows (``JOB_MEMORY_GIB`` per job). Measured
-    on 2 cores, the quickstart's raw and platt arms x 2 seeds: 654 s as one two-thread job at a time,
-    531 s as two one-thread jobs at a time (1.23x), with the same numbers. Decoding a batch of a few
-    prompts is latency-bound and gains little from a second thread, so two jobs use the cores better.
-    On a GPU (``device`` auto or cuda where there is one): one job at a time (they would share it).
-    """
-    if not on_cpu(cfg.device):
-        return 1
-    cores = (os.cpu_count() or 1) // (cfg.ablation.threads_per_job or 1)
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        mem_gib = JOB_MEMORY_GIB
-    return max(1, min(cores, int(mem_gib // JOB_MEMORY_GIB), n_jobs))  # cores: of threads_per_job each
-
-
-def _worker_init(threads: int) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
-    from judgeloop.logging import setup_logging
-
-    setup_logging()
-    return run_job(cfg, arm, seed)
-
-
-def run_jobs(
-    cfg: FeedbackLoopConfig, todo: Sequence[tuple[str, int]], num_workers: int
-) -> list[dict[str, Any]]:
-    """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, each job at
-    ``ablation.threads_per_job`` threads (or, when that is null, the cores split evenly)."""
-    if num_workers <= 1 or len(todo) <= 1:
-        return [run_job(cfg, arm, seed) for arm, seed in todo]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    import torch
-
-    threads = cfg.ablation.threads_per_job or max(1, torch.get_num_threads() // num_workers)
-    logger.info("ablation: %d jobs on %d workers, %d thread(s) each", len(todo), num_workers, threads)
-    with ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _worker_init, (threads,)) as pool:
-        futures = [pool.submit(_worker_job, cfg, arm, seed) for arm, seed in todo]
-        return [f.result() for f in futures]
-
-
-def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, Any]:
-    """Run every arm x seed (or the one ``job``, ``"ARM:SEED"``) and, for the whole grid, write the summary."""
-    if job is not None:
-        arm, seed = parse_job(job, cfg)
-        return run_job(cfg, arm, seed)
-    from judgeloop.loop.recalibration import check_calibration_budget
-    from judgeloop.loop.runner import check_models, load_splits
-
-    check_models(cfg)  # once, before any job starts: models, then data against every arm's fit
-    calibration_ids = [e.id for e in load_splits(cfg).calibration]
-    for arm in cfg.ablation.arms:
-        for seed in cfg.ablation.seeds:
-            check_calibration_budget(arm_config(cfg, arm, seed).calibration, calibration_ids, seed)
-    grid = jobs(cfg)
-    n = cfg.ablation.num_workers or default_workers(cfg, len(grid))
-    run_jobs(cfg, grid, n)
-    return aggregate(cfg, allow_missing=True)  # every job ran; a failed one is listed as failed
-
-
-# --- aggregation ----------------------------------------------------------------------------------
-
-
-# Final metrics with one value per article (the per-article key), whose interval is the two-level bootstrap.
 ARTICLE_KEY = {**{m: m for m in PAIRED_METRICS if m != "win"}, "win_rate": "win"}
 # Below this many seeds, a metric with one value per seed (ECE) gets no interval: a bootstrap over 2-4
 # values has 3-35 distinct replicates, and a t-interval over 2 seeds (t = 12.7) leaves the metric's range.

@@ -1,0 +1,211 @@
+"""The run around the steps: the step numbers still to run (:func:`stepping`, with the judge's prefetch
+thread and the progress bar), stop signals between steps, the scheduled checkpoint (:func:`after_step`),
+and the end (:func:`close_run`: the kept policy, its final metrics, ``report.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from judgeloop.checkpointing import prune_checkpoints
+from judgeloop.config import to_yaml
+from judgeloop.io import atomic_write_json, atomic_write_jsonl
+from judgeloop.logging import get_logger
+from judgeloop.loop.checkpoint import (
+    export_policy,
+    load_policy_weights,
+    save_checkpoint,
+)
+from judgeloop.loop.prefetch import JudgePrefetch
+from judgeloop.loop.setup import LoopRun
+from judgeloop.loop.state import peek_batch
+from judgeloop.loop.steps import PairBatch
+from judgeloop.signals import Stopped
+
+logger = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def stepping(run: LoopRun) -> Iterator[Iterator[int]]:
+    """The step numbers still to run, while the judge's prefetch thread and the progress bar live (both
+    closed on leaving, also on an error or an interruption: no prefetch thread outlives the run)."""
+    cfg, state = run.cfg, run.state
+    run.bar = None
+    if cfg.progress_bar and run.accelerator.is_local_main_process:
+        from tqdm.auto import tqdm
+
+        run.bar = tqdm(
+            total=cfg.max_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]"
+        )
+    run.steps_this_run, run.interrupted = 0, False
+    run.prefetch = JudgePrefetch(run.train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
+
+    def numbers() -> Iterator[int]:
+        while state.step < cfg.max_steps and not state.stopped_early and not run.interrupted:
+            if stop_requested(run):
+                return
+            yield state.step + 1
+
+    try:
+        if state.step < cfg.max_steps:  # overlaps the first rollout
+            run.prefetch.start(peek_batch(state, run.splits.train, cfg, run.accelerator))
+        yield numbers()
+    finally:
+        run.prefetch.close()
+        if run.bar is not None:
+            run.bar.close()
+
+
+def stop_requested(run: LoopRun) -> bool:
+    """Between two steps: when a stop signal came (on any process), write the checkpoint of the state
+    after the step that finished (unless it was just written) and mark the run interrupted."""
+    signum = None if run.stop is None else run.stop.agreed(run.accelerator)
+    if signum is None:
+        return False
+    if run.saved_step != run.state.step:
+        save_run(run, run.state.step)
+    run.stopped_by, run.interrupted = signum, True
+    return True
+
+
+def after_step(run: LoopRun, batch: PairBatch) -> None:
+    """The scheduled checkpoint (and one at ``stop_after_n_steps``, which interrupts the run: it
+    continues from that checkpoint), the progress bar."""
+    cfg = run.cfg
+    run.steps_this_run += 1
+    stop = cfg.stop_after_n_steps is not None and run.steps_this_run >= cfg.stop_after_n_steps
+    if (cfg.save_every_n_steps and batch.step % cfg.save_every_n_steps == 0) or stop:
+        save_run(run, batch.step)
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix(loss=f"{batch.stats['loss']:.3f}", kl=f"{batch.stats['kl']:.3f}")
+    run.interrupted = stop and run.state.step < cfg.max_steps
+
+
+def save_run(run: LoopRun, step: int) -> None:
+    """A checkpoint of everything the run needs to continue exactly (every process takes part)."""
+    state = run.state
+    state.judge_status = dict(run.train_judge.stats.status)
+    state.judge_cache_hits = run.train_judge.stats.cache_hits
+    state.truncated_articles = sorted(run.build_prompt.truncated)
+    state.judge_state = run.train_judge.state_dict() if run.train_judge.learns_from_labels else None
+    save_checkpoint(
+        run.accelerator,
+        run.out_dir / "checkpoints" / f"step_{step}",
+        run.calibrator.state_dict(),
+        state.as_dict(),
+        to_yaml(run.cfg),
+    )
+    if run.accelerator.is_main_process:
+        prune_checkpoints(run.out_dir / "checkpoints", run.cfg.keep_checkpoints)
+    run.saved_step = step
+
+
+def close_run(run: LoopRun) -> dict[str, Any]:
+    """The end of a run: the report (:func:`finish_run`), or, when it was interrupted, where its
+    checkpoint is; the trackers are closed either way."""
+    if run.interrupted:
+        run.accelerator.end_training()
+        step = run.state.step
+        ckpt = run.out_dir / "checkpoints" / f"step_{step}"
+        if run.stopped_by is not None:
+            how = (
+                "run the same command again to continue from it (resume_from=auto)"
+                if run.auto_resume
+                else f"continue with resume_from={ckpt}"
+            )
+            raise Stopped(run.stopped_by, step, str(ckpt), how)
+        return {
+            "interrupted": True,
+            "step": step,
+            "checkpoint": str(ckpt),
+        }
+    report = finish_run(run)
+    run.accelerator.end_training()
+    return report
+
+
+def finish_run(run: LoopRun) -> dict[str, Any]:
+    """The kept policy (best validation checkpoint under early stopping, else the last), its final
+    metrics, the report; the main process writes ``report.json``, ``per_article.jsonl``, ``policy/``."""
+    cfg, state, acc, out_dir = run.cfg, run.state, run.accelerator, run.out_dir
+    kept_step, why = state.step, "last step (early stopping off)"
+    if cfg.early_stopping_patience or state.stop_reason:
+        kept_step = state.best_step
+        why = f"best validation ROUGE-L {state.best_val:.4f}; " + (
+            (state.stop_reason or "stopped early") if state.stopped_early else "ran all steps"
+        )
+        if kept_step != state.step:
+            acc.wait_for_everyone()
+            load_policy_weights(out_dir / "best_policy", acc, run.model)
+    final = next((h for h in state.history if h["step"] == kept_step), None)
+    if final is None:
+        final = run.evaluate(state.step)
+        final["step"] = kept_step
+        state.history.append(final)
+    judge_stats = run.train_judge.stats
+    report = {
+        "arm": cfg.calibration.method,
+        "seed": cfg.seed,
+        "steps_run": state.step,
+        "kept_step": kept_step,
+        "kept_reason": why,
+        "stopped_early": state.stopped_early,
+        "stop_reason": state.stop_reason,
+        "alarms": state.alarms,
+        "alarm_checks": state.alarm_checks,
+        "judge_weight": state.judge_weight,
+        "panel": run.train_judge.state_dict() if run.train_judge.learns_from_labels else None,
+        "final": final,
+        "history": state.history,
+        "train_log": state.train_log,
+        "refits": state.refits,
+        "judge_coupling": state.coupling,
+        "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
+        "judge_stats": {"status": dict(judge_stats.status), "cache_hits": judge_stats.cache_hits},
+        "prompts_truncated": run.build_prompt.num_truncated,
+        "per_article": "per_article.jsonl",
+        "numerics": state.numerics,
+        "start_cache": None
+        if run.start.cache is None
+        else {"hits": run.start.cache.hits, "misses": run.start.cache.misses},
+    }
+    if cfg.save_final_policy:  # every process: under FSDP / ZeRO-3 the weights are gathered
+        export_policy(out_dir / "policy", acc, run.model, run.tokenizer, run.calibrator.state_dict())
+    if acc.is_main_process:
+        save_calibrated_judge(run)
+        atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
+        atomic_write_json(out_dir / "report.json", report)
+    return report
+
+
+def save_calibrated_judge(run: LoopRun) -> None:
+    """The run's final calibrator with the configured judge, as a folder
+    ``CalibratedJudge.from_pretrained`` loads (``OUTPUT_DIR/calibrated_judge``): what the last fit was fit
+    on and its held-out ECE. Not for the oracle arm (it trains against ROUGE, not the judge) nor a panel
+    (its members' calibrators live in the report)."""
+    from judgeloop.judges.calibrated import CalibratedJudge
+
+    cfg, state = run.cfg, run.state
+    if cfg.calibration.method in ("oracle", "panel") or cfg.judge.type == "panel":
+        return
+    taken = [r for r in state.refits if r.get("refit")]
+    last = taken[-1] if taken else None
+    card = {
+        "fit": {
+            "split": "calibration",
+            "pairs": last["n_fit"] if last else 0,
+            "step": last["step"] if last else None,
+            "label_type": cfg.calibration.labels,
+            "data_format": cfg.data.format,
+            "data_path": cfg.data.path,
+            "seed": cfg.seed,
+            "source": "feedback loop",
+        },
+        "held_out": {"split": "calibration (held out)", "ece": last["ece_after"]} if last else {},
+    }
+    CalibratedJudge(cfg.judge, run.calibrator, card, judge=run.judge).save_pretrained(
+        run.out_dir / "calibrated_judge"
+    )

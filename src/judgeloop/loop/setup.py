@@ -1,0 +1,439 @@
+"""Set-up of one run of the loop: checks before any work, the accelerator, the data, the models, then
+step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first calibrator fit, the
+step-0 evaluation) or a resume (:func:`resume_run`).
+
+:func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds, and what the
+steps (:mod:`judgeloop.loop.steps`) read from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from judgeloop.calibration import Calibrator, calibrator_from_state
+from judgeloop.calibration.coupling import coupling_line
+from judgeloop.checkpointing import save_only_trainable
+from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
+from judgeloop.devices import (
+    check_device,
+    intra_op_threads,
+    numerics,
+    numerics_differences,
+    on_cpu,
+    process_device,
+)
+from judgeloop.distributed import (
+    accelerator_kwargs,
+    configure_deepspeed,
+    generation_context,
+    load_trainable_state,
+    prepare_for_inference,
+    trainable_state,
+    whole_models,
+)
+from judgeloop.io import atomic_write_text
+from judgeloop.judges import Judge, build_judge, members_models, models_of
+from judgeloop.logging import get_logger
+from judgeloop.loop.checkpoint import (
+    checked_resume,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_orphans,
+)
+from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.loop.evaluation import (
+    early_stopping,
+    reference_summaries,
+    run_evaluation,
+)
+from judgeloop.loop.losses import (
+    AdaptiveKLController,
+)
+from judgeloop.loop.policy import load_policy
+from judgeloop.loop.prefetch import JudgePrefetch
+from judgeloop.loop.recalibration import (
+    CalibrationPairs,
+    build_calibrator,
+    build_training_judge,
+    check_calibration_budget,
+    collect_calibration_pairs,
+    initial_calibration_pairs,
+    judge_coupling,
+    needs_fit,
+    refit,
+)
+from judgeloop.loop.rollout import (
+    PromptBuilder,
+    prefix_reusable,
+)
+from judgeloop.loop.shared import StartWork
+from judgeloop.loop.state import LoopState, Splits, finite_or_none, load_splits
+from judgeloop.loop.steps import Learner
+from judgeloop.models import load_tokenizer
+from judgeloop.signals import StopRequest, stop_signals
+from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
+
+logger = get_logger(__name__)
+
+
+def check_models(cfg: FeedbackLoopConfig) -> None:
+    """Every model the config names resolves, every device and tracker it asks for is there (before
+    data or weights load); a ConfigError names the key."""
+    from judgeloop.judges.tokens import resolve_device
+    from judgeloop.models import check_model
+
+    try:
+        check_device(cfg.device, "device")
+        resolve_device(cfg.judge.device)
+        check_trackers(cfg.log_with)
+        check_model(cfg.policy.model, "policy.model")
+        panel = (
+            members_models(cfg.calibration.panel, "calibration.panel")
+            if cfg.calibration.method == "panel"
+            else []
+        )
+        for key, name, device in models_of(cfg.judge) + panel:
+            resolve_device(device)
+            check_model(name, key)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
+    """The run's ``Accelerator``.
+
+    ``step_scheduler_with_optimizer=False``: accelerate's default steps a prepared scheduler once per
+    *process* at every ``scheduler.step()``, for data loaders whose batches grow with the number of
+    processes. The loop's schedule counts optimizer steps (``max_steps``), so under DDP / FSDP the
+    default would run it ``num_processes`` times too fast (on 8 GPUs a warm-up of 20 would end at step 3).
+    """
+    device = accelerator_kwargs(on_cpu(cfg.device))  # DeepSpeed on a CPU: gloo (judgeloop.distributed)
+    precision = mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision)
+    return Accelerator(
+        cpu=device["cpu"],
+        log_with=make_trackers(cfg.log_with, out_dir),
+        project_dir=str(out_dir),
+        step_scheduler_with_optimizer=False,
+        **{**precision, "kwargs_handlers": precision["kwargs_handlers"] + device["kwargs_handlers"]},
+    )
+
+
+def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
+    """``Accelerator`` arguments for ``mixed_precision`` ("no" or "bf16").
+
+    mixed_precision is passed only when asked for: accelerate refuses to re-set it once its
+    process-wide state exists (e.g. a second run in the same process, as in the ablation); a launch
+    file's ``mixed_precision`` applies otherwise.
+
+    Under bf16 the autocast weight-cast cache is off. The loop runs in one autocast context, across
+    optimizer steps, and autocast keeps its bf16 copy of a trainable weight until the outermost context
+    exits: with the cache on, every forward after the first step would use the step-0 weights (the LoRA
+    adapters or the full model, as first cast) while the optimizer updated the fp32 ones. Without it the
+    trainable weights are cast at each use, as frozen weights always are.
+    """
+    from accelerate.utils import AutocastKwargs
+
+    # the cache is off whatever turns bf16 on: this setting, or a launch file's mixed_precision: bf16
+    handlers = {"kwargs_handlers": [AutocastKwargs(cache_enabled=False)]}
+    return handlers if mixed_precision == "no" else {"mixed_precision": mixed_precision, **handlers}
+
+
+def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
+    """AdamW over the trainable parameters, and transformers' warm-up + linear-decay (or constant) schedule.
+
+    transformers' warm-up starts at factor 0 on step 0 (``step / warmup_steps``); with no warm-up both
+    schedules are the ones the loop always used.
+    """
+    from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    from judgeloop.optim import adamw
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.scheduler == "linear":
+        return optimizer, get_linear_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+    return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.optim.warmup_steps)
+
+
+@contextlib.contextmanager
+def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
+    """A run ready for its first step: checked before any work (the output folder can be written, the
+    models, devices and trackers the config names are there), then set up and resumed or started.
+    The run's autocast spans the ``with`` block: bf16 (when mixed_precision=bf16) covers the reference
+    pass, the judge and evaluation too, not only the prepared model's forward; master weights and
+    optimizer state stay fp32."""
+    out_dir = Path(cfg.output_dir)
+    check_output_places(cfg)
+    check_models(cfg)
+    # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
+    with stop_signals(cfg.stop_signals) as stop, intra_op_threads(cfg.threads), _opened(cfg, out_dir) as run:
+        run.stop = stop
+        yield run
+
+
+def resolve_resume(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> FeedbackLoopConfig:
+    """``resume_from: auto`` made concrete: the newest complete checkpoint under ``output_dir`` (after the
+    main process has cleaned up a killed write, which may restore one), or null for a fresh start; the
+    log says which. Any other value is returned as it is."""
+    if cfg.resume_from != "auto":
+        return cfg
+    if accelerator.is_main_process:
+        for orphan, what in remove_orphans(out_dir):
+            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
+    accelerator.wait_for_everyone()
+    found = latest_checkpoint(out_dir)
+    if found is None:
+        logger.info("resume_from=auto: no checkpoint under %s; starting fresh", out_dir / "checkpoints")
+    else:
+        logger.info("resume_from=auto: resuming from %s, the newest checkpoint", found)
+    return dataclasses.replace(cfg, resume_from=None if found is None else str(found))
+
+
+@contextlib.contextmanager
+def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
+    accelerator = make_accelerator(cfg, out_dir)
+    auto = cfg.resume_from == "auto"
+    cfg = resolve_resume(cfg, accelerator, out_dir)
+    # the data next: a split too small for the batch on these processes stops here, before any output
+    splits = load_splits(cfg, accelerator.num_processes)
+    check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
+    with accelerator.autocast():
+        prepare_output(cfg, accelerator, out_dir)
+        run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
+        init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
+        run = setup_run(cfg, accelerator, out_dir, splits)
+        run.auto_resume = auto
+        if cfg.resume_from:
+            resume_run(run)
+        else:
+            start_run(run)
+        yield run
+
+
+@dataclass
+class LoopRun:
+    """Everything one run holds, built by :func:`setup_run`; the step functions read from it."""
+
+    cfg: FeedbackLoopConfig
+    accelerator: Accelerator
+    out_dir: Path
+    splits: Splits
+    tokenizer: Any
+    build_prompt: PromptBuilder
+    learner: Learner
+    judge: Judge  # the configured judge (evaluation reports it)
+    train_judge: Judge  # the judge whose preferences train the policy (the oracle in the oracle arm)
+    kl_ctl: AdaptiveKLController
+    start: StartWork
+    state: LoopState
+    calibrator: Calibrator
+    prefetch: JudgePrefetch | None = None
+    bar: Any = None  # the progress bar while stepping
+    steps_this_run: int = 0
+    interrupted: bool = False  # stopped at stop_after_n_steps (or by a stop signal) before max_steps
+    stop: StopRequest | None = None  # set by a stop signal (cfg.stop_signals)
+    stopped_by: int | None = None  # the signal the run stopped on
+    saved_step: int | None = None  # the step of the last checkpoint this run wrote
+    auto_resume: bool = False  # the config says resume_from: auto
+    collected: tuple[int, CalibrationPairs] | None = None  # the last step's fresh calibration pairs
+
+    @property
+    def model(self) -> Any:
+        return self.learner.model
+
+    def collect(self, step: int) -> CalibrationPairs:
+        """Fresh calibration pairs from the current policy (step 0: the starting policy); drawn once per
+        step, so the ECE monitor, a refit and the divergence check of one step share them."""
+        if self.collected is None or self.collected[0] != step:
+            pairs = collect_calibration_pairs(
+                self.accelerator, self.model, self.tokenizer, self.build_prompt, self.train_judge,
+                self.splits.calibration, self.cfg, step,
+            )  # fmt: skip
+            self.collected = (step, pairs)
+        return self.collected[1]
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Test and validation metrics of the current policy at ``step``."""
+        with generation_context(self.model):
+            return run_evaluation(
+                self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt,
+                self.splits, self.state, self.judge, self.train_judge, self.calibrator, self.cfg, step,
+                self.start if step == 0 else None,
+            )  # fmt: skip
+
+
+def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> None:
+    """Before any work: check a resume against its checkpoint, clean up after a killed run (orphan
+    checkpoint folders, log rows past the checkpoint), record the config that runs."""
+    ckpt_step = (
+        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
+        if cfg.resume_from
+        else None
+    )
+    if accelerator.is_main_process:
+        for orphan, what in remove_orphans(out_dir):
+            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
+        if ckpt_step is not None:
+            dropped = truncate_jsonl_log(out_dir / "metrics.jsonl", ckpt_step)
+            if dropped:
+                logger.info(
+                    "metrics.jsonl: dropped %d rows logged after the checkpoint's step %d", dropped, ckpt_step
+                )
+        atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
+
+
+def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, splits: Splits) -> LoopRun:
+    """Policy (after its SFT warm start), reference, judges, optimizer over ``splits``: a run at step 0."""
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.policy.model)
+    build_prompt = PromptBuilder(tokenizer, cfg.policy)
+    sft = (
+        [build_prompt(e.article) for e in splits.train],
+        [e.neutral[0] if e.neutral else "" for e in splits.train],
+    )
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    # several processes: the main one warms the policy up, the others read its result (the same weights)
+    many = accelerator.num_processes > 1 and cfg.policy.sft_steps > 0
+    # whole under ZeRO-3 too: the warm-up trains it and the reference copies it before prepare partitions it
+    with accelerator.main_process_first(), whole_models(accelerator):
+        model, tokenizer, ref = load_policy(
+            cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp,
+            out_dir / "sft_warm_start.pt" if many else None, accelerator.device.type == "cpu",
+        )  # fmt: skip
+    if ref is not None:
+        ref = prepare_for_inference(ref.to(accelerator.device), accelerator)  # ZeRO-3: an inference engine
+    # auto / cuda: this process's own GPU (one judge per process), the CPU in a CPU run
+    judge = build_judge(dataclasses.replace(cfg.judge, device=process_device(cfg.judge.device, accelerator)))
+    scorer = getattr(judge, "base", judge)  # a styled judge scores with its base judge's model
+    if hasattr(scorer, "model"):
+        scorer.model = prepare_for_inference(scorer.model, accelerator)
+    train_judge = build_training_judge(
+        cfg.calibration, judge, cfg.judge.name or cfg.judge.type, process_device("auto", accelerator)
+    )
+    optimizer, scheduler = make_optimizer(model, cfg)
+    configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    save_only_trainable(accelerator, trainable_state, load_trainable_state)  # LoRA: adapters, not the base
+    learner = Learner(
+        accelerator,
+        model,
+        ref,
+        optimizer,
+        scheduler,
+        cfg.loss,
+        cfg.optim.max_grad_norm,
+        tokenizer.pad_token_id,
+        cfg.optim.update_chunk_size,
+        shares_prompt_pass(cfg, accelerator, model),
+    )
+    kl_ctl = AdaptiveKLController(
+        cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
+    )
+    start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
+    return LoopRun(
+        cfg, accelerator, out_dir, splits, tokenizer, build_prompt, learner, judge, train_judge, kl_ctl, start,
+        LoopState(kl_coef=kl_ctl.coef), build_calibrator(cfg.calibration),
+    )  # fmt: skip
+
+
+def shares_prompt_pass(cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any) -> bool:
+    """``optim.share_prompt_pass`` where the rollout's prompt pass computes what the update's would: no
+    active dropout, one precision for both (generation leaves the run's bf16 autocast, which
+    ``mixed_precision: bf16`` or a bf16 frozen base turns on, unless ``generation.autocast``), and
+    parameters not sharded (ZeRO-3 / FSDP gather them for the rollout only)."""
+    if not cfg.optim.share_prompt_pass:
+        return False
+    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    same_precision = str(accelerator.mixed_precision) == "no" or cfg.generation.autocast
+    ok = not sharded and same_precision and prefix_reusable(accelerator.unwrap_model(model))
+    if not ok:
+        logger.info(
+            "optim.share_prompt_pass: the update runs the prompts itself (dropout, precision or sharding)"
+        )
+    return ok
+
+
+def resume_run(run: LoopRun) -> None:
+    """Restore policy, optimizer, schedule, RNG, calibrator, loop state and the run-long counters."""
+    cfg = run.cfg
+    assert cfg.resume_from is not None
+    cal_state, saved = load_checkpoint(run.accelerator, cfg.resume_from)
+    run.state = LoopState(**saved)
+    run.calibrator = calibrator_from_state(cal_state)
+    if run.state.judge_state is not None:
+        run.train_judge.load_state_dict(run.state.judge_state)
+    run.kl_ctl.coef = run.state.kl_coef
+    run.train_judge.stats.status.update(run.state.judge_status)
+    run.train_judge.stats.cache_hits += run.state.judge_cache_hits
+    run.build_prompt.truncated.update(run.state.truncated_articles)
+    logger.info("resumed from %s at step %d", cfg.resume_from, run.state.step)
+    now = run_numerics(run)
+    changed = numerics_differences(run.state.numerics[-1] if run.state.numerics else None, now)
+    if changed:
+        logger.warning(
+            "resumed with other numerics than the checkpoint was made with (%s): results will differ from "
+            "an uninterrupted run by float rounding",
+            "; ".join(changed),
+        )
+    run.state.numerics.append({"from_step": run.state.step, **now})
+
+
+def run_numerics(run: LoopRun) -> dict[str, Any]:
+    """This run's thread count, kernels and precision path (:func:`judgeloop.devices.numerics`)."""
+    acc = run.accelerator
+    return numerics(acc.device.type, "bf16" if acc.mixed_precision == "bf16" else "fp32")
+
+
+def start_run(run: LoopRun) -> None:
+    """Step 0: reference summaries, the judge's coupling and the first calibrator fit on samples of the
+    starting policy, and the step-0 evaluation."""
+    cfg, state = run.cfg, run.state
+    state.numerics = [{"from_step": 0, **run_numerics(run)}]
+    with generation_context(run.model):
+        state.ref_summaries = reference_summaries(
+            run.accelerator, run.model, run.learner.ref, run.tokenizer, run.build_prompt, run.splits.test,
+            cfg, run.start,
+        )  # fmt: skip
+    if (
+        cfg.calibration.method != "oracle"
+    ):  # samples of the initial policy: the judge's coupling, the first fit
+        pairs = initial_calibration_pairs(run.start, cfg, run.splits, lambda: run.collect(0))
+        state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
+        line = coupling_line(state.coupling[-1])
+        (logger.warning if line.startswith("WARNING") else logger.info)("step 0: %s", line)
+    if needs_fit(cfg.calibration):  # the first fit
+        run.calibrator, record = refit(
+            run.calibrator,
+            pairs,
+            cfg.calibration,
+            0,
+            "initial",
+            cfg.seed,
+            first_fit=True,
+            judge=run.train_judge,
+        )
+        state.refits.append(
+            finite_or_none(
+                {
+                    **record.as_dict(),
+                    "ties_dropped": pairs.ties_dropped,
+                    "judge_failures": pairs.judge_failures,
+                }
+            )
+        )
+    if cfg.eval_every_n_steps:
+        metrics = run.evaluate(0)
+        state.history.append(metrics)
+        early_stopping(metrics, state, cfg, run.accelerator, run.model)
+        run.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=0)

@@ -1,0 +1,142 @@
+"""What a run carries from step to step: the saved state, the article splits and the batch order.
+
+:class:`LoopState` is everything besides weights and optimizer that a resumed run needs (``state.json``
+in each checkpoint); :class:`Splits` are the four disjoint article splits; :func:`next_batch` walks a
+seeded permutation of the train split per epoch, with the cursor checkpointed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from accelerate import Accelerator
+
+from judgeloop.config import ConfigError
+from judgeloop.data import SummExample, load_examples, split_examples
+from judgeloop.logging import get_logger
+from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.recalibration import (
+    check_calibration_disjoint,
+)
+from judgeloop.loop.rollout import (
+    derive_seed,
+)
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LoopState:
+    """Everything besides weights/optimizer that a resumed run needs (saved as state.json)."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    kl_coef: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    train_log: list[dict[str, Any]] = field(default_factory=list)
+    refits: list[dict[str, Any]] = field(default_factory=list)
+    ref_summaries: list[str] = field(default_factory=list)
+    per_article: list[dict[str, Any]] = field(default_factory=list)
+    coupling: list[dict[str, Any]] = field(default_factory=list)
+    # run-long counters, so a resumed run's report counts the whole run
+    judge_status: dict[str, int] = field(default_factory=dict)
+    judge_cache_hits: int = 0
+    truncated_articles: list[str] = field(default_factory=list)
+    best_val: float = -1.0  # ROUGE is >= 0, so any first evaluation improves on it
+    best_step: int = 0
+    bad_evals: int = 0
+    stopped_early: bool = False
+    last_monitored_ece: float | None = None
+    judge_state: dict[str, Any] | None = None  # a panel's fitted members (what its refits learned)
+    judge_weight: float = 1.0  # shrinks when a divergence alarm down-weights the judge
+    alarm_checks: list[dict[str, Any]] = field(default_factory=list)
+    alarms: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""
+    # what set the run's float rounding (:func:`judgeloop.devices.numerics`), one entry per start or resume
+    numerics: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Splits:
+    """The four disjoint article splits of a run."""
+
+    train: list[SummExample]
+    calibration: list[SummExample]
+    validation: list[SummExample]
+    test: list[SummExample]
+
+
+def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
+    """Load the articles, split them by stable hash, and check the calibration/train disjointness and
+    that the train split fills one global batch (``batch_size`` on each of ``num_processes``)."""
+    parts = split_examples(load_examples(cfg.data), cfg.data.split)
+    splits = Splits(
+        parts["train"],
+        parts["calibration"],
+        parts["validation"][: cfg.num_validation_articles],
+        parts["test"][: cfg.num_eval_articles],
+    )
+    for name in ("train", "calibration", "test"):
+        if not getattr(splits, name):
+            raise ConfigError(
+                f"the '{name}' split is empty; use more articles (data.max_articles) or change "
+                f"data.split fractions (now {cfg.data.split})"
+            )
+    if len(splits.train) < cfg.batch_size * num_processes:  # a process would get a short or empty batch
+        per = f" x {num_processes} processes" if num_processes > 1 else ""
+        raise ConfigError(
+            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}{per}; "
+            "lower batch_size or use more data (data.max_articles)"
+        )
+    for name, asked, have in (
+        ("num_eval_articles", cfg.num_eval_articles, len(splits.test)),
+        ("num_validation_articles", cfg.num_validation_articles, len(splits.validation)),
+    ):
+        if have < asked:  # evaluated on what there is, and said so (the report's counts show it too)
+            logger.warning(
+                "%s=%d but its split has %d articles: evaluating on %d (raise data.max_articles or the "
+                "split fraction for more)", name, asked, have, have,
+            )  # fmt: skip
+    check_calibration_disjoint(splits.train, splits.calibration)
+    return splits
+
+
+def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf -> None, so metrics compare equal after a JSON round trip (checkpoint resume)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+
+
+def _batch_at(
+    epoch: int, cursor: int, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
+) -> tuple[list[SummExample], int, int]:
+    """This process's share of the global batch at (epoch, cursor), and the (epoch, cursor) after it."""
+    global_bs = cfg.batch_size * accelerator.num_processes
+    if cursor + global_bs > len(train):
+        epoch, cursor = epoch + 1, 0
+    order = np.random.RandomState(derive_seed(cfg.seed, "order", epoch)).permutation(len(train))
+    idx = order[cursor : cursor + global_bs]
+    mine = idx[accelerator.process_index * cfg.batch_size : (accelerator.process_index + 1) * cfg.batch_size]
+    return [train[i] for i in mine], epoch, cursor + global_bs
+
+
+def next_batch(
+    state: LoopState, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
+) -> list[SummExample]:
+    """This process's share of the next global batch (a seeded permutation per epoch; the cursor is checkpointed)."""
+    batch, state.epoch, state.cursor = _batch_at(state.epoch, state.cursor, train, cfg, accelerator)
+    return batch
+
+
+def peek_batch(
+    state: LoopState, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
+) -> list[SummExample]:
+    """The batch :func:`next_batch` will return next, without moving the cursor."""
+    return _batch_at(state.epoch, state.cursor, train, cfg, accelerator)[0]
