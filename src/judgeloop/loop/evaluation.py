@@ -28,6 +28,7 @@ from accelerate.utils import gather_object
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
 from judgeloop.distributed import real_part, shard
+from judgeloop.hashing import derive_seed
 from judgeloop.judges import Judge, references_for
 from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
 from judgeloop.logging import get_logger
@@ -36,7 +37,7 @@ from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
 from judgeloop.loop.recalibration import CalibrationPairs, label_pairs, pair_ece
-from judgeloop.loop.rollout import PromptBuilder, decode, derive_seed, generate, token_logprobs
+from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
 from judgeloop.loop.state import LoopState, Splits, finite_or_none
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 
@@ -165,7 +166,7 @@ def evaluate_shard(
     return rows
 
 
-def aggregate(
+def evaluation_metrics(
     rows: Sequence[dict[str, Any]], pairs: CalibrationPairs, calibrator: Calibrator, n_bins: int
 ) -> dict[str, float]:
     """Mean metrics over all gathered rows, plus the calibrator's ECE on the labeled (greedy, sample)
@@ -293,7 +294,7 @@ def run_evaluation(
     pairs = merge_pairs(gather_object([shard_pairs(rows, {e.id: e for e in exs}, train_judge).as_dict()]))
     rows = gather_object(rows)
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
-    metrics = aggregate(rows, pairs, calibrator, cfg.calibration.num_bins)
+    metrics = evaluation_metrics(rows, pairs, calibrator, cfg.calibration.num_bins)
     if splits.validation:
         vexs = shard(splits.validation, accelerator)
         if val_greedy is None:

@@ -28,10 +28,11 @@ from judgeloop.calibration import (
 from judgeloop.config import ConfigError
 from judgeloop.data import LeakageError, SummExample, check_disjoint
 from judgeloop.distributed import generation_context, real_part, shard
+from judgeloop.hashing import derive_seed
 from judgeloop.judges import Judge, Pair, build_panel, references_for
 from judgeloop.loop.config import FeedbackLoopConfig, LoopCalibrationConfig
 from judgeloop.loop.oracle import RougeOracleJudge
-from judgeloop.loop.rollout import PromptBuilder, derive_seed, rollout
+from judgeloop.loop.rollout import PromptBuilder, rollout
 
 if TYPE_CHECKING:
     from judgeloop.loop.shared import StartWork

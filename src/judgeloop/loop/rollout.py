@@ -22,13 +22,6 @@ import torch
 from judgeloop.loop.config import GenerationConfig, PolicyConfig
 
 
-def derive_seed(*parts: object) -> int:
-    """A stable 31-bit seed from any parts (run seed, step, phase, rank): sampling is reproducible per step,
-    so a resumed run draws the same samples as an uninterrupted one."""
-    digest = hashlib.sha256("\x00".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
 class PromptBuilder:
     """Article -> prompt token ids: the article is cut to ``max_article_tokens`` (explicit truncation),
     put in ``prompt_template`` and wrapped in the chat template when the tokenizer has one."""

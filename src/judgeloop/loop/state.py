@@ -17,13 +17,11 @@ from accelerate import Accelerator
 
 from judgeloop.config import ConfigError
 from judgeloop.data import SummExample, load_examples, split_examples
+from judgeloop.hashing import derive_seed
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.recalibration import (
     check_calibration_disjoint,
-)
-from judgeloop.loop.rollout import (
-    derive_seed,
 )
 
 logger = get_logger(__name__)

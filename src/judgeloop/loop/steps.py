@@ -42,6 +42,7 @@ from judgeloop.data import SummExample
 from judgeloop.distributed import (
     generation_context,
 )
+from judgeloop.hashing import derive_seed
 from judgeloop.judges import Judge, references_for
 from judgeloop.logging import get_logger
 from judgeloop.loop.alarms import check_divergence
@@ -67,7 +68,6 @@ from judgeloop.loop.recalibration import (
 from judgeloop.loop.rollout import (
     PromptBuilder,
     Rollout,
-    derive_seed,
     rollout,
     token_logprobs,
 )

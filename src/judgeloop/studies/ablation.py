@@ -21,6 +21,7 @@ Outputs under ``output_dir``:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
@@ -197,10 +198,11 @@ def _worker_init(threads: int) -> None:
 
 
 def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
-    from judgeloop.logging import setup_logging
+    from judgeloop.logging import quiet_third_party, setup_logging
 
-    setup_logging()
-    return run_job(cfg, arm, seed)
+    quiet_third_party(progress_bars=False)  # several jobs share the terminal: the parent's line counts them
+    setup_logging(prefix=f"{arm}:{seed}")
+    return run_job(dataclasses.replace(cfg, progress_bar=False), arm, seed)  # progress_bar: result-free
 
 
 def run_jobs(
@@ -208,10 +210,11 @@ def run_jobs(
 ) -> list[dict[str, Any]]:
     """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, each job at
     ``ablation.threads_per_job`` threads (or, when that is null, the cores split evenly)."""
+    progress = JobProgress(len(todo))
     if num_workers <= 1 or len(todo) <= 1:
-        return [run_job(cfg, arm, seed) for arm, seed in todo]
+        return [progress.done(run_job(cfg, arm, seed)) for arm, seed in todo]
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import torch
 
@@ -219,7 +222,43 @@ def run_jobs(
     logger.info("ablation: %d jobs on %d workers, %d thread(s) each", len(todo), num_workers, threads)
     with ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _worker_init, (threads,)) as pool:
         futures = [pool.submit(_worker_job, cfg, arm, seed) for arm, seed in todo]
+        for f in as_completed(futures):
+            progress.done(f.result())
         return [f.result() for f in futures]
+
+
+class JobProgress:
+    """One line per finished job: how many of the grid are done, the time so far, and an estimate of
+    what is left (the wall time so far per job that ran, times the jobs still to run: with several
+    workers the wall time already counts them; skipped jobs count as done and take no time)."""
+
+    def __init__(self, total: int):
+        import time
+
+        self.total, self.finished, self.ran, self.start, self.clock = (
+            total,
+            0,
+            0,
+            time.monotonic(),
+            time.monotonic,
+        )
+
+    def done(self, result: dict[str, Any]) -> dict[str, Any]:
+        self.finished += 1
+        self.ran += result["status"] != "skipped"
+        elapsed = self.clock() - self.start
+        left = self.total - self.finished
+        eta = f", about {_duration(elapsed / self.ran * left)} left" if self.ran and left else ""
+        logger.info(
+            "ablation: %d of %d jobs done, %s elapsed%s (%s:%d %s)",
+            self.finished, self.total, _duration(elapsed), eta, result["arm"], result["seed"], result["status"],
+        )  # fmt: skip
+        return result
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, Any]:
