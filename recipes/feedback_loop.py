@@ -23,8 +23,10 @@ from typing import Any
 from judgeloop.config import load_config
 from judgeloop.distributed import generation_context
 from judgeloop.logging import setup_logging
+from judgeloop.loop.alarms import watch_divergence
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.evaluation import evaluate_when_due
+from judgeloop.loop.recalibration import maybe_recalibrate
 from judgeloop.loop.run import after_step, close_run, stepping
 from judgeloop.loop.setup import open_run
 from judgeloop.loop.state import next_batch, peek_batch
@@ -35,11 +37,9 @@ from judgeloop.loop.steps import (
     judge_step,
     make_advantages,
     make_pairs,
-    maybe_recalibrate,
     policy_update,
     record_update,
     rollout_step,
-    watch_divergence,
 )
 from judgeloop.signals import Stopped
 

@@ -278,7 +278,7 @@ def test_shared_start_work_changes_no_number(one_process, tmp_path):
 
 _KILL_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.steps as rn
+import judgeloop.loop.recalibration as rn
 from judgeloop.cli import main
 
 real = rn.maybe_recalibrate

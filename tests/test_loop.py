@@ -246,8 +246,8 @@ def test_recalibration_schedule_fires_when_it_should():
 
 def test_maybe_recalibrate_refits_on_high_monitored_ece():
     from judgeloop.calibration import make_calibrator
+    from judgeloop.loop.recalibration import maybe_recalibrate
     from judgeloop.loop.state import LoopState
-    from judgeloop.loop.steps import maybe_recalibrate
 
     rng = np.random.default_rng(0)
     n = 80
@@ -460,7 +460,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path)
 # presses Ctrl-C (SIGINT) at one exact point of the run. Only the timing is patched; the run is the real one.
 _FAULT_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.steps as rn
+import judgeloop.loop.recalibration as rn
 from judgeloop.cli import main
 
 fault = os.environ["JL_FAULT"]
@@ -567,7 +567,7 @@ def test_the_loop_saves_its_final_calibrated_judge(uninterrupted):
 
 _SIGNAL_DRIVER = """
 import os, signal, sys
-import judgeloop.loop.steps as rn
+import judgeloop.loop.recalibration as rn
 from judgeloop.cli import main
 
 sig = getattr(signal, os.environ["JL_SIGNAL"])

@@ -303,3 +303,8 @@ def first_of_each_id(
     if repeats:
         logger.info("%s: dropped %d rows with a repeated id (kept the first of each)", what, repeats)
     return list(kept.values())
+
+
+def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf -> None, so metrics compare equal after a JSON round trip (checkpoint resume)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}

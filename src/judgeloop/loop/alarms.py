@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from judgeloop.calibration import Calibrator
 from judgeloop.intervals import wilson_interval
+from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge
 from judgeloop.judges.objective import signal_value
+from judgeloop.logging import get_logger
 from judgeloop.loop.config import AlarmConfig
-from judgeloop.loop.recalibration import CalibrationPairs, calibrate
+from judgeloop.loop.recalibration import CalibrationPairs, calibrate, maybe_recalibrate, needs_fit
+
+if TYPE_CHECKING:
+    from judgeloop.loop.setup import LoopRun
+
+logger = get_logger(__name__)
 
 
 def preference_agreement(p: np.ndarray, d: np.ndarray) -> tuple[int, int]:
@@ -96,3 +103,33 @@ def check_divergence(
             )  # fmt: skip
     metrics["fired"] = float(len(fired))
     return metrics, fired
+
+
+def watch_divergence(run: LoopRun, step: int) -> None:
+    """When due, the divergence check (:mod:`judgeloop.loop.alarms`) on this step's fresh
+    calibration pairs; an alarm is logged and acted on as ``alarms.action`` says."""
+    cfg, state = run.cfg, run.state
+    if not (cfg.alarms.enabled and step % cfg.alarms.every_n_steps == 0):
+        return
+    pairs = run.collect(step)
+    metrics, fired = check_divergence(
+        step, state.alarm_checks, run.train_judge, run.calibrator, pairs, cfg.alarms
+    )
+    run.accelerator.log({f"alarm/{k}": v for k, v in metrics.items()}, step=step)
+    if not fired:
+        return
+    state.alarms.extend(finite_or_none(a) for a in fired)
+    for a in fired:
+        logger.warning(
+            "step %d: divergence alarm: %s agreement %.3f (95%% CI [%.3f, %.3f], %d pairs) < %.3f; action: %s",
+            step, a["channel"], a["agreement"], a["ci95"][0], a["ci95"][1], a["n"], a["threshold"], a["action"],
+        )  # fmt: skip
+    action = cfg.alarms.action
+    if action == "refit" and needs_fit(cfg.calibration):
+        run.calibrator = maybe_recalibrate(
+            step, state, run.calibrator, run.collect, cfg, run.train_judge, reason="alarm"
+        )
+    elif action == "downweight":
+        state.judge_weight *= cfg.alarms.downweight_factor
+    elif action == "stop":
+        state.stopped_early, state.stop_reason = True, f"divergence alarm at step {step}"

@@ -29,6 +29,7 @@ from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
 from judgeloop.distributed import real_part, shard
 from judgeloop.hashing import derive_seed
+from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, references_for
 from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
 from judgeloop.logging import get_logger
@@ -38,7 +39,7 @@ from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
 from judgeloop.loop.recalibration import CalibrationPairs, label_pairs, pair_ece
 from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
-from judgeloop.loop.state import LoopState, Splits, finite_or_none
+from judgeloop.loop.state import LoopState, Splits
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 
 if TYPE_CHECKING:

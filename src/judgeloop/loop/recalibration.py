@@ -9,6 +9,7 @@ ECE before and after a refit are both measured on held-out calibration articles 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,18 +26,23 @@ from judgeloop.calibration import (
     pair_features,
     rouge_label,
 )
+from judgeloop.calibration.coupling import coupling_line
 from judgeloop.config import ConfigError
 from judgeloop.data import LeakageError, SummExample, check_disjoint
 from judgeloop.distributed import generation_context, real_part, shard
 from judgeloop.hashing import derive_seed
+from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, Pair, build_panel, references_for
+from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, LoopCalibrationConfig
 from judgeloop.loop.oracle import RougeOracleJudge
 from judgeloop.loop.rollout import PromptBuilder, rollout
 
 if TYPE_CHECKING:
     from judgeloop.loop.shared import StartWork
-    from judgeloop.loop.state import Splits
+    from judgeloop.loop.state import LoopState, Splits
+
+logger = get_logger(__name__)
 
 
 def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequence[SummExample]) -> None:
@@ -492,3 +498,42 @@ def initial_calibration_pairs(
     if ccfg.method == "panel":  # judged by the panel, not by the judge the other arms share
         key["panel"] = dataclasses.asdict(ccfg.panel)
     return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))
+
+
+def maybe_recalibrate(
+    step: int, state: LoopState, calibrator: Calibrator, collect: Any, cfg: FeedbackLoopConfig,
+    judge: Judge | None = None, reason: str | None = None,
+) -> Calibrator:  # fmt: skip
+    """Monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold
+    (or for ``reason``, a divergence alarm's). ``judge``: the training judge (a panel refits with it)."""
+    pairs = None
+    if monitor_due(step, cfg.calibration):
+        pairs = collect(step)
+        monitored = pair_ece(calibrator, pairs, cfg.calibration.num_bins)
+        state.last_monitored_ece = monitored if math.isfinite(monitored) else None
+    reason = reason or recalibration_reason(step, cfg.calibration, state.last_monitored_ece)
+    if reason is None:
+        return calibrator
+    pairs = pairs if pairs is not None else collect(step)
+    calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed, judge=judge)
+    state.coupling.append(finite_or_none({"step": step, **judge_coupling(pairs)}))
+    logger.info("step %d: %s", step, coupling_line(state.coupling[-1]))
+    state.refits.append(
+        finite_or_none(
+            {**record.as_dict(), "ties_dropped": pairs.ties_dropped, "judge_failures": pairs.judge_failures}
+        )
+    )
+    state.last_monitored_ece = None
+    ci = record.ece_delta_ci95
+    logger.info(
+        "step %d: recalibrated (%s) on %d pairs; held-out ECE %.4f -> %.4f on %d pairs (change 95%% CI %s)%s",
+        step,
+        reason,
+        record.n_fit,
+        record.ece_before,
+        record.ece_after,
+        record.n_holdout,
+        "n/a" if ci[0] is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
+        "" if record.refit else f" (kept old: {record.error})",
+    )
+    return calibrator

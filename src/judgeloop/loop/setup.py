@@ -41,7 +41,7 @@ from judgeloop.distributed import (
     trainable_state,
     whole_models,
 )
-from judgeloop.io import atomic_write_text
+from judgeloop.io import atomic_write_text, finite_or_none
 from judgeloop.judges import Judge, build_judge, members_models, models_of
 from judgeloop.logging import get_logger
 from judgeloop.loop.checkpoint import (
@@ -77,7 +77,7 @@ from judgeloop.loop.rollout import (
     prefix_reusable,
 )
 from judgeloop.loop.shared import StartWork
-from judgeloop.loop.state import LoopState, Splits, finite_or_none, load_splits
+from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
 from judgeloop.models import load_tokenizer
 from judgeloop.signals import StopRequest, stop_signals

@@ -7,7 +7,6 @@ seeded permutation of the train split per epoch, with the cursor checkpointed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,11 +104,6 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
             )  # fmt: skip
     check_calibration_disjoint(splits.train, splits.calibration)
     return splits
-
-
-def finite_or_none(values: dict[str, Any]) -> dict[str, Any]:
-    """NaN/inf -> None, so metrics compare equal after a JSON round trip (checkpoint resume)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
 
 
 def _batch_at(

@@ -11,8 +11,9 @@ the loop's step numbers everywhere (the code and the docs name the steps, they d
     5. policy_update      soft-target DPO on the targets, plus kl_coef * KL(pi || pi_ref); record_update
                           logs it and adapts the KL coefficient
     6. maybe_recalibrate  monitor ECE and refit the calibrator (and a panel's members) on fresh
-                          calibration-split samples, when due
+                          calibration-split samples, when due (in :mod:`judgeloop.loop.recalibration`)
     7. watch_divergence   when due, the judge's agreement with objective signals; alarms act on it
+                          (in :mod:`judgeloop.loop.alarms`)
 
 Under ``loss.type: grpo`` (:mod:`judgeloop.loop.grpo`) step 1 samples a group of k per article, steps
 2-3 are one call, :func:`judge_groups_step` (the comparisons inside each group judged and calibrated,
@@ -28,7 +29,6 @@ Under ``accelerate launch`` each process runs every step on its share of the bat
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,15 +37,14 @@ import torch
 from accelerate import Accelerator
 
 from judgeloop.calibration import Calibrator
-from judgeloop.calibration.coupling import coupling_line
 from judgeloop.data import SummExample
 from judgeloop.distributed import (
     generation_context,
 )
 from judgeloop.hashing import derive_seed
+from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, references_for
 from judgeloop.logging import get_logger
-from judgeloop.loop.alarms import check_divergence
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
 from judgeloop.loop.grpo import grpo_chunk_terms, judge_groups, num_completion_tokens, reward_matrix
 from judgeloop.loop.losses import (
@@ -58,12 +57,6 @@ from judgeloop.loop.losses import (
 from judgeloop.loop.policy import reference_logprobs
 from judgeloop.loop.recalibration import (
     calibrate,
-    judge_coupling,
-    monitor_due,
-    needs_fit,
-    pair_ece,
-    recalibration_reason,
-    refit,
 )
 from judgeloop.loop.rollout import (
     PromptBuilder,
@@ -71,7 +64,6 @@ from judgeloop.loop.rollout import (
     rollout,
     token_logprobs,
 )
-from judgeloop.loop.state import LoopState, finite_or_none
 
 if TYPE_CHECKING:
     from judgeloop.loop.setup import LoopRun
@@ -322,45 +314,6 @@ def record_update(run: LoopRun, batch: PairBatch) -> None:
     run.accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=batch.step)
 
 
-def maybe_recalibrate(
-    step: int, state: LoopState, calibrator: Calibrator, collect: Any, cfg: FeedbackLoopConfig,
-    judge: Judge | None = None, reason: str | None = None,
-) -> Calibrator:  # fmt: skip
-    """Monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold
-    (or for ``reason``, a divergence alarm's). ``judge``: the training judge (a panel refits with it)."""
-    pairs = None
-    if monitor_due(step, cfg.calibration):
-        pairs = collect(step)
-        monitored = pair_ece(calibrator, pairs, cfg.calibration.num_bins)
-        state.last_monitored_ece = monitored if math.isfinite(monitored) else None
-    reason = reason or recalibration_reason(step, cfg.calibration, state.last_monitored_ece)
-    if reason is None:
-        return calibrator
-    pairs = pairs if pairs is not None else collect(step)
-    calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed, judge=judge)
-    state.coupling.append(finite_or_none({"step": step, **judge_coupling(pairs)}))
-    logger.info("step %d: %s", step, coupling_line(state.coupling[-1]))
-    state.refits.append(
-        finite_or_none(
-            {**record.as_dict(), "ties_dropped": pairs.ties_dropped, "judge_failures": pairs.judge_failures}
-        )
-    )
-    state.last_monitored_ece = None
-    ci = record.ece_delta_ci95
-    logger.info(
-        "step %d: recalibrated (%s) on %d pairs; held-out ECE %.4f -> %.4f on %d pairs (change 95%% CI %s)%s",
-        step,
-        reason,
-        record.n_fit,
-        record.ece_before,
-        record.ece_after,
-        record.n_holdout,
-        "n/a" if ci[0] is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
-        "" if record.refit else f" (kept old: {record.error})",
-    )
-    return calibrator
-
-
 def judged_stats(batch: PairBatch) -> dict[str, float]:
     """The step's mean calibrated p and its failed judgements (pairs, or a group's comparisons)."""
     if batch.advantages is not None:  # grpo: the GroupScores
@@ -371,33 +324,3 @@ def judged_stats(batch: PairBatch) -> dict[str, float]:
         "p_mean": float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
         "judge_failures": float((~batch.judged.valid).sum()),
     }
-
-
-def watch_divergence(run: LoopRun, step: int) -> None:
-    """When due, the divergence check (:mod:`judgeloop.loop.alarms`) on this step's fresh
-    calibration pairs; an alarm is logged and acted on as ``alarms.action`` says."""
-    cfg, state = run.cfg, run.state
-    if not (cfg.alarms.enabled and step % cfg.alarms.every_n_steps == 0):
-        return
-    pairs = run.collect(step)
-    metrics, fired = check_divergence(
-        step, state.alarm_checks, run.train_judge, run.calibrator, pairs, cfg.alarms
-    )
-    run.accelerator.log({f"alarm/{k}": v for k, v in metrics.items()}, step=step)
-    if not fired:
-        return
-    state.alarms.extend(finite_or_none(a) for a in fired)
-    for a in fired:
-        logger.warning(
-            "step %d: divergence alarm: %s agreement %.3f (95%% CI [%.3f, %.3f], %d pairs) < %.3f; action: %s",
-            step, a["channel"], a["agreement"], a["ci95"][0], a["ci95"][1], a["n"], a["threshold"], a["action"],
-        )  # fmt: skip
-    action = cfg.alarms.action
-    if action == "refit" and needs_fit(cfg.calibration):
-        run.calibrator = maybe_recalibrate(
-            step, state, run.calibrator, run.collect, cfg, run.train_judge, reason="alarm"
-        )
-    elif action == "downweight":
-        state.judge_weight *= cfg.alarms.downweight_factor
-    elif action == "stop":
-        state.stopped_early, state.stop_reason = True, f"divergence alarm at step {step}"
