@@ -109,7 +109,8 @@ class Checked:
 
 
 def test_every_shipped_config_loads(repo):
-    """Every YAML under configs/ (except launcher topology files) loads into its command's schema."""
+    """Every YAML under configs/ loads into its command's (or recipe's) schema, and every accelerate
+    launch file is one accelerate reads: the one test of the shipped configs."""
     from judgeloop.cli import COMMANDS, resolve_command
 
     by_folder = {
@@ -136,7 +137,11 @@ def test_every_shipped_config_loads(repo):
         if folder == "accelerate":
             import yaml
 
-            assert isinstance(yaml.safe_load(path.read_text()), dict)
+            launch = yaml.safe_load(path.read_text())
+            assert launch["distributed_type"] in {"NO", "MULTI_GPU", "DEEPSPEED", "FSDP"}, rel
+            assert launch["num_processes"] >= 1 and launch["num_machines"] == 1, rel
+            if launch["distributed_type"] == "DEEPSPEED":
+                assert launch["deepspeed_config"]["zero_stage"] in (2, 3), rel
             continue
         if folder in recipe_schemas:
             load_config(recipe_schemas[folder], path)
@@ -149,6 +154,8 @@ def test_every_shipped_config_loads(repo):
             command = first.split(":", 1)[1].strip()
         assert command in COMMANDS, f"{rel}: no command registered for configs/{folder}"
         schema, _ = resolve_command(command)
-        load_config(schema, path)
+        cfg = load_config(schema, path)
+        if folder == "feedback_loop":
+            assert cfg.max_steps >= 1 and cfg.ablation.arms, rel
         checked += 1
     assert checked >= 1

@@ -305,27 +305,6 @@ def test_leakage_check_raises_on_training_articles_in_calibration():
 # --- config -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "path", sorted((ROOT / "configs" / "feedback_loop").glob("*.yaml")), ids=lambda p: p.name
-)
-def test_feedback_loop_configs_load(path):
-    cfg = load_config(FeedbackLoopConfig, path)
-    assert cfg.max_steps >= 1 and cfg.ablation.arms
-
-
-@pytest.mark.parametrize(
-    "path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name
-)
-def test_accelerate_configs_are_valid_launch_files(path):
-    import yaml
-
-    cfg = yaml.safe_load(path.read_text())
-    assert cfg["distributed_type"] in {"NO", "MULTI_GPU", "DEEPSPEED", "FSDP"}
-    assert cfg["num_processes"] >= 1 and cfg["num_machines"] == 1
-    if cfg["distributed_type"] == "DEEPSPEED":
-        assert cfg["deepspeed_config"]["zero_stage"] in (2, 3)
-
-
 def test_gpu_recipe_config_validates():
     cfg = load_config(FeedbackLoopConfig, ROOT / "configs" / "feedback_loop" / "gpu_qwen.yaml")
     assert cfg.device == "cuda" and cfg.policy.model == "Qwen/Qwen2.5-0.5B-Instruct"
