@@ -8,8 +8,9 @@
 #   DEVICE=cpu SIZE=dry bash scripts/gpu_check.sh     # the dry run of the same steps on CPU, toy widths
 #
 # Then the 2-process DeepSpeed ZeRO-2 / ZeRO-3 checks (tests/test_deepspeed.py: the loop, full and LoRA,
-# and the retriever against one process, resumes, clipping). They pin DS_ACCELERATOR=cpu and device=cpu, so
-# on a GPU machine they check the same CPU path; a GPU ZeRO run is still to be written.
+# and the retriever against one process, resumes, clipping; the whole recipe under ZeRO-3). They pin
+# DS_ACCELERATOR=cpu and device=cpu, so on a GPU machine they check the same CPU path; then the whole recipe
+# (recipes/feedback_loop.py) under the shipped ZeRO-3 and ZeRO-2 files on this GPU, one process, bf16.
 # Needs deepspeed (pip install -e .[deepspeed]); DS=0 skips them.
 #
 # Writes OUT/loop/check.json, OUT/bench_loop_{no,bf16}.json and OUT/bench_retriever_{no,bf16}.json, and
@@ -36,5 +37,13 @@ done
 if [ "${DS:-1}" = 1 ]; then
   echo "== DeepSpeed ZeRO-2 / ZeRO-3 on 2 processes (the shipped launch files), against 1 process"
   $PY -m pytest -q tests/test_deepspeed.py
+  if [ "$DEVICE" = cuda ]; then
+    for Z in 3 2; do
+      echo "== the whole loop under ZeRO-$Z on this GPU (1 process, bf16; the shipped launch file)"
+      $PY -m accelerate.commands.launch --config_file configs/accelerate/deepspeed_zero$Z.yaml --num_processes 1 \
+          recipes/feedback_loop.py --config configs/feedback_loop/tiny.yaml device=cuda judge.device=cuda \
+          max_steps=2 eval_every_n_steps=2 progress_bar=false output_dir="$OUT/zero$Z"
+    done
+  fi
 fi
 echo "== done: $OUT"

@@ -40,7 +40,8 @@ def stepping(run: LoopRun) -> Iterator[Iterator[int]]:
             total=cfg.max_steps, initial=state.step, desc=f"feedback loop [{cfg.calibration.method}]"
         )
     run.steps_this_run, run.interrupted = 0, False
-    run.prefetch = JudgePrefetch(run.train_judge, cfg.judge_prefetch, cfg.judge_prefetch_threads)
+    enabled = cfg.judge_prefetch and run.prefetch_judge  # not under a ZeRO-3 judge (setup_run)
+    run.prefetch = JudgePrefetch(run.train_judge, enabled, cfg.judge_prefetch_threads)
 
     def numbers() -> Iterator[int]:
         while state.step < cfg.max_steps and not state.stopped_early and not run.interrupted:

@@ -36,6 +36,7 @@ from judgeloop.distributed import (
     accelerator_kwargs,
     configure_deepspeed,
     generation_context,
+    is_zero3,
     load_trainable_state,
     prepare_for_inference,
     trainable_state,
@@ -238,6 +239,7 @@ class LoopRun:
     state: LoopState
     calibrator: Calibrator
     prefetch: JudgePrefetch | None = None
+    prefetch_judge: bool = True  # judge_prefetch may run: no collective in the judge's forward (ZeRO-3)
     bar: Any = None  # the progress bar while stepping
     steps_this_run: int = 0
     interrupted: bool = False  # stopped at stop_after_n_steps (or by a stop signal) before max_steps
@@ -318,6 +320,11 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     scorer = getattr(judge, "base", judge)  # a styled judge scores with its base judge's model
     if hasattr(scorer, "model"):
         scorer.model = prepare_for_inference(scorer.model, accelerator)
+    # a judge partitioned by ZeRO-3 gathers its weights at every forward, a collective: on the prefetch
+    # thread it would interleave with the policy's (generate syncs the ranks) in another order on each rank
+    sharded_judge = hasattr(scorer, "model") and is_zero3(scorer.model)
+    if sharded_judge and cfg.judge_prefetch:
+        logger.info("judge_prefetch is off: the judge is partitioned by ZeRO-3 (its forward is a collective)")
     train_judge = build_training_judge(
         cfg.calibration, judge, cfg.judge.name or cfg.judge.type, process_device("auto", accelerator)
     )
@@ -343,7 +350,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
     return LoopRun(
         cfg, accelerator, out_dir, splits, tokenizer, build_prompt, learner, judge, train_judge, kl_ctl, start,
-        LoopState(kl_coef=kl_ctl.coef), build_calibrator(cfg.calibration),
+        LoopState(kl_coef=kl_ctl.coef), build_calibrator(cfg.calibration), prefetch_judge=not sharded_judge,
     )  # fmt: skip
 
 
