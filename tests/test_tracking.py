@@ -47,7 +47,7 @@ def _mlflow_run(uri: str, experiment: str, run_name: str):
 )
 def test_the_loop_logs_to_tensorboard_and_mlflow_and_both_read_back(tmp_path, monkeypatch):
     from judgeloop.recipes import train
-    from test_loop import FAST  # tests/ is on sys.path under pytest
+    from loop_common import FAST  # tests/ is on sys.path under pytest
 
     uri = f"file:{tmp_path / 'mlruns'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -105,8 +105,9 @@ def test_ablation_jobs_are_named_runs_in_one_group(tmp_path):
 
 @pytest.mark.skipif(not HAVE_TB, reason="tensorboard is a dependency")
 def test_the_retriever_logs_through_the_same_trackers(tmp_path):
-    from judgeloop.commands.train_retriever import run
     from test_retrieval_command import _cfg, _overrides, beir_dir  # noqa: F401 - the fixture's body
+
+    from judgeloop.commands.train_retriever import run
 
     data = tmp_path / "data"
     data.mkdir()

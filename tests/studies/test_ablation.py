@@ -14,7 +14,7 @@ from judgeloop.config import ConfigError, load_config
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.stats import MDD_FACTOR, paired_bootstrap, paired_matrix, premise_check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "feedback_loop" / "tiny.yaml"
 
 

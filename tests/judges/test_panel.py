@@ -16,9 +16,9 @@ from judgeloop.judges.objective import ObjectiveJudge, signal_value
 from judgeloop.judges.panel import PanelJudge
 from judgeloop.loop.alarms import preference_agreement, rolling_agreement
 from judgeloop.loop.config import FeedbackLoopConfig
-from test_loop import FAST as LOOP_FAST
+from loop_common import FAST as LOOP_FAST
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "feedback_loop" / "tiny.yaml"
 ART = (
     "The council voted on Tuesday to build a new bridge over the river. The bridge will cost four million. "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_raft import TINY, _cfg, _synthetic  # noqa: I001  (tests/ is on sys.path under pytest)
 
 from judgeloop.intervals import wilson_interval
 from judgeloop.models import load_causal_lm, load_tokenizer
@@ -22,7 +23,6 @@ from judgeloop.raft.evaluation import (
     token_f1,
 )
 from judgeloop.raft.sft import SftConfig, load_sft_dataset, to_prompt_completion
-from test_raft import TINY, _cfg, _synthetic  # noqa: I001  (tests/ is on sys.path under pytest)
 
 
 @pytest.fixture(scope="module")

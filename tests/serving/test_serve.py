@@ -27,7 +27,7 @@ from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.rewards import Group, score_groups
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "serve" / "judge.yaml")
 JUDGELOOP = str(Path(sys.executable).parent / "judgeloop")
 

@@ -20,7 +20,7 @@ from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.rewards import Group, group_rewards, score_groups
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _length_judge() -> CalibratedJudge:

@@ -77,7 +77,7 @@ os._exit(0)
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -166,7 +166,7 @@ def test_the_lr_schedule_counts_optimizer_steps_on_any_number_of_processes(tmp_p
     )
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = tmp_path / "lr_worker.py"
     script.write_text(LR_WORKER)
     one, two = tmp_path / "one.json", tmp_path / "two.json"
@@ -237,11 +237,11 @@ def test_odd_shards_keep_the_ranks_in_step_and_lose_no_article(tmp_path):
     )
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = tmp_path / "uneven_worker.py"
     script.write_text(UNEVEN_WORKER)
     res_file = tmp_path / "two.json"
-    from test_loop import FAST  # tests/ is on sys.path under pytest: the end-to-end tests' fast settings
+    from loop_common import FAST  # tests/ is on sys.path under pytest: the end-to-end tests' fast settings
 
     overrides = [
         *FAST, "num_eval_articles=5", "num_validation_articles=3", "calibration.num_articles=7",

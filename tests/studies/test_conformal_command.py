@@ -10,7 +10,7 @@ import pytest
 
 from judgeloop.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "rho", "tau", "phi", "chi", "psi", "amber", "basalt", "cobalt", "dune", "ember", "flint", "garnet", "heath", "iris", "jade"]  # fmt: skip
 
 

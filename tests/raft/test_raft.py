@@ -32,7 +32,7 @@ from judgeloop.raft.readers import RaftQuestion, read_pubmedqa, read_scifact, re
 
 TINY = "judgeloop-tiny/causal-lm"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TOPICS = ["cardiology", "oncology", "neurology", "nephrology", "dermatology", "hepatology"]
 WORDS = [
