@@ -31,7 +31,7 @@ from judgeloop.raft.chunking import ChunkConfig, chunk_text
 from judgeloop.raft.readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
 
 TINY = "judgeloop-tiny/causal-lm"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 REPO = Path(__file__).resolve().parents[2]
 
 TOPICS = ["cardiology", "oncology", "neurology", "nephrology", "dermatology", "hepatology"]

@@ -21,7 +21,7 @@ from judgeloop.routing import (
 )
 from judgeloop.routing.llm import parse_verbalized
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def test_squad_scoring_hand_computed():
