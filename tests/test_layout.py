@@ -1,4 +1,4 @@
-"""The house rules of the layout (README, "Layout"), checked on the source so they stay true."""
+"""The house rules of the layout (docs/layout.md; the README's map), checked on the source."""
 
 from __future__ import annotations
 
