@@ -269,14 +269,14 @@ def _refs(judge: Judge, references: tuple[str, ...], extractive: tuple[str, ...]
 
 def check_models(cfg: ProbeConfig) -> None:
     """Every judge's model resolves and its device is there, before any data or weights load."""
-    from judgeloop.judges.tokens import resolve_device
+    from judgeloop.devices import resolve_device
     from judgeloop.models import check_model
 
     try:
         for name, jc in cfg.active_judges.items():
-            resolve_device(jc.device)
+            resolve_device(jc.device, f"judges.{name}.device")
             for key, model, device in models_of(jc, f"judges.{name}"):
-                resolve_device(device)
+                resolve_device(device, key.removesuffix(".model") + ".device")
                 check_model(model, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
