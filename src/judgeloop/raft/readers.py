@@ -4,8 +4,9 @@ Each reader returns a :class:`ReadResult`: a list of :class:`RaftQuestion` (ques
 of its oracle documents, the answer, and what is known about where the evidence sits) and a dict
 ``doc_id -> RaftDoc`` holding every oracle document and any extra documents (distractor material).
 
-* ``pubmedqa`` (``../shared/data/pubmedqa/pubmedqa_dev.jsonl``): the abstract's contexts are the oracle,
-  the answer is yes/no/maybe and the long answer (the abstract's conclusion) is kept for the reasoning.
+* ``pubmedqa`` (``../shared/data/pubmedqa/pubmedqa_dev.jsonl``, read by :mod:`judgeloop.data.pubmedqa`): the
+  abstract's contexts are the oracle, the answer is yes/no/maybe and the long answer (the abstract's
+  conclusion) is kept for the reasoning.
 * ``squad`` (``../shared/data/squad2_sample``): the paragraph is the oracle, the answer is the first gold
   span, whose first occurrence in the paragraph is the evidence; unanswerable questions are skipped
   (they have no oracle) and counted.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from judgeloop.data import pubmedqa
 from judgeloop.io import DataError, first_of_each_id, read_jsonl
 
 AnswerKind = Literal["yes_no_maybe", "span", "title", "free"]
@@ -69,40 +71,24 @@ class ReadResult:
 
 
 def read_pubmedqa(path: str | Path) -> ReadResult:
-    """PubMedQA rows as RAFT input: the abstract is the oracle, the answer yes/no/maybe."""
-    rows = read_jsonl(
-        path,
-        required=["id", "question", "contexts", "long_answer", "final_decision"],
-        kinds={
-            "id": "id",
-            "question": "text",
-            "contexts": "texts",
-            "long_answer": "text",
-            "final_decision": "text",
-        },
-    )
+    """PubMedQA rows as RAFT input (:func:`judgeloop.data.pubmedqa.read_pubmedqa`): the abstract is the
+    oracle, the answer yes/no/maybe, the long answer the reasoning; a question with no abstract is skipped
+    and counted (``empty_oracle``)."""
     res = ReadResult(skipped={"empty_oracle": 0})
-    for row in _unique_rows(rows, "id", "question", path):
-        decision = str(row["final_decision"]).strip().lower()
-        if decision not in ("yes", "no", "maybe"):
-            raise DataError(
-                f"{path}: id {row['id']}: final_decision {row['final_decision']!r} is not yes/no/maybe"
-            )
-        doc_id = f"pubmed:{row['id']}"
-        contexts = [row["contexts"]] if isinstance(row["contexts"], str) else row["contexts"]
-        text = " ".join(c.strip() for c in contexts if c.strip())
-        if not text:  # no abstract to ground the answer in: the question cannot be a RAFT example
+    for item in pubmedqa.read_pubmedqa(path, require_long_answer=True):
+        if not item.abstract:  # no abstract to ground the answer in: the question cannot be a RAFT example
             res.skipped["empty_oracle"] += 1
             continue
-        res.corpus[doc_id] = RaftDoc(id=doc_id, text=text)
+        doc_id = f"pubmed:{item.id}"
+        res.corpus[doc_id] = RaftDoc(id=doc_id, text=item.abstract)
         res.questions.append(
             RaftQuestion(
-                id=str(row["id"]),
-                question=str(row["question"]).strip(),
+                id=item.id,
+                question=item.question,
                 oracle_ids=[doc_id],
-                answer=decision,
+                answer=item.decision,
                 kind="yes_no_maybe",
-                long_answer=row["long_answer"].strip(),
+                long_answer=item.long_answer,
             )
         )
     return res
