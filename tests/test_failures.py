@@ -404,7 +404,7 @@ def test_calibrate_refuses_too_few_labeled_pairs_before_judging(tmp_path):
         ("judgeloop.loop.config:FeedbackLoopConfig", "policy.sft_lr=0.1", "policy.sft_learning_rate"),
         ("judgeloop.studies.calibration_lab:CalibrateConfig", "n_bins=5", "num_bins"),
         (
-            "judgeloop.retrieval.trainer:TrainRetrieverConfig",
+            "judgeloop.retrieval.trainer_config:TrainRetrieverConfig",
             "train.checkpoint_every_n_steps=5",
             "train.save_every_n_steps",
         ),
