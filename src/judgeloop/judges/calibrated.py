@@ -165,7 +165,7 @@ class CalibratedJudge:
                 depends on.
         """
         from judgeloop import __version__
-        from judgeloop.judges.tokens import resolve_device
+        from judgeloop.devices import resolve_device
         from judgeloop.models import check_model
 
         folder = Path(path)
@@ -196,7 +196,7 @@ class CalibratedJudge:
 
         for key, model, device in models_of(config):
             try:
-                resolve_device(device)
+                resolve_device(device, key.removesuffix(".model") + ".device")
                 check_model(model, key)
             except ValueError as err:
                 raise ConfigError(

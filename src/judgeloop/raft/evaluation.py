@@ -29,7 +29,7 @@ from judgeloop.intervals import wilson_interval
 from judgeloop.io import read_jsonl
 from judgeloop.logging import get_logger
 from judgeloop.metrics.qa import exact_match, token_f1
-from judgeloop.raft.builder import (
+from judgeloop.raft.targets import (
     ANSWER_MARKER,
     extract_quotes,
     parse_answer,

@@ -19,7 +19,7 @@ on the same calibration-split pairs. A failed judgement (an empty summary the ju
 an input that cannot fit) is no success and is counted in ``n_failed``. Rates carry Wilson intervals;
 each attack's lift over the ``control`` row (the weak base alone) carries a paired bootstrap interval
 over articles. :func:`probe` returns the report and the per-pair rows;
-:func:`judgeloop.calibration.probe_report.render_markdown` writes ``report.md`` from the report.
+:func:`judgeloop.studies.probe_report.render_markdown` writes ``report.md`` from the report.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from scipy.special import expit
 
 from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator
 from judgeloop.calibration.health import judge_health
-from judgeloop.calibration.lab import CalibratorOptions, build_calibrator
 from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs, pair_features
 from judgeloop.calibration.metrics import auc
 from judgeloop.config import ConfigError
@@ -55,6 +54,7 @@ from judgeloop.judges.hacking import (
     hack_rates,
 )
 from judgeloop.logging import get_logger
+from judgeloop.studies.calibration_lab import CalibratorOptions, build_calibrator
 
 logger = get_logger(__name__)
 
@@ -269,14 +269,14 @@ def _refs(judge: Judge, references: tuple[str, ...], extractive: tuple[str, ...]
 
 def check_models(cfg: ProbeConfig) -> None:
     """Every judge's model resolves and its device is there, before any data or weights load."""
-    from judgeloop.judges.tokens import resolve_device
+    from judgeloop.devices import resolve_device
     from judgeloop.models import check_model
 
     try:
         for name, jc in cfg.active_judges.items():
-            resolve_device(jc.device)
+            resolve_device(jc.device, f"judges.{name}.device")
             for key, model, device in models_of(jc, f"judges.{name}"):
-                resolve_device(device)
+                resolve_device(device, key.removesuffix(".model") + ".device")
                 check_model(model, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
