@@ -11,7 +11,8 @@ matters (comparisons from many requests in one judge call, never splitting a req
 
 Every error answers ``{"error": "<one line>"}``: 400 malformed JSON, 401 a missing or wrong token, 413
 a body, request or text over its limit, 422 a missing field, a wrong type or an empty text, 500 a judge
-failure (the server stays up).
+failure (the server stays up). The server logs each one (route, status, reason) as a warning: the access
+log is off, and OpenRLHF's client shows the status code only.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from judgeloop.config import ConfigError, to_dict
 from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.logging import get_logger
 from judgeloop.rewards import Group, check_scheme
 from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
 from judgeloop.serving.config import ServeConfig
 from judgeloop.serving.groups import PromptGroups, served_group_scores
+
+logger = get_logger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -82,8 +86,11 @@ class RewardsRequest(BaseModel):
 
 
 # --- checks -------------------------------------------------------------------------------------
-def check_texts(cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]]) -> None:
-    """Refuse a request over the limits (413) or with an empty text (422); ``texts``: (field, text)."""
+def check_texts(
+    cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]], allow_empty: bool = False
+) -> None:
+    """Refuse a request over the limits (413) or with an empty text (422, unless ``allow_empty``);
+    ``texts``: (field, text)."""
     limits = cfg.server
     if n_items > limits.max_items_per_request:
         raise ApiError(
@@ -98,7 +105,7 @@ def check_texts(cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]]) ->
                 f"{name} has {len(text)} characters; the limit is server.max_chars_per_text="
                 f"{limits.max_chars_per_text}",
             )
-    for name, text in texts:
+    for name, text in [] if allow_empty else texts:
         if not text.strip():
             raise ApiError(422, f"{name} is empty; every prompt and completion needs text")
 
@@ -217,24 +224,37 @@ def _one_line(err: RequestValidationError) -> tuple[int, str]:
 def add_error_handlers(app: FastAPI) -> None:
     """Every error as ``{"error": "<one line>"}`` with its status (module docstring)."""
 
+    def answer(request: Request, status: int, message: str) -> JSONResponse:
+        # the path only: a query string may carry ?api_key=
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, status, message)
+        return JSONResponse({"error": message}, status_code=status)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse({"error": err.message}, status_code=err.status)
+        return answer(request, err.status, err.message)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        status, message = _one_line(err)
-        return JSONResponse({"error": message}, status_code=status)
+        return answer(request, *_one_line(err))
 
     @app.exception_handler(JudgeFailure)
     async def _judge_failed(request: Request, err: JudgeFailure) -> JSONResponse:
-        return JSONResponse({"error": f"the judge failed on this request: {err}"}, status_code=500)
+        return answer(request, 500, f"the judge failed on this request: {err}")
+
+
+def judge_cache_stats(judge: CalibratedJudge) -> dict[str, int]:
+    """The shared judge's pair-cache hits and misses since the server started (every request's)."""
+    stats = getattr(judge.judge, "stats", None)
+    return {
+        "judge_cache_hits": getattr(stats, "cache_hits", 0),
+        "judge_cache_misses": getattr(stats, "cache_misses", 0),
+    }
 
 
 # --- the application -----------------------------------------------------------------------------
-def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
+def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
-    :mod:`judgeloop.commands.serve_judge`)."""
+    :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher`` and ``prompt_groups``."""
     from judgeloop import __version__
     from judgeloop.integrations.openrlhf import openrlhf_router
 
@@ -242,7 +262,11 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
     batcher = ComparisonBatcher(judge, cfg.server.max_batch_size, cfg.server.max_wait_ms)
     defaults = to_dict(cfg.rewards)
     prompt_groups = PromptGroups(
-        batcher, defaults, max(cfg.openrlhf.n_samples_per_prompt, 1), cfg.openrlhf.group_wait_s
+        batcher,
+        defaults,
+        max(cfg.openrlhf.n_samples_per_prompt, 1),
+        cfg.openrlhf.group_wait_s,
+        empty_loses=True,
     )
 
     @asynccontextmanager
@@ -283,8 +307,11 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
             "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
             "stats": {
                 **batcher.stats.as_dict(),
+                **judge_cache_stats(judge),
                 "openrlhf_groups": prompt_groups.groups,
                 "openrlhf_partial_groups": prompt_groups.partial_groups,
+                "openrlhf_open_groups": prompt_groups.open_groups,
+                "openrlhf_empty_completions": prompt_groups.empty_completions,
             },
         }
 
@@ -322,7 +349,8 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
     app.include_router(
         openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
     )
-    return BodyLimit(app, cfg.server.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
+    return app
 
 
 __all__ = ["ApiError", "BodyLimit", "build_app", "check_texts"]

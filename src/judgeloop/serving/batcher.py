@@ -57,6 +57,7 @@ class BatchStats:
     judge_calls: int = 0
     failed_calls: int = 0
     max_batch: int = 0
+    in_flight: int = 0  # requests submitted and not answered yet
     judge_seconds: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -67,6 +68,7 @@ class BatchStats:
             "judge_calls": self.judge_calls,
             "failed_calls": self.failed_calls,
             "max_batch": self.max_batch,
+            "in_flight_requests": self.in_flight,
             "mean_batch": self.comparisons / self.judge_calls if self.judge_calls else 0.0,
             "judge_seconds": round(self.judge_seconds, 3),
         }
@@ -132,8 +134,12 @@ class ComparisonBatcher:
             [tuple(r) for r in references] if references is not None else [()] * len(prompts)
         )
         future: asyncio.Future[Comparison] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Job(list(prompts), list(a), list(b), refs, future))
-        return await future
+        self.stats.in_flight += 1
+        try:
+            await self._queue.put(_Job(list(prompts), list(a), list(b), refs, future))
+            return await future
+        finally:
+            self.stats.in_flight -= 1
 
     async def _next(self, timeout: float | None) -> _Job | None:
         assert self._queue is not None
