@@ -170,6 +170,18 @@ def test_compare_equals_in_process(tiny_server: str, tiny_judge_path: Path) -> N
         assert got.json() == local(judge, batch)  # exact: the same floats, the same statuses
 
 
+def test_a_body_without_json_content_type_is_read_as_json(tiny_server: str, tiny_judge_path: Path) -> None:
+    """``curl URL -d '{...}'`` declares a form body; the server reads it as the JSON it is."""
+    import json
+
+    batch = items(2, seed=3)
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        got = httpx.post(tiny_server + "/v1/compare", content=json.dumps({"items": batch}), headers=headers)
+        assert got.status_code == 200, got.text
+        assert got.json() == local(CalibratedJudge.from_pretrained(tiny_judge_path), batch)
+
+
 def test_info_names_judge_and_held_out_figures(tiny_server: str, tiny_judge_path: Path) -> None:
     info = httpx.get(tiny_server + "/v1/info").json()
     judge = CalibratedJudge.from_pretrained(tiny_judge_path)

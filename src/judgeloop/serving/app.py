@@ -112,7 +112,9 @@ def check_texts(
 
 class BodyLimit:
     """ASGI middleware: a body over ``max_bytes`` is answered 413 before the app reads it (a declared
-    Content-Length at once; a chunked body as soon as it passes the limit)."""
+    Content-Length at once; a chunked body as soon as it passes the limit). A POST body is read as JSON
+    whatever Content-Type it declares, as OpenRLHF's own ``serve_rm.py`` reads it (``curl -d`` declares a
+    form; the routes take JSON only)."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -122,6 +124,9 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        if scope.get("method") == "POST" and headers.get(b"content-type") != b"application/json":
+            kept = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send, int(declared))
