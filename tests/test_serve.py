@@ -152,6 +152,7 @@ def length_server(length_judge_path: Path) -> Iterator[str]:
         "server.max_batch_size=64",
         "server.max_wait_ms=10",
         "openrlhf.n_samples_per_prompt=4",
+        "server.num_threads=3",  # no torch work in this judge: the setting only has to reach its thread
         env={"JUDGE_TEST_TOKEN": "s3cret"},
     ) as (url, _):
         yield url
@@ -329,6 +330,30 @@ def test_verl_compute_score_round_trips(tiny_server: str, tiny_judge_path: Path)
         compute_score(["x"], ["a summary"], [None], [{}], server_url=tiny_server)
 
 
+def test_verl_empty_response_gets_the_lowest_reward(tiny_server: str, tiny_judge_path: Path) -> None:
+    """An empty response would be a 422 on /v1/rewards; compute_score asks empty_completions=lose, so
+    verl's run goes on with the response ranked last."""
+    from judgeloop.integrations.verl import compute_score
+
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    sols = [SUMMARIES[0], "", SUMMARIES[1]]
+    got = compute_score(
+        ["summeval"] * 3, sols, [None] * 3, [{"article": ARTICLES[0]}] * 3, server_url=tiny_server
+    )
+    p = float(judge.compare([ARTICLES[0]], [SUMMARIES[0]], [SUMMARIES[1]]).p[0])
+    assert [r["score"] for r in got] == pytest.approx([(p + 1) / 2, 0.0, (2 - p) / 2], abs=1e-12)
+    assert [r["judge_empty"] for r in got] == [0, 1, 0]
+    body = {"groups": [{"prompt": ARTICLES[0], "completions": sols}], "aggregate": "bradley_terry"}
+    refused = httpx.post(tiny_server + "/v1/rewards", json=body, timeout=60)
+    assert refused.status_code == 422 and "completions[1] is empty" in refused.json()["error"]
+    strengths = httpx.post(
+        tiny_server + "/v1/rewards", json={**body, "empty_completions": "lose"}, timeout=60
+    )
+    assert strengths.status_code == 200, strengths.text
+    bt = strengths.json()["rewards"][0]
+    assert bt[1] < min(bt[0], bt[2]) and sum(bt) == pytest.approx(0.0, abs=1e-9)  # the lowest strength
+
+
 # --- bad requests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "body, status, reason",
@@ -373,6 +398,12 @@ def test_bearer_token(length_server: str) -> None:
     assert httpx.get(length_server + "/health").status_code == 200  # health needs no token
 
 
+def test_num_threads_reaches_the_judge_thread(length_server: str) -> None:
+    """torch's thread count is per thread: server.num_threads must be set where the judge runs."""
+    info = httpx.get(length_server + "/v1/info", headers=AUTH).json()
+    assert info["judge_threads"] == 3 and info["server"]["num_threads"] == 3
+
+
 def test_not_a_judge_fails_before_binding(tmp_path: Path) -> None:
     port = free_port()
     done = subprocess.run(
@@ -384,6 +415,18 @@ def test_not_a_judge_fails_before_binding(tmp_path: Path) -> None:
     assert done.returncode == 2 and "is not a calibrated judge" in done.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # the port was never taken
+
+
+def test_a_port_in_use_is_refused_before_serving() -> None:
+    from judgeloop.commands.serve_judge import check_port
+    from judgeloop.config import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"server.port={port} cannot be listened on"):
+            check_port("127.0.0.1", port)
 
 
 # --- load: 16 clients x 25 requests ----------------------------------------------------------------
@@ -509,10 +552,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) 
             assert got.status_code == 200, (name, got.text)
             n = len(body.get("items", body.get("query", [])))
             assert len(got.json()["p" if "items" in body else "rewards"]) == n
-        assert "stopped on SIGTERM after answering" in log
+        assert "stopped on SIGTERM after judging" in log
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health")
-        with socket.socket() as s:  # released: a new server can listen there (the closed connections'
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT stays, as uvicorn allows)
-            s.bind(("127.0.0.1", port))
-            s.listen()
+        from judgeloop.commands.serve_judge import check_port
+
+        check_port("127.0.0.1", port)  # released: a restart passes the check that refuses a taken port

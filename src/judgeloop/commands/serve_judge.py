@@ -84,8 +84,12 @@ def check_port(host: str, port: int) -> None:
     from judgeloop.config import ConfigError
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as uvicorn binds: the closed connections of a server stopped a moment ago (TIME_WAIT) do not
+        # keep a restart off the port; a socket still listening there does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+            s.listen()
         except OSError as err:
             raise ConfigError(
                 f"server.host={host} server.port={port} cannot be listened on ({err.strerror}); choose a free "
@@ -127,9 +131,9 @@ def run(cfg: ServeConfig) -> None:
         raise OSError(f"the server could not listen on {cfg.server.host}:{cfg.server.port} (see above)")
     stats = app.state.batcher.stats
     logger.info(
-        "stopped%s after answering %d requests (%d comparisons, %d judge calls)",
+        "stopped%s after judging %d comparisons of %d requests in %d judge calls",
         f" on {signal.Signals(received[0]).name}" if received else "",
-        stats.requests,
         stats.comparisons,
+        stats.requests,
         stats.judge_calls,
     )

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +35,7 @@ from judgeloop.logging import get_logger
 from judgeloop.rewards import Group, check_scheme
 from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
 from judgeloop.serving.config import ServeConfig
-from judgeloop.serving.groups import PromptGroups, served_group_scores
+from judgeloop.serving.groups import PromptGroups, is_empty, served_group_scores
 
 logger = get_logger(__name__)
 
@@ -83,6 +83,9 @@ class RewardsRequest(BaseModel):
     m: int | None = None
     prior: float | None = None
     probability: str | None = None
+    # refuse: an empty completion is a 422; lose: it loses to every non-empty text, unjudged (what a
+    # trainer's reward function wants: a policy's empty output ranked last, the run going on)
+    empty_completions: Literal["refuse", "lose"] = "refuse"
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -204,16 +207,20 @@ def reward_settings(body: RewardsRequest, defaults: dict[str, Any]) -> dict[str,
     return settings
 
 
-def reward_texts(body: RewardsRequest) -> list[tuple[str, str]]:
-    """(field, text) of every text of a rewards request; 422 for a group with no completions."""
+def check_reward_texts(cfg: ServeConfig, body: RewardsRequest) -> None:
+    """The limits and empty texts of a rewards request (:func:`check_texts`); 422 for a group with no
+    completions. Empty completions pass with ``empty_completions=lose``; prompts and anchors never."""
     texts = [(f"groups[{i}].prompt", g.prompt) for i, g in enumerate(body.groups)]
+    completions = []
     for i, g in enumerate(body.groups):
-        texts += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
+        completions += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
         if g.anchor is not None:
             texts.append((f"groups[{i}].anchor", g.anchor))
         if not g.completions:
             raise ApiError(422, f"groups[{i}].completions is empty; send each prompt's completions")
-    return texts
+    lose = body.empty_completions == "lose"
+    check_texts(cfg, len(completions), completions, allow_empty=lose)
+    check_texts(cfg, len(completions), texts)
 
 
 def _one_line(err: RequestValidationError) -> tuple[int, str]:
@@ -264,7 +271,9 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     from judgeloop.integrations.openrlhf import openrlhf_router
 
     token = api_key(cfg)
-    batcher = ComparisonBatcher(judge, cfg.server.max_batch_size, cfg.server.max_wait_ms)
+    batcher = ComparisonBatcher(
+        judge, cfg.server.max_batch_size, cfg.server.max_wait_ms, cfg.server.num_threads
+    )
     defaults = to_dict(cfg.rewards)
     prompt_groups = PromptGroups(
         batcher,
@@ -310,6 +319,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
             "judgeloop_version": __version__,
             "rewards": defaults,
             "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
+            "judge_threads": batcher.threads,  # torch intra-op threads of the judge thread
             "stats": {
                 **batcher.stats.as_dict(),
                 **judge_cache_stats(judge),
@@ -338,10 +348,19 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     @app.post("/v1/rewards", dependencies=[Depends(authorize)])
     async def rewards(body: RewardsRequest) -> dict[str, Any]:
         settings = reward_settings(body, defaults)
-        check_texts(cfg, sum(len(g.completions) for g in body.groups), reward_texts(body))
-        groups = [Group(g.prompt, g.completions, g.anchor, tuple(g.references)) for g in body.groups]
+        check_reward_texts(cfg, body)
+        lose = body.empty_completions == "lose"
+        groups = [
+            Group(
+                g.prompt,
+                ["" if lose and is_empty(c) else c for c in g.completions],
+                g.anchor,
+                tuple(g.references),
+            )
+            for g in body.groups
+        ]
         try:
-            scores = await served_group_scores(batcher, groups, settings)
+            scores = await served_group_scores(batcher, groups, settings, empty_loses=lose)
         except ValueError as err:  # e.g. scheme=anchor and a group without an anchor
             raise ApiError(422, str(err)) from None
         return {
