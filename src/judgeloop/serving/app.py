@@ -263,6 +263,65 @@ def judge_cache_stats(judge: CalibratedJudge) -> dict[str, int]:
     }
 
 
+def authorizer(token: str | None) -> Callable[[Request], None]:
+    """The route dependency that checks the bearer token (``Authorization: Bearer TOKEN``, or
+    ``?api_key=TOKEN`` for a client that sends no headers); a no-op without a token."""
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = (
+            header[7:] if header.lower().startswith("bearer ") else request.query_params.get("api_key", "")
+        )
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
+
+    return authorize
+
+
+def reward_groups(body: RewardsRequest) -> list[Group]:
+    """The request's groups; with ``empty_completions=lose`` an empty completion becomes ``""`` (so
+    empty ones tie exactly)."""
+    lose = body.empty_completions == "lose"
+    return [
+        Group(
+            g.prompt,
+            ["" if lose and is_empty(c) else c for c in g.completions],
+            g.anchor,
+            tuple(g.references),
+        )
+        for g in body.groups
+    ]
+
+
+def info_body(
+    judge: CalibratedJudge, cfg: ServeConfig, batcher: ComparisonBatcher, prompt_groups: PromptGroups
+) -> dict[str, Any]:
+    """``GET /v1/info``: the judge, its card, the server's settings (no token) and what it has done."""
+    from judgeloop import __version__
+
+    return {
+        "judge": to_dict(judge.config),
+        "calibrator": judge.method,
+        "pairwise": judge.pairwise,
+        "debiases": judge.debiases,
+        "card": judge.card,
+        "judgeloop_version": __version__,
+        "rewards": prompt_groups.settings,
+        "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
+        "judge_threads": batcher.threads,  # torch intra-op threads of the judge thread
+        "stats": {
+            **batcher.stats.as_dict(),
+            **judge_cache_stats(judge),
+            "openrlhf_groups": prompt_groups.groups,
+            "openrlhf_partial_groups": prompt_groups.partial_groups,
+            "openrlhf_open_groups": prompt_groups.open_groups,
+            "openrlhf_empty_completions": prompt_groups.empty_completions,
+        },
+    }
+
+
 # --- the application -----------------------------------------------------------------------------
 def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
@@ -292,16 +351,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="judgeloop judge server", version=__version__, lifespan=lifespan)
     app.state.batcher, app.state.cfg, app.state.prompt_groups = batcher, cfg, prompt_groups
 
-    def authorize(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = (
-            header[7:] if header.lower().startswith("bearer ") else request.query_params.get("api_key", "")
-        )
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
-
+    authorize = authorizer(token)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -310,25 +360,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
 
     @app.get("/v1/info", dependencies=[Depends(authorize)])
     async def info() -> dict[str, Any]:
-        return {
-            "judge": to_dict(judge.config),
-            "calibrator": judge.method,
-            "pairwise": judge.pairwise,
-            "debiases": judge.debiases,
-            "card": judge.card,
-            "judgeloop_version": __version__,
-            "rewards": defaults,
-            "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
-            "judge_threads": batcher.threads,  # torch intra-op threads of the judge thread
-            "stats": {
-                **batcher.stats.as_dict(),
-                **judge_cache_stats(judge),
-                "openrlhf_groups": prompt_groups.groups,
-                "openrlhf_partial_groups": prompt_groups.partial_groups,
-                "openrlhf_open_groups": prompt_groups.open_groups,
-                "openrlhf_empty_completions": prompt_groups.empty_completions,
-            },
-        }
+        return info_body(judge, cfg, batcher, prompt_groups)
 
     @app.post("/v1/compare", dependencies=[Depends(authorize)])
     async def compare(body: CompareRequest) -> dict[str, Any]:
@@ -350,17 +382,8 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
         settings = reward_settings(body, defaults)
         check_reward_texts(cfg, body)
         lose = body.empty_completions == "lose"
-        groups = [
-            Group(
-                g.prompt,
-                ["" if lose and is_empty(c) else c for c in g.completions],
-                g.anchor,
-                tuple(g.references),
-            )
-            for g in body.groups
-        ]
         try:
-            scores = await served_group_scores(batcher, groups, settings, empty_loses=lose)
+            scores = await served_group_scores(batcher, reward_groups(body), settings, empty_loses=lose)
         except ValueError as err:  # e.g. scheme=anchor and a group without an anchor
             raise ApiError(422, str(err)) from None
         return {
