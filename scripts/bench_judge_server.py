@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_judge_server.py --judge runs/cal/calibrated_judge/platt \
         [--judge runs/cal_choice/calibrated_judge/platt] [--clients 1 4 16] [--requests 5 1] \
-        [--items 8 2] [--out runs/bench_server.json]
+        [--items 8 2] [--server server.num_threads=1] [--out runs/bench_server.json]
 
 For each judge folder it starts two real servers as processes on free loopback ports, batched (the
 config's ``max_batch_size`` / ``max_wait_ms``) and unbatched (``max_batch_size=1``, ``max_wait_ms=0``),
@@ -151,9 +151,9 @@ def per_judge(values: list[int], judges: list[str], flag: str) -> list[int]:
     return values
 
 
-def bench_judge(judge: str, clients: list[int], requests: int, items: int) -> list[dict]:
-    """Both servers of one judge, the arms alternating at each client count."""
-    servers = {name: start(judge, overrides) for name, overrides in SETTINGS.items()}
+def bench_judge(judge: str, clients: list[int], requests: int, items: int, extra: list[str]) -> list[dict]:
+    """Both servers of one judge (``extra``: overrides for both), the arms alternating at each client count."""
+    servers = {name: start(judge, [*extra, *overrides]) for name, overrides in SETTINGS.items()}
     rows = []
     try:
         info = httpx.get(servers["batched"][1] + "/v1/info").json()
@@ -184,6 +184,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, nargs="+", default=[5], help="requests per client (per judge)")
     ap.add_argument("--items", type=int, nargs="+", default=[8], help="comparisons per request (per judge)")
+    ap.add_argument(
+        "--server", nargs="*", default=[], help="overrides for both servers, e.g. server.num_threads=1"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     requests = per_judge(args.requests, args.judge, "--requests")
@@ -191,11 +194,11 @@ def main() -> None:
     load_start, t0 = os.getloadavg()[0], time.time()
     rows = []
     for judge, r, n in zip(args.judge, requests, items):
-        rows += bench_judge(judge, args.clients, r, n)
+        rows += bench_judge(judge, args.clients, r, n, args.server)
     load_end = os.getloadavg()[0]
     print(f"\n{time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average {load_start:.1f} at the start and {load_end:.1f} at the end, "
-          f"{time.time() - t0:.0f} s\n")  # fmt: skip
+          f"{time.time() - t0:.0f} s; server overrides {args.server or 'none'}\n")  # fmt: skip
     print("| judge | server | clients | requests x comparisons per client | comparisons/s | p50 ms | p99 ms | "
           "mean batch |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

@@ -1,7 +1,8 @@
 """What bounds the judge server's batching: the judge called in process, by call size, with its time split.
 
     .venv/bin/python scripts/profile_judge_server.py --judge runs/cal/calibrated_judge/platt \
-        [--judge OTHER_DIR ...] [--sizes 1 8 32 80] [--comparisons 160] [--http] [--out runs/profile.json]
+        [--judge OTHER_DIR ...] [--sizes 1 8 32 80] [--comparisons 160] [--threads 1 2] \
+        [--http [--server server.num_threads=1]] [--out runs/profile.json]
 
 The server merges concurrent requests into one ``CalibratedJudge.compare`` call, so it can only be as
 much faster as one call of N comparisons is per comparison than N calls of one. This script measures
@@ -160,10 +161,10 @@ def judge_thread_threads() -> int:
         return pool.submit(torch.get_num_threads).result()
 
 
-def http_overhead(path: str, items: int, requests: int) -> dict[str, float]:
+def http_overhead(path: str, items: int, requests: int, extra: list[str]) -> dict[str, float]:
     """Per comparison: wall time of sequential requests from one client, the server's judge time, and
     what is left (HTTP, JSON, validation, the event loop); the unbatched server, so no batching wait."""
-    proc, url = start(path, ["server.max_batch_size=1", "server.max_wait_ms=0"])
+    proc, url = start(path, [*extra, "server.max_batch_size=1", "server.max_wait_ms=0"])
     try:
         asyncio.run(load(url, 1, 2, items, seed=5))  # warm-up
         before = httpx.get(url + "/v1/info").json()["stats"]
@@ -189,6 +190,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
                     help="torch intra-op thread counts to measure at (default: torch's own)")  # fmt: skip
     ap.add_argument("--http", action="store_true", help="also measure the time outside the judge over HTTP")
+    ap.add_argument("--server", nargs="*", default=[], help="overrides for the --http server")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     counts = args.comparisons * len(args.judge) if len(args.comparisons) == 1 else args.comparisons
@@ -220,7 +222,7 @@ def main() -> None:
             entry["runs"][-1]["model"] = model_alone(judge, args.batches, seed)
         torch.set_num_threads(default_threads)
         if args.http:
-            entry["http"] = http_overhead(path, 8, 10)
+            entry["http"] = http_overhead(path, 8, 10, args.server)
         report.append(entry)
         print_entry(entry)
     if args.out:
