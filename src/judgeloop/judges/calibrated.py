@@ -39,6 +39,11 @@ FORMAT_VERSION = 1
 CARD_FILE = "calibrated_judge.json"
 
 
+# the texts of a batch of comparisons, and each one's reference summaries (None: the judge needs none)
+Texts = Sequence[str]
+References = Sequence[Sequence[str]] | None
+
+
 @dataclass
 class Comparison:
     """What :meth:`CalibratedJudge.compare` returns for N pairs.
@@ -109,13 +114,7 @@ class CalibratedJudge:
         assert self.judge is not None
         return bool(self.judge.position_debias)
 
-    def compare(
-        self,
-        prompts: Sequence[str],
-        a: Sequence[str],
-        b: Sequence[str],
-        references: Sequence[Sequence[str]] | None = None,
-    ) -> Comparison:
+    def compare(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         """Calibrated P(``a[i]`` better than ``b[i]``) for the source text ``prompts[i]`` (the article the
         summaries are of), in one batched judge call; both orders when the judge debiases.
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from judgeloop.judges.calibrated import CalibratedJudge, Comparison
+from judgeloop.judges.calibrated import CalibratedJudge, Comparison, References, Texts
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -137,13 +136,7 @@ class ComparisonBatcher:
                 await self._task
         self._executor.shutdown(wait=True)
 
-    async def submit(
-        self,
-        prompts: Sequence[str],
-        a: Sequence[str],
-        b: Sequence[str],
-        references: Sequence[Sequence[str]] | None = None,
-    ) -> Comparison:
+    async def submit(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         """The calibrated comparisons of ``(prompts[i], a[i], b[i])``, judged in a call shared with other
         requests; equal to ``judge.compare(prompts, a, b, references)``.
 

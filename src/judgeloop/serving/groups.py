@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from judgeloop.judges.calibrated import Comparison
+from judgeloop.judges.calibrated import Comparison, References, Texts
 from judgeloop.logging import get_logger
 from judgeloop.rewards import Group, GroupScores, score_groups
 from judgeloop.serving.batcher import ComparisonBatcher
@@ -44,13 +44,7 @@ class _BatchedJudge:
         self.pairwise = batcher.judge.pairwise
         self.debiases = batcher.judge.debiases
 
-    def compare(
-        self,
-        prompts: Sequence[str],
-        a: Sequence[str],
-        b: Sequence[str],
-        references: Sequence[Sequence[str]] | None = None,
-    ) -> Comparison:
+    def compare(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         empty = [is_empty(x) or is_empty(y) for x, y in zip(a, b)] if self.empty_loses else []
         if not any(empty):
             return self._submit(prompts, a, b, references)
