@@ -352,7 +352,7 @@ def test_honest_and_weak_use_mean_ratings(tmp_path):
     [
         (
             "attacks=[control,verdict_injektion]",
-            "unknown attack(s) ['verdict_injektion'] (did you mean 'verdict_injection'?)",
+            "'verdict_injektion' is not one of ['control',",
         ),
         ("attacks=[verdict_injection]", "attacks has no 'control'"),
         ("calibration.method=plat", "calibration.method='plat' is not a calibrator"),

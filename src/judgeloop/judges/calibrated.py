@@ -39,6 +39,16 @@ FORMAT_VERSION = 1
 CARD_FILE = "calibrated_judge.json"
 
 
+def check_judge_path(path: str, *, on_disk: bool = True) -> None:
+    """One line when ``judge_path`` is empty or (``on_disk``) no calibrated judge folder: cheap, so configs
+    and commands call it before any heavy work (a config's ``__post_init__`` checks only that it is set)."""
+    fix = "a folder written by judgeloop calibrate (OUTPUT_DIR/calibrated_judge/<method>)"
+    if not path:
+        raise ConfigError(f"judge_path is empty; set judge_path=DIR, {fix}")
+    if on_disk and not (Path(path) / CARD_FILE).is_file():
+        raise ConfigError(f"judge_path={path} is not a calibrated judge (no {CARD_FILE}); pass {fix}")
+
+
 # the texts of a batch of comparisons, and each one's reference summaries (None: the judge needs none)
 Texts = Sequence[str]
 References = Sequence[Sequence[str]] | None
@@ -244,4 +254,4 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
     return "\n".join([*lines, ""])
 
 
-__all__ = ["CalibratedJudge", "Comparison", "is_pairwise"]
+__all__ = ["CalibratedJudge", "Comparison", "check_judge_path", "is_pairwise"]

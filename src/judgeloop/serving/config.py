@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from judgeloop.config import check_at_least
+from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
 
 
@@ -82,11 +83,7 @@ class ServeConfig:
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
 
     def __post_init__(self) -> None:
-        if not self.judge_path:
-            raise ValueError(
-                "judge_path is empty; set judge_path=DIR, a folder written by judgeloop calibrate "
-                "(OUTPUT_DIR/calibrated_judge/<method>)"
-            )
+        check_judge_path(self.judge_path, on_disk=False)
         if self.rewards.scheme == "anchor" and self.openrlhf.source == "label":
             raise ValueError(
                 "rewards.scheme=anchor uses the OpenRLHF label as the anchor, so openrlhf.source=label cannot "

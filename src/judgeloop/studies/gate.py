@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import check_at_least, check_choices, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, RetrievalDataConfig, load_retrieval_data, retrieve_dense
@@ -62,9 +62,7 @@ class GateSection:
     def __post_init__(self) -> None:
         from judgeloop.retrieval.gate import SIGNALS
 
-        unknown = [s for s in self.signals if s not in SIGNALS]
-        if unknown or not self.signals:
-            raise ValueError(f"gate.signals has unknown signal(s) {unknown}; choose from {sorted(SIGNALS)}")
+        check_choices("gate.signals", self.signals, sorted(SIGNALS))
         check_at_least("gate", self, "window_k", 2, " (top_gap needs two results)")
 
 

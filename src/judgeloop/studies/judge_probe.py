@@ -24,7 +24,6 @@ over articles. :func:`probe` returns the report and the per-pair rows;
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator
 from judgeloop.calibration.health import judge_health
 from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs, pair_features
 from judgeloop.calibration.metrics import auc
-from judgeloop.config import ConfigError
+from judgeloop.config import ConfigError, check_choices
 from judgeloop.data import DataConfig, SplitConfig, SummExample, load_examples, split_examples
 from judgeloop.data.summarization import Candidate
 from judgeloop.intervals import wilson_interval
@@ -135,13 +134,7 @@ class ProbeConfig:
     output_dir: str = "runs/probe"
 
     def __post_init__(self) -> None:
-        unknown = [a for a in self.attacks if a not in ATTACKS]
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], ATTACKS, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ValueError(f"attacks has unknown attack(s) {unknown}{hint}; choose from {list(ATTACKS)}")
-        if len(set(self.attacks)) != len(self.attacks):
-            raise ValueError(f"attacks={self.attacks} lists an attack twice; list each once")
+        check_choices("attacks", self.attacks, ATTACKS)
         if "control" not in self.attacks:
             raise ValueError(
                 "attacks has no 'control' (the weak base alone), the row each attack's effect is read "
