@@ -18,6 +18,16 @@ loops share, which bounds what a faster loop around it can gain.
 SmolLM2-135M-Instruct with LoRA on both sides (TRL gets the same ``peft_config`` and, like our loop,
 uses the base with adapters disabled as its reference); samples then stop at EOS on both sides.
 
+``--objective grpo`` times a GRPO step instead, against TRL's ``GRPOTrainer`` rewarded by judgeloop's
+TRL reward function (``JudgeReward``, the same judge, uncalibrated): k = ``--num-generations`` samples
+per prompt (4, the quickstart's), round-robin win-rate rewards, advantages over the group divided by its
+std, TRL's clipped token-averaged loss, the KL penalty of ``quickstart_grpo.yaml`` on both sides (our
+``loss.kl_coef``, TRL's ``beta``), one optimizer step per rollout. The judge's share of each step is its
+time over the step time (ours: the judge phase; TRL's: the time inside the reward function)::
+
+    .venv/bin/python scripts/bench_loop.py --objective grpo --config configs/feedback_loop/quickstart_grpo.yaml \
+        --steps 4 --repeats 1 --max-new-tokens 20 --json runs/bench_grpo.json
+
 ``--device cuda --size real`` is the GPU benchmark: a Qwen2-0.5B-shaped policy (full fine-tuning, frozen
 reference copy) and a MiniLM-shaped judge encoder, built from config with random weights (nothing is
 downloaded; the vocabularies are Qwen2's 151936 and BERT's 30522 ids of judgeloop's generated tokenizer),
@@ -64,8 +74,11 @@ def _cfg(args: argparse.Namespace):
             # value as a reward; the quickstart's extractive target and style dial are pair-level features)
             "judge.embedding_target=article",
             "judge.style_weight=0",
-            "loss.target=hard",
-            "loss.kl_coef=0.0",
+            *(
+                _grpo_overrides(args)
+                if args.objective == "grpo"
+                else ["loss.target=hard", "loss.kl_coef=0.0"]
+            ),
             "log_with=[jsonl]",
             "progress_bar=false",
             f"device={args.device}",
@@ -74,6 +87,12 @@ def _cfg(args: argparse.Namespace):
             *args.set,
         ],
     )
+
+
+def _grpo_overrides(args: argparse.Namespace) -> list[str]:
+    # the GRPO objective both sides run; the KL coefficient stays the config's (TRL gets it as beta)
+    return ["loss.type=grpo", f"generation.num_samples_per_article={args.num_generations}",
+            "loss.scale_rewards=group", "loss.reward_scheme=round_robin", "loss.reward_aggregate=win_rate"]  # fmt: skip
 
 
 # Qwen2-0.5B's and MiniLM-L6's shapes (real), and toy widths of the same classes (dry)
@@ -301,13 +320,94 @@ def worker_peer(args: argparse.Namespace) -> dict:
     }
 
 
-def summarize(runs: list[dict], batch_size: int, max_new_tokens: int) -> dict:
+def worker_peer_grpo(args: argparse.Namespace) -> dict:
+    """TRL's GRPOTrainer with judgeloop's TRL reward function on the same judge, prompts and settings."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from judgeloop.calibration.calibrators import IdentityCalibrator
+    from judgeloop.integrations.trl import JudgeReward
+    from judgeloop.judges import build_judge
+    from judgeloop.judges.calibrated import CalibratedJudge
+    from judgeloop.models import load_causal_lm
+
+    cfg = _cfg(args)
+    exs, builder, tok = _prompts(cfg, args.batch_size * (args.steps + 1))
+    model, peft_config = load_causal_lm(cfg.policy.model, dtype=cfg.policy.dtype), None
+    if cfg.policy.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.policy.lora_r, lora_alpha=cfg.policy.lora_alpha,
+                                 lora_dropout=cfg.policy.lora_dropout,
+                                 target_modules=list(cfg.policy.lora_target_modules), task_type="CAUSAL_LM")  # fmt: skip
+    judge = CalibratedJudge(config=cfg.judge, calibrator=IdentityCalibrator(), judge=build_judge(cfg.judge))
+    reward = JudgeReward(judge, scheme="round_robin", aggregate="win_rate", m=2,  # the loop's round robin
+                         num_generations=args.num_generations, source_column="article")  # fmt: skip
+    spent = {"generate": 0.0}
+    inner_generate = model.generate
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = inner_generate(*a, **k)
+        spent["generate"] += time.perf_counter() - t
+        return out
+
+    model.generate = timed_generate
+    prompts = [tok.decode(builder(e.article)) for e in exs]
+    ds = Dataset.from_list([{"prompt": p, "article": e.article} for p, e in zip(prompts, exs)])
+    times: list[float] = []
+    phases = {"judge": 0.0, "generate": 0.0}
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0, self.before = time.perf_counter(), (reward.seconds, spent["generate"])
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+            if len(times) > 1:  # the first step is warm-up
+                phases["judge"] += reward.seconds - self.before[0]
+                phases["generate"] += spent["generate"] - self.before[1]
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = GRPOConfig(
+            output_dir=out,
+            num_generations=args.num_generations,
+            per_device_train_batch_size=args.batch_size * args.num_generations,  # TRL counts completions
+            max_completion_length=args.max_new_tokens,
+            temperature=cfg.generation.temperature,
+            learning_rate=cfg.optim.learning_rate,
+            beta=cfg.loss.kl_coef,
+            epsilon=cfg.loss.epsilon,
+            scale_rewards="group",
+            max_steps=args.steps + 1,
+            report_to=[],
+            use_cpu=args.device == "cpu",
+            logging_steps=10_000,
+            save_strategy="no",
+            gradient_checkpointing=False,
+            seed=0,
+            lr_scheduler_type="constant",
+            max_grad_norm=cfg.optim.max_grad_norm,
+            bf16=args.precision == "bf16",
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=targs, train_dataset=ds,
+                              processing_class=tok, peft_config=peft_config, callbacks=[Timer()])  # fmt: skip
+        trainer.train()
+    return {"step_times": times[1:], "phases_s": phases, "peak_rss_mb": _peak_rss_mb(),
+            "peak_gpu_mb": _gpu_peak_mb()}  # fmt: skip
+
+
+def summarize(runs: list[dict], batch_size: int, max_new_tokens: int, samples: int = 2) -> dict:
     med = statistics.median([t for r in runs for t in r["step_times"]])
     gpu = [r["peak_gpu_mb"] for r in runs if r.get("peak_gpu_mb")]
     out = {
         "median_step_s": med,
         "prompts_per_s": batch_size / med,
-        "gen_tokens_per_s": batch_size * 2 * max_new_tokens / med,  # nominal: every sample at full length
+        "gen_tokens_per_s": batch_size
+        * samples
+        * max_new_tokens
+        / med,  # nominal: every sample at full length
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "peak_gpu_mb": max(gpu) if gpu else None,
         "runs": len(runs),
@@ -352,11 +452,19 @@ def main() -> int:
         help="config: the config's models; real: Qwen2-0.5B / MiniLM shapes built from config, random "
         "weights; dry: the same classes at a toy width (checks the GPU script on CPU)",
     )
+    ap.add_argument(
+        "--objective",
+        choices=["dpo", "grpo"],
+        default="dpo",
+        help="dpo: ours (hard targets) vs TRL's online DPO; grpo: ours (loss.type=grpo) vs TRL's GRPOTrainer",
+    )
+    ap.add_argument("--num-generations", type=int, default=4, help="grpo: samples per prompt (k)")
     ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        res = worker_ours(args) if args.worker == "ours" else worker_peer(args)
+        peer = worker_peer_grpo if args.objective == "grpo" else worker_peer
+        res = worker_ours(args) if args.worker == "ours" else peer(args)
         Path(args.out).write_text(json.dumps(res))
         return 0
     env = dict(
@@ -391,6 +499,10 @@ def main() -> int:
                     *[f"--set={kv}" for kv in args.set],
                     "--prefetch",
                     args.prefetch,
+                    "--objective",
+                    args.objective,
+                    "--num-generations",
+                    str(args.num_generations),
                 ]
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[impl].append(json.loads(out.read_text()))
@@ -399,16 +511,19 @@ def main() -> int:
                     f"peak RSS {results[impl][-1]['peak_rss_mb']:.0f} MB",
                     flush=True,
                 )
-    ours = summarize(results["ours"], args.batch_size, args.max_new_tokens)
-    peer = summarize(results["peer"], args.batch_size, args.max_new_tokens)
+    samples = args.num_generations if args.objective == "grpo" else 2
+    ours = summarize(results["ours"], args.batch_size, args.max_new_tokens, samples)
+    peer = summarize(results["peer"], args.batch_size, args.max_new_tokens, samples)
+    for side, res in (("ours", ours), ("peer", peer)):  # the judge's share of the timed steps
+        res["judge_share"] = res["phases_s"]["judge"] / sum(sum(r["step_times"]) for r in results[side])
     ratio = {
         "throughput": ours["prompts_per_s"] / peer["prompts_per_s"],
         "peak_rss": ours["peak_rss_mb"] / peer["peak_rss_mb"],
     }
     if ours.get("peak_gpu_mb") and peer.get("peak_gpu_mb"):
         ratio["peak_gpu"] = ours["peak_gpu_mb"] / peer["peak_gpu_mb"]
-    print(f"device {args.device}, size {args.size}, precision {args.precision}, batch {args.batch_size}, "
-          f"max new tokens {args.max_new_tokens}")  # fmt: skip
+    print(f"objective {args.objective}, device {args.device}, size {args.size}, precision {args.precision}, "
+          f"batch {args.batch_size} prompts x {samples} samples, max new tokens {args.max_new_tokens}")  # fmt: skip
     head = f"{'':6} {'median step s':>14} {'prompts/s':>10} {'gen tokens/s':>13} {'peak RSS MB':>12}"
     print(head + (f" {'peak GPU MB':>12}" if "peak_gpu" in ratio else ""))
     for name, s in (("ours", ours), ("trl", peer)):
@@ -427,6 +542,7 @@ def main() -> int:
         f"TRL's step, so a loop that only did the rest faster, without running them on spare cores, gains at "
         f"most {total / shared:.2f}x",
     )
+    print(f"the judge's share of the step: ours {ours['judge_share']:.0%}, trl {peer['judge_share']:.0%}")
     peer["shared_share"] = shared / total
     if args.json:
         from judgeloop.io import atomic_write_json
@@ -447,6 +563,8 @@ def main() -> int:
                     "precision": args.precision,
                     "device": args.device,
                     "size": args.size,
+                    "objective": args.objective,
+                    "num_generations": args.num_generations if args.objective == "grpo" else None,
                     "overrides": args.set,
                 },
             },
