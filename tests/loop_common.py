@@ -28,10 +28,21 @@ FAST = [
 ]
 
 
+def _floats(x: object) -> bool:
+    return isinstance(x, float) or (
+        isinstance(x, list) and bool(x) and all(isinstance(v, float) or v is None for v in x)
+    )
+
+
 def same_row(a: dict, b: dict) -> None:
+    """Equal rows: the same keys, floats (and lists of floats, e.g. intervals) to rel 1e-6."""
     assert a.keys() == b.keys()
     for k in a:
-        if isinstance(a[k], float) and isinstance(b[k], float):
-            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+        if _floats(a[k]) and _floats(b[k]):
+            x, y = (v if isinstance(v, list) else [v] for v in (a[k], b[k]))
+            assert len(x) == len(y) and all(
+                u is v is None or (None not in (u, v) and u == pytest.approx(v, rel=1e-6, abs=1e-9))
+                for u, v in zip(x, y)
+            ), (k, a[k], b[k])
         else:
-            assert a[k] == b[k], k
+            assert a[k] == b[k], (k, a[k], b[k])

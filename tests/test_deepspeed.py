@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from loop_common import same_row
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.slow,
@@ -44,8 +46,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(launch: list[str], script: Path, args: list[str], timeout: int = 400) -> None:
-    """``accelerate launch`` on 2 CPU processes with ``launch``'s DeepSpeed flags."""
+def _launch(
+    launch: list[str], script: Path, args: list[str], timeout: int = 400, check: bool = True
+) -> subprocess.CompletedProcess:
+    """``accelerate launch`` on 2 CPU processes with ``launch``'s DeepSpeed flags (``check``: it must
+    exit 0)."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which(
         "accelerate"
     )
@@ -57,7 +62,8 @@ def _launch(launch: list[str], script: Path, args: list[str], timeout: int = 400
     res = subprocess.run(
         [*cmd, str(script), *args], env=_env(), timeout=timeout, capture_output=True, text=True, cwd=ROOT
     )
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.returncode == 0 or not check, res.stderr[-4000:]
+    return res
 
 
 ZERO3 = ["--config_file", str(ROOT / "configs/accelerate/deepspeed_zero3.yaml")]
@@ -224,20 +230,41 @@ def test_the_retriever_under_zero3_and_zero2_equals_one_process_and_resumes(tmp_
         _close(two["full"]["weights"], two["resumed"]["weights"], atol=0.0)
 
 
-def test_the_whole_recipe_runs_under_zero3_with_the_judge_partitioned(tmp_path):
+# the recipe, run by each rank, SIGKILLs its own rank once step 2 has trained (after the step-1 checkpoint)
+_KILL_DRIVER = """
+import os, runpy, signal, sys
+import judgeloop.loop.recalibration as rn
+real = rn.maybe_recalibrate
+def maybe_recalibrate(step, *args, **kwargs):
+    out = real(step, *args, **kwargs)
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+rn.maybe_recalibrate = maybe_recalibrate
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_the_whole_recipe_runs_under_zero3_with_the_judge_partitioned_and_resumes_after_a_kill(tmp_path):
     """recipes/feedback_loop.py end to end under the shipped ZeRO-3 file on 2 CPU processes: set-up, step 0
     (the first fit), two steps with a refit, evaluation and the report. The MiniLM judge is partitioned
     too, so its forward is a collective: judge_prefetch (on in the tiny config) must be turned off, or the
     prefetch thread's gathers interleave with generate's on each rank in another order (gloo: "Received
-    data size doesn't match expected size"; found by this test)."""
+    data size doesn't match expected size"; found by this test). Then the same run SIGKILLed on both ranks
+    during step 2, after its step-1 checkpoint (ZeRO-3's partitioned optimizer state), and launched again
+    from that checkpoint: the same report as the uninterrupted run."""
     import json
 
-    out = tmp_path / "run"
-    args = ["--config", str(ROOT / "configs/feedback_loop/tiny.yaml"), "device=cpu", "max_steps=2",
-            "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2", "policy.sft_steps=20",
-            "num_eval_articles=5", "num_validation_articles=3", "data.embedded_size=200",
-            "progress_bar=false", "log_with=[jsonl]", f"output_dir={out}"]  # fmt: skip
-    _launch(ZERO3, ROOT / "recipes" / "feedback_loop.py", args, timeout=500)
+    def args(out: Path, *extra: str) -> list[str]:
+        return ["--config", str(ROOT / "configs/feedback_loop/tiny.yaml"), "device=cpu", "max_steps=2",
+                "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2", "policy.sft_steps=20",
+                "num_eval_articles=5", "num_validation_articles=3", "data.embedded_size=200",
+                "progress_bar=false", "log_with=[jsonl]", "save_every_n_steps=1", f"output_dir={out}",
+                *extra]  # fmt: skip
+
+    out, killed = tmp_path / "run", tmp_path / "killed"
+    _launch(ZERO3, ROOT / "recipes" / "feedback_loop.py", args(out), timeout=500)
     report = json.loads((out / "report.json").read_text())
     assert report["steps_run"] == 2 and [h["step"] for h in report["history"]] == [0, 2]
     assert [r["step"] for r in report["train_log"]] == [1, 2]
@@ -247,3 +274,23 @@ def test_the_whole_recipe_runs_under_zero3_with_the_judge_partitioned(tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(out / "policy")).num_parameters() > 0
+
+    driver = tmp_path / "kill_driver.py"
+    driver.write_text(_KILL_DRIVER)
+    res = _launch(
+        ZERO3, driver, [str(ROOT / "recipes" / "feedback_loop.py"), *args(killed)], 500, check=False
+    )
+    assert res.returncode != 0  # the launcher reports its killed ranks
+    ckpt = killed / "checkpoints" / "step_1"
+    assert (ckpt / "state.json").is_file() and not (killed / "report.json").exists()
+    _launch(ZERO3, ROOT / "recipes" / "feedback_loop.py", args(killed, f"resume_from={ckpt}"), timeout=500)
+    resumed = json.loads((killed / "report.json").read_text())
+    assert resumed["steps_run"] == report["steps_run"]
+    for key in ("train_log", "refits", "history"):
+        assert len(resumed[key]) == len(report[key]), key
+        for r, f in zip(resumed[key], report[key]):
+            same_row(r, f)
+    same_row(resumed["final"], report["final"])
+    rows, full_rows = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+                       for d in (killed, out))  # fmt: skip
+    assert [(r["step"], sorted(r)) for r in rows] == [(r["step"], sorted(r)) for r in full_rows]

@@ -258,26 +258,30 @@ GRPO = [
     "generation.num_samples_per_article=4",
 ]
 TINY = "configs/feedback_loop/tiny.yaml"
+ARMS = ("raw", "platt", "isotonic", "feature_platt", "style_residual", "panel", "oracle")
 
 
 @pytest.fixture(scope="module")
 def grpo_runs(tmp_path_factory):
-    """``judgeloop train`` with loss.type=grpo, 2 steps on the tiny config, for arms raw, platt and oracle
-    (sharing their start work through one start cache, as an ablation's arms do)."""
+    """``judgeloop train`` with loss.type=grpo, 2 steps on the tiny config, for every ablation arm (sharing
+    their start work through one start cache, as an ablation's arms do)."""
     from judgeloop.cli import main
 
     root = tmp_path_factory.mktemp("grpo")
     reports = {}
-    for arm in ("raw", "platt", "oracle"):
+    for arm in ARMS:
         out = root / arm
         extra = [f"calibration.method={arm}", f"output_dir={out}", f"start_cache={root / 'cache'}"]
+        if arm == "panel":  # the judge beside an objective copy-rate member, as quickstart_grpo.yaml shows
+            extra.append("calibration.panel.members=[{type: objective, signal: copy_rate, scale: 20.0}]")
         assert main(["train", "--config", TINY, *GRPO, *extra]) == 0
         reports[arm] = json.loads((out / "report.json").read_text())
     return root, reports
 
 
-def test_judgeloop_train_runs_grpo_for_raw_platt_and_oracle(grpo_runs):
+def test_judgeloop_train_runs_grpo_for_every_ablation_arm(grpo_runs):
     _, reports = grpo_runs
+    assert tuple(reports) == ARMS
     for arm, report in reports.items():
         log = report["train_log"]
         assert [r["step"] for r in log] == [1, 2], arm
@@ -286,7 +290,9 @@ def test_judgeloop_train_runs_grpo_for_raw_platt_and_oracle(grpo_runs):
             assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), arm
             assert row["kept_fraction"] > 0.5 and row["advantage_abs_mean"] > 0, arm
         assert report["judge_stats"]["status"], arm  # the judge was called on the groups' comparisons
-    assert reports["platt"]["refits"] and reports["platt"]["refits"][0]["refit"]  # the arm's own calibrator
+    for arm in ("platt", "isotonic", "feature_platt", "style_residual"):  # each arm's own calibrator
+        assert reports[arm]["refits"] and reports[arm]["refits"][0]["refit"], arm
+        assert reports[arm]["arm"] == arm, arm
     # the arms differ only in the calibrated p of the same first rollout: the same samples, other rewards
     assert reports["raw"]["train_log"][0]["p_mean"] != reports["oracle"]["train_log"][0]["p_mean"]
 
