@@ -1,10 +1,14 @@
-"""Confidence intervals for a proportion: one Wilson and one Clopper-Pearson interval for the whole
-library (RAFT answer accuracy, conformal base rates)."""
+"""Confidence intervals: one Wilson and one Clopper-Pearson interval for a proportion (RAFT answer
+accuracy, conformal base rates), and one percentile bootstrap of a mean over independent units (queries,
+questions: the gate's escalation deltas, selective F1, the evidence-mark deltas). The ablation's two-level
+(seed, article) bootstrap is :func:`judgeloop.loop.stats.paired_bootstrap`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 from scipy.stats import beta, norm
 
 
@@ -28,3 +32,28 @@ def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[
     low = 0.0 if k == 0 else float(beta.ppf(a / 2, k, n - k + 1))
     high = 1.0 if k == n else float(beta.ppf(1 - a / 2, k + 1, n - k))
     return (low, high)
+
+
+def bootstrap_mean_interval(
+    values: Sequence[float] | np.ndarray,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval (Efron & Tibshirani 1993, ch. 13) of the mean of ``values`` ``(N,)``,
+    resampling the units with replacement; pass per-unit paired differences for a paired interval.
+
+    NaN values are dropped first; ``(nan, nan)`` when none is left. Deterministic for a given ``seed``.
+    """
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples={num_resamples} must be >= 1")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be in (0, 1); e.g. 0.95")
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return (math.nan, math.nan)
+    idx = np.random.default_rng(seed).integers(0, x.size, (num_resamples, x.size))  # (R, N)
+    means = x[idx].mean(axis=1)  # (R,)
+    lo, hi = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return (float(lo), float(hi))
