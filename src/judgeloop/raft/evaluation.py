@@ -29,6 +29,7 @@ from judgeloop.intervals import wilson_interval
 from judgeloop.io import read_jsonl
 from judgeloop.logging import get_logger
 from judgeloop.metrics.qa import exact_match, token_f1
+from judgeloop.models.scoring import next_token_logprobs
 from judgeloop.raft.targets import (
     ANSWER_MARKER,
     extract_quotes,
@@ -104,30 +105,6 @@ def eval_prompt(tokenizer: Any, row: Mapping[str, Any], setting: str, seed: int 
 # ------------------------------------------------------------------------------------------- scoring
 
 
-def _batched_last_logits(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int) -> Any:
-    """Log-softmax of the next-token logits after each text: (N, V). Left padding, explicit positions."""
-    import torch
-
-    rows = []
-    for start in range(0, len(texts), batch_size):
-        batch = [
-            tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[start : start + batch_size]
-        ]
-        width = max(len(b) for b in batch)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # (B, T)
-        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])  # (B, T)
-        # Left padding shifts positions unless they are given: count real tokens only.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.inference_mode():
-            # logits_to_keep=1: only the last position goes through the LM head (V is ~50k for SmolLM2).
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[
-                :, -1, :
-            ]
-        rows.append(torch.log_softmax(logits.float(), dim=-1))
-    return torch.cat(rows)
-
-
 def candidate_token_ids(tokenizer: Any, prefix: str, candidates: Sequence[str]) -> list[int]:
     """The single token that continues ``prefix`` with each ``" " + candidate``.
 
@@ -160,7 +137,7 @@ def score_choices(
     texts = [p + ANSWER_MARKER for p in prompts]
     try:
         ids = candidate_token_ids(tokenizer, texts[0], candidates)
-        logp = _batched_last_logits(model, tokenizer, texts, batch_size)  # (N, V)
+        logp = next_token_logprobs(model, tokenizer, texts, batch_size)  # (N, V)
         return logp[:, ids]  # (N, C)
     except ValueError:
         pass
