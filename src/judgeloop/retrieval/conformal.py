@@ -61,6 +61,7 @@ __all__ = [
     "AdaptiveConformal",
     "ConformalRetriever",
     "base_rates",
+    "conformal_file_info",
     "corpus_fingerprint",
     "load_conformal_file",
     "save_conformal_file",
@@ -645,14 +646,11 @@ def save_conformal_file(
                              "conformal": model.state_dict()})  # fmt: skip
 
 
-def load_conformal_file(
-    path: str | Path, corpus: Mapping[str, Any], scorer: Mapping[str, Any], key: str
-) -> ConformalRetriever:
-    """Read a file of :func:`save_conformal_file`, checking it was fitted on this ``corpus`` with this
-    ``scorer``. ``key`` is the config key that named ``path``.
+def conformal_file_info(path: str | Path, key: str) -> dict[str, Any]:
+    """A conformal file's ``corpus`` and ``scorer`` (and the fitted state), checked to be one.
 
     Raises:
-        ValueError: one line naming the key, the file, what differs and the fix.
+        ValueError: missing, not JSON, or not a conformal retriever file; the message names ``key``.
     """
     import json
 
@@ -665,6 +663,19 @@ def load_conformal_file(
         raise ValueError(f"{key}={path} is not JSON ({err.msg}, line {err.lineno})") from None
     if not isinstance(obj, dict) or obj.get("kind") != CONFORMAL_FILE_KIND:
         raise ValueError(f"{key}={path} is not a conformal retriever file (no kind '{CONFORMAL_FILE_KIND}')")
+    return obj
+
+
+def load_conformal_file(
+    path: str | Path, corpus: Mapping[str, Any], scorer: Mapping[str, Any], key: str
+) -> ConformalRetriever:
+    """Read a file of :func:`save_conformal_file`, checking it was fitted on this ``corpus`` with this
+    ``scorer``. ``key`` is the config key that named ``path``.
+
+    Raises:
+        ValueError: one line naming the key, the file, what differs and the fix.
+    """
+    obj = conformal_file_info(path, key)
     got = obj.get("corpus", {})
     if got.get("digest") != corpus.get("digest"):
         raise ValueError(
