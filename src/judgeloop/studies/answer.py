@@ -109,6 +109,29 @@ class Retrieved:
     gold: np.ndarray  # (Q, P) bool: the question's own paragraph
 
 
+@dataclass
+class Outcomes:
+    """Per-question arrays ``(Q,)`` of one run, and the split."""
+
+    cal: np.ndarray  # calibration question indices
+    test: np.ndarray  # test question indices
+    f1: np.ndarray
+    unanswerable: np.ndarray
+    features: dict[str, np.ndarray]
+    confidence: np.ndarray  # calibrated P(correct)
+    answered: np.ndarray  # bool, at the threshold chosen on calibration
+    flags: dict[str, np.ndarray]
+    reasons: list[str | None]  # test refusals only
+
+    @property
+    def loss(self) -> np.ndarray:
+        return 1.0 - self.f1
+
+    @property
+    def top1(self) -> np.ndarray:
+        return self.features["top1_similarity"]
+
+
 def _scorer(cfg: AnswerConfig) -> dict[str, Any]:
     e = cfg.retriever.encoder
     return {"encoder": e.name, "pooling": e.pooling, "max_length": e.max_length, "score_map": "affine"}
@@ -249,17 +272,15 @@ def _features(read: dict[str, Any], top1: np.ndarray, in_set: np.ndarray) -> dic
             "num_in_set": in_set.sum(axis=1).astype(float)}  # fmt: skip
 
 
-def _rows(examples: list[Any], test: np.ndarray, unanswerable: np.ndarray, read: dict[str, Any], f1: np.ndarray,
-          conf: np.ndarray, answered: np.ndarray, reasons: list[str | None], flags: dict[str, np.ndarray],
-          top1: np.ndarray, in_set: np.ndarray) -> list[dict[str, Any]]:  # fmt: skip
+def _rows(examples: list[Any], o: Outcomes, read: dict[str, Any], in_set: np.ndarray) -> list[dict[str, Any]]:
     """One ``answers.jsonl`` row per question."""
-    in_test = set(test.tolist())
+    in_test = set(o.test.tolist())
     return [
         {"id": ex.id, "split": "test" if i in in_test else "calibration", "question": ex.question,
-         "answers": ex.answers, "unanswerable": bool(unanswerable[i]), "answer": read["answers"][i],
-         "f1": float(f1[i]), "confidence": float(conf[i]), "answered": bool(answered[i]), "reason": reasons[i],
-         "flags": {k: bool(v[i]) for k, v in flags.items()}, "top1_similarity": float(top1[i]),
-         "p_answerable": float(read["p_yes"][i]), "in_set": in_set[i].tolist(),
+         "answers": ex.answers, "unanswerable": bool(o.unanswerable[i]), "answer": read["answers"][i],
+         "f1": float(o.f1[i]), "confidence": float(o.confidence[i]), "answered": bool(o.answered[i]),
+         "reason": o.reasons[i], "flags": {k: bool(v[i]) for k, v in o.flags.items()},
+         "top1_similarity": float(o.top1[i]), "p_answerable": float(read["p_yes"][i]), "in_set": in_set[i].tolist(),
          "single_passage_answers": read["singles"].get(i, [])}
         for i, ex in enumerate(examples)
     ]  # fmt: skip
@@ -328,9 +349,11 @@ def answer_study(cfg: AnswerConfig) -> tuple[dict[str, Any], list[dict[str, Any]
     reasons = refusal_reasons(flags, ~answered)
     in_test = np.isin(np.arange(n), test)
     reasons = [x if in_test[i] else None for i, x in enumerate(reasons)]  # reasons are reported on test only
-    report = build_report(cfg, examples, pool, r, test, cal, conf, top1, feats, loss, f1, unanswerable,
-                          answered, sim_thr, thr, flags, reasons, gate_info, conformal, read, loaded is not None)  # fmt: skip
-    rows = _rows(examples, test, unanswerable, read, f1, conf, answered, reasons, flags, top1, in_set)
+    o = Outcomes(cal, test, f1, unanswerable, feats, conf, answered, flags, reasons)
+    report = build_report(
+        cfg, examples, pool, r, o, thr, sim_thr, gate_info, conformal, read, loaded is not None
+    )
+    rows = _rows(examples, o, read, in_set)
     state = {"conformal": conformal, "corpus": corpus_fingerprint([str(i) for i in range(len(pool))], pool),
              "scorer": _scorer(cfg), "confidence": confidence.state_dict(), "threshold": thr.state_dict()}  # fmt: skip
     return report, rows, state
@@ -394,33 +417,36 @@ def _reason_table(reasons: list[str | None], unanswerable: np.ndarray, f1: np.nd
     return out
 
 
-def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Retrieved, test: np.ndarray,
-                 cal: np.ndarray, conf: np.ndarray, top1: np.ndarray, feats: dict[str, np.ndarray],
-                 loss: np.ndarray, f1: np.ndarray, unanswerable: np.ndarray, answered: np.ndarray, sim_thr: Any,
-                 thr: Any, flags: dict[str, np.ndarray], reasons: list[str | None], gate_info: dict[str, Any],
-                 conformal: Any, read: dict[str, Any], conformal_loaded: bool) -> dict[str, Any]:  # fmt: skip
+def _operating_point(cfg: AnswerConfig, o: Outcomes, answered: np.ndarray) -> dict[str, Any]:
+    """Coverage and risk on test of answering ``answered`` ``(T,)``, with the risk's bootstrap interval and
+    the refusal rates on answerable and unanswerable questions."""
+    loss, u = o.loss[o.test], o.unanswerable[o.test]
+
+    def risk(idx: np.ndarray) -> float:
+        keep = answered[idx]
+        return float(loss[idx][keep].mean()) if keep.any() else math.nan
+
+    ci = bootstrap_interval(risk, o.test.size, cfg.abstain.num_bootstrap, seed=cfg.seed)
+    return {"coverage": float(answered.mean()), "risk": float(loss[answered].mean()) if answered.any() else None,
+            "risk_ci95": list(ci), "refusal_rate_answerable": float((~answered[~u]).mean()) if (~u).any() else None,
+            "refusal_rate_unanswerable": float((~answered[u]).mean()) if u.any() else None}  # fmt: skip
+
+
+def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Retrieved, o: Outcomes, thr: Any,
+                 sim_thr: Any, gate_info: dict[str, Any], conformal: Any, read: dict[str, Any],
+                 conformal_loaded: bool) -> dict[str, Any]:  # fmt: skip
     """The report: data, the fitted pieces, the test curve, selective F1, the operating point, reasons."""
     a = cfg.abstain
+    test, conf, loss, top1, f1 = o.test, o.confidence, o.loss, o.top1, o.f1
     cov, risk = risk_coverage(conf[test], loss[test])
-    t_ans = answered[test]
-    u = unanswerable[test]
-
-    def point(mask: np.ndarray) -> dict[str, Any]:
-        boot = {"num_resamples": a.num_bootstrap, "seed": cfg.seed}
-        lo_hi = bootstrap_interval(lambda idx: float(loss[test][idx][mask[idx]].mean()) if mask[idx].any() else math.nan,
-                                   test.size, **boot)  # fmt: skip
-        return {"coverage": float(mask.mean()), "risk": float(loss[test][mask].mean()) if mask.any() else None,
-                "risk_ci95": list(lo_hi), "refusal_rate_answerable": float((~mask[~u]).mean()) if (~u).any() else None,
-                "refusal_rate_unanswerable": float((~mask[u]).mean()) if u.any() else None}  # fmt: skip
-
     shown_gold = r.gold[np.arange(len(r.sim))[:, None], r.top].any(axis=1)
     return {
         "data": {
             "format": cfg.data.format,
             "path": cfg.data.path,
             "num_questions": len(examples),
-            "num_unanswerable": int(unanswerable.sum()),
-            "n_cal": int(cal.size),
+            "num_unanswerable": int(o.unanswerable.sum()),
+            "n_cal": int(o.cal.size),
             "n_test": int(test.size),
             "pool_size": len(pool),
         },  # fmt: skip
@@ -438,7 +464,7 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
         "aurc": {
             "system": aurc(conf[test], loss[test]),
             "similarity": aurc(top1[test], loss[test]),
-            "answer_logprob": aurc(feats["answer_logprob"][test], loss[test]),
+            "answer_logprob": aurc(o.features["answer_logprob"][test], loss[test]),
             "random": float(loss[test].mean()),
         },  # fmt: skip
         "selective_f1": selective_table(cfg, conf[test], top1[test], loss[test]),
@@ -447,22 +473,22 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
             "confidence": thr.threshold_,
             "met_on_calibration": thr.met_,
             "calibration": {"coverage": thr.coverage_, "risk": thr.risk_},
-            "test": point(t_ans),
+            "test": _operating_point(cfg, o, o.answered[test]),
         },  # fmt: skip
         "similarity_threshold": {
             "threshold": sim_thr.threshold_,
             "met_on_calibration": sim_thr.met_,
             "calibration": {"coverage": sim_thr.coverage_, "risk": sim_thr.risk_},
-            "test": point(sim_thr.predict(top1[test])),
+            "test": _operating_point(cfg, o, sim_thr.predict(top1[test])),
         },  # fmt: skip
-        "refusals": _reason_table(reasons, unanswerable, f1, test),
-        "flag_rates_test": {k: float(v[test].mean()) for k, v in flags.items()},
+        "refusals": _reason_table(o.reasons, o.unanswerable, f1, test),
+        "flag_rates_test": {k: float(v[test].mean()) for k, v in o.flags.items()},
         "gate": gate_info,
         "conformal": {
             "alpha": conformal.alpha,
             "threshold": conformal.threshold_,
             "loaded": conformal_loaded,
-            "empty_set_rate_test": float(flags["conformal_set_empty"][test].mean()),
+            "empty_set_rate_test": float(o.flags["conformal_set_empty"][test].mean()),
         },  # fmt: skip
         "cost": {
             "generations": read["num_generations"],
