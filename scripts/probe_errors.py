@@ -106,6 +106,25 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             run_cli([*ablate, f"output_dir={out}", "--job", "raw:0"])
         return [*ablate, f"output_dir={out}", "--aggregate"]
 
+    def squad() -> Path:
+        rows = [{"id": f"q{i}", "question": f"Who founded town {i}?", "context": f"Town {i} was founded by {i}.",
+                 "answers": [] if i % 2 else [str(i)], "is_impossible": bool(i % 2)} for i in range(4)]  # fmt: skip
+        return jsonl("squad.jsonl", rows)
+
+    def other_conformal() -> Path:
+        """A conformal file fitted on a one-passage pool that is not this run's."""
+        import numpy as np
+
+        from judgeloop.retrieval.conformal import ConformalRetriever, corpus_fingerprint, save_conformal_file
+
+        model = ConformalRetriever(0.2).fit(np.full((5, 1), 0.8), np.ones((5, 1), bool), np.zeros(5, int))
+        scorer = {"encoder": "sentence-transformers/all-MiniLM-L6-v2", "pooling": "mean", "max_length": 256,
+                  "score_map": "affine"}  # fmt: skip
+        save_conformal_file(
+            tmp / "conformal.json", model, corpus_fingerprint(["0"], ["another pool"]), scorer
+        )
+        return tmp / "conformal.json"
+
     good = {"id": "a", "article": "An article about a thing. It has two sentences.", "summary": "A thing."}
     LATIN1_ROW = json.dumps(good).encode().replace(b"thing.", b"th\xe9me.") + b"\n"  # noqa: N806
     return [
@@ -150,6 +169,40 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
                 "router.max_retrieval_rate=1.5",
             ],
             "router.max_retrieval_rate=1.5",
+        ),
+        (
+            "abstain.target_risk=1.5 (answer)",
+            lambda: [
+                "answer",
+                "--config",
+                str(ROOT / "configs/routing/squad2_abstain.yaml"),
+                "abstain.target_risk=1.5",
+            ],
+            "abstain.target_risk=1.5 must be in (0, 1)",
+        ),
+        (
+            "an escalation.rewrite_model that is not there (gate)",
+            lambda: [
+                "gate",
+                "--config",
+                str(ROOT / "configs/gate/scifact_escalate.yaml"),
+                "escalation.method=rewrite",
+                "escalation.rewrite_model=no-such-org/no-such-model",
+                f"output_dir={tmp / 'gate'}",
+            ],  # fmt: skip
+            "escalation.rewrite_model='no-such-org/no-such-model'",
+        ),
+        (
+            "a conformal file fitted on another pool (answer)",
+            lambda: [
+                "answer",
+                "--config",
+                str(ROOT / "configs/routing/squad2_abstain.yaml"),
+                f"data.path={squad()}",
+                f"abstain.conformal_path={other_conformal()}",
+                f"output_dir={tmp / 'answer'}",
+            ],  # fmt: skip
+            "was fitted on another corpus",
         ),
         (
             "data.eval_fraction=0 (train-retriever)",

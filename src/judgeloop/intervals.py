@@ -1,10 +1,14 @@
-"""Confidence intervals for a proportion: one Wilson and one Clopper-Pearson interval for the whole
-library (RAFT answer accuracy, conformal base rates)."""
+"""Confidence intervals: one Wilson and one Clopper-Pearson interval for a proportion (RAFT answer
+accuracy, conformal base rates), and one percentile bootstrap of a mean over independent units (queries,
+questions: the gate's escalation deltas, selective F1, the evidence-mark deltas). The ablation's two-level
+(seed, article) bootstrap is :func:`judgeloop.loop.stats.paired_bootstrap`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
+import numpy as np
 from scipy.stats import beta, norm
 
 
@@ -28,3 +32,44 @@ def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[
     low = 0.0 if k == 0 else float(beta.ppf(a / 2, k, n - k + 1))
     high = 1.0 if k == n else float(beta.ppf(1 - a / 2, k + 1, n - k))
     return (low, high)
+
+
+def bootstrap_interval(
+    statistic: Callable[[np.ndarray], float],
+    n: int,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval (Efron & Tibshirani 1993, ch. 13) of ``statistic(idx)`` over ``n``
+    independent units: each replicate passes ``idx`` ``(n,)``, the units drawn with replacement. A paired
+    statistic (a difference of two systems on the same units) gets a paired interval.
+
+    Non-finite replicates are dropped; ``(nan, nan)`` when none is left. Deterministic for a given ``seed``.
+    """
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples={num_resamples} must be >= 1")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be in (0, 1); e.g. 0.95")
+    if n < 1:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    reps = np.asarray([statistic(rng.integers(0, n, n)) for _ in range(num_resamples)], dtype=np.float64)
+    reps = reps[np.isfinite(reps)]
+    if reps.size == 0:
+        return (math.nan, math.nan)
+    lo, hi = np.quantile(reps, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return (float(lo), float(hi))
+
+
+def bootstrap_mean_interval(
+    values: Sequence[float] | np.ndarray,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """:func:`bootstrap_interval` of the mean of ``values`` ``(N,)`` (NaN values dropped first); pass
+    per-unit paired differences for a paired interval."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    return bootstrap_interval(lambda idx: float(x[idx].mean()), x.size, num_resamples, confidence, seed)

@@ -12,10 +12,10 @@ from test_raft import TINY, _cfg, _synthetic  # noqa: I001  (tests/ is on sys.pa
 
 from judgeloop.intervals import wilson_interval
 from judgeloop.models import load_causal_lm, load_tokenizer
+from judgeloop.models.scoring import next_token_logprobs
 from judgeloop.raft.builder import build_raft, save_raft
 from judgeloop.raft.evaluation import (
     EvalRaftConfig,
-    _batched_last_logits,
     candidate_token_ids,
     exact_match,
     score_choices,
@@ -124,9 +124,9 @@ def test_sft_recipe_inline_saves_adapter_and_report(raft_dir, tmp_path):
 def test_left_padded_batch_matches_single_forward():
     model, tok = load_causal_lm(TINY), load_tokenizer(TINY)
     texts = ["a short prompt", "a much longer prompt with several more words in it <ANSWER>:"]
-    batched = _batched_last_logits(model, tok, texts, batch_size=2)  # (2, V)
+    batched = next_token_logprobs(model, tok, texts, batch_size=2)  # (2, V)
     for i, t in enumerate(texts):
-        single = _batched_last_logits(model, tok, [t], batch_size=1)[0]
+        single = next_token_logprobs(model, tok, [t], batch_size=1)[0]
         assert torch.allclose(batched[i], single, atol=1e-4)
 
 

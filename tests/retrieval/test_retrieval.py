@@ -23,7 +23,7 @@ from judgeloop.retrieval.beir import (
 )
 from judgeloop.retrieval.gradcache import grad_cache_step, split_features
 from judgeloop.retrieval.losses import info_nce_loss
-from judgeloop.retrieval.metrics import evaluate_run, retrieve
+from judgeloop.retrieval.metrics import evaluate_run, per_query_metrics, retrieve
 from judgeloop.retrieval.mining import (
     MiningConfig,
     exact_topk,
@@ -266,6 +266,32 @@ def test_metrics_count_a_missing_query_as_zero_and_retrieve_builds_runs():
     assert run == {"q": {"b": 1.0}}
     with pytest.raises(ValueError, match="no query with a relevant"):
         evaluate_run({"q": {"a": 1.0}}, {"q": {"a": 0}})
+
+
+def test_per_query_metrics_hand_case_and_ranx_means():
+    got = per_query_metrics([["d1", "d2", "d3"], ["d1", "d3", "d2"], []],
+                            [{"d1": 1, "d3": 1}, {"d2": 1}, {"d9": 1}], k=10)  # fmt: skip
+    ndcg_q1 = (1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3))
+    assert got["ndcg@10"].tolist() == pytest.approx([ndcg_q1, 1 / math.log2(4), 0.0])
+    assert got["recall@10"].tolist() == [1.0, 1.0, 0.0]  # an empty ranking (abstention) scores 0
+    assert per_query_metrics([["d2", "d1"]], [{"d1": 1}], k=1)["recall@1"].tolist() == [0.0]
+    # random graded runs: the means are ranx's (trec_eval's)
+    rng = torch.Generator().manual_seed(0)
+    docs = [f"d{i}" for i in range(30)]
+    ranked, qrels = [], []
+    for _ in range(40):
+        perm = torch.randperm(30, generator=rng).tolist()
+        ranked.append([docs[j] for j in perm[:15]])
+        qrels.append({docs[j]: int(1 + j % 2) for j in torch.randperm(30, generator=rng)[:3].tolist()})
+    mine = per_query_metrics(ranked, qrels, k=10)
+    run = {f"q{i}": {d: 1.0 / (r + 1) for r, d in enumerate(ids)} for i, ids in enumerate(ranked)}
+    ref = evaluate_run(run, {f"q{i}": g for i, g in enumerate(qrels)}, ["ndcg@10", "recall@10"])
+    assert float(mine["ndcg@10"].mean()) == pytest.approx(ref["ndcg@10"])
+    assert float(mine["recall@10"].mean()) == pytest.approx(ref["recall@10"])
+    with pytest.raises(ValueError, match="query 0 has no relevant document"):
+        per_query_metrics([["a"]], [{"a": 0}])
+    with pytest.raises(ValueError, match="2 rankings for 1 queries"):
+        per_query_metrics([["a"], ["b"]], [{"a": 1}])
 
 
 # ----------------------------------------------------------------------------------------------- BEIR

@@ -128,3 +128,67 @@ def test_gate_command_end_to_end(tmp_path):
     assert report["fit_error"] is None
     assert 0.0 <= report["gate"]["test"]["escalation_rate"] <= 1.0
     assert (out / "gate.json").is_file() and "# Weak-retrieval gate report" in (out / "report.md").read_text()
+
+
+def _escalate(paths: dict[str, str], tmp_path: Path, method: str, *extra: str):
+    from judgeloop.commands.gate import GateConfig, run
+
+    cfg = load_config(GateConfig, ROOT / "configs" / "gate" / "scifact_escalate.yaml", _data_overrides(paths) + [
+        "second_encoder.name=judgeloop-tiny/encoder", "gate.window_k=5", "gate.min_separation=0.5",
+        "gate.num_bootstrap=20", f"escalation.method={method}", "escalation.depth=20",
+        "escalation.num_bootstrap=50", f"output_dir={tmp_path / method}", "cache_dir=null", *extra])  # fmt: skip
+    return run(cfg)
+
+
+@pytest.mark.parametrize("method", ["fuse", "abstain"])
+def test_gate_escalation_end_to_end(tmp_path, method):
+    paths = _beir(tmp_path)
+    report = _escalate(paths, tmp_path, method)
+    e = report["escalation"]
+    n, nf = e["num_queries"], e["num_flagged"]
+    assert n == report["data"]["n_test"] and nf == report["gate"]["test"]["num_escalated"]
+    assert 0 < nf < n, "the synthetic set should flag some test queries and not others"
+    for key in ("flagged_before", "flagged_after", "all_before", "all_after", "all_escalate_every"):
+        assert set(e[key]) == {"ndcg@5", "recall@5"}
+    # the unflagged queries keep their rankings: the all-query mean mixes the flagged mean and theirs
+    for m in ("ndcg@5", "recall@5"):
+        mixed = (nf * e["flagged_after"][m] + (n - nf) * e["unflagged_before"][m]) / n
+        assert e["all_after"][m] == pytest.approx(mixed)
+        d = e["deltas"]["flagged_after_minus_before"][m]
+        assert d["delta"] == pytest.approx(e["flagged_after"][m] - e["flagged_before"][m])
+        assert d["ci95"][0] <= d["delta"] <= d["ci95"][1] and d["n"] == nf
+    cost = e["extra_cost_per_100_queries"]
+    assert (
+        cost["gated"]["escalated"] == pytest.approx(100 * nf / n)
+        and cost["escalate_every"]["escalated"] == 100
+    )
+    if method == "abstain":
+        assert e["flagged_after"] == {"ndcg@5": 0.0, "recall@5": 0.0}
+        assert cost["gated"]["retrievals"] == 0 and e["answered"]["coverage"] == pytest.approx(1 - nf / n)
+    else:
+        assert (
+            cost["gated"]["retrievals"] == pytest.approx(100 * nf / n) and cost["gated"]["model_calls"] == 0
+        )
+    saved = json.loads((tmp_path / method / "report.json").read_text())
+    assert saved["escalation"]["flagged_before"] == pytest.approx(e["flagged_before"])
+    assert "## Escalation:" in (tmp_path / method / "report.md").read_text()
+
+
+def test_gate_escalation_by_rewrite_with_a_tiny_model(tmp_path):
+    paths = _beir(tmp_path, n_queries=30, n_docs=60)
+    e = _escalate(paths, tmp_path, "rewrite", "escalation.rewrite_model=judgeloop-tiny/causal-lm",
+                  "escalation.rewrite_max_new_tokens=4")  # fmt: skip
+    assert e["escalation"]["extra_cost_per_100_queries"]["escalate_every"]["model_calls"] == 100
+    assert all(s["expanded"].startswith(s["query"]) for s in e["escalation"]["rewrite_samples"])
+
+
+def test_gate_escalation_model_missing_is_one_line_before_any_work(tmp_path, capsys):
+    from judgeloop.cli import main
+
+    rc = main(["gate", "--config", str(ROOT / "configs/gate/scifact_escalate.yaml"), "escalation.method=rewrite",
+               "escalation.rewrite_model=no-such-org/no-such-model", f"data.corpus_path={tmp_path / 'missing.jsonl'}",
+               f"output_dir={tmp_path / 'o'}"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "escalation.rewrite_model='no-such-org/no-such-model' is not in the Hugging Face cache" in err[0]
+    assert not (tmp_path / "o").exists()

@@ -25,6 +25,9 @@ present or absent, citing the evidence it used. The pipeline here, one named ste
    of the oracle chunk.
 7. :func:`~judgeloop.raft.leakage.check_raft_leakage` (``leakage``) - evaluation questions, long answers
    and oracle chunks never appear in a training example's documents.
+8. (``marks.enabled``) :func:`~judgeloop.raft.marks.fit_marks` (``marks``) - a conformal retriever fitted on
+   the train split; every shown document gets its evidence mark in ``meta.doc_marks`` (and, with
+   ``marks.in_prompt``, in the prompt).
 
 :func:`build_raft` runs the steps in that order and :func:`save_raft` writes what they built. Rows are chat
 ``messages`` (system / user / assistant), the format TRL's ``SFTTrainer`` takes, plus ``meta`` (ids, texts
@@ -45,9 +48,11 @@ from judgeloop.raft.assembly import DistractorTally, assemble_split
 from judgeloop.raft.chunking import ChunkConfig, chunk_corpus, oracle_chunk
 from judgeloop.raft.distractors import DistractorConfig
 from judgeloop.raft.leakage import check_raft_leakage, split_pools
+from judgeloop.raft.marks import MarksConfig, doc_marks, fit_marks
 from judgeloop.raft.readers import RaftDataConfig, read_questions
 from judgeloop.raft.splitting import SPLITS, RaftSplitConfig, split_questions
 from judgeloop.raft.targets import LMGenerator, PromptConfig, TargetConfig, make_generator, select_quotes
+from judgeloop.retrieval.conformal import corpus_fingerprint
 
 logger = get_logger(__name__)
 
@@ -64,6 +69,7 @@ class BuildRaftConfig:
     distractors: DistractorConfig = field(default_factory=DistractorConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    marks: MarksConfig = field(default_factory=MarksConfig)
     p_oracle: float = 0.8
     seed: int = 0
     max_length: int | None = 768
@@ -76,10 +82,13 @@ class BuildRaftConfig:
 
 @dataclass
 class RaftBuild:
-    """The built data: ``rows[split]`` (messages + meta) and ``stats``."""
+    """The built data: ``rows[split]`` (messages + meta), ``stats`` and, with marks, the fitted conformal
+    retriever (``conformal``) and the scorer it was fitted with."""
 
     rows: dict[str, list[dict[str, Any]]]
     stats: dict[str, Any]
+    conformal: Any | None = None
+    scorer: dict[str, Any] | None = None
 
 
 def _percentiles(values: Sequence[int]) -> dict[str, float]:
@@ -153,6 +162,7 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
         for s in SPLITS
     }
     check_raft_leakage(rows["train"], rows["eval"], cfg.split.leak_min_chars)
+    conformal = add_marks(cfg, rows) if cfg.marks.enabled else None
     n_train, n_eval = len(rows["train"]), len(rows["eval"])
     stats: dict[str, Any] = {
         "num_examples": n_train + n_eval,
@@ -173,11 +183,53 @@ def build_raft(cfg: BuildRaftConfig, generator: Any | None = None) -> RaftBuild:
         "token_lengths": {s: _token_lengths(tokenizer, rows[s], cfg.max_length) for s in SPLITS},
         "tokenizer": cfg.chunk.tokenizer,
         "seed": cfg.seed,
+        "corpus": corpus_fingerprint(
+            [c.id for v in chunks.values() for c in v], [c.text for v in chunks.values() for c in v]
+        ),
     }
     if isinstance(gen, LMGenerator):
         stats["lm_generated"] = gen.num_generated_
         stats["lm_fallbacks_to_template"] = gen.num_fallbacks_
-    return RaftBuild(rows, stats)
+    if conformal is not None:
+        stats["marks"] = _marks_stats(cfg.marks, conformal, rows)
+    return RaftBuild(rows, stats, conformal, cfg.marks.scorer() if conformal is not None else None)
+
+
+def add_marks(cfg: BuildRaftConfig, rows: dict[str, list[dict[str, Any]]]) -> Any:
+    """Step 8: fit the marks' conformal retriever on the train rows, write every row's ``meta.doc_marks``
+    and, with ``marks.in_prompt``, re-render its user turn with them; returns the fitted retriever."""
+    from judgeloop.raft.targets import render_user
+
+    model = fit_marks(cfg.marks, rows["train"])
+    for split_rows in rows.values():
+        for row, marks in zip(split_rows, doc_marks(cfg.marks, model, split_rows, cfg.marks.levels)):
+            meta = row["meta"]
+            meta["doc_marks"] = marks
+            if cfg.marks.in_prompt:
+                texts = dict(zip(meta["distractor_ids"], meta["distractor_texts"]))
+                texts[meta["oracle_chunk_id"]] = meta["oracle_text"]
+                docs = [(d, texts[d]) for d in meta["doc_order"]]
+                row["messages"][1]["content"] = render_user(
+                    meta["question"], meta["kind"], docs, {d: m["text"] for d, m in marks.items()}
+                )
+    return model
+
+
+def _marks_stats(cfg: MarksConfig, model: Any, rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """How the marks fall on each split's shown oracle chunks and distractors."""
+    out: dict[str, Any] = {"levels": cfg.levels, "in_prompt": cfg.in_prompt, "n_cal": model.n_cal_,
+                           "thresholds": {f"{x:g}": model.threshold_at(x) for x in cfg.levels}}  # fmt: skip
+    for split, split_rows in rows.items():
+        counts: dict[str, dict[str, int]] = {"oracle": {}, "distractor": {}}
+        for r in split_rows:
+            m = r["meta"]
+            for d in m["doc_order"]:
+                who = "oracle" if d == m["oracle_chunk_id"] else "distractor"
+                level = m["doc_marks"][d]["level"]
+                key = "outside" if level is None else f"{level:g}"
+                counts[who][key] = counts[who].get(key, 0) + 1
+        out[split] = counts
+    return out
 
 
 def _count_tokens(tokenizer: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> int:
@@ -189,7 +241,7 @@ def _count_tokens(tokenizer: Any, messages: Sequence[Mapping[str, str]], add_gen
 
 def save_raft(build: RaftBuild, output_dir: str | Path, config: Any | None = None) -> Path:
     """Write ``train.jsonl``, ``eval.jsonl``, ``dataset/`` (a ``datasets.DatasetDict``), ``stats.json``
-    (and ``config.yaml`` when ``config`` is given), each atomically."""
+    (and ``config.yaml`` when ``config`` is given; ``conformal.json`` with marks), each atomically."""
     from datasets import Dataset, DatasetDict
 
     from judgeloop.io import atomic_dir, atomic_write_json, atomic_write_jsonl, atomic_write_text
@@ -202,6 +254,12 @@ def save_raft(build: RaftBuild, output_dir: str | Path, config: Any | None = Non
     with atomic_dir(out / "dataset") as tmp:
         dd.save_to_disk(str(tmp))
     atomic_write_json(out / "stats.json", build.stats)
+    if build.conformal is not None:
+        from judgeloop.retrieval.conformal import save_conformal_file
+
+        save_conformal_file(
+            out / "conformal.json", build.conformal, build.stats["corpus"], build.scorer or {}
+        )
     if config is not None:
         from judgeloop.config import to_yaml
 

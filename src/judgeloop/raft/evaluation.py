@@ -12,7 +12,9 @@ start with ``<ANSWER>:`` and the candidate with the highest log-probability wins
 format failures; note it skips the reasoning the tuned model was trained to write first). Span / title /
 free answers are generated greedily after ``<ANSWER>:`` and scored by SQuAD exact match and token F1.
 Quote validity is measured on a few free generations (oracle + distractors): the share whose quotes
-are all verbatim substrings of the oracle. :func:`evaluate_raft` returns the report.
+are all verbatim substrings of the oracle. With ``marks.compare`` every model is evaluated twice, without
+and with evidence marks in the prompts (:mod:`judgeloop.raft.marks`), and the report gains the paired
+deltas per question. :func:`evaluate_raft` returns the report.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from judgeloop.config import check_at_least, check_choices
+from judgeloop.config import ConfigError, check_at_least, check_choices
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import read_jsonl
 from judgeloop.logging import get_logger
 from judgeloop.metrics.qa import exact_match, token_f1
+from judgeloop.models.scoring import next_token_logprobs
+from judgeloop.raft.marks import EvalMarksConfig, doc_marks, load_eval_marks, paired_marks
 from judgeloop.raft.targets import (
     ANSWER_MARKER,
     extract_quotes,
@@ -62,6 +66,7 @@ class EvalRaftConfig:
     num_generations: int = 8
     max_new_tokens: int = 160
     max_answer_tokens: int = 24
+    marks: EvalMarksConfig = field(default_factory=EvalMarksConfig)
     seed: int = 0
     output_dir: str = "runs/eval_raft/pubmedqa"
 
@@ -91,39 +96,23 @@ def setting_docs(meta: Mapping[str, Any], setting: str, seed: int = 0) -> list[t
     return docs
 
 
-def eval_prompt(tokenizer: Any, row: Mapping[str, Any], setting: str, seed: int = 0) -> str:
-    """Chat-formatted prompt (system + user, generation prompt added) for one row in one setting."""
+def eval_prompt(
+    tokenizer: Any,
+    row: Mapping[str, Any],
+    setting: str,
+    seed: int = 0,
+    marks: Mapping[str, str] | None = None,
+) -> str:
+    """Chat-formatted prompt (system + user, generation prompt added) for one row in one setting, its
+    documents marked when ``marks`` (doc id -> mark text) is given."""
     meta = row["meta"]
     system = row["messages"][0]["content"]
-    msgs = render_messages(system, meta["question"], meta["kind"], setting_docs(meta, setting, seed))
+    docs = setting_docs(meta, setting, seed)
+    msgs = render_messages(system, meta["question"], meta["kind"], docs, marks=marks)
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
 # ------------------------------------------------------------------------------------------- scoring
-
-
-def _batched_last_logits(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int) -> Any:
-    """Log-softmax of the next-token logits after each text: (N, V). Left padding, explicit positions."""
-    import torch
-
-    rows = []
-    for start in range(0, len(texts), batch_size):
-        batch = [
-            tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[start : start + batch_size]
-        ]
-        width = max(len(b) for b in batch)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # (B, T)
-        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])  # (B, T)
-        # Left padding shifts positions unless they are given: count real tokens only.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.inference_mode():
-            # logits_to_keep=1: only the last position goes through the LM head (V is ~50k for SmolLM2).
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[
-                :, -1, :
-            ]
-        rows.append(torch.log_softmax(logits.float(), dim=-1))
-    return torch.cat(rows)
 
 
 def candidate_token_ids(tokenizer: Any, prefix: str, candidates: Sequence[str]) -> list[int]:
@@ -158,7 +147,7 @@ def score_choices(
     texts = [p + ANSWER_MARKER for p in prompts]
     try:
         ids = candidate_token_ids(tokenizer, texts[0], candidates)
-        logp = _batched_last_logits(model, tokenizer, texts, batch_size)  # (N, V)
+        logp = next_token_logprobs(model, tokenizer, texts, batch_size)  # (N, V)
         return logp[:, ids]  # (N, C)
     except ValueError:
         pass
@@ -198,13 +187,23 @@ def _generate(
 
 
 def evaluate_model(
-    model: Any, tokenizer: Any, rows: Sequence[Mapping[str, Any]], cfg: EvalRaftConfig
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    cfg: EvalRaftConfig,
+    marks: Sequence[Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Accuracy per setting and the quote-validity rate for one model."""
+    """Accuracy per setting and the quote-validity rate for one model; ``marks``: per row, the evidence
+    marks of its documents (None: unmarked prompts). Per-question outcomes are kept (``correct``, and
+    ``valid`` / ``has_answer`` per generation) for paired comparisons."""
     model.eval()
     result: dict[str, Any] = {"settings": {}}
+
+    def mark(i: int) -> Mapping[str, str] | None:
+        return None if marks is None else marks[i]
+
     for setting in cfg.settings:
-        prompts = [eval_prompt(tokenizer, r, setting, cfg.seed) for r in rows]
+        prompts = [eval_prompt(tokenizer, r, setting, cfg.seed, mark(i)) for i, r in enumerate(rows)]
         ynm = [i for i, r in enumerate(rows) if r["meta"]["kind"] == "yes_no_maybe"]
         other = [i for i, r in enumerate(rows) if r["meta"]["kind"] != "yes_no_maybe"]
         entry: dict[str, Any] = {"n": len(rows)}
@@ -225,6 +224,7 @@ def evaluate_model(
                         g: dict(Counter(p for p, gg in zip(pred, gold) if gg == g)) for g in sorted(set(gold))
                     },
                     "mean_answer_mass": float(mass.mean()),
+                    "correct": [int(p == g) for p, g in zip(pred, gold)],
                 }
             )
         if other:
@@ -250,7 +250,9 @@ def evaluate_model(
         )
     if cfg.num_generations > 0:
         gen_rows = list(rows[: cfg.num_generations])
-        prompts = [eval_prompt(tokenizer, r, "oracle_distractors", cfg.seed) for r in gen_rows]
+        prompts = [
+            eval_prompt(tokenizer, r, "oracle_distractors", cfg.seed, mark(i)) for i, r in enumerate(gen_rows)
+        ]
         texts = _generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
         valid = [quotes_are_verbatim(t, r["meta"]["oracle_text"]) for t, r in zip(texts, gen_rows)]
         any_doc = [
@@ -264,6 +266,8 @@ def evaluate_model(
             "quote_validity_rate": sum(valid) / len(texts),
             "quote_verbatim_any_doc_rate": sum(any_doc) / len(texts),
             "has_answer_marker_rate": sum(a is not None for a in answers) / len(texts),
+            "valid": [int(v) for v in valid],
+            "has_answer": [int(a is not None) for a in answers],
             "samples": [
                 {"question_id": r["meta"]["question_id"], "generation": t, "quotes_valid": v}
                 for r, t, v in zip(gen_rows[:3], texts[:3], valid[:3])
@@ -319,7 +323,30 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"| {name} | {q['num_generations']} | {q['has_quote_rate']:.2f} | {q['quote_validity_rate']:.2f} "
                 f"| {q['quote_verbatim_any_doc_rate']:.2f} | {q['has_answer_marker_rate']:.2f} |"
             )
+    if report.get("marks"):
+        lines += _render_marks(report["marks"])
     return "\n".join(lines) + "\n"
+
+
+def _render_marks(marks: Mapping[str, Any]) -> list[str]:
+    """The evidence-mark comparison: per model and setting, accuracy without / with marks, paired delta."""
+
+    def cell(d: Mapping[str, Any]) -> str:
+        lo, hi = d["ci95"]
+        return f"{d['without']:.3f} | {d['with']:.3f} | {d['delta']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {d['changed']} of {d['n']}"
+
+    lines = ["", f"## Evidence marks (levels {marks['levels']}): without vs with, paired per question", "",
+             "| model | measure | without | with | delta [95% bootstrap CI] | questions that changed |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, m in marks.items():
+        if name in ("levels", "example"):
+            continue
+        for setting, d in m["accuracy"].items():
+            lines.append(f"| {name} | accuracy, {setting} | {cell(d)} |")
+        if "quote_validity" in m:
+            lines.append(f"| {name} | quote validity (free generations) | {cell(m['quote_validity'])} |")
+            lines.append(f"| {name} | has <ANSWER> (free generations) | {cell(m['has_answer_marker'])} |")
+    return lines
 
 
 def evaluate_raft(cfg: EvalRaftConfig) -> dict[str, Any]:
@@ -333,6 +360,19 @@ def evaluate_raft(cfg: EvalRaftConfig) -> dict[str, Any]:
     )
     if cfg.max_questions is not None:
         rows = rows[: cfg.max_questions]
+    marks = None
+    if cfg.adapter_dir and not Path(cfg.adapter_dir).is_dir():  # before any model loads
+        raise ConfigError(
+            f"adapter_dir={cfg.adapter_dir} does not exist; train one with `judgeloop sft` or set it to null"
+        )
+    if cfg.marks.compare:
+        try:  # checked against the build's corpus before any model loads
+            conformal, scorer = load_eval_marks(cfg.marks, cfg.data_dir)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        marks = [
+            {d: m["text"] for d, m in x.items()} for x in doc_marks(scorer, conformal, rows, cfg.marks.levels)
+        ]
     tokenizer = load_tokenizer(cfg.base_model)
     models: dict[str, Any] = {"base": lambda: load_causal_lm(cfg.base_model)}
     if cfg.adapter_dir:
@@ -352,7 +392,16 @@ def evaluate_raft(cfg: EvalRaftConfig) -> dict[str, Any]:
     }
     for name, make in models.items():
         logger.info("evaluating %s", name)
-        report["models"][name] = evaluate_model(make(), tokenizer, rows, cfg)
+        model = make()
+        report["models"][name] = evaluate_model(model, tokenizer, rows, cfg)
+        if marks is not None:
+            logger.info("evaluating %s with evidence marks", name)
+            report.setdefault("models_marked", {})[name] = evaluate_model(model, tokenizer, rows, cfg, marks)
+            report.setdefault("marks", {"levels": cfg.marks.levels, "example": marks[0]})[name] = (
+                paired_marks(
+                    report["models"][name], report["models_marked"][name], cfg.marks.num_bootstrap, cfg.seed
+                )
+            )
     if "tuned" in report["models"]:
         report["delta_accuracy_tuned_minus_base"] = {
             s: report["models"]["tuned"]["settings"][s].get("accuracy", float("nan"))

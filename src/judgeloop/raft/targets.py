@@ -8,7 +8,7 @@ user / assistant) are rendered here too, for the build and for ``judgeloop eval-
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -226,21 +226,35 @@ def render_target(reasoning: str, answer: str) -> str:
     return f"{reasoning}\n{ANSWER_MARKER} {answer}"
 
 
-def render_user(question: str, kind: str, docs: Sequence[tuple[str, str]]) -> str:
-    """The user turn: the documents (id + text, in the given order) then the question and answer hint."""
-    parts = [f'<DOCUMENT id="{doc_id}">\n{text}\n</DOCUMENT>' for doc_id, text in docs]
+def render_user(
+    question: str, kind: str, docs: Sequence[tuple[str, str]], marks: Mapping[str, str] | None = None
+) -> str:
+    """The user turn: the documents (id + text, in the given order) then the question and answer hint.
+    ``marks``: doc id -> evidence mark (:mod:`judgeloop.raft.marks`), written as the opening tag's
+    ``retrieval`` attribute; a document without one gets none."""
+    parts = []
+    for doc_id, text in docs:
+        mark = (marks or {}).get(doc_id)
+        attr = f' retrieval="{mark}"' if mark else ""
+        parts.append(f'<DOCUMENT id="{doc_id}"{attr}>\n{text}\n</DOCUMENT>')
     hint = ANSWER_HINTS.get(kind, "")
     parts.append(f"Question: {question}" + (f"\n{hint}" if hint else ""))
     return "\n\n".join(parts)
 
 
 def render_messages(
-    system: str, question: str, kind: str, docs: Sequence[tuple[str, str]], target: str | None = None
+    system: str,
+    question: str,
+    kind: str,
+    docs: Sequence[tuple[str, str]],
+    target: str | None = None,
+    marks: Mapping[str, str] | None = None,
 ) -> list[dict[str, str]]:
-    """One RAFT chat row: system, user (documents + question) and, if given, the target."""
+    """One RAFT chat row: system, user (documents + question, marked when ``marks`` is given) and, if
+    given, the target."""
     msgs = [
         {"role": "system", "content": system},
-        {"role": "user", "content": render_user(question, kind, docs)},
+        {"role": "user", "content": render_user(question, kind, docs, marks)},
     ]
     if target is not None:
         msgs.append({"role": "assistant", "content": target})

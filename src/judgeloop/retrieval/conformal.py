@@ -30,6 +30,12 @@ groups with fewer than ``min_group_size`` calibration points fall back to their 
 the global threshold. :class:`AdaptiveConformal` implements adaptive conformal inference
 (Gibbs & Candes 2021, "Adaptive conformal inference under distribution shift", eq. 2) on a sliding
 window, with a rolling-coverage alarm.
+
+A fitted retriever keeps its sorted calibration scores (``scores_``), so one fit answers every level:
+:meth:`ConformalRetriever.levels` gives, per candidate, the tightest of several coverage levels whose set
+holds it, and :meth:`ConformalRetriever.pvalue` its conformal p-value (how far inside the sets it sits).
+:func:`save_conformal_file` / :func:`load_conformal_file` write and read a fitted retriever with the
+fingerprint of the corpus and the encoder it was fitted on; loading it for another corpus is an error.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -54,6 +61,10 @@ __all__ = [
     "AdaptiveConformal",
     "ConformalRetriever",
     "base_rates",
+    "conformal_file_info",
+    "corpus_fingerprint",
+    "load_conformal_file",
+    "save_conformal_file",
     "clopper_pearson_interval",
     "conformal_quantile",
     "coverage_and_size",
@@ -252,7 +263,7 @@ class ConformalRetriever:
         parent_fn: group -> parent group or ``None`` (default: :func:`parent_group`, split on ``/``).
 
     Learned attributes: ``threshold_`` (global), ``groups_`` (label -> :class:`GroupFit`),
-    ``n_cal_`` (global number of calibration scores).
+    ``n_cal_`` (global number of calibration scores), ``scores_`` (the sorted global calibration scores).
     """
 
     def __init__(
@@ -287,6 +298,7 @@ class ConformalRetriever:
                 "calibration split holds no relevant documents; cannot fit a conformal threshold"
             )
         self.n_cal_ = int(values.size)
+        self.scores_ = np.sort(values)
         self.threshold_ = conformal_quantile(values, self.alpha)
         self.groups_: dict[str, GroupFit] = {}
         if groups is None:
@@ -367,6 +379,40 @@ class ConformalRetriever:
             return np.stack([s <= q, (1.0 - s) <= q], axis=-1)
         return (1.0 - s) <= q
 
+    def threshold_at(self, coverage: float) -> float:
+        """The global threshold of the ``coverage`` (= 1 - alpha) set, from the kept calibration scores."""
+        if not hasattr(self, "scores_"):
+            raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
+        return conformal_quantile(self.scores_, 1.0 - coverage)
+
+    def pvalue(self, scores: np.ndarray) -> np.ndarray:
+        """Conformal p-values of candidates with scores ``s`` (same shape): ``(1 + #{i : S_i >= 1 - s}) /
+        (n + 1)`` over the calibration scores ``S_i`` (Vovk et al. 2005; Angelopoulos & Bates 2021, sec. 3).
+        A candidate scoring like a typical relevant document gets a large p; one that no relevant
+        calibration document scored as badly gets ``1 / (n + 1)``. For the document guarantee only."""
+        if self.guarantee == "labels":
+            raise ValueError("pvalue is defined for the document / any / all guarantees, not 'labels'")
+        if not hasattr(self, "scores_"):
+            raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
+        v = 1.0 - np.asarray(scores, dtype=np.float64)
+        n = self.scores_.size
+        at_least = n - np.searchsorted(self.scores_, v, side="left")  # #{S_i >= v}
+        return (1.0 + at_least) / (n + 1.0)
+
+    def levels(self, scores: np.ndarray, coverages: Sequence[float]) -> np.ndarray:
+        """Per candidate, the tightest (lowest) of ``coverages`` whose global set holds it, NaN when none
+        does: with ``coverages=[0.8, 0.95]``, 0.8 = inside the 80% set (and so the 95% one), 0.95 = inside
+        the 95% set only, NaN = outside both."""
+        levels = sorted(float(c) for c in coverages)
+        bad = [c for c in levels if not 0.0 < c < 1.0]
+        if bad or not levels:
+            raise ValueError(f"coverages={list(coverages)} must be a non-empty list of values in (0, 1)")
+        v = 1.0 - np.asarray(scores, dtype=np.float64)
+        out = np.full(v.shape, np.nan)
+        for c in reversed(levels):  # widest first, so the tightest level that holds it is written last
+            out[v <= self.threshold_at(c)] = c
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "alpha": self.alpha,
@@ -375,6 +421,7 @@ class ConformalRetriever:
             "n_cal_": getattr(self, "n_cal_", None),
             "threshold_": getattr(self, "threshold_", None),
             "groups_": {k: vars(v) for k, v in getattr(self, "groups_", {}).items()},
+            "scores_": getattr(self, "scores_", np.zeros(0)).tolist(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> ConformalRetriever:
@@ -391,6 +438,10 @@ class ConformalRetriever:
             for k, v in state["groups_"].items()
         }
         self._by_group_n = {k: v.n_cal for k, v in self.groups_.items()}
+        if state.get("scores_"):  # JSON stores inf as null (a relevant document outside the top-K)
+            self.scores_ = np.sort(
+                np.asarray([math.inf if x is None else float(x) for x in state["scores_"]])
+            )
         return self
 
 
@@ -565,3 +616,77 @@ class AdaptiveConformal:
         self.outcomes_ = list(state["outcomes_"])
         self.sizes_ = [math.nan if x is None else float(x) for x in state["sizes_"]]
         return self
+
+
+# ----------------------------------------------------------------------------------------------
+# A fitted retriever on disk, tied to its corpus and encoder
+# ----------------------------------------------------------------------------------------------
+
+CONFORMAL_FILE_KIND = "judgeloop.conformal_retriever"
+
+
+def corpus_fingerprint(doc_ids: Sequence[str], doc_texts: Sequence[str]) -> dict[str, Any]:
+    """``{"num_docs", "digest"}`` of a corpus: the SHA-256 of its (id, text) pairs in id order."""
+    from judgeloop.hashing import texts_digest
+
+    if len(doc_ids) != len(doc_texts):
+        raise ValueError(f"{len(doc_ids)} document ids for {len(doc_texts)} texts")
+    pairs = sorted(zip((str(d) for d in doc_ids), doc_texts))
+    return {"num_docs": len(pairs), "digest": texts_digest(x for pair in pairs for x in pair)}
+
+
+def save_conformal_file(
+    path: str | Path, model: ConformalRetriever, corpus: Mapping[str, Any], scorer: Mapping[str, Any]
+) -> None:
+    """Write ``model`` with the ``corpus`` fingerprint (:func:`corpus_fingerprint`) and a description of the
+    ``scorer`` that made its scores (encoder name, pooling, score map: whatever must match to reuse it)."""
+    from judgeloop.io import atomic_write_json
+
+    atomic_write_json(path, {"kind": CONFORMAL_FILE_KIND, "corpus": dict(corpus), "scorer": dict(scorer),
+                             "conformal": model.state_dict()})  # fmt: skip
+
+
+def conformal_file_info(path: str | Path, key: str) -> dict[str, Any]:
+    """A conformal file's ``corpus`` and ``scorer`` (and the fitted state), checked to be one.
+
+    Raises:
+        ValueError: missing, not JSON, or not a conformal retriever file; the message names ``key``.
+    """
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{key}={path} does not exist; fit one (leave {key} unset) or fix the path")
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{key}={path} is not JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(obj, dict) or obj.get("kind") != CONFORMAL_FILE_KIND:
+        raise ValueError(f"{key}={path} is not a conformal retriever file (no kind '{CONFORMAL_FILE_KIND}')")
+    return obj
+
+
+def load_conformal_file(
+    path: str | Path, corpus: Mapping[str, Any], scorer: Mapping[str, Any], key: str
+) -> ConformalRetriever:
+    """Read a file of :func:`save_conformal_file`, checking it was fitted on this ``corpus`` with this
+    ``scorer``. ``key`` is the config key that named ``path``.
+
+    Raises:
+        ValueError: one line naming the key, the file, what differs and the fix.
+    """
+    obj = conformal_file_info(path, key)
+    got = obj.get("corpus", {})
+    if got.get("digest") != corpus.get("digest"):
+        raise ValueError(
+            f"{key}={path} was fitted on another corpus ({got.get('num_docs')} documents, digest "
+            f"{str(got.get('digest'))[:12]}) than this run's ({corpus.get('num_docs')} documents, digest "
+            f"{str(corpus.get('digest'))[:12]}); point {key} at the file fitted on this corpus, or unset it to fit one"
+        )
+    diff = {
+        k: (obj.get("scorer", {}).get(k), v) for k, v in scorer.items() if obj.get("scorer", {}).get(k) != v
+    }
+    if diff:
+        parts = ", ".join(f"{k}: {a!r} in the file, {b!r} here" for k, (a, b) in diff.items())
+        raise ValueError(f"{key}={path} was fitted with other scores ({parts}); use the same scorer or refit")
+    return ConformalRetriever().load_state_dict(obj["conformal"])

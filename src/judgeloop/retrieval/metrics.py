@@ -2,13 +2,16 @@
 
 A *run* maps query id -> {doc id: score} (higher is better); *qrels* map query id -> {doc id: grade}.
 Metric names follow ranx/trec_eval (``ndcg@10``, ``recall@100``, ``mrr@10``, ``map@100``); nDCG uses
-linear gains (Jarvelin & Kekalainen 2002), as trec_eval and BEIR do.
+linear gains (Jarvelin & Kekalainen 2002), as trec_eval and BEIR do. :func:`per_query_metrics` gives the
+per-query nDCG@k and recall@k of ranked id lists (for paired comparisons); their means are ranx's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from judgeloop.retrieval.mining import exact_topk
@@ -59,3 +62,28 @@ def evaluate_run(
     if isinstance(result, float):  # ranx returns a bare float for a single metric
         result = {metrics[0]: result}
     return {m: float(result[m]) for m in metrics}
+
+
+def per_query_metrics(
+    ranked: Sequence[Sequence[str]], qrels: Sequence[Mapping[str, int]], k: int = 10
+) -> dict[str, np.ndarray]:
+    """``{"ndcg@k": (Q,), "recall@k": (Q,)}`` of ranked document ids (best first) against each query's
+    graded qrels. An empty ranking (an abstention) scores 0; a query without a relevant document is an
+    error (trec_eval would skip it, which would change the number of queries a mean is over).
+
+    nDCG@k with linear gains: ``sum_{i<k} g_i / log2(i + 2)`` over the ideal ordering's value.
+    """
+    if len(ranked) != len(qrels):
+        raise ValueError(f"{len(ranked)} rankings for {len(qrels)} queries; pass one ranking per query")
+    ndcg = np.zeros(len(ranked))
+    recall = np.zeros(len(ranked))
+    for i, (ids, grades) in enumerate(zip(ranked, qrels)):
+        rel = {d: float(g) for d, g in grades.items() if g > 0}
+        if not rel:
+            raise ValueError(f"query {i} has no relevant document (grade > 0); drop it before scoring")
+        top = list(ids)[:k]
+        dcg = sum(rel.get(d, 0.0) / math.log2(r + 2) for r, d in enumerate(top))
+        ideal = sorted(rel.values(), reverse=True)[:k]
+        ndcg[i] = dcg / sum(g / math.log2(r + 2) for r, g in enumerate(ideal))
+        recall[i] = len(set(top) & set(rel)) / len(rel)
+    return {f"ndcg@{k}": ndcg, f"recall@{k}": recall}

@@ -25,12 +25,21 @@ ConfidenceKind = Literal["logit", "verbalized"]
 
 SHORT_ANSWER = "Answer the question with a short phrase only, no explanation."
 YES_NO_MAYBE = "Answer the question with one word: yes, no or maybe."
+# The answer step's reader: a span, with one worked example (SmolLM2-135M otherwise answers in sentences)
+EXTRACT_ANSWER = (
+    "Answer with the exact words from the passages, at most five words, no sentence. "
+    "Example: Question: Who wrote Hamlet? Answer: William Shakespeare"
+)
 PROBE_LOGIT = "{instruction}\nQuestion: {question}"
 PROBE_VERBAL = (
     "{instruction} Also say how confident you are that the answer is correct, as a number between 0 and 1. "
     'Reply with JSON only, like {{"answer": "Paris", "confidence": 0.8}}.\nQuestion: {question}'
 )
 RAG = "Use the passages. {instruction}\n{passages}\nQuestion: {question}"
+ANSWERABLE = (
+    "Do the passages contain the answer to the question? Reply with one word: yes or no.\n{passages}\n"
+    "Question: {question}"
+)
 
 
 @dataclass
@@ -170,6 +179,41 @@ def probe(
     return answers, conf, gens
 
 
+def render_passages(passages: Sequence[str]) -> str:
+    """The passages block of a prompt: ``Passage 1: ...`` one per line."""
+    return "\n".join(f"Passage {j + 1}: {p}" for j, p in enumerate(passages))
+
+
+def answerable_probability(
+    model: Any,
+    tokenizer: Any,
+    questions: Sequence[str],
+    passages: Sequence[Sequence[str]],
+    batch_size: int = 8,
+) -> np.ndarray:
+    """``(Q,)`` the reader's P(yes) / (P(yes) + P(no)) that its passages answer each question, read from the
+    first token of the reply (``yes`` / ``Yes`` against ``no`` / ``No``): one forward pass, no generation."""
+    import torch
+
+    from judgeloop.models.scoring import next_token_logprobs
+
+    prompts = [
+        chat_prompt(tokenizer, ANSWERABLE.format(passages=render_passages(ps), question=q))
+        for q, ps in zip(questions, passages)
+    ]
+    if not prompts:
+        return np.zeros(0)
+
+    def first_ids(words: Sequence[str]) -> list[int]:
+        return sorted({tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words})
+
+    yes, no = first_ids(["yes", "Yes"]), first_ids(["no", "No"])
+    logp = next_token_logprobs(model, tokenizer, prompts, batch_size)  # (Q, V)
+    p_yes = torch.logsumexp(logp[:, yes], dim=1)
+    p_no = torch.logsumexp(logp[:, no], dim=1)
+    return torch.sigmoid(p_yes - p_no).numpy().astype(np.float64)
+
+
 def answer_with_passages(
     model: Any,
     tokenizer: Any,
@@ -184,9 +228,15 @@ def answer_with_passages(
         RAG.format(
             instruction=instruction,
             question=q,
-            passages="\n".join(f"Passage {j + 1}: {p}" for j, p in enumerate(ps)),
+            passages=render_passages(ps),
         )
         for q, ps in zip(questions, passages)
     ]
     gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, desc="answer with passages")
     return [g.text for g in gens], gens
+
+
+def strip_answer_label(text: str) -> str:
+    """The answer without a leading ``Answer:`` label (the worked example's format, which models copy)."""
+    t = text.strip()
+    return t[len("answer:") :].strip() if t.lower().startswith("answer:") else t

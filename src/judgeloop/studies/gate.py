@@ -5,7 +5,9 @@ The primary retriever is a dense encoder; its top-``window_k`` is the window the
 A retrieval is weak when a relevant document (qrels) is missing from that window. Signals come from
 the primary list, a BM25 retrieval (bm25s), a second dense encoder (by default the same MiniLM with
 CLS pooling, a cheap "second opinion" that shares the weights), and the retrieved text.
-:func:`gate_study` returns the report and the fitted gate.
+:func:`gate_study` returns the report and the fitted gate. With ``escalation.method`` set, the gate acts:
+the test queries it flags are escalated (:mod:`judgeloop.studies.escalation`) and the report gains an
+``escalation`` block.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from judgeloop.retrieval.gate import (
     compute_signals,
     gate_metrics,
     select_signals,
+)
+from judgeloop.studies.escalation import (
+    EscalationSection,
+    check_escalation,
+    escalation_report,
+    render_escalation,
 )
 from judgeloop.text import fmt_number
 
@@ -74,6 +82,7 @@ class GateConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     second_encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(pooling="cls", max_length=64))
     gate: GateSection = field(default_factory=GateSection)
+    escalation: EscalationSection = field(default_factory=EscalationSection)
     calibration_fraction: float = 0.5
     seed: int = 0
     output_dir: str = "runs/gate"
@@ -164,6 +173,7 @@ def gate_study(cfg: GateConfig) -> tuple[dict[str, Any], WeakRetrievalGate]:
     """Retrieve, compute the signals, fit the gate on the calibration queries, measure it on the test
     queries; returns the report and the (possibly unfitted) gate."""
     g = cfg.gate
+    check_escalation(cfg.escalation)  # before any data or weights load
     beir, _ = load_retrieval_data(cfg.data)
     rq = retrieve_dense(beir, cfg.encoder, g.window_k, cfg.cache_dir)
     weak = rq.num_missing > 0  # (Q,) a relevant doc is missing from the window
@@ -200,6 +210,11 @@ def gate_study(cfg: GateConfig) -> tuple[dict[str, Any], WeakRetrievalGate]:
     }
     if fit_error is None:
         report["gate"] = _gate_entry(cfg, gate, signals, weak, cal, test, timing)
+        if cfg.escalation.method != "none":
+            flagged = gate.predict({k: v[test] for k, v in signals.items()})
+            report["escalation"] = escalation_report(cfg, rq, beir, flagged, test)
+    elif cfg.escalation.method != "none":
+        report["escalation"] = None  # no gate, nothing flagged: fit_error says why
     return report, gate
 
 
@@ -263,4 +278,6 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"extra query encoding(s) per query ({c['measured_seconds_per_query'] * 1000:.1f} ms/query measured); "
             f"escalations on {c['escalations_per_query_test']:.1%} of test queries.",
         ]
+    if report.get("escalation"):
+        lines += render_escalation(report["escalation"])
     return "\n".join(lines) + "\n"

@@ -88,7 +88,8 @@ class RouteConfig:
     cache_dir: str | None = "runs/cache"
 
 
-def _load(cfg: RouteDataConfig) -> tuple[list[Any], list[str]]:
+def load_questions(cfg: RouteDataConfig) -> tuple[list[Any], list[str]]:
+    """The questions and the pool of passages they are retrieved from (every paragraph of the file)."""
     from judgeloop.routing.readers import passage_pool, read_pubmedqa, read_squad2
 
     if cfg.format == "squad2":
@@ -128,7 +129,7 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
     from judgeloop.routing.router import ConfidenceRouter, RoutingOutcomes, routing_table
 
     rng = np.random.default_rng(cfg.seed)
-    examples, pool = _load(cfg.data)
+    examples, pool = load_questions(cfg.data)
     if cfg.data.max_questions is not None and cfg.data.max_questions < len(examples):
         keep = np.sort(rng.choice(len(examples), cfg.data.max_questions, replace=False))
         examples = [examples[i] for i in keep]
