@@ -75,8 +75,10 @@ class VllmConfig:
     ``$JUDGELOOP_VLLM_PYTHON``, else the ``.venv-vllm`` that ``make vllm`` builds), or already running at
     ``url`` (judgeloop then starts none). The policy's weights reach the engine through ``sync_dir``
     (null: a temporary folder, removed after the run; a server at ``url`` must be able to read it): after
-    each optimizer step the weights that changed (the LoRA-targeted ones, merged, or every weight under
-    full fine-tuning) are written there and the engine loads them. ``mode: colocate`` (vLLM inside the
+    each optimizer step the policy's weights, LoRA adapters merged in, are written there and the engine
+    reloads them, all of them: vLLM 0.32's in-place reload rebuilds a layer that gets part of its weights
+    from those alone (``model_loader/reload/layerwise.py``; read, not run), so a fused ``qkv_proj`` sent
+    only the q and v that LoRA targeted would lose k. ``mode: colocate`` (vLLM inside the
     training process) needs vLLM importable in the training environment.
     ``dtype``: the engine's weights and compute (``auto``: bfloat16 when ``policy.dtype=bfloat16``, else
     float32, where greedy output equals ``model.generate``'s). ``kv_cache_gib``: the engine's KV cache on
