@@ -125,7 +125,9 @@ def train_ours(args) -> dict:
 
     from judgeloop.config import load_config
     from judgeloop.retrieval import BiEncoder
-    from judgeloop.retrieval.trainer import Example, TrainRetrieverConfig, make_optimizer, train_step
+    from judgeloop.retrieval.batches import Example
+    from judgeloop.retrieval.trainer import make_optimizer, train_step
+    from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
 
     data, rows, _ = _triplets(args)
     negatives = {q: [(n, 0.0)] for q, _, n in rows}
@@ -277,7 +279,7 @@ def remine_ours(args) -> dict:
     import tempfile
 
     from judgeloop.retrieval import BiEncoder, MiningConfig, mine_hard_negatives
-    from judgeloop.retrieval.trainer import encode_texts
+    from judgeloop.retrieval.embedding_cache import encode_texts
 
     data, qids, doc_ids, pos, doc_texts = _mining_inputs(args)
     queries = [data.queries[q] for q in qids]

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The calibration study of docs/study.md, end to end and resumable (finished jobs are skipped):
-#   scripts/study.sh embedded | debian | sweep | all
+#   scripts/study.sh embedded | debian | sweep | grpo | all
 # Results, per-article rows and plots land under docs/study/ (no weights: save_final_policy=false).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JL=${JL:-.venv/bin/judgeloop}
 CFG=configs/feedback_loop/study.yaml
+GRPO=configs/feedback_loop/study_grpo.yaml
 DEBIAN=${DEBIAN:-../shared/data/debian/debian_synopsis_dev.jsonl}
 # the calibrated arm of the sweep: chosen on the validation slice of the embedded study (the best mean
 # validation neutral ROUGE-L among the calibrated arms, docs/study.md); 3 seeds unless SWEEP_SEEDS says
@@ -30,10 +31,20 @@ sweep() {
       "ablation.seeds=$SWEEP_SEEDS" output_dir="docs/study/sweep/w$w"
   done
 }
+grpo() {
+  # the DPO study's settings under GRPO, with the group's std dividing the advantages (TRL's GRPO) and
+  # without (Dr. GRPO); the starting policy is the same, so both read one shared start work
+  mkdir -p docs/study/grpo/group/_shared docs/study/grpo/none
+  [ -e docs/study/grpo/none/_shared ] || ln -s ../group/_shared docs/study/grpo/none/_shared
+  for scale in group none; do
+    $JL ablate --config "$GRPO" "loss.scale_rewards=$scale" output_dir="docs/study/grpo/$scale"
+  done
+}
 case "${1:-all}" in
   embedded) embedded ;;
   debian) debian ;;
   sweep) sweep ;;
-  all) embedded; sweep; debian ;;
-  *) echo "usage: scripts/study.sh embedded|debian|sweep|all" >&2; exit 2 ;;
+  grpo) grpo ;;
+  all) embedded; sweep; debian; grpo ;;
+  *) echo "usage: scripts/study.sh embedded|debian|sweep|grpo|all" >&2; exit 2 ;;
 esac

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from judgeloop.calibration.lab import CalibrateConfig
 from judgeloop.calibration.labels import build_labeled_pairs
 from judgeloop.config import load_config
 from judgeloop.data import load_examples, split_examples
 from judgeloop.io import atomic_write_jsonl
+from judgeloop.studies.calibration_lab import CalibrateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,8 @@ import torch
 
 from judgeloop.config import load_config
 from judgeloop.distributed import full_state_dict, is_zero3
-from judgeloop.retrieval.trainer import TrainRetrieverConfig, train_retriever
+from judgeloop.retrieval.trainer import train_retriever
+from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
 
 out, beir, model_dir = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from judgeloop.config import ConfigError, load_config, migrate
-from judgeloop.devices import check_device, on_cpu, process_device
+from judgeloop.devices import check_device, on_cpu, process_device, resolve_device
 from judgeloop.loop.config import FeedbackLoopConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,9 +45,22 @@ def test_cuda_without_a_gpu_stops_before_any_work(tmp_path):
         train(cfg)
     assert not out.exists()  # nothing written
     cfg = load_config(FeedbackLoopConfig, TINY, ["judge.device=cuda", f"output_dir={out}"])
-    with pytest.raises(ConfigError, match="judge.device='cuda' but CUDA is not available"):
+    with pytest.raises(
+        ConfigError, match=r"judge.device=cuda but torch sees no CUDA GPU.*use judge.device=auto"
+    ):
         train(cfg)
     assert not out.exists()
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
+def test_one_resolver_for_the_run_and_every_judge_names_the_key():
+    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(
+        ConfigError, match=r"^judges.honest.device=cuda:1 but torch sees no CUDA GPU.*use judges"
+    ):
+        resolve_device("cuda:1", "judges.honest.device")
+    with pytest.raises(ConfigError, match=r"^device=cuda but torch sees no CUDA GPU"):
+        check_device("cuda")  # the run's device: the same check after the auto/cpu/cuda one
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")

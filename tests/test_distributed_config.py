@@ -71,11 +71,12 @@ def test_the_shipped_files_take_max_grad_norm_and_write_clipping_off_out(name):
 
 
 def test_a_launch_gradient_clipping_of_zero_is_not_dropped(monkeypatch):
-    """``accelerate launch --use_deepspeed --gradient_clipping 0`` leaves the key out of the DeepSpeed
-    config (0 is falsy there); the plugin keeps it, and it must not become max_grad_norm silently."""
+    """``accelerate launch --use_deepspeed --gradient_clipping 0``: accelerate up to 1.1x left the key out of
+    the DeepSpeed config (0 is falsy there) and kept it on the plugin; later versions (1.16 here) write
+    0.0. Either way a 0 must not become max_grad_norm silently, and it reaches DeepSpeed as 0.0."""
     monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "0")
     plugin = DeepSpeedPlugin(zero_stage=2)
-    assert "gradient_clipping" not in plugin.deepspeed_config
+    assert plugin.deepspeed_config.get("gradient_clipping", 0.0) == 0.0 and plugin.gradient_clipping == 0.0
     acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
     with pytest.raises(ConfigError, match=r"gradient_clipping=0.0 differs from train.max_grad_norm=1.0"):
         configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=1.0, key="train.max_grad_norm")

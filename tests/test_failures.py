@@ -402,14 +402,14 @@ def test_calibrate_refuses_too_few_labeled_pairs_before_judging(tmp_path):
         ("judgeloop.loop.config:FeedbackLoopConfig", "num_steps=3", "max_steps"),
         ("judgeloop.loop.config:FeedbackLoopConfig", "calibration.n_bins=5", "calibration.num_bins"),
         ("judgeloop.loop.config:FeedbackLoopConfig", "policy.sft_lr=0.1", "policy.sft_learning_rate"),
-        ("judgeloop.calibration.lab:CalibrateConfig", "n_bins=5", "num_bins"),
+        ("judgeloop.studies.calibration_lab:CalibrateConfig", "n_bins=5", "num_bins"),
         (
-            "judgeloop.retrieval.trainer:TrainRetrieverConfig",
+            "judgeloop.retrieval.trainer_config:TrainRetrieverConfig",
             "train.checkpoint_every_n_steps=5",
             "train.save_every_n_steps",
         ),
         ("judgeloop.raft.sft:SftConfig", "train.logging_every_n_steps=5", "train.log_every_n_steps"),
-        ("judgeloop.retrieval.conformal_study:ConformalConfig", "data.max_corpus=5", "data.max_corpus_docs"),
+        ("judgeloop.studies.conformal:ConformalConfig", "data.max_corpus=5", "data.max_corpus_docs"),
     ],
 )
 def test_a_renamed_key_names_its_new_name(schema, old, new):

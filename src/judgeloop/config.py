@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -88,6 +88,21 @@ def check_range(
         raise ValueError(
             f"{key}={value} must be in {interval[0]}{_bound(low)}, {_bound(high)}{interval[1]}{hint}"
         )
+
+
+def check_choices(key: str, values: Sequence[str], allowed: Iterable[str], hint: str = "") -> None:
+    """Raise ``ValueError("KEY=VALUES: 'x' is not one of [...] (did you mean 'y'?)" + hint)`` when a value is
+    unknown, and one line when ``values`` is empty or names one twice."""
+    allowed = list(allowed)
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+        close = _closest(unknown[0], allowed)
+        mean = f" (did you mean '{close}'?)" if close else ""
+        raise ValueError(f"{key}={list(values)}: {unknown[0]!r} is not one of {allowed}{mean}{hint}")
+    if not values:
+        raise ValueError(f"{key} is empty; list at least one of {allowed}{hint}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{key}={list(values)} lists a value twice; list each once")
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:

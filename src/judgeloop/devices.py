@@ -21,16 +21,29 @@ Device = Literal["auto", "cpu", "cuda"]
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def check_device(device: str, key: str = "device") -> None:
-    """Refuse (:class:`ConfigError`) a device that is not one of :data:`DEVICES`, or ``cuda`` where torch
-    sees no GPU."""
-    if device not in DEVICES:
-        raise ConfigError(f"{key}={device!r}; use auto (a GPU when there is one), cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
+def resolve_device(device: str, key: str = "device") -> torch.device:
+    """The ``torch.device`` a setting names: ``auto`` is the GPU when torch sees one, else the CPU; any
+    other value (``cpu``, ``cuda``, ``cuda:N``, ``mps``) is kept, and a CUDA or MPS device that is not
+    here is a :class:`ConfigError` naming ``key`` and the fix, before any work."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
-            f"{key}=cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+            f"{key}={device} but torch sees no CUDA GPU (torch.cuda.is_available() is False); "
             f"use {key}=auto or {key}=cpu"
         )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{key}={device} but torch sees no MPS device; use {key}=auto or {key}=cpu")
+    return dev
+
+
+def check_device(device: str, key: str = "device") -> None:
+    """Refuse (:class:`ConfigError`) a device that is not one of :data:`DEVICES`, or one that is not here
+    (:func:`resolve_device`)."""
+    if device not in DEVICES:
+        raise ConfigError(f"{key}={device!r}; use auto (a GPU when there is one), cpu or cuda")
+    resolve_device(device, key)
 
 
 def on_cpu(device: str) -> bool:

@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import ConfigError, check_range
+from judgeloop.config import check_range
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import DataError, atomic_dir, atomic_write_jsonl, read_jsonl
+from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -70,11 +71,7 @@ class LabelPairsConfig:
     output_dir: str = "runs/label_pairs"
 
     def __post_init__(self) -> None:
-        if not self.judge_path:
-            raise ValueError(
-                "judge_path is empty; set judge_path=DIR, a folder written by judgeloop calibrate "
-                "(OUTPUT_DIR/calibrated_judge/<method>)"
-            )
+        check_judge_path(self.judge_path, on_disk=False)
         if not self.data.path:
             raise ValueError("data.path is empty; set data.path=FILE (JSONL) or a saved dataset folder")
         check_range("", self, "min_confidence", 0.5, 1, "[]", " (0.5 keeps every pair)")
@@ -318,17 +315,6 @@ def write_dataset(out_dir: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_jsonl(out_dir / "labeled.jsonl", rows)
     with atomic_dir(out_dir / "dataset") as tmp:
         Dataset.from_list(rows).save_to_disk(str(tmp))
-
-
-def check_judge_path(path: str) -> None:
-    """A one-line error when ``path`` is no calibrated judge folder (before any data is read)."""
-    from judgeloop.judges.calibrated import CARD_FILE
-
-    if not (Path(path) / CARD_FILE).is_file():
-        raise ConfigError(
-            f"judge_path={path} is not a calibrated judge (no {CARD_FILE}); pass a folder written by "
-            "judgeloop calibrate (OUTPUT_DIR/calibrated_judge/<method>)"
-        )
 
 
 __all__ = ["LabelPairsConfig", "label", "render_label_report", "write_dataset"]

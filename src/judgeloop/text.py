@@ -45,6 +45,12 @@ STOPWORDS = frozenset(
 )
 
 
+def text_key(text: str) -> str:
+    """A text up to case and white space: the key that finds duplicate questions, queries or articles and
+    text that leaks from one split into another."""
+    return " ".join(text.split()).lower()
+
+
 def fmt_number(x: Any, nd: int = 3, none: str = "n/a") -> str:
     """A report cell: floats with ``nd`` decimals, NaN as ``n/a``, infinities as ``inf`` / ``-inf``,
     ``None`` as ``none`` (``"inf"`` where None stands for an infinite threshold), anything else as text."""

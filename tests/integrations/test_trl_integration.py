@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from judgeloop.calibration.lab import CalibrateConfig
 from judgeloop.cli import main as cli
 from judgeloop.config import load_config
 from judgeloop.data import load_examples
@@ -19,6 +18,7 @@ from judgeloop.integrations.trl import JudgeReward
 from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.rewards import Group, group_rewards, score_groups
+from judgeloop.studies.calibration_lab import CalibrateConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from judgeloop import CalibratedJudge
-from judgeloop.calibration.lab import CalibrateConfig
 from judgeloop.config import ConfigError, load_config
 from judgeloop.data import load_examples
+from judgeloop.studies.calibration_lab import CalibrateConfig
 
 METHODS = ("raw", "platt", "isotonic", "temperature", "feature_platt")
 

@@ -374,7 +374,7 @@ def test_call_with_mismatched_lengths_raises(tok, causal):
 def test_unavailable_device_raises(tok, causal):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(ValueError, match="judge.device=cuda but torch sees no CUDA GPU"):
         ChoiceJudge(causal, tokenizer=tok, device="cuda")
 
 

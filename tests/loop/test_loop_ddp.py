@@ -275,7 +275,9 @@ from accelerate import Accelerator
 from judgeloop.config import load_config
 from judgeloop.retrieval import BiEncoder
 from judgeloop.retrieval.beir import BeirData
-from judgeloop.retrieval.trainer import Example, TrainRetrieverConfig, make_batches, make_optimizer, train_step
+from judgeloop.retrieval.batches import Example, make_batches
+from judgeloop.retrieval.trainer import make_optimizer, train_step
+from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
 
 out, per = Path(sys.argv[1]), 4
 acc = Accelerator(cpu=True)

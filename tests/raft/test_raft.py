@@ -12,26 +12,22 @@ import pytest
 from judgeloop.config import ConfigError, load_config
 from judgeloop.data.splits import LeakageError
 from judgeloop.models import load_tokenizer
-from judgeloop.raft.builder import (
-    BuildRaftConfig,
-    DistractorConfig,
-    RaftDataConfig,
-    RaftSplitConfig,
+from judgeloop.raft.builder import BuildRaftConfig, build_raft, save_raft
+from judgeloop.raft.chunking import ChunkConfig, chunk_text, oracle_chunk
+from judgeloop.raft.distractors import DistractorConfig
+from judgeloop.raft.leakage import check_raft_leakage
+from judgeloop.raft.readers import RaftDataConfig, RaftQuestion, read_pubmedqa, read_scifact, read_squad
+from judgeloop.raft.splitting import RaftSplitConfig
+from judgeloop.raft.targets import (
     TargetConfig,
-    build_raft,
-    check_raft_leakage,
     extract_quotes,
-    oracle_chunk,
     parse_answer,
     quotes_are_verbatim,
-    save_raft,
     select_quotes,
 )
-from judgeloop.raft.chunking import ChunkConfig, chunk_text
-from judgeloop.raft.readers import RaftQuestion, read_pubmedqa, read_scifact, read_squad
 
 TINY = "judgeloop-tiny/causal-lm"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 REPO = Path(__file__).resolve().parents[2]
 
 TOPICS = ["cardiology", "oncology", "neurology", "nephrology", "dermatology", "hepatology"]

@@ -179,7 +179,7 @@ def test_settings_show_the_right_documents():
 
 
 def test_eval_config_errors():
-    with pytest.raises(ValueError, match="each must be one of"):
+    with pytest.raises(ValueError, match=r"settings=\[.oracle_plus.\]: .oracle_plus. is not one of"):
         EvalRaftConfig(settings=["oracle_plus"])
     from judgeloop.raft.evaluation import load_tuned
 

@@ -276,7 +276,8 @@ def test_mine_negatives_command(tmp_path, beir_dir):
 
 
 def test_scifact_config_split_is_leak_free(repo, shared_data):
-    from judgeloop.retrieval.trainer import TrainRetrieverConfig, load_retrieval_data
+    from judgeloop.retrieval.trainer import load_retrieval_data
+    from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
 
     cfg = load_config(TrainRetrieverConfig, repo / "configs" / "retriever" / "scifact.yaml")
     cfg.data.train.corpus_path = str(shared_data / "scifact" / "corpus.jsonl")
@@ -334,7 +335,7 @@ def test_no_training_data_is_a_data_error(tmp_path):
 
 
 def test_embedding_cache_serves_a_subset_without_reencoding(tmp_path):
-    from judgeloop.retrieval.trainer import encode_texts
+    from judgeloop.retrieval.embedding_cache import encode_texts
 
     enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
     cache = tmp_path / "cache"
@@ -353,7 +354,7 @@ def test_embedding_cache_serves_a_subset_without_reencoding(tmp_path):
 def test_embedding_cache_encodes_only_the_texts_it_lacks(tmp_path):
     """A corpus that gained and changed documents since it was cached: only those are encoded, the rest
     come from the cache, and the result equals encoding everything afresh."""
-    from judgeloop.retrieval.trainer import encode_texts
+    from judgeloop.retrieval.embedding_cache import encode_texts
 
     enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
     cache = tmp_path / "cache"
@@ -370,6 +371,20 @@ def test_embedding_cache_encodes_only_the_texts_it_lacks(tmp_path):
     assert encoded == []  # everything is cached now
 
 
+def test_a_study_and_the_trainer_share_one_embedding_cache(tmp_path):
+    """The conformal / gate / routing studies encode through the trainer's cache: what a study wrote, the
+    trainer reads (same weights and settings), bit for bit, without encoding."""
+    from judgeloop.retrieval.dense import EncoderConfig, encode_with
+    from judgeloop.retrieval.embedding_cache import encode_texts
+
+    cache = tmp_path / "cache"
+    study = encode_with(EncoderConfig(name="judgeloop-tiny/encoder", max_length=32), DOCS, cache, 4)
+    assert study.dtype == "float32" and study.shape[0] == len(DOCS) and len(list(cache.glob("*.pt"))) == 1
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
+    enc.encode = lambda *a, **k: pytest.fail("encoded texts the study had cached")  # type: ignore[method-assign]
+    assert torch.equal(encode_texts(enc, DOCS, 4, False, cache_dir=cache), torch.from_numpy(study))
+
+
 def test_max_corpus_docs_keeps_every_judged_document():
     from judgeloop.retrieval.beir import BeirData
     from judgeloop.retrieval.trainer import _shrink_corpus
@@ -384,8 +399,8 @@ def test_max_corpus_docs_keeps_every_judged_document():
 def test_loss_masks_mark_known_positives_per_process_and_gathered():
     from accelerate import Accelerator
 
+    from judgeloop.retrieval.batches import Example, loss_masks
     from judgeloop.retrieval.beir import BeirData
-    from judgeloop.retrieval.trainer import Example, loss_masks
 
     corpus = {f"d{i}": {"title": "", "text": f"doc {i}"} for i in range(6)}
     # q1 is answered by d1 and d2: when the batch holds (q1, d1) and (q1, d2), each is not the other's negative
@@ -427,7 +442,7 @@ def test_bf16_encoding_and_training_stay_close_to_float32(tmp_path, beir_dir):
     """bf16 autocast (train.mixed_precision / eval.precision) changes embeddings by bf16 rounding only,
     returns float32, and keys the embedding cache separately."""
     from judgeloop.commands.train_retriever import run
-    from judgeloop.retrieval.trainer import _model_fingerprint
+    from judgeloop.retrieval.embedding_cache import _model_fingerprint
 
     enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder")
     texts = [f"document number {i} about proteins and cells" for i in range(10)]

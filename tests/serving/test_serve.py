@@ -152,6 +152,7 @@ def length_server(length_judge_path: Path) -> Iterator[str]:
         "server.max_batch_size=64",
         "server.max_wait_ms=10",
         "openrlhf.n_samples_per_prompt=4",
+        "server.num_threads=3",  # no torch work in this judge: the setting only has to reach its thread
         env={"JUDGE_TEST_TOKEN": "s3cret"},
     ) as (url, _):
         yield url
@@ -170,12 +171,38 @@ def test_compare_equals_in_process(tiny_server: str, tiny_judge_path: Path) -> N
         assert got.json() == local(judge, batch)  # exact: the same floats, the same statuses
 
 
+def test_a_body_without_json_content_type_is_read_as_json(tiny_server: str, tiny_judge_path: Path) -> None:
+    """``curl URL -d '{...}'`` declares a form body; the server reads it as the JSON it is."""
+    import json
+
+    batch = items(2, seed=3)
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        got = httpx.post(tiny_server + "/v1/compare", content=json.dumps({"items": batch}), headers=headers)
+        assert got.status_code == 200, got.text
+        assert got.json() == local(CalibratedJudge.from_pretrained(tiny_judge_path), batch)
+
+
 def test_info_names_judge_and_held_out_figures(tiny_server: str, tiny_judge_path: Path) -> None:
     info = httpx.get(tiny_server + "/v1/info").json()
     judge = CalibratedJudge.from_pretrained(tiny_judge_path)
     assert info["calibrator"] == "platt" and info["judge"]["model"] == "judgeloop-tiny/encoder"
     assert info["card"]["held_out"] == judge.card["held_out"]
     assert info["server"]["host"] == "127.0.0.1" and "api_key_env" not in info["server"]
+
+
+def test_judge_cache_is_shared_across_requests(tiny_server: str) -> None:
+    batch = items(5, seed=77)
+    first = httpx.get(tiny_server + "/v1/info").json()["stats"]
+    assert httpx.post(tiny_server + "/v1/compare", json={"items": batch}, timeout=60).status_code == 200
+    second = httpx.get(tiny_server + "/v1/info").json()["stats"]
+    again = httpx.post(tiny_server + "/v1/compare", json={"items": batch}, timeout=60)  # another request
+    third = httpx.get(tiny_server + "/v1/info").json()["stats"]
+    assert again.status_code == 200
+    distinct = len({(x["prompt"], x["a"], x["b"]) for x in batch})
+    assert second["judge_cache_misses"] - first["judge_cache_misses"] <= distinct
+    assert third["judge_cache_hits"] - second["judge_cache_hits"] == len(batch)
+    assert third["judge_cache_misses"] == second["judge_cache_misses"]
 
 
 def test_rewards_equal_score_groups(tiny_server: str, tiny_judge_path: Path) -> None:
@@ -234,6 +261,56 @@ def test_openrlhf_per_sample_requests_form_one_group(length_server: str, length_
     assert got == score_groups(judge, [Group(prompt, completions)]).rewards[0]
 
 
+def test_openrlhf_empty_completion_gets_the_lowest_reward(tiny_server: str, tiny_judge_path: Path) -> None:
+    """An empty completion is answered 200 (a 4xx would stop OpenRLHF's run): it loses to each non-empty
+    completion of its group without a judge call, so its win rate is 0.0, and extra_logs flags it."""
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    url = tiny_server + "/openrlhf/get_reward"
+    before = httpx.get(tiny_server + "/v1/info").json()["stats"]
+    prompt = ARTICLES[0]
+    completions = [SUMMARIES[0], " ", SUMMARIES[1]]  # the middle one: whitespace, then <|im_end|>
+    data = {
+        "query": [prompt + c + "<|im_end|>" for c in completions],
+        "prompts": [prompt] * 3,
+        "labels": None,
+    }
+    got = asyncio.run(openrlhf_post(url, data))
+    p = float(judge.compare([prompt], [SUMMARIES[0]], [SUMMARIES[1]]).p[0])  # P(0 beats 1)
+    want = [(p + 1.0) / 2, 0.0, (1.0 - p + 1.0) / 2]  # each non-empty one also beats the empty one
+    assert got["rewards"] == pytest.approx(want, abs=1e-12) and got["rewards"][1] == 0.0
+    assert got["rewards"][1] < min(got["rewards"][0], got["rewards"][2])
+    assert got["extra_logs"]["judge_empty"] == [0.0, 1.0, 0.0]
+    assert set(got["extra_logs"]) == {"judge_reward", "judge_empty"}  # the same keys in every answer
+    # a group of empty completions only: they tie (no judge call), still an answer for every sample
+    both = {"query": [prompt + "<|im_end|>", prompt + "  <|im_end|>"], "prompts": [prompt] * 2}
+    tie = asyncio.run(openrlhf_post(url, both))
+    assert tie["rewards"] == [0.5, 0.5] and tie["extra_logs"]["judge_empty"] == [1.0, 1.0]
+    after = httpx.get(tiny_server + "/v1/info").json()["stats"]
+    assert after["openrlhf_empty_completions"] - before["openrlhf_empty_completions"] == 3
+    assert after["comparisons"] - before["comparisons"] == 1  # only the two non-empty ones were judged
+
+
+def test_openrlhf_empty_completion_per_sample(length_server: str, length_judge_path: Path) -> None:
+    """The same when each sample comes alone and the group forms across requests."""
+    judge = CalibratedJudge.from_pretrained(length_judge_path)
+    prompt = "Summarize: " + ARTICLES[1] + "\n"
+    completions = [SUMMARIES[3], "", SUMMARIES[4], SUMMARIES[3] + " Researchers said so."]
+
+    async def four() -> list[dict]:
+        url = length_server + "/openrlhf/get_reward?api_key=s3cret"
+        one = [{"query": [prompt + c + "</s>"], "prompts": [prompt], "labels": [None]} for c in completions]
+        return await asyncio.gather(*(openrlhf_post(url, d) for d in one))
+
+    got = asyncio.run(four())
+    rewards = [r["rewards"][0] for r in got]
+    judged = score_groups(judge, [Group(prompt, [completions[0], completions[2], completions[3]])]).rewards[0]
+    assert rewards[1] == 0.0 and [r["extra_logs"]["judge_empty"][0] for r in got] == [0.0, 1.0, 0.0, 0.0]
+    # with the empty one beaten by all three, each win rate is (2 x its win rate among the three + 1) / 3
+    assert [rewards[0], rewards[2], rewards[3]] == pytest.approx(
+        [(2 * r + 1) / 3 for r in judged if r is not None], abs=1e-12
+    )
+
+
 def test_verl_compute_score_round_trips(tiny_server: str, tiny_judge_path: Path) -> None:
     from judgeloop.integrations.verl import compute_score
 
@@ -251,6 +328,30 @@ def test_verl_compute_score_round_trips(tiny_server: str, tiny_judge_path: Path)
     assert [r["score"] for r in got] == want[0] + want[1]
     with pytest.raises(ValueError, match="has no 'article'"):
         compute_score(["x"], ["a summary"], [None], [{}], server_url=tiny_server)
+
+
+def test_verl_empty_response_gets_the_lowest_reward(tiny_server: str, tiny_judge_path: Path) -> None:
+    """An empty response would be a 422 on /v1/rewards; compute_score asks empty_completions=lose, so
+    verl's run goes on with the response ranked last."""
+    from judgeloop.integrations.verl import compute_score
+
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
+    sols = [SUMMARIES[0], "", SUMMARIES[1]]
+    got = compute_score(
+        ["summeval"] * 3, sols, [None] * 3, [{"article": ARTICLES[0]}] * 3, server_url=tiny_server
+    )
+    p = float(judge.compare([ARTICLES[0]], [SUMMARIES[0]], [SUMMARIES[1]]).p[0])
+    assert [r["score"] for r in got] == pytest.approx([(p + 1) / 2, 0.0, (2 - p) / 2], abs=1e-12)
+    assert [r["judge_empty"] for r in got] == [0, 1, 0]
+    body = {"groups": [{"prompt": ARTICLES[0], "completions": sols}], "aggregate": "bradley_terry"}
+    refused = httpx.post(tiny_server + "/v1/rewards", json=body, timeout=60)
+    assert refused.status_code == 422 and "completions[1] is empty" in refused.json()["error"]
+    strengths = httpx.post(
+        tiny_server + "/v1/rewards", json={**body, "empty_completions": "lose"}, timeout=60
+    )
+    assert strengths.status_code == 200, strengths.text
+    bt = strengths.json()["rewards"][0]
+    assert bt[1] < min(bt[0], bt[2]) and sum(bt) == pytest.approx(0.0, abs=1e-9)  # the lowest strength
 
 
 # --- bad requests ----------------------------------------------------------------------------------
@@ -297,6 +398,12 @@ def test_bearer_token(length_server: str) -> None:
     assert httpx.get(length_server + "/health").status_code == 200  # health needs no token
 
 
+def test_num_threads_reaches_the_judge_thread(length_server: str) -> None:
+    """torch's thread count is per thread: server.num_threads must be set where the judge runs."""
+    info = httpx.get(length_server + "/v1/info", headers=AUTH).json()
+    assert info["judge_threads"] == 3 and info["server"]["num_threads"] == 3
+
+
 def test_not_a_judge_fails_before_binding(tmp_path: Path) -> None:
     port = free_port()
     done = subprocess.run(
@@ -308,6 +415,18 @@ def test_not_a_judge_fails_before_binding(tmp_path: Path) -> None:
     assert done.returncode == 2 and "is not a calibrated judge" in done.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # the port was never taken
+
+
+def test_a_port_in_use_is_refused_before_serving() -> None:
+    from judgeloop.commands.serve_judge import check_port
+    from judgeloop.config import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"server.port={port} cannot be listened on"):
+            check_port("127.0.0.1", port)
 
 
 # --- load: 16 clients x 25 requests ----------------------------------------------------------------
@@ -385,19 +504,57 @@ def test_judge_failure_is_a_500_and_the_server_stays_up(length_judge_path: Path)
     thread.join(timeout=10)
 
 
-def test_sigterm_drains_in_flight_requests(length_judge_path: Path) -> None:
-    with serve(length_judge_path, "server.max_wait_ms=1500") as (url, proc):
-        answer: dict[str, httpx.Response] = {}
+def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) -> None:
+    """SIGTERM with slow requests in flight (three /v1/compare requests parked in the batcher for 3 s,
+    two OpenRLHF samples of a group of 4 that would wait 120 s): each gets its answer, the process exits
+    0 (not -15) soon after, and the port is free again."""
+    with serve(
+        length_judge_path,
+        "server.max_wait_ms=3000",
+        "openrlhf.n_samples_per_prompt=4",
+        "openrlhf.group_wait_s=120",
+    ) as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        answers: dict[str, httpx.Response] = {}
 
-        def call() -> None:
-            answer["r"] = httpx.post(url + "/v1/compare", json={"items": items(4, 9)}, timeout=30)
+        def post(name: str, route: str, body: dict) -> None:
+            answers[name] = httpx.post(url + route, json=body, timeout=60)
 
-        t = threading.Thread(target=call)
-        t.start()
-        time.sleep(0.5)  # the request waits in the batcher (max_wait_ms=1500)
+        prompt = "Summarize: " + ARTICLES[2] + "\n"
+        calls: list[tuple[str, str, dict]] = [
+            (f"compare{k}", "/v1/compare", {"items": items(3, 20 + k)}) for k in range(3)
+        ]
+        calls += [
+            (f"sample{k}", "/openrlhf/get_reward", {"query": [prompt + s], "prompts": [prompt]})
+            for k, s in enumerate(SUMMARIES[5:7])
+        ]
+        threads = [threading.Thread(target=post, args=c) for c in calls]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while True:  # all five in flight: three in the batcher, one open group of two
+            stats = httpx.get(url + "/v1/info").json()["stats"]
+            if stats["in_flight_requests"] == 3 and stats["openrlhf_open_groups"] == 1:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        t.join(timeout=30)
-        # uvicorn re-raises the signal once drained: the exit reads as "ended by SIGTERM", as process
-        # managers expect
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-        assert answer["r"].status_code == 200 and len(answer["r"].json()["p"]) == 4
+        for t in threads:
+            t.join(timeout=60)
+        status = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+        log = proc.stdout.read() if proc.stdout else ""
+        assert status == 0, log
+        assert took < 30, f"drained in {took:.1f} s: the open group waited for its timer"
+        for name, _, body in calls:
+            got = answers[name]
+            assert got.status_code == 200, (name, got.text)
+            n = len(body.get("items", body.get("query", [])))
+            assert len(got.json()["p" if "items" in body else "rewards"]) == n
+        assert "stopped on SIGTERM after judging" in log
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+        from judgeloop.commands.serve_judge import check_port
+
+        check_port("127.0.0.1", port)  # released: a restart passes the check that refuses a taken port

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from judgeloop.calibration.probe import ProbeConfig, honest_and_weak, probe
-from judgeloop.calibration.probe_report import render_markdown
 from judgeloop.cli import main
 from judgeloop.config import ConfigError, load_config
 from judgeloop.data.embedded import generate_articles
@@ -28,6 +26,8 @@ from judgeloop.judges.hacking import (
     stuffs_keywords,
     top_content_words,
 )
+from judgeloop.studies.judge_probe import ProbeConfig, honest_and_weak, probe
+from judgeloop.studies.probe_report import render_markdown
 
 ARTICLE = (
     "The Orrin Falls council voted 8 to 3 on Tuesday to build a new footbridge over the river. "
@@ -261,7 +261,7 @@ def test_stages_position_bias_and_fit_labels(tmp_path, monkeypatch):
     debiasing leaves only the length preference. A judge that learns from labels is fit on the calibration
     articles only."""
     judge = FirstShown()
-    monkeypatch.setattr("judgeloop.calibration.probe.build_judge", lambda jc: judge)
+    monkeypatch.setattr("judgeloop.studies.judge_probe.build_judge", lambda jc: judge)
     cfg = _tiny_cfg(tmp_path, "judges={biased: {type: choice, model: judgeloop-tiny/causal-lm}}")
     result = probe(cfg)
     j = result.report["judges"]["biased"]
@@ -313,7 +313,7 @@ def test_judge_health_names_a_reversed_and_a_position_only_judge_from_hand_built
 
 def test_the_calibration_report_opens_with_a_reversed_judge():
     from judgeloop.calibration.health import judge_health
-    from judgeloop.calibration.lab import render_markdown as lab_markdown
+    from judgeloop.studies.calibration_lab import render_markdown as lab_markdown
 
     y = np.array([1, 0, 1, 0], dtype=float)
     t = np.array([1.0, -1.0, 2.0, -2.0])
@@ -352,7 +352,7 @@ def test_honest_and_weak_use_mean_ratings(tmp_path):
     [
         (
             "attacks=[control,verdict_injektion]",
-            "unknown attack(s) ['verdict_injektion'] (did you mean 'verdict_injection'?)",
+            "'verdict_injektion' is not one of ['control',",
         ),
         ("attacks=[verdict_injection]", "attacks has no 'control'"),
         ("calibration.method=plat", "calibration.method='plat' is not a calibrator"),
@@ -375,7 +375,7 @@ def test_bad_config_is_one_line_error_before_anything_loads(
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the config error")
 
-    monkeypatch.setattr("judgeloop.calibration.probe.build_judge", no_model)
+    monkeypatch.setattr("judgeloop.studies.judge_probe.build_judge", no_model)
     out, data = tmp_path / "never", tmp_path / "summeval.jsonl"
     _write_summeval(
         data

@@ -21,7 +21,7 @@ from judgeloop.routing import (
 )
 from judgeloop.routing.llm import parse_verbalized
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def test_squad_scoring_hand_computed():
@@ -160,6 +160,30 @@ def test_reader_errors(tmp_path):
     )
     with pytest.raises(DataError, match="final_decision='perhaps'"):
         read_pubmedqa(p)
+
+
+def test_routing_and_raft_read_pubmedqa_alike(tmp_path):
+    """One reader (judgeloop.data.pubmedqa) under both: the same question, abstract and answer, the first row
+    of a repeated id."""
+    from judgeloop.raft.readers import read_pubmedqa as raft_read
+
+    row = {
+        "id": "7",
+        "question": " Q? ",
+        "contexts": [" A.", "", "B. "],
+        "long_answer": "L.",
+        "final_decision": "Yes",
+    }
+    p = tmp_path / "pm.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [row, row, {**row, "id": "8"}]) + "\n")
+    routed, raft = read_pubmedqa(p), raft_read(p)
+    assert [(e.id, e.question, e.answers, e.gold_passages) for e in routed] == [
+        ("7", "Q?", ["yes"], ["A. B."]),
+        ("8", "Q?", ["yes"], ["A. B."]),
+    ]
+    assert [(q.id, q.question, q.answer, raft.corpus[q.oracle_ids[0]].text) for q in raft.questions] == [
+        (e.id, e.question, e.answers[0], e.gold_passages[0]) for e in routed
+    ]
 
 
 def test_route_command_end_to_end_tiny(tmp_path):

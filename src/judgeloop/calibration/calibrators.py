@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.optimize import minimize
@@ -142,20 +142,22 @@ class Calibrator:
         return out
 
     # -- persistence --------------------------------------------------------------------------
+    # the fitted state and settings a subclass saves, each with the type it is read back as (an array is
+    # saved as a list)
+    PARAMS: ClassVar[dict[str, type]] = {}
+
     def _params(self) -> dict[str, Any]:
-        raise NotImplementedError
+        values = {name: getattr(self, name) for name in self.PARAMS}
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in values.items()}
 
     def _set_params(self, params: dict[str, Any]) -> None:
-        raise NotImplementedError
+        for name, kind in self.PARAMS.items():
+            value = params[name]
+            setattr(self, name, np.asarray(value, dtype=float) if kind is np.ndarray else kind(value))
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "symmetric": self.symmetric,
-            "min_points": self.min_points,
-            "n_fit_": self.n_fit_,
-            "params": self._params(),
-        }
+        settings = {name: getattr(self, name) for name in ("method", "symmetric", "min_points", "n_fit_")}
+        return {**settings, "params": self._params()}
 
     def load_state_dict(self, state: dict[str, Any]) -> Calibrator:
         if state.get("method") != self.method:
@@ -191,12 +193,6 @@ class IdentityCalibrator(Calibrator):
     def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
         return expit(s)
 
-    def _params(self) -> dict[str, Any]:
-        return {}
-
-    def _set_params(self, params: dict[str, Any]) -> None:
-        pass
-
 
 class PlattCalibrator(Calibrator):
     """Platt scaling: p = sigmoid(a_ * s + b_) (Platt, 1999).
@@ -207,6 +203,12 @@ class PlattCalibrator(Calibrator):
     """
 
     method = "platt"
+    PARAMS: ClassVar[dict[str, type]] = {
+        "a_": float,
+        "b_": float,
+        "fit_intercept": bool,
+        "target_smoothing": bool,
+    }
 
     def __init__(
         self,
@@ -234,24 +236,12 @@ class PlattCalibrator(Calibrator):
     def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
         return expit(self.a_ * s + self.b_)
 
-    def _params(self) -> dict[str, Any]:
-        return {
-            "a_": self.a_,
-            "b_": self.b_,
-            "fit_intercept": self.fit_intercept,
-            "target_smoothing": self.target_smoothing,
-        }
-
-    def _set_params(self, params: dict[str, Any]) -> None:
-        self.a_, self.b_ = float(params["a_"]), float(params["b_"])
-        self.fit_intercept = bool(params["fit_intercept"])
-        self.target_smoothing = bool(params["target_smoothing"])
-
 
 class TemperatureCalibrator(Calibrator):
     """Temperature scaling (Guo et al., 2017): p = sigmoid(s / T_), T_ > 0 by maximum likelihood."""
 
     method = "temperature"
+    PARAMS: ClassVar[dict[str, type]] = {"temperature_": float}
 
     def __init__(self, symmetric: bool = True, min_points: int = 10):
         super().__init__(symmetric, min_points)
@@ -271,12 +261,6 @@ class TemperatureCalibrator(Calibrator):
     def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
         return expit(s / self.temperature_)
 
-    def _params(self) -> dict[str, Any]:
-        return {"temperature_": self.temperature_}
-
-    def _set_params(self, params: dict[str, Any]) -> None:
-        self.temperature_ = float(params["temperature_"])
-
 
 class IsotonicCalibrator(Calibrator):
     """Isotonic regression (Zadrozny & Elkan, 2002) of the label on the raw logit.
@@ -288,6 +272,12 @@ class IsotonicCalibrator(Calibrator):
     """
 
     method = "isotonic"
+    PARAMS: ClassVar[dict[str, type]] = {
+        "x_": np.ndarray,
+        "y_": np.ndarray,
+        "eps": float,
+        "min_points_warn": int,
+    }
 
     def __init__(
         self, symmetric: bool = True, min_points: int = 10, min_points_warn: int = 200, eps: float = 1e-3
@@ -323,20 +313,6 @@ class IsotonicCalibrator(Calibrator):
             p = 0.5 * (p + 1.0 - self._raw(-s))
         return np.clip(p, self.eps, 1.0 - self.eps)
 
-    def _params(self) -> dict[str, Any]:
-        return {
-            "x_": self.x_.tolist(),
-            "y_": self.y_.tolist(),
-            "eps": self.eps,
-            "min_points_warn": self.min_points_warn,
-        }
-
-    def _set_params(self, params: dict[str, Any]) -> None:
-        self.x_ = np.asarray(params["x_"], dtype=float)
-        self.y_ = np.asarray(params["y_"], dtype=float)
-        self.eps = float(params["eps"])
-        self.min_points_warn = int(params["min_points_warn"])
-
 
 class FeaturePlattCalibrator(Calibrator):
     """Platt scaling with pair features: p = sigmoid(a_ * s + w_ . f), no intercept.
@@ -348,6 +324,7 @@ class FeaturePlattCalibrator(Calibrator):
     """
 
     method = "feature_platt"
+    PARAMS: ClassVar[dict[str, type]] = {"a_": float, "w_": np.ndarray, "l2": float}
     uses_features = True
 
     def __init__(self, symmetric: bool = True, l2: float = 1e-3, min_points: int = 10):
@@ -367,14 +344,6 @@ class FeaturePlattCalibrator(Calibrator):
         if f.shape[1] != self.w_.size:
             raise ValueError(f"feature_platt was fitted with {self.w_.size} features, got {f.shape[1]}")
         return expit(self.a_ * s + f @ self.w_)
-
-    def _params(self) -> dict[str, Any]:
-        return {"a_": self.a_, "w_": self.w_.tolist(), "l2": self.l2}
-
-    def _set_params(self, params: dict[str, Any]) -> None:
-        self.a_ = float(params["a_"])
-        self.w_ = np.asarray(params["w_"], dtype=float)
-        self.l2 = float(params["l2"])
 
 
 class StyleResidualCalibrator(Calibrator):
@@ -400,6 +369,7 @@ class StyleResidualCalibrator(Calibrator):
     """
 
     method = "style_residual"
+    PARAMS: ClassVar[dict[str, type]] = {"beta_": np.ndarray, "alpha": float, "wald_p_": float}
     uses_features = True
 
     def __init__(self, symmetric: bool = True, min_points: int = 10, alpha: float = 0.05):
@@ -446,14 +416,6 @@ class StyleResidualCalibrator(Calibrator):
         if f.shape[1] != self.beta_.size:
             raise ValueError(f"style_residual was fitted with {self.beta_.size} features, got {f.shape[1]}")
         return expit(s - f @ self.beta_)
-
-    def _params(self) -> dict[str, Any]:
-        return {"beta_": self.beta_.tolist(), "alpha": self.alpha, "wald_p_": self.wald_p_}
-
-    def _set_params(self, params: dict[str, Any]) -> None:
-        self.beta_ = np.asarray(params["beta_"], dtype=float)
-        self.alpha = float(params["alpha"])
-        self.wald_p_ = float(params["wald_p_"])
 
 
 CALIBRATORS: dict[str, type[Calibrator]] = {

@@ -1,6 +1,6 @@
 """``judgeloop calibrate``: how trustworthy is a judge's preference, before and after calibration?
 
-The lab is :mod:`judgeloop.calibration.lab`; this shell runs it and writes ``report.json``,
+The lab is :mod:`judgeloop.studies.calibration_lab`; this shell runs it and writes ``report.json``,
 ``report.md``, ``reliability.png``, ``predictions.jsonl``, ``calibrators/<method>.json``, one calibrated
 judge per method (``calibrated_judge/<method>/``, raw included: ``CalibratedJudge.from_pretrained`` loads
 it) and the resolved ``config.yaml`` under ``output_dir``.
@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from judgeloop.calibration import IdentityCalibrator
-from judgeloop.calibration.lab import (
+from judgeloop.calibration.reliability import reliability_diagram
+from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.logging import get_logger
+from judgeloop.reports import write_report
+from judgeloop.studies.calibration_lab import (
     CalibrateConfig,
     calibration_lab,
     judge_card,
     render_markdown,
     render_table,
 )
-from judgeloop.calibration.reliability import reliability_diagram
-from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.logging import get_logger
-from judgeloop.reports import write_report
 
 logger = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """``judgeloop conformal``: conformal retrieval sets on a BEIR data set, checked over random splits.
 
-The study (schema, trials, online comparison, report) is :mod:`judgeloop.retrieval.conformal_study`;
+The study (schema, trials, online comparison, report) is :mod:`judgeloop.studies.conformal`;
 this shell runs it and writes ``config.yaml``, ``report.json`` and ``report.md`` under ``output_dir``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from judgeloop.reports import write_report
-from judgeloop.retrieval.conformal_study import ConformalConfig, conformal_study, render_markdown
+from judgeloop.studies.conformal import ConformalConfig, conformal_study, render_markdown
 
 __all__ = ["ConformalConfig", "run"]
 

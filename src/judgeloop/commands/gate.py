@@ -1,5 +1,5 @@
 """``judgeloop gate``: fit the weak-retrieval gate on a calibration split of a BEIR data set and report on
-test (:mod:`judgeloop.retrieval.gate_study`); writes ``report.json``, ``report.md``, ``gate.json`` (the
+test (:mod:`judgeloop.studies.gate`); writes ``report.json``, ``report.md``, ``gate.json`` (the
 fitted gate) and ``config.yaml`` under ``output_dir``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from judgeloop.reports import write_report
-from judgeloop.retrieval.gate_study import GateConfig, gate_study, render_markdown
+from judgeloop.studies.gate import GateConfig, gate_study, render_markdown
 
 __all__ = ["GateConfig", "run"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.label_pairs import (
     LabelPairsConfig,
-    check_judge_path,
     label,
     render_label_report,
     write_dataset,

@@ -11,8 +11,9 @@ from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.encoder import BiEncoder
 from judgeloop.retrieval.mining import MiningConfig, save_negatives
-from judgeloop.retrieval.trainer import NegativesConfig as _Negatives
-from judgeloop.retrieval.trainer import RetrievalDataPaths, RetrieverModelConfig, mine_negatives
+from judgeloop.retrieval.trainer import mine_negatives
+from judgeloop.retrieval.trainer_config import NegativesConfig as _Negatives
+from judgeloop.retrieval.trainer_config import RetrievalDataPaths, RetrieverModelConfig
 
 logger = get_logger(__name__)
 

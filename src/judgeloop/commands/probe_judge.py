@@ -1,6 +1,6 @@
 """``judgeloop probe-judge``: which reward hacks fool which judge, and do debiasing and calibration help?
 
-The probe is :mod:`judgeloop.calibration.probe` and its markdown :mod:`judgeloop.calibration.probe_report`; this
+The probe is :mod:`judgeloop.studies.judge_probe` and its markdown :mod:`judgeloop.studies.probe_report`; this
 shell runs it and writes ``report.json``, ``report.md``, ``pairs.jsonl`` (one row per judge, attack and
 article) and the resolved ``config.yaml`` under ``output_dir``.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from judgeloop.calibration.probe import ProbeConfig, probe
-from judgeloop.calibration.probe_report import health_warnings, render_markdown
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
+from judgeloop.studies.judge_probe import ProbeConfig, probe
+from judgeloop.studies.probe_report import health_warnings, render_markdown
 
 logger = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """``judgeloop route``: confidence routing for QA, retrieving only when the closed-book probe is unsure,
-against four baselines (:mod:`judgeloop.routing.study`); writes ``report.json``, ``report.md``,
+against four baselines (:mod:`judgeloop.studies.routing`); writes ``report.json``, ``report.md``,
 ``predictions.jsonl`` and ``config.yaml`` under ``output_dir``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from judgeloop.reports import write_report
-from judgeloop.routing.study import RouteConfig, render_markdown, route_study
+from judgeloop.studies.routing import RouteConfig, render_markdown, route_study
 
 __all__ = ["RouteConfig", "run"]
 

@@ -8,18 +8,69 @@ Routes: ``GET /health``; ``GET /v1/info`` (judge, calibrator, held-out figures, 
 verl calls ``/v1/rewards`` through :func:`judgeloop.integrations.verl.compute_score`.
 
 The judge is loaded, and the token checked, before the port is bound: a folder that is no calibrated
-judge stops here with exit status 2. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight
-requests finish (``server.drain_timeout_s``) and exits.
+judge stops here with exit status 2. SIGTERM (or Ctrl-C) drains: the server stops accepting connections,
+scores the OpenRLHF route's open groups at once (short ones as they are), lets in-flight requests finish
+(at most ``server.drain_timeout_s``; then the unfinished are cancelled and their connections closed),
+releases the port and exits with status 0. A second Ctrl-C stops without waiting.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
 
 from judgeloop.logging import get_logger
 from judgeloop.serving.config import ServeConfig
 
 logger = get_logger(__name__)
 
-__all__ = ["ServeConfig", "run"]
+__all__ = ["DrainingServer", "ServeConfig", "run"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, calling ``on_drain`` as soon as shutdown begins (before it waits for the
+    in-flight requests), so requests parked for a group are answered instead of waiting out their timer."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]):
+        super().__init__(config)
+        self.on_drain = on_drain
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.on_drain()
+        await super().shutdown(sockets)
+
+
+@contextlib.contextmanager
+def stopped_by_signal() -> Iterator[list[int]]:
+    """While inside, SIGTERM / SIGINT reaching this handler are noted in the yielded list, not raised.
+
+    uvicorn catches both signals itself while it serves and, once it has drained, restores the handlers
+    it found and raises the signal again, for whatever handler that is. Python's defaults would end the
+    process with -15 (SIGTERM) or a KeyboardInterrupt after a clean drain; these note it, so the command
+    returns and exits 0. Outside the main thread nothing is installed (signals reach the main one only).
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def check_port(host: str, port: int) -> None:
@@ -33,8 +84,12 @@ def check_port(host: str, port: int) -> None:
     from judgeloop.config import ConfigError
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as uvicorn binds: the closed connections of a server stopped a moment ago (TIME_WAIT) do not
+        # keep a restart off the port; a socket still listening there does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+            s.listen()
         except OSError as err:
             raise ConfigError(
                 f"server.host={host} server.port={port} cannot be listened on ({err.strerror}); choose a free "
@@ -43,9 +98,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def run(cfg: ServeConfig) -> None:
-    """Load the judge, build the app, serve until SIGTERM."""
-    import uvicorn
-
+    """Load the judge, build the app, serve until SIGTERM (or Ctrl-C), drain, return."""
     from judgeloop.judges.calibrated import CalibratedJudge
     from judgeloop.serving.app import build_app
 
@@ -63,16 +116,24 @@ def run(cfg: ServeConfig) -> None:
         cfg.server.max_wait_ms,
         "required" if cfg.server.api_key_env else "off",
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=cfg.server.host,
-            port=cfg.server.port,
-            log_level=cfg.server.log_level,
-            timeout_graceful_shutdown=int(cfg.server.drain_timeout_s),
-            access_log=False,  # the OpenRLHF route may carry ?api_key=
-        )
+    config = uvicorn.Config(
+        app,
+        host=cfg.server.host,
+        port=cfg.server.port,
+        log_level=cfg.server.log_level,
+        timeout_graceful_shutdown=math.ceil(cfg.server.drain_timeout_s),
+        access_log=False,  # the OpenRLHF route may carry ?api_key=
     )
-    server.run()
+    server = DrainingServer(config, app.state.prompt_groups.drain)
+    with stopped_by_signal() as received:
+        server.run()
     if not server.started:
         raise OSError(f"the server could not listen on {cfg.server.host}:{cfg.server.port} (see above)")
+    stats = app.state.batcher.stats
+    logger.info(
+        "stopped%s after judging %d comparisons of %d requests in %d judge calls",
+        f" on {signal.Signals(received[0]).name}" if received else "",
+        stats.comparisons,
+        stats.requests,
+        stats.judge_calls,
+    )

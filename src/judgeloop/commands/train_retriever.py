@@ -14,7 +14,8 @@ from typing import Any
 from judgeloop.distributed import gathered_state_dict
 from judgeloop.io import atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
-from judgeloop.retrieval.trainer import TrainRetrieverConfig, render_markdown, train_retriever
+from judgeloop.retrieval.trainer import render_markdown, train_retriever
+from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
 
 logger = get_logger(__name__)
 

@@ -1,5 +1,6 @@
-"""Data: summarization examples and loaders, deterministic splits, the embedded corpus."""
+"""Data: summarization examples and loaders, the PubMedQA reader, deterministic splits, the embedded corpus."""
 
+from judgeloop.data.pubmedqa import PubMedQAItem, read_pubmedqa
 from judgeloop.data.splits import LeakageError, assign_split, check_disjoint, hash_unit, split_examples
 from judgeloop.data.summarization import (
     Candidate,
@@ -15,6 +16,7 @@ __all__ = [
     "Candidate",
     "DataConfig",
     "LeakageError",
+    "PubMedQAItem",
     "SplitConfig",
     "SummExample",
     "assign_split",
@@ -22,6 +24,7 @@ __all__ = [
     "hash_unit",
     "lead",
     "load_examples",
+    "read_pubmedqa",
     "split_examples",
     "split_sentences",
 ]

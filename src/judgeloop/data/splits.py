@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 from judgeloop.data.summarization import SplitConfig, SummExample
+from judgeloop.text import text_key
 
 SPLITS = ("train", "calibration", "validation", "test")
 
@@ -37,16 +38,12 @@ def assign_split(key: str, cfg: SplitConfig) -> str:
     return "train"
 
 
-def _text_key(text: str) -> str:
-    return " ".join(text.split()).lower()
-
-
 def split_examples(examples: Sequence[SummExample], cfg: SplitConfig) -> dict[str, list[SummExample]]:
     """Partition ``examples`` into the four splits (some may be empty) and check they are disjoint."""
     first_id_for_text: dict[str, str] = {}
     out: dict[str, list[SummExample]] = {name: [] for name in SPLITS}
     for ex in examples:
-        key = first_id_for_text.setdefault(_text_key(ex.article), ex.id)
+        key = first_id_for_text.setdefault(text_key(ex.article), ex.id)
         out[assign_split(key, cfg)].append(ex)
     check_disjoint(out)
     return out
@@ -61,7 +58,7 @@ def check_disjoint(splits: Mapping[str, Sequence[SummExample]]) -> None:
             prev = owner_id.setdefault(ex.id, name)
             if prev != name:
                 raise LeakageError(f"article id '{ex.id}' is in both the '{prev}' and '{name}' splits")
-            key = _text_key(ex.article)
+            key = text_key(ex.article)
             prev_text = owner_text.setdefault(key, (name, ex.id))
             if prev_text[0] != name:
                 raise LeakageError(

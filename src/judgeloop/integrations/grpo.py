@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from judgeloop.config import check_at_least
 from judgeloop.data import DataConfig, SplitConfig
+from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
 
 
@@ -76,11 +77,7 @@ class GrpoTrlConfig:
     output_dir: str = "runs/grpo_trl"
 
     def __post_init__(self) -> None:
-        if not self.judge_path:
-            raise ValueError(
-                "judge_path is empty; set judge_path=DIR, a calibrated judge written by judgeloop calibrate "
-                "(OUTPUT_DIR/calibrated_judge/<method>)"
-            )
+        check_judge_path(self.judge_path, on_disk=False)
 
 
 def prompt_rows(examples: list[Any], tokenizer: Any, policy: GrpoPolicyConfig) -> list[dict[str, Any]]:

@@ -9,8 +9,19 @@ The protocol, as OpenRLHF's own client sends it (``openrlhf/utils/agent.py``,
 
 ``query`` is the decoded prompt + response (``skip_special_tokens=False``), ``prompts`` the prompt as
 given to the model and ``labels`` the dataset's ``--data.label_key`` column; the answer has one reward per
-query, in order (what OpenRLHF's ``serve_rm.py`` returns). The client retries a failed request five
-times, then gives the sample no reward.
+query, in order (what OpenRLHF's ``serve_rm.py`` returns). Every ``extra_logs`` value becomes a tensor
+in the sample's info (``samples_generator.py``), so they are numbers, under the same keys in every answer.
+
+The client calls ``raise_for_status()``: on any 4xx/5xx it logs only the status code, retries four more
+times a second apart, then leaves the sample without a reward, and a batch with such a sample stops the
+training run (``experience_maker.py``: no reward to concatenate). So this route answers 200 for a
+policy's own bad output: an **empty completion** (nothing left after the prompt and the end-of-turn
+tokens) is not sent to the judge; it loses each comparison with a non-empty completion (p = 0) and ties
+another empty one, so it gets the group's lowest reward (0.0 with ``win_rate``; the lowest
+Bradley-Terry strength), ``extra_logs.judge_empty`` is 1.0 for it (0.0 otherwise), and the server counts
+it (``/v1/info``: ``stats.openrlhf_empty_completions``). What stays a 4xx is a request the trainer's
+configuration or data makes unanswerable (an empty prompt or label, lists of different lengths, a
+group of one): the server logs its one-line reason, since OpenRLHF's log shows only the code.
 
 The completion is the query after its prompt, with trailing end-of-turn tokens removed
 (``openrlhf.strip_suffixes``). OpenRLHF's executor posts each sample alone, so the completions of one
@@ -39,6 +50,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from judgeloop.serving.config import ServeConfig
+from judgeloop.serving.groups import is_empty
 
 ROUTE = "/openrlhf/get_reward"
 
@@ -71,7 +83,8 @@ def completion_of(query: str, prompt: str, strip_suffixes: list[str]) -> str:
 async def request_groups(
     prompt_groups: Any, sources: list[str], completions: list[str], anchors: list[str | None]
 ) -> list[float | None]:
-    """Rewards of one request's queries, grouped by (source, anchor) and scored in one judge call."""
+    """Rewards of one request's queries, grouped by (source, anchor) and scored in one judge call (an
+    empty completion loses, as in the module docstring)."""
     from judgeloop.rewards import Group
     from judgeloop.serving.groups import served_group_scores
 
@@ -85,7 +98,7 @@ async def request_groups(
         g = index[(s, a)]
         where.append((g, len(groups[g].completions)))
         groups[g].completions.append(c)
-    scores = await served_group_scores(prompt_groups.batcher, groups, prompt_groups.settings)
+    scores = await served_group_scores(prompt_groups.batcher, groups, prompt_groups.settings, True)
     return [scores.rewards[g][j] for g, j in where]
 
 
@@ -109,15 +122,18 @@ def openrlhf_router(cfg: ServeConfig, prompt_groups: Any, check_texts: Any, api_
                 f"query has {n} entries, prompts {len(body.prompts)}, labels {len(labels)}; they must match",
             )
         completions = [completion_of(q, p, options.strip_suffixes) for q, p in zip(body.query, body.prompts)]
+        completions = ["" if is_empty(c) else c for c in completions]  # empties tie with each other exactly
         sources = list(body.prompts) if options.source == "prompt" else [lab or "" for lab in labels]
-        texts = [(f"query[{i}] (its completion)", c) for i, c in enumerate(completions)]
-        texts += [
+        check_texts(cfg, n, [(f"query[{i}] (its completion)", c) for i, c in enumerate(completions)], True)
+        texts = [
             (f"{'prompts' if options.source == 'prompt' else 'labels'}[{i}]", s)
             for i, s in enumerate(sources)
         ]
         if anchored:
             texts += [(f"labels[{i}] (the anchor)", lab or "") for i, lab in enumerate(labels)]
         check_texts(cfg, n, texts)
+        empty = [float(c == "") for c in completions]
+        prompt_groups.empty_completions += int(sum(empty))
         anchors: list[str | None] = list(labels) if anchored else [None] * n
         if options.n_samples_per_prompt == 0:  # the request's own queries, grouped by prompt
             rewards = await request_groups(prompt_groups, sources, completions, anchors)
@@ -135,7 +151,11 @@ def openrlhf_router(cfg: ServeConfig, prompt_groups: Any, check_texts: Any, api_
             )
         values = [float(r) for r in rewards if r is not None]
         scores = [_score(r, cfg.rewards.aggregate) for r in values]
-        return {"rewards": values, "scores": scores, "extra_logs": {"judge_reward": values}}
+        return {
+            "rewards": values,
+            "scores": scores,
+            "extra_logs": {"judge_reward": values, "judge_empty": empty},
+        }
 
     return router
 

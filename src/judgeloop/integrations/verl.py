@@ -20,8 +20,11 @@ Launch::
         custom_reward_function.path=pkg://judgeloop.integrations.verl custom_reward_function.name=compute_score \\
         +custom_reward_function.reward_kwargs.server_url=http://127.0.0.1:8000
 
-A response with no valid comparison raises (verl stops with the server's reason) rather than being
-scored as anything.
+An empty response (the policy wrote nothing) is not judged: it loses each comparison with a non-empty
+response of its group (the server's ``empty_completions: lose``), so it gets the group's lowest reward
+(0.0 with ``win_rate``), and its ``judge_empty`` is 1. A response with no valid comparison (a group of
+one, a judgement that failed) raises, and verl stops with the server's reason, rather than being scored
+as anything.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def compute_score(
         api_key_env: the environment variable holding the server's bearer token (empty: none).
 
     Returns:
-        per response ``{"score": reward, "judge_comparisons": ...}`` (verl logs the extra keys).
+        per response ``{"score": reward, "judge_comparisons": ..., "judge_empty": 0 or 1}`` (verl logs
+        the extra keys).
 
     Raises:
         ValueError: a row lacks ``extra_info[source_key]``, or the inputs differ in length.
@@ -116,7 +120,7 @@ def compute_score(
             groups.append({"prompt": s, "completions": [], **({"anchor": anchor} if anchored else {})})
         where.append((index[key], len(groups[index[key]]["completions"])))
         groups[index[key]]["completions"].append(text)
-    body: dict[str, Any] = {"groups": groups}
+    body: dict[str, Any] = {"groups": groups, "empty_completions": "lose"}
     if scheme is not None:
         body["scheme"] = scheme
     if aggregate is not None:
@@ -131,7 +135,13 @@ def compute_score(
                 f"response {i} got no reward (no valid comparison: a group of one, or the judge failed on "
                 "it); generate rollout.n > 1 responses per prompt, or use scheme=anchor"
             )
-        out.append({"score": float(reward), "judge_comparisons": answer["comparisons"][g]})
+        out.append(
+            {
+                "score": float(reward),
+                "judge_comparisons": answer["comparisons"][g],
+                "judge_empty": int(not solution_strs[i].strip()),
+            }
+        )
     return out
 
 

@@ -39,6 +39,21 @@ FORMAT_VERSION = 1
 CARD_FILE = "calibrated_judge.json"
 
 
+def check_judge_path(path: str, *, on_disk: bool = True) -> None:
+    """One line when ``judge_path`` is empty or (``on_disk``) no calibrated judge folder: cheap, so configs
+    and commands call it before any heavy work (a config's ``__post_init__`` checks only that it is set)."""
+    fix = "a folder written by judgeloop calibrate (OUTPUT_DIR/calibrated_judge/<method>)"
+    if not path:
+        raise ConfigError(f"judge_path is empty; set judge_path=DIR, {fix}")
+    if on_disk and not (Path(path) / CARD_FILE).is_file():
+        raise ConfigError(f"judge_path={path} is not a calibrated judge (no {CARD_FILE}); pass {fix}")
+
+
+# the texts of a batch of comparisons, and each one's reference summaries (None: the judge needs none)
+Texts = Sequence[str]
+References = Sequence[Sequence[str]] | None
+
+
 @dataclass
 class Comparison:
     """What :meth:`CalibratedJudge.compare` returns for N pairs.
@@ -109,13 +124,7 @@ class CalibratedJudge:
         assert self.judge is not None
         return bool(self.judge.position_debias)
 
-    def compare(
-        self,
-        prompts: Sequence[str],
-        a: Sequence[str],
-        b: Sequence[str],
-        references: Sequence[Sequence[str]] | None = None,
-    ) -> Comparison:
+    def compare(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         """Calibrated P(``a[i]`` better than ``b[i]``) for the source text ``prompts[i]`` (the article the
         summaries are of), in one batched judge call; both orders when the judge debiases.
 
@@ -165,7 +174,7 @@ class CalibratedJudge:
                 depends on.
         """
         from judgeloop import __version__
-        from judgeloop.judges.tokens import resolve_device
+        from judgeloop.devices import resolve_device
         from judgeloop.models import check_model
 
         folder = Path(path)
@@ -196,7 +205,7 @@ class CalibratedJudge:
 
         for key, model, device in models_of(config):
             try:
-                resolve_device(device)
+                resolve_device(device, key.removesuffix(".model") + ".device")
                 check_model(model, key)
             except ValueError as err:
                 raise ConfigError(
@@ -245,4 +254,4 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
     return "\n".join([*lines, ""])
 
 
-__all__ = ["CalibratedJudge", "Comparison", "is_pairwise"]
+__all__ = ["CalibratedJudge", "Comparison", "check_judge_path", "is_pairwise"]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from judgeloop import devices
+
 
 def fit_article(
     render_ids: Callable[[str], list[int]], tokenizer: Any, article: str, max_length: int
@@ -87,17 +89,10 @@ def model_max_length(model: Any, tokenizer: Any) -> int | None:
     return min(limits) if limits else None
 
 
-def resolve_device(device: str) -> torch.device:
-    """``torch.device(device)``, refusing a CUDA/MPS device that is not there; ``auto`` is the GPU when
-    torch sees one, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"judge.device={device!r} but CUDA is not available; use judge.device=cpu")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"judge.device={device!r} but MPS is not available; use judge.device=cpu")
-    return dev
+def resolve_device(device: str, key: str = "judge.device") -> torch.device:
+    """A judge's device: :func:`judgeloop.devices.resolve_device` under the key ``judge.device`` (kept for
+    ``loop/setup.py``'s import until it names the key itself)."""
+    return devices.resolve_device(device, key)
 
 
 def load_judge_model(
@@ -137,7 +132,7 @@ def attach_judge_model(
     """Load (or take) a judge's model and tokenizer and set ``model`` (on ``device``, eval mode),
     ``tokenizer``, ``device``, ``max_length`` and ``pad_id`` on ``judge``; returns the model's name."""
     model, tokenizer, name = load_judge_model(model, tokenizer, loader, dtype, type(judge).__name__)
-    judge.device = resolve_device(device)
+    judge.device = devices.resolve_device(device, "judge.device")
     judge.model = model.to(judge.device).eval()
     judge.tokenizer = tokenizer
     judge.max_length = max_length

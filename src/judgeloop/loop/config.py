@@ -216,7 +216,7 @@ class OptimConfig:
     ``update_chunk_size``: the update's forward and backward passes take this many articles at a time
     (their gradients accumulate into one optimizer step), trading a little speed for activation memory;
     null (default) runs the whole per-process batch at once. The update equals the unchunked one up to
-    float summation order (measured in the README's benchmarks section).
+    float summation order (measured in docs/benchmarks.md).
 
     ``share_prompt_pass`` (default on): the rollout's pass of the policy over the prompts runs with
     gradients and the update reuses it instead of running the prompts again

@@ -4,12 +4,20 @@ A chunk is a window of ``chunk_tokens`` tokens of a given tokenizer; consecutive
 ``overlap_tokens`` tokens. The chunk's text is the slice of the original document between the
 character offsets of its first and last token, so a chunk is always a verbatim substring of the
 document (quotes checked against a chunk are therefore also verbatim in the source).
+
+Step 3 of the RAFT build (:mod:`judgeloop.raft.builder`) chunks the corpus (:func:`chunk_corpus`) and picks
+each question's oracle chunk, the one that holds the answer evidence (:func:`oracle_chunk`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from judgeloop.raft.readers import RaftDoc, RaftQuestion
+from judgeloop.text import STOPWORDS
 
 
 @dataclass(frozen=True)
@@ -101,3 +109,52 @@ def chunk_text(tokenizer: Any, doc_id: str, text: str, chunk_tokens: int, overla
             break
         start_tok += stride
     return chunks
+
+
+# The oracle chunk: the one that holds the answer evidence (step 3 of :mod:`judgeloop.raft.builder`).
+
+_WORD = re.compile(r"[a-z0-9]+")
+_STOP = STOPWORDS | frozenset(
+    ["after", "been", "before", "between", "during", "no", "our", "there", "we", "yes"]
+)  # plus narrative words of abstracts, and PubMedQA's yes/no answers
+
+
+def content_words(text: str) -> set[str]:
+    """The lower-cased words of ``text`` that carry its topic (no stop words, no single letters)."""
+    return {w for w in _WORD.findall(text.lower()) if w not in _STOP and len(w) > 1}
+
+
+def word_overlap(a: set[str], b: set[str]) -> float:
+    """The share of ``a``'s words that ``b`` holds."""
+    return len(a & b) / max(1, len(a))
+
+
+def chunk_corpus(tokenizer: Any, corpus: Mapping[str, RaftDoc], cfg: ChunkConfig) -> dict[str, list[Chunk]]:
+    """``doc_id -> chunks`` (document order) for every document in ``corpus``."""
+    return {
+        d: chunk_text(tokenizer, d, doc.text, cfg.chunk_tokens, cfg.overlap_tokens)
+        for d, doc in corpus.items()
+    }
+
+
+def evidence_reference(q: RaftQuestion) -> str:
+    """Text that the evidence should resemble when its position is unknown."""
+    return q.long_answer or f"{q.question} {q.answer}"
+
+
+def oracle_chunk(q: RaftQuestion, chunks: Sequence[Chunk]) -> Chunk:
+    """The chunk of the primary oracle document that holds the answer evidence.
+
+    With a known evidence span (SQuAD), the first chunk containing it whole (else the one overlapping it
+    most); otherwise the chunk whose content words overlap most with the long answer (or question + answer).
+    """
+    if not chunks:
+        raise ValueError(f"question {q.id}: its oracle document {q.oracle_ids[0]} is empty")
+    if q.evidence is not None:
+        a, b = q.evidence
+        for c in chunks:
+            if c.start <= a and b <= c.end:
+                return c
+        return max(chunks, key=lambda c: (min(b, c.end) - max(a, c.start), -c.index))
+    ref = content_words(evidence_reference(q))
+    return max(chunks, key=lambda c: (word_overlap(ref, content_words(c.text)), -c.index))

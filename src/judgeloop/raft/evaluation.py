@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from judgeloop.config import check_at_least
+from judgeloop.config import check_at_least, check_choices
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import read_jsonl
 from judgeloop.logging import get_logger
 from judgeloop.metrics.qa import exact_match, token_f1
-from judgeloop.raft.builder import (
+from judgeloop.raft.targets import (
     ANSWER_MARKER,
     extract_quotes,
     parse_answer,
@@ -66,9 +66,7 @@ class EvalRaftConfig:
     output_dir: str = "runs/eval_raft/pubmedqa"
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.settings if s not in SETTINGS]
-        if bad or not self.settings:
-            raise ValueError(f"settings={self.settings}: each must be one of {list(SETTINGS)}")
+        check_choices("settings", self.settings, SETTINGS)
         check_at_least("", self, "max_questions", 1, " or null", optional=True)
         check_at_least("", self, "batch_size", 1)
         if self.num_generations < 0 or self.max_new_tokens < 1:

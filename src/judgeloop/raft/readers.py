@@ -4,8 +4,9 @@ Each reader returns a :class:`ReadResult`: a list of :class:`RaftQuestion` (ques
 of its oracle documents, the answer, and what is known about where the evidence sits) and a dict
 ``doc_id -> RaftDoc`` holding every oracle document and any extra documents (distractor material).
 
-* ``pubmedqa`` (``../shared/data/pubmedqa/pubmedqa_dev.jsonl``): the abstract's contexts are the oracle,
-  the answer is yes/no/maybe and the long answer (the abstract's conclusion) is kept for the reasoning.
+* ``pubmedqa`` (``../shared/data/pubmedqa/pubmedqa_dev.jsonl``, read by :mod:`judgeloop.data.pubmedqa`): the
+  abstract's contexts are the oracle, the answer is yes/no/maybe and the long answer (the abstract's
+  conclusion) is kept for the reasoning.
 * ``squad`` (``../shared/data/squad2_sample``): the paragraph is the oracle, the answer is the first gold
   span, whose first occurrence in the paragraph is the evidence; unanswerable questions are skipped
   (they have no oracle) and counted.
@@ -24,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from judgeloop.config import check_at_least
+from judgeloop.data import pubmedqa
 from judgeloop.io import DataError, first_of_each_id, read_jsonl
+from judgeloop.text import text_key
 
 AnswerKind = Literal["yes_no_maybe", "span", "title", "free"]
 
@@ -69,40 +73,24 @@ class ReadResult:
 
 
 def read_pubmedqa(path: str | Path) -> ReadResult:
-    """PubMedQA rows as RAFT input: the abstract is the oracle, the answer yes/no/maybe."""
-    rows = read_jsonl(
-        path,
-        required=["id", "question", "contexts", "long_answer", "final_decision"],
-        kinds={
-            "id": "id",
-            "question": "text",
-            "contexts": "texts",
-            "long_answer": "text",
-            "final_decision": "text",
-        },
-    )
+    """PubMedQA rows as RAFT input (:func:`judgeloop.data.pubmedqa.read_pubmedqa`): the abstract is the
+    oracle, the answer yes/no/maybe, the long answer the reasoning; a question with no abstract is skipped
+    and counted (``empty_oracle``)."""
     res = ReadResult(skipped={"empty_oracle": 0})
-    for row in _unique_rows(rows, "id", "question", path):
-        decision = str(row["final_decision"]).strip().lower()
-        if decision not in ("yes", "no", "maybe"):
-            raise DataError(
-                f"{path}: id {row['id']}: final_decision {row['final_decision']!r} is not yes/no/maybe"
-            )
-        doc_id = f"pubmed:{row['id']}"
-        contexts = [row["contexts"]] if isinstance(row["contexts"], str) else row["contexts"]
-        text = " ".join(c.strip() for c in contexts if c.strip())
-        if not text:  # no abstract to ground the answer in: the question cannot be a RAFT example
+    for item in pubmedqa.read_pubmedqa(path, require_long_answer=True):
+        if not item.abstract:  # no abstract to ground the answer in: the question cannot be a RAFT example
             res.skipped["empty_oracle"] += 1
             continue
-        res.corpus[doc_id] = RaftDoc(id=doc_id, text=text)
+        doc_id = f"pubmed:{item.id}"
+        res.corpus[doc_id] = RaftDoc(id=doc_id, text=item.abstract)
         res.questions.append(
             RaftQuestion(
-                id=str(row["id"]),
-                question=str(row["question"]).strip(),
+                id=item.id,
+                question=item.question,
                 oracle_ids=[doc_id],
-                answer=decision,
+                answer=item.decision,
                 kind="yes_no_maybe",
-                long_answer=row["long_answer"].strip(),
+                long_answer=item.long_answer,
             )
         )
     return res
@@ -269,3 +257,69 @@ def read_corpus_jsonl(path: str | Path) -> dict[str, RaftDoc]:
 def _unique_rows(rows: list[dict], id_key: str, text_key: str, path: str | Path) -> list[dict]:
     """First row of each id; a repeated id with a different question is named in a warning."""
     return first_of_each_id(rows, lambda r: str(r[id_key]), lambda r: r[text_key], str(path))
+
+
+@dataclass
+class RaftDataConfig:
+    """Input questions. ``format``: ``pubmedqa``, ``squad``, ``scifact`` (BEIR folder) or ``jsonl``.
+
+    ``fields`` maps the generic JSONL's names (id, question, oracle, answer, long_answer, topic);
+    ``corpus_path`` adds extra distractor documents (JSONL with id, text); ``max_questions`` keeps the
+    first N questions after de-duplication; ``max_corpus_docs`` caps the extra (non-oracle) documents.
+    """
+
+    format: Literal["pubmedqa", "squad", "scifact", "jsonl"] = "pubmedqa"
+    path: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)
+    corpus_path: str | None = None
+    scifact_split: str = "train"
+    max_questions: int | None = None
+    max_corpus_docs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError(f"data.path is not set for data.format={self.format}; pass data.path=PATH")
+        check_at_least("data", self, "max_questions", 2, " (or null for all)", optional=True)
+        check_at_least("data", self, "max_corpus_docs", 0, " (or null for all)", optional=True)
+
+
+def read_questions(cfg: RaftDataConfig) -> tuple[ReadResult, dict[str, int]]:
+    """Read questions and corpus; remove duplicate questions (same normalized text, first kept).
+
+    Returns:
+        The read result and counts (``duplicates_removed``, ``read``, ``skipped_*``).
+    """
+    assert cfg.path is not None
+    if cfg.format == "pubmedqa":
+        res = read_pubmedqa(cfg.path)
+    elif cfg.format == "squad":
+        res = read_squad(cfg.path)
+    elif cfg.format == "scifact":
+        res = read_scifact(cfg.path, cfg.scifact_split)
+    else:
+        res = read_generic_jsonl(cfg.path, cfg.fields)
+    if cfg.corpus_path:
+        for doc_id, doc in read_corpus_jsonl(cfg.corpus_path).items():
+            res.corpus.setdefault(doc_id, doc)
+    counts = {"read": len(res.questions), **{f"skipped_{k}": v for k, v in res.skipped.items()}}
+    seen: set[str] = set()
+    seen_ids: set[str] = set()
+    kept: list[RaftQuestion] = []
+    for q in res.questions:
+        key = text_key(q.question)
+        if key in seen or q.id in seen_ids:
+            continue
+        seen.add(key)
+        seen_ids.add(q.id)
+        kept.append(q)
+    counts["duplicates_removed"] = len(res.questions) - len(kept)
+    if cfg.max_questions is not None:
+        kept = kept[: cfg.max_questions]
+    oracle_docs = {d for q in kept for d in q.oracle_ids}
+    extra = sorted(d for d in res.corpus if d not in oracle_docs)
+    if cfg.max_corpus_docs is not None:
+        extra = extra[: cfg.max_corpus_docs]
+    corpus = {d: res.corpus[d] for d in sorted(oracle_docs | set(extra))}
+    counts["questions"] = len(kept)
+    counts["corpus_docs"] = len(corpus)
+    return ReadResult(kept, corpus, res.skipped), counts

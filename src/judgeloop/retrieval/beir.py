@@ -15,6 +15,7 @@ from pathlib import Path
 
 from judgeloop.data.splits import LeakageError, hash_unit
 from judgeloop.io import DataError, read_jsonl, read_lines
+from judgeloop.text import text_key
 
 __all__ = [
     "BeirData",
@@ -171,10 +172,6 @@ def load_pairs(
     return data
 
 
-def _query_key(text: str) -> str:
-    return " ".join(text.split()).lower()
-
-
 def split_queries(
     query_ids: Sequence[str],
     eval_fraction: float,
@@ -198,7 +195,7 @@ def split_queries(
     for qid in query_ids:
         key = qid
         if queries is not None:
-            key = first_for_text.setdefault(_query_key(queries[qid]), qid)
+            key = first_for_text.setdefault(text_key(queries[qid]), qid)
         (held if hash_unit(key, salt) < eval_fraction else train).append(qid)
     if not train or not held:
         raise ValueError(
@@ -220,10 +217,10 @@ def check_query_split(
             f"query id '{sorted(both)[0]}' is in both the train and eval queries ({len(both)} ids)"
         )
     if queries is not None:
-        train_text = {_query_key(queries[q]): q for q in train_ids if q in queries}
+        train_text = {text_key(queries[q]): q for q in train_ids if q in queries}
         for q in eval_ids:
-            if q in queries and _query_key(queries[q]) in train_text:
+            if q in queries and text_key(queries[q]) in train_text:
                 raise LeakageError(
-                    f"eval query '{q}' has the same text as train query '{train_text[_query_key(queries[q])]}'; "
+                    f"eval query '{q}' has the same text as train query '{train_text[text_key(queries[q])]}'; "
                     "split with judgeloop.retrieval.beir.split_queries(..., queries=...)"
                 )

@@ -1,13 +1,10 @@
-"""Dense retrieval over a BEIR data set: cached encoding, exact top-K, and the retrieved candidates
-that ``judgeloop conformal`` and ``judgeloop gate`` start from.
-
-``encode_cached`` keys its ``.npy`` files by a hash of (model, pooling, length, every text), so a
-changed corpus or encoder never reuses stale vectors; the files are written atomically.
+"""Dense retrieval over a BEIR data set: encoding through the embedding cache
+(:mod:`judgeloop.retrieval.embedding_cache`), exact top-K, and the retrieved candidates that
+``judgeloop conformal`` and ``judgeloop gate`` start from.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +14,11 @@ import numpy as np
 import torch
 
 from judgeloop.config import check_at_least
-from judgeloop.hashing import texts_digest
-from judgeloop.io import DataError, atomic_path, read_jsonl
+from judgeloop.io import DataError, read_jsonl
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.beir import doc_text, load_beir
 from judgeloop.retrieval.conformal import quantile_buckets
+from judgeloop.retrieval.embedding_cache import encode_texts
 from judgeloop.retrieval.encoder import BiEncoder
 from judgeloop.retrieval.mining import exact_topk
 
@@ -61,54 +58,26 @@ class EncoderConfig:
     max_length: int = 256
     batch_size: int = 64
 
-
-def encode_texts(
-    model_name: str,
-    texts: Sequence[str],
-    pooling: Literal["mean", "cls"] = "mean",
-    max_length: int = 256,
-    batch_size: int = 64,
-    is_query: bool = False,
-) -> np.ndarray:
-    """L2-normalised embeddings ``(N, D)`` of ``texts`` from :class:`judgeloop.retrieval.encoder.BiEncoder`."""
-
-    enc = BiEncoder.from_pretrained(model_name, pooling=pooling, normalize=True, max_length=max_length)
-    emb = enc.encode(list(texts), batch_size=batch_size, show_progress=len(texts) > 1000, is_query=is_query)
-    return np.asarray(emb.detach().cpu().float().numpy(), dtype=np.float32)
+    def load(self) -> BiEncoder:
+        """The bi-encoder this names, L2-normalized (dot product = cosine)."""
+        return BiEncoder.from_pretrained(
+            self.name, pooling=self.pooling, normalize=True, max_length=self.max_length
+        )
 
 
-def encode_cached(
-    model_name: str,
+def encode_with(
+    encoder: EncoderConfig | BiEncoder,
     texts: Sequence[str],
     cache_dir: str | Path | None,
-    pooling: Literal["mean", "cls"] = "mean",
-    max_length: int = 256,
-    batch_size: int = 64,
+    batch_size: int,
     is_query: bool = False,
 ) -> np.ndarray:
-    """:func:`encode_texts` with an on-disk cache (``.npy``, written atomically).
-
-    The key is a hash of (model, pooling, max_length, every text), so a changed corpus or encoder
-    never reuses stale vectors. ``cache_dir=None`` disables the cache.
-    """
-    if cache_dir is None:
-        return encode_texts(model_name, texts, pooling, max_length, batch_size, is_query)
-    key = hashlib.sha256(f"{model_name}|{pooling}|{max_length}|{texts_digest(texts)}".encode()).hexdigest()[
-        :20
-    ]
-    path = Path(cache_dir) / f"emb-{key}.npy"
-    if path.is_file():
-        emb = np.load(path)
-        if emb.shape[0] == len(texts):
-            logger.info("loaded %d cached embeddings from %s", len(texts), path)
-            return emb
-    logger.info(
-        "encoding %d texts with %s (%s pooling); caching to %s", len(texts), model_name, pooling, path
-    )
-    emb = encode_texts(model_name, texts, pooling, max_length, batch_size, is_query)
-    with atomic_path(path) as tmp, tmp.open("wb") as fh:
-        np.save(fh, emb)
-    return emb
+    """Embeddings ``(N, D)`` (float32 numpy) of ``texts`` through the embedding cache
+    (:func:`judgeloop.retrieval.embedding_cache.encode_texts`; ``cache_dir=None``: no cache). An
+    :class:`EncoderConfig` is loaded first."""
+    enc = encoder.load() if isinstance(encoder, EncoderConfig) else encoder
+    emb = encode_texts(enc, list(texts), batch_size, is_query, cache_dir=cache_dir)
+    return np.asarray(emb.numpy(), dtype=np.float32)
 
 
 def dense_topk(
@@ -165,18 +134,9 @@ def retrieve_dense(beir: Any, encoder: EncoderConfig, top_k: int, cache_dir: str
     doc_texts = [doc_text(beir.corpus[d]) for d in doc_ids]
     qids = list(beir.queries)
     qtexts = [beir.queries[q] for q in qids]
-    corpus_emb = encode_cached(
-        encoder.name, doc_texts, cache_dir, encoder.pooling, encoder.max_length, encoder.batch_size
-    )
-    query_emb = encode_cached(
-        encoder.name,
-        qtexts,
-        cache_dir,
-        encoder.pooling,
-        encoder.max_length,
-        encoder.batch_size,
-        is_query=True,
-    )
+    enc = encoder.load()
+    corpus_emb = encode_with(enc, doc_texts, cache_dir, encoder.batch_size)
+    query_emb = encode_with(enc, qtexts, cache_dir, encoder.batch_size, is_query=True)
     scores, idx = dense_topk(query_emb, corpus_emb, top_k)  # (Q, K)
     positives = [{d for d, g in beir.qrels[q].items() if g >= 1} for q in qids]
     relevant = np.zeros(idx.shape, dtype=bool)

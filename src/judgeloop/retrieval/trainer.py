@@ -9,7 +9,8 @@ The loop, one named function per step:
 Outputs under ``output_dir``: ``report.json`` / ``report.md``, ``model/`` (sentence-transformers
 layout), ``negatives/epoch_<e>.jsonl`` (mined negatives with scores), ``checkpoints/step_<n>/``.
 ``recipes/train_retriever.py`` launches the command under ``accelerate launch``; :func:`train_retriever`
-is the whole run, :func:`train_epochs` its loop.
+is the whole run, :func:`train_epochs` its loop. The schema is :mod:`judgeloop.retrieval.trainer_config`,
+the batches :mod:`judgeloop.retrieval.batches`, the embedding cache :mod:`judgeloop.retrieval.embedding_cache`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 
 from judgeloop.checkpointing import load_training_checkpoint, prune_checkpoints, save_training_checkpoint
-from judgeloop.config import check_at_least, check_range, to_dict
-from judgeloop.devices import Device, check_device, native_bf16, on_cpu, resolve_precision
+from judgeloop.config import to_dict
+from judgeloop.devices import check_device, native_bf16, on_cpu, resolve_precision
 from judgeloop.distributed import (
     accelerator_kwargs,
     configure_deepspeed,
@@ -39,196 +40,24 @@ from judgeloop.distributed import (
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval import beir
+from judgeloop.retrieval.batches import Example, batch_texts, loss_masks, make_batches, make_examples
 from judgeloop.retrieval.beir import BeirData
-from judgeloop.retrieval.encoder import DEFAULT_RETRIEVER, BiEncoder
+from judgeloop.retrieval.embedding_cache import encode_texts
+from judgeloop.retrieval.encoder import BiEncoder
 from judgeloop.retrieval.gradcache import grad_cache_step, split_features
 from judgeloop.retrieval.losses import info_nce_loss
-from judgeloop.retrieval.metrics import DEFAULT_METRICS, evaluate_run, retrieve
-from judgeloop.retrieval.mining import (
-    MiningConfig,
-    Negatives,
-    load_negatives,
-    mine_hard_negatives,
-    save_negatives,
+from judgeloop.retrieval.metrics import evaluate_run, retrieve
+from judgeloop.retrieval.mining import Negatives, load_negatives, mine_hard_negatives, save_negatives
+from judgeloop.retrieval.trainer_config import (
+    NegativesConfig,
+    RetrieverDataConfig,
+    RetrieverEvalConfig,
+    TrainRetrieverConfig,
 )
-from judgeloop.signals import DEFAULT_STOP_SIGNALS, Stopped, StopRequest, check_signal_names, stop_signals
-from judgeloop.tracking import TRACKERS, check_trackers, init_trackers, make_trackers, truncate_jsonl_log
+from judgeloop.signals import Stopped, StopRequest, stop_signals
+from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
 
 logger = get_logger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------- config
-@dataclass
-class RetrievalDataPaths:
-    """One data set: BEIR files (``corpus_path`` + ``queries_path`` + ``qrels_path``) or a pair JSONL."""
-
-    corpus_path: str = ""
-    queries_path: str = ""
-    qrels_path: str = ""
-    pairs_path: str = ""
-    query_field: str = "query"
-    positive_field: str = "positive"
-
-    def __post_init__(self) -> None:
-        paths = [self.corpus_path, self.queries_path, self.qrels_path]
-        if self.pairs_path and any(paths):
-            raise ValueError("give either pairs_path or corpus_path/queries_path/qrels_path, not both")
-        if not self.pairs_path and not all(paths) and any(paths):
-            missing = [n for n, v in zip(("corpus_path", "queries_path", "qrels_path"), paths) if not v]
-            raise ValueError(f"BEIR data needs corpus_path, queries_path and qrels_path; missing {missing}")
-
-    @property
-    def is_set(self) -> bool:
-        return bool(self.pairs_path or self.corpus_path)
-
-    def load(self) -> BeirData:
-        if self.pairs_path:
-            return beir.load_pairs(self.pairs_path, self.query_field, self.positive_field)
-        if not self.is_set:
-            raise DataError(
-                "no data given; set data.train.corpus_path/queries_path/qrels_path or data.train.pairs_path"
-            )
-        return beir.load_beir(self.corpus_path, self.queries_path, self.qrels_path)
-
-
-@dataclass
-class RetrieverDataConfig:
-    """Training and evaluation data of the retriever, with the query split and caps."""
-
-    train: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)
-    eval: RetrievalDataPaths | None = None
-    eval_fraction: float = 0.2
-    split_salt: str = "judgeloop"
-    max_train_queries: int | None = None
-    max_eval_queries: int | None = None
-    max_corpus_docs: int | None = None
-
-    def __post_init__(self) -> None:
-        check_range("data", self, "eval_fraction", 0.0, 1.0, hint="; e.g. 0.2")
-        check_at_least("data", self, "max_corpus_docs", 2, " or null (full corpus)", optional=True)
-
-
-@dataclass
-class RetrieverModelConfig:
-    """The bi-encoder to train: name, pooling, normalization, lengths."""
-
-    name: str = DEFAULT_RETRIEVER
-    pooling: Literal["mean", "cls"] = "mean"
-    normalize: bool = True
-    max_length: int = 256
-    query_max_length: int = 64
-
-
-@dataclass
-class RetrieverLossConfig:
-    """The InfoNCE loss: temperature and which negatives enter it."""
-
-    tau: float = 0.05
-    symmetric: bool = False
-    gather_across_processes: bool = True
-
-    def __post_init__(self) -> None:
-        check_at_least("loss", self, "tau", 0, " (0.05 = sentence-transformers scale 20)", strict=True)
-
-
-@dataclass
-class NegativesConfig:
-    """``hard=false`` trains with in-batch negatives only."""
-
-    hard: bool = True
-    remine_every_n_epochs: int = 0
-    num_bm25: int = 0
-    path: str | None = None
-    mining: MiningConfig = field(default_factory=MiningConfig)
-
-    def __post_init__(self) -> None:
-        if self.remine_every_n_epochs < 0 or self.num_bm25 < 0:
-            raise ValueError(
-                f"negatives.remine_every_n_epochs={self.remine_every_n_epochs}, num_bm25={self.num_bm25} must be >= 0"
-            )
-
-
-@dataclass
-class RetrieverTrainConfig:
-    """The retriever's training schedule, precision, checkpoints and resume."""
-
-    batch_size: int = 32
-    gradcache_chunk_size: int = 0
-    num_epochs: int = 1
-    max_steps: int | None = None
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    RENAMED: ClassVar[dict[str, str]] = {"checkpoint_every_n_steps": "save_every_n_steps"}
-    save_every_n_steps: int = 0
-    keep_checkpoints: int = 1
-    resume: bool = True
-    log_every_n_steps: int = 10
-    # bf16 autocast for the training forward (weights, gradients and optimizer state stay float32);
-    # 1.25x pairs/s on MiniLM on a 2-core CPU with AMX (scripts/bench_retriever.py). auto: bf16 where it is
-    # native (a GPU, or a CPU with avx512_bf16 / amx_bf16, detected at run time), float32 elsewhere
-    mixed_precision: Literal["no", "bf16", "auto"] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 2:
-            raise ValueError(f"train.batch_size={self.batch_size}: in-batch negatives need at least 2")
-        check_at_least("train", self, "num_epochs", 1)
-        check_at_least("train", self, "gradcache_chunk_size", 0, " (0 = off)")
-        check_at_least("train", self, "keep_checkpoints", 1)
-        check_at_least("train", self, "learning_rate", 0, strict=True)
-
-
-@dataclass
-class RetrieverEvalConfig:
-    """Retriever evaluation: metrics, depth, batch size, precision, embedding cache."""
-
-    batch_size: int = 64
-    top_k: int = 100
-    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
-    embedding_cache_dir: str | None = None
-    # bf16 weights (a copy) when encoding for evaluation and mining (2-2.6x on MiniLM on a 2-core CPU with
-    # AMX); auto: bf16 where it is native (see train.mixed_precision)
-    precision: Literal["no", "bf16", "auto"] = "auto"
-
-    def __post_init__(self) -> None:
-        needed = {"ndcg@10", "recall@10", "mrr@10"}
-        if not needed <= set(self.metrics):
-            raise ValueError(
-                f"eval.metrics={self.metrics} must include {sorted(needed)} (the report needs them)"
-            )
-
-
-@dataclass
-class TrainRetrieverConfig:
-    """Schema of ``judgeloop train-retriever``. ``device``: auto (a GPU when accelerate sees one), cpu or
-    cuda (an error before any work where there is none). ``log_with``: trackers (``jsonl`` writes
-    ``OUTPUT_DIR/metrics.jsonl``; any accelerate tracker, :mod:`judgeloop.tracking`), the run named
-    ``run_name`` (default ``retriever``) in ``project_name``. ``stop_signals``: signals that stop the run
-    like a scheduler's preemption (:mod:`judgeloop.signals`): the step finishes, a checkpoint is written,
-    one line names it, the exit status is 128 + signum; the same command continues (``train.resume``)."""
-
-    output_dir: str = "outputs/retriever"
-    device: Device = "auto"
-    model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
-    data: RetrieverDataConfig = field(default_factory=RetrieverDataConfig)
-    loss: RetrieverLossConfig = field(default_factory=RetrieverLossConfig)
-    negatives: NegativesConfig = field(default_factory=NegativesConfig)
-    train: RetrieverTrainConfig = field(default_factory=RetrieverTrainConfig)
-    eval: RetrieverEvalConfig = field(default_factory=RetrieverEvalConfig)
-    log_with: list[str] = field(default_factory=lambda: ["jsonl"])
-    project_name: str = "judgeloop"
-    run_name: str | None = None
-    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
-
-    def __post_init__(self) -> None:
-        if not self.output_dir:
-            raise ValueError("output_dir is empty; set output_dir=outputs/retriever")
-        check_signal_names(self.stop_signals)
-        bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
-        if bad:
-            raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -282,114 +111,6 @@ def load_retrieval_data(cfg: RetrieverDataConfig) -> tuple[BeirData, BeirData]:
 
 
 # --------------------------------------------------------------------------------------------- encoding
-def _model_fingerprint(encoder: BiEncoder, is_query: bool) -> str:
-    h = hashlib.sha256()
-    for name, t in encoder.model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().float().cpu().numpy().tobytes())
-    max_len = (encoder.query_max_length or encoder.max_length) if is_query else encoder.max_length
-    h.update(f"{encoder.pooling}|{encoder.normalize}|{max_len}|{encoder.encode_precision}".encode())
-    return h.hexdigest()[:16]
-
-
-def _text_hashes(texts: Sequence[str]) -> list[str]:
-    return [hashlib.sha256(t.encode()).hexdigest()[:20] for t in texts]
-
-
-def _cached_rows(cache_dir: Path, model_fp: str, hashes: list[str]) -> tuple[torch.Tensor | None, list[int]]:
-    """The rows of ``hashes`` that any cache file of this model holds, and the indices it holds nowhere:
-    a corpus that gained or changed a few documents re-encodes those only."""
-    emb: torch.Tensor | None = None
-    missing = set(range(len(hashes)))
-    for path in sorted(cache_dir.glob(f"{model_fp}-*.pt")):
-        try:
-            blob = torch.load(path)
-        except Exception:  # a damaged cache file is only a miss
-            logger.warning("ignoring unreadable embedding cache %s", path)
-            continue
-        if not isinstance(blob, dict) or "hashes" not in blob:
-            continue
-        row_of = {h: i for i, h in enumerate(blob["hashes"])}
-        found = [i for i in sorted(missing) if hashes[i] in row_of]
-        if not found:
-            continue
-        if emb is None:
-            emb = torch.empty(len(hashes), blob["emb"].shape[1])
-        emb[found] = blob["emb"][[row_of[hashes[i]] for i in found]]
-        missing.difference_update(found)
-        logger.info("reusing %d cached embeddings from %s", len(found), path)
-        if not missing:
-            break
-    return emb, sorted(missing)
-
-
-def encode_texts(
-    encoder: BiEncoder,
-    texts: Sequence[str],
-    batch_size: int,
-    is_query: bool,
-    accelerator: Any = None,
-    cache_dir: str | None = None,
-    desc: str | None = None,
-) -> torch.Tensor:
-    """(N, D) embeddings; sharded over processes under accelerate; optionally cached on disk by a
-    fingerprint of the weights, settings and texts (so runs from the same base model share the
-    zero-shot corpus encoding). With a cache, only the texts no cache file of these weights holds are
-    encoded (a corpus with a few new or edited documents costs those documents)."""
-    cache_file, hashes = None, []
-    emb: torch.Tensor | None = None
-    todo = list(range(len(texts)))
-    if cache_dir:
-        model_fp, hashes = _model_fingerprint(encoder, is_query), _text_hashes(texts)
-        texts_fp = hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]
-        cache_file = Path(cache_dir) / f"{model_fp}-{texts_fp}.pt"
-        if Path(cache_dir).is_dir():
-            emb, todo = _cached_rows(Path(cache_dir), model_fp, hashes)
-            if emb is not None and not todo:
-                return emb
-            if emb is not None:
-                logger.info("encoding the %d of %d texts no cache holds", len(todo), len(texts))
-    fresh = _encode_fresh(encoder, [texts[i] for i in todo], batch_size, is_query, accelerator, desc)
-    if emb is None:
-        emb = fresh
-    else:
-        emb[todo] = fresh
-    main = accelerator is None or accelerator.is_main_process
-    if cache_file is not None and main:
-        from judgeloop.io import atomic_path
-
-        with atomic_path(cache_file) as tmp:
-            torch.save({"hashes": hashes, "emb": emb}, tmp)
-    return emb
-
-
-def _encode_fresh(
-    encoder: BiEncoder,
-    texts: Sequence[str],
-    batch_size: int,
-    is_query: bool,
-    accelerator: Any,
-    desc: str | None,
-) -> torch.Tensor:
-    """(N, D) embeddings of ``texts``, sharded over the processes when there are several."""
-    main = accelerator is None or accelerator.is_main_process
-    if accelerator is None or accelerator.num_processes == 1:
-        return encoder.encode(texts, batch_size=batch_size, show_progress=main, is_query=is_query, desc=desc)
-    from accelerate.utils import gather_object
-
-    # padded (the last index repeats) so every rank runs as many forward passes: under FSDP / ZeRO-3
-    # each one is a collective; the repeated row is written twice with the same embedding
-    with accelerator.split_between_processes(list(range(len(texts))), apply_padding=True) as idx:
-        part = encoder.encode(
-            [texts[i] for i in idx], batch_size, show_progress=main, is_query=is_query, desc=desc
-        )
-    pieces = gather_object([(idx, part)])
-    emb = torch.empty(len(texts), part.shape[1])
-    for piece_idx, piece in pieces:
-        emb[piece_idx] = piece
-    return emb
-
-
 def encode_corpus(
     encoder: BiEncoder, data: BeirData, batch_size: int, accelerator: Any = None, cache_dir: str | None = None
 ) -> tuple[list[str], torch.Tensor]:
@@ -453,110 +174,6 @@ def mine_negatives(
 
 
 # --------------------------------------------------------------------------------------------- training
-@dataclass
-class Example:
-    """One training pair: a query and one of its positive documents."""
-
-    query_id: str
-    positive_id: str
-
-
-def make_examples(data: BeirData) -> list[Example]:
-    """One training example per (query, positive document) pair."""
-    return [Example(q, d) for q, docs in data.positives().items() for d in sorted(docs)]
-
-
-def make_batches(
-    examples: Sequence[Example], batch_size: int, seed: int, epoch: int, drop_last: bool
-) -> list[list[Example]]:
-    """Shuffled (seed + epoch) batches; a query appears at most once per batch (another of its
-    positives would otherwise be a false in-batch negative), deferred examples go to later batches.
-    ``drop_last`` (several processes) keeps only full batches, which split into equal per-rank slices."""
-    order = list(examples)
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    batches: list[list[Example]] = []
-    pending = order
-    while pending:
-        batch: list[Example] = []
-        seen: set[str] = set()
-        rest: list[Example] = []
-        for ex in pending:
-            if len(batch) < batch_size and ex.query_id not in seen:
-                batch.append(ex)
-                seen.add(ex.query_id)
-            else:
-                rest.append(ex)
-        batches.append(batch)
-        pending = rest
-    if drop_last:  # several processes: every batch splits into equal slices (no rank short or empty)
-        return [b for b in batches if len(b) == batch_size]
-    return [b for b in batches if len(b) >= 2]
-
-
-def batch_texts(
-    batch: Sequence[Example],
-    data: BeirData,
-    negatives: Negatives | None,
-    num_negatives: int,
-    rng: random.Random,
-) -> tuple[list[str], list[str], list[str], list[str]]:
-    """Query, positive, and hard-negative texts (``num_negatives`` per query; a query short of mined
-    negatives is topped up with random corpus documents), plus all candidate doc ids in column order."""
-    queries = [data.queries[ex.query_id] for ex in batch]
-    pos_ids = [ex.positive_id for ex in batch]
-    neg_ids: list[str] = []
-    if negatives is not None and num_negatives > 0:
-        all_ids = list(data.corpus)
-        positives = data.positives()
-        for ex in batch:
-            mined = [d for d, _ in negatives.get(ex.query_id, [])][:num_negatives]
-            while len(mined) < num_negatives:
-                cand = rng.choice(all_ids)
-                if cand not in positives.get(ex.query_id, ()) and cand not in mined:
-                    mined.append(cand)
-            neg_ids.extend(mined)
-    texts = [beir.doc_text(data.corpus[d]) for d in pos_ids], [beir.doc_text(data.corpus[d]) for d in neg_ids]
-    return queries, texts[0], texts[1], pos_ids + neg_ids
-
-
-def positive_mask(batch: Sequence[Example], doc_ids: Sequence[str], data: BeirData) -> torch.Tensor:
-    """(B, N) True where candidate doc j is a known positive of query i (never a negative for it)."""
-    positives = data.positives()
-    return torch.tensor(
-        [[d in positives.get(ex.query_id, ()) for d in doc_ids] for ex in batch], dtype=torch.bool
-    )
-
-
-def loss_masks(
-    batch: Sequence[Example], doc_ids: Sequence[str], data: BeirData, accelerator: Any, gather: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Known positives among the candidates, for :func:`info_nce_loss`'s ``mask`` and ``query_mask``.
-
-    Without gathering the candidates are this process's ``[positives; negatives]``. With gathering they
-    are every process's, in the order the loss gathers them (all positives by rank, then all
-    negatives), so a document that is another process's positive is not a negative here either.
-    """
-    b = len(batch)
-    if not gather:
-        return positive_mask(batch, doc_ids, data).to(accelerator.device), None
-    from accelerate.utils import gather_object
-
-    pos_ids, neg_ids = list(doc_ids[:b]), list(doc_ids[b:])
-    # one collective per step: every process's (positives, negatives, queries), in rank order
-    per_rank = gather_object([(pos_ids, neg_ids, [ex.query_id for ex in batch])])
-    all_pos = [d for r in per_rank for d in r[0]]
-    all_neg = [d for r in per_rank for d in r[1]]
-    all_queries = [q for r in per_rank for q in r[2]]
-    positives = data.positives()
-    query_mask = torch.tensor(
-        [[d in positives.get(q, ()) for q in all_queries] for d in pos_ids], dtype=torch.bool
-    )
-    return (
-        positive_mask(batch, all_pos + all_neg, data).to(accelerator.device),
-        query_mask.to(accelerator.device),
-    )
-
-
 def train_step(
     model: Any,
     encoder: BiEncoder,
@@ -981,12 +598,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "NegativesConfig",
-    "RetrievalDataPaths",
-    "TrainRetrieverConfig",
     "evaluate_retriever",
     "load_retrieval_data",
-    "make_batches",
     "mine_negatives",
     "train_epochs",
     "train_retriever",

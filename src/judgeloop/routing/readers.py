@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from judgeloop.data import pubmedqa
 from judgeloop.io import DataError, read_jsonl
 
 
@@ -49,32 +50,15 @@ def read_squad2(path: str | Path, answerable_only: bool = True) -> list[QAExampl
 
 
 def read_pubmedqa(path: str | Path) -> list[QAExample]:
-    """PubMedQA rows ``{id, question, contexts[], final_decision}``; the answer is yes / no / maybe.
+    """PubMedQA rows (:func:`judgeloop.data.pubmedqa.read_pubmedqa`); the answer is yes / no / maybe.
 
     The passage pool is the union of all abstracts' context paragraphs (one passage per abstract,
     paragraphs joined), so retrieval has to find the right abstract among all questions' abstracts.
     """
-    rows = read_jsonl(
-        path,
-        required=["id", "question", "contexts", "final_decision"],
-        kinds={"id": "id", "question": "text", "contexts": "texts", "final_decision": "text"},
-    )
-    out = []
-    for r in rows:
-        decision = str(r["final_decision"]).strip().lower()
-        if decision not in ("yes", "no", "maybe"):
-            raise DataError(
-                f"{path}: question '{r['id']}' has final_decision={decision!r}; expected yes/no/maybe"
-            )
-        out.append(
-            QAExample(
-                str(r["id"]),
-                str(r["question"]),
-                [decision],
-                [" ".join([r["contexts"]] if isinstance(r["contexts"], str) else r["contexts"])],
-            )
-        )
-    return out
+    return [
+        QAExample(item.id, item.question, [item.decision], [item.abstract])
+        for item in pubmedqa.read_pubmedqa(path)
+    ]
 
 
 def passage_pool(examples: Sequence[QAExample]) -> list[str]:

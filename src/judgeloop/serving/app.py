@@ -11,7 +11,8 @@ matters (comparisons from many requests in one judge call, never splitting a req
 
 Every error answers ``{"error": "<one line>"}``: 400 malformed JSON, 401 a missing or wrong token, 413
 a body, request or text over its limit, 422 a missing field, a wrong type or an empty text, 500 a judge
-failure (the server stays up).
+failure (the server stays up). The server logs each one (route, status, reason) as a warning: the access
+log is off, and OpenRLHF's client shows the status code only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,10 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from judgeloop.config import ConfigError, to_dict
 from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.logging import get_logger
 from judgeloop.rewards import Group, check_scheme
 from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
 from judgeloop.serving.config import ServeConfig
-from judgeloop.serving.groups import PromptGroups, served_group_scores
+from judgeloop.serving.groups import PromptGroups, is_empty, served_group_scores
+
+logger = get_logger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -79,11 +83,17 @@ class RewardsRequest(BaseModel):
     m: int | None = None
     prior: float | None = None
     probability: str | None = None
+    # refuse: an empty completion is a 422; lose: it loses to every non-empty text, unjudged (what a
+    # trainer's reward function wants: a policy's empty output ranked last, the run going on)
+    empty_completions: Literal["refuse", "lose"] = "refuse"
 
 
 # --- checks -------------------------------------------------------------------------------------
-def check_texts(cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]]) -> None:
-    """Refuse a request over the limits (413) or with an empty text (422); ``texts``: (field, text)."""
+def check_texts(
+    cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]], allow_empty: bool = False
+) -> None:
+    """Refuse a request over the limits (413) or with an empty text (422, unless ``allow_empty``);
+    ``texts``: (field, text)."""
     limits = cfg.server
     if n_items > limits.max_items_per_request:
         raise ApiError(
@@ -98,14 +108,16 @@ def check_texts(cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]]) ->
                 f"{name} has {len(text)} characters; the limit is server.max_chars_per_text="
                 f"{limits.max_chars_per_text}",
             )
-    for name, text in texts:
+    for name, text in [] if allow_empty else texts:
         if not text.strip():
             raise ApiError(422, f"{name} is empty; every prompt and completion needs text")
 
 
 class BodyLimit:
     """ASGI middleware: a body over ``max_bytes`` is answered 413 before the app reads it (a declared
-    Content-Length at once; a chunked body as soon as it passes the limit)."""
+    Content-Length at once; a chunked body as soon as it passes the limit). A POST body is read as JSON
+    whatever Content-Type it declares, as OpenRLHF's own ``serve_rm.py`` reads it (``curl -d`` declares a
+    form; the routes take JSON only)."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -115,6 +127,9 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        if scope.get("method") == "POST" and headers.get(b"content-type") != b"application/json":
+            kept = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send, int(declared))
@@ -192,16 +207,20 @@ def reward_settings(body: RewardsRequest, defaults: dict[str, Any]) -> dict[str,
     return settings
 
 
-def reward_texts(body: RewardsRequest) -> list[tuple[str, str]]:
-    """(field, text) of every text of a rewards request; 422 for a group with no completions."""
+def check_reward_texts(cfg: ServeConfig, body: RewardsRequest) -> None:
+    """The limits and empty texts of a rewards request (:func:`check_texts`); 422 for a group with no
+    completions. Empty completions pass with ``empty_completions=lose``; prompts and anchors never."""
     texts = [(f"groups[{i}].prompt", g.prompt) for i, g in enumerate(body.groups)]
+    completions = []
     for i, g in enumerate(body.groups):
-        texts += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
+        completions += [(f"groups[{i}].completions[{j}]", c) for j, c in enumerate(g.completions)]
         if g.anchor is not None:
             texts.append((f"groups[{i}].anchor", g.anchor))
         if not g.completions:
             raise ApiError(422, f"groups[{i}].completions is empty; send each prompt's completions")
-    return texts
+    lose = body.empty_completions == "lose"
+    check_texts(cfg, len(completions), completions, allow_empty=lose)
+    check_texts(cfg, len(completions), texts)
 
 
 def _one_line(err: RequestValidationError) -> tuple[int, str]:
@@ -217,42 +236,36 @@ def _one_line(err: RequestValidationError) -> tuple[int, str]:
 def add_error_handlers(app: FastAPI) -> None:
     """Every error as ``{"error": "<one line>"}`` with its status (module docstring)."""
 
+    def answer(request: Request, status: int, message: str) -> JSONResponse:
+        # the path only: a query string may carry ?api_key=
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, status, message)
+        return JSONResponse({"error": message}, status_code=status)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse({"error": err.message}, status_code=err.status)
+        return answer(request, err.status, err.message)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        status, message = _one_line(err)
-        return JSONResponse({"error": message}, status_code=status)
+        return answer(request, *_one_line(err))
 
     @app.exception_handler(JudgeFailure)
     async def _judge_failed(request: Request, err: JudgeFailure) -> JSONResponse:
-        return JSONResponse({"error": f"the judge failed on this request: {err}"}, status_code=500)
+        return answer(request, 500, f"the judge failed on this request: {err}")
 
 
-# --- the application -----------------------------------------------------------------------------
-def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
-    """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
-    :mod:`judgeloop.commands.serve_judge`)."""
-    from judgeloop import __version__
-    from judgeloop.integrations.openrlhf import openrlhf_router
+def judge_cache_stats(judge: CalibratedJudge) -> dict[str, int]:
+    """The shared judge's pair-cache hits and misses since the server started (every request's)."""
+    stats = getattr(judge.judge, "stats", None)
+    return {
+        "judge_cache_hits": getattr(stats, "cache_hits", 0),
+        "judge_cache_misses": getattr(stats, "cache_misses", 0),
+    }
 
-    token = api_key(cfg)
-    batcher = ComparisonBatcher(judge, cfg.server.max_batch_size, cfg.server.max_wait_ms)
-    defaults = to_dict(cfg.rewards)
-    prompt_groups = PromptGroups(
-        batcher, defaults, max(cfg.openrlhf.n_samples_per_prompt, 1), cfg.openrlhf.group_wait_s
-    )
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await batcher.start()
-        yield
-        await batcher.stop()
-
-    app = FastAPI(title="judgeloop judge server", version=__version__, lifespan=lifespan)
-    app.state.batcher, app.state.cfg, app.state.prompt_groups = batcher, cfg, prompt_groups
+def authorizer(token: str | None) -> Callable[[Request], None]:
+    """The route dependency that checks the bearer token (``Authorization: Bearer TOKEN``, or
+    ``?api_key=TOKEN`` for a client that sends no headers); a no-op without a token."""
 
     def authorize(request: Request) -> None:
         if token is None:
@@ -264,6 +277,81 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
         if not hmac.compare_digest(given.encode(), token.encode()):
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
 
+    return authorize
+
+
+def reward_groups(body: RewardsRequest) -> list[Group]:
+    """The request's groups; with ``empty_completions=lose`` an empty completion becomes ``""`` (so
+    empty ones tie exactly)."""
+    lose = body.empty_completions == "lose"
+    return [
+        Group(
+            g.prompt,
+            ["" if lose and is_empty(c) else c for c in g.completions],
+            g.anchor,
+            tuple(g.references),
+        )
+        for g in body.groups
+    ]
+
+
+def info_body(
+    judge: CalibratedJudge, cfg: ServeConfig, batcher: ComparisonBatcher, prompt_groups: PromptGroups
+) -> dict[str, Any]:
+    """``GET /v1/info``: the judge, its card, the server's settings (no token) and what it has done."""
+    from judgeloop import __version__
+
+    return {
+        "judge": to_dict(judge.config),
+        "calibrator": judge.method,
+        "pairwise": judge.pairwise,
+        "debiases": judge.debiases,
+        "card": judge.card,
+        "judgeloop_version": __version__,
+        "rewards": prompt_groups.settings,
+        "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
+        "judge_threads": batcher.threads,  # torch intra-op threads of the judge thread
+        "stats": {
+            **batcher.stats.as_dict(),
+            **judge_cache_stats(judge),
+            "openrlhf_groups": prompt_groups.groups,
+            "openrlhf_partial_groups": prompt_groups.partial_groups,
+            "openrlhf_open_groups": prompt_groups.open_groups,
+            "openrlhf_empty_completions": prompt_groups.empty_completions,
+        },
+    }
+
+
+# --- the application -----------------------------------------------------------------------------
+def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
+    """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
+    :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher`` and ``prompt_groups``."""
+    from judgeloop import __version__
+    from judgeloop.integrations.openrlhf import openrlhf_router
+
+    token = api_key(cfg)
+    batcher = ComparisonBatcher(
+        judge, cfg.server.max_batch_size, cfg.server.max_wait_ms, cfg.server.num_threads
+    )
+    defaults = to_dict(cfg.rewards)
+    prompt_groups = PromptGroups(
+        batcher,
+        defaults,
+        max(cfg.openrlhf.n_samples_per_prompt, 1),
+        cfg.openrlhf.group_wait_s,
+        empty_loses=True,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="judgeloop judge server", version=__version__, lifespan=lifespan)
+    app.state.batcher, app.state.cfg, app.state.prompt_groups = batcher, cfg, prompt_groups
+
+    authorize = authorizer(token)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -272,21 +360,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
 
     @app.get("/v1/info", dependencies=[Depends(authorize)])
     async def info() -> dict[str, Any]:
-        return {
-            "judge": to_dict(judge.config),
-            "calibrator": judge.method,
-            "pairwise": judge.pairwise,
-            "debiases": judge.debiases,
-            "card": judge.card,
-            "judgeloop_version": __version__,
-            "rewards": defaults,
-            "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
-            "stats": {
-                **batcher.stats.as_dict(),
-                "openrlhf_groups": prompt_groups.groups,
-                "openrlhf_partial_groups": prompt_groups.partial_groups,
-            },
-        }
+        return info_body(judge, cfg, batcher, prompt_groups)
 
     @app.post("/v1/compare", dependencies=[Depends(authorize)])
     async def compare(body: CompareRequest) -> dict[str, Any]:
@@ -306,10 +380,10 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
     @app.post("/v1/rewards", dependencies=[Depends(authorize)])
     async def rewards(body: RewardsRequest) -> dict[str, Any]:
         settings = reward_settings(body, defaults)
-        check_texts(cfg, sum(len(g.completions) for g in body.groups), reward_texts(body))
-        groups = [Group(g.prompt, g.completions, g.anchor, tuple(g.references)) for g in body.groups]
+        check_reward_texts(cfg, body)
+        lose = body.empty_completions == "lose"
         try:
-            scores = await served_group_scores(batcher, groups, settings)
+            scores = await served_group_scores(batcher, reward_groups(body), settings, empty_loses=lose)
         except ValueError as err:  # e.g. scheme=anchor and a group without an anchor
             raise ApiError(422, str(err)) from None
         return {
@@ -322,7 +396,8 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> Any:
     app.include_router(
         openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
     )
-    return BodyLimit(app, cfg.server.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
+    return app
 
 
 __all__ = ["ApiError", "BodyLimit", "build_app", "check_texts"]

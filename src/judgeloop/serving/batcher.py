@@ -12,6 +12,9 @@ its caches, is shared by every request.
 
 When a merged call raises, each request of it is judged again alone, so one request's bad input fails
 that request only (:class:`JudgeFailure`, a 500 with its reason).
+
+``num_threads`` sets torch's intra-op threads on the judge thread itself: torch's setting is per
+thread (OpenMP's), so ``torch.set_num_threads`` in the main thread would not reach it.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
-from judgeloop.judges.calibrated import CalibratedJudge, Comparison
+from judgeloop.judges.calibrated import CalibratedJudge, Comparison, References, Texts
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -57,6 +60,7 @@ class BatchStats:
     judge_calls: int = 0
     failed_calls: int = 0
     max_batch: int = 0
+    in_flight: int = 0  # requests submitted and not answered yet
     judge_seconds: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -67,6 +71,7 @@ class BatchStats:
             "judge_calls": self.judge_calls,
             "failed_calls": self.failed_calls,
             "max_batch": self.max_batch,
+            "in_flight_requests": self.in_flight,
             "mean_batch": self.comparisons / self.judge_calls if self.judge_calls else 0.0,
             "judge_seconds": round(self.judge_seconds, 3),
         }
@@ -89,20 +94,37 @@ class ComparisonBatcher:
         judge: the calibrated judge every request shares.
         max_batch_size: comparisons per judge call (a larger request runs alone, unsplit).
         max_wait_ms: how long the first queued request waits for others to join its call.
+        num_threads: torch intra-op threads of the judge thread (0: torch's default).
     """
 
-    def __init__(self, judge: CalibratedJudge, max_batch_size: int = 256, max_wait_ms: float = 5.0):
+    def __init__(
+        self,
+        judge: CalibratedJudge,
+        max_batch_size: int = 256,
+        max_wait_ms: float = 5.0,
+        num_threads: int = 0,
+    ):
         self.judge = judge
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
+        self.num_threads = num_threads
+        self.threads = 0  # what the judge thread runs with, once started
         self.stats = BatchStats()
         self._queue: asyncio.Queue[_Job] | None = None
         self._task: asyncio.Task[None] | None = None
         self._carry: _Job | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="judge", initializer=self._init_thread
+        )
+
+    def _init_thread(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
 
     async def start(self) -> None:
-        """Start the batching task on the running event loop."""
+        """Start the judge thread and the batching task on the running event loop."""
+        loop = asyncio.get_running_loop()
+        self.threads = await loop.run_in_executor(self._executor, torch.get_num_threads)
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._run(), name="judge-batcher")
 
@@ -114,13 +136,7 @@ class ComparisonBatcher:
                 await self._task
         self._executor.shutdown(wait=True)
 
-    async def submit(
-        self,
-        prompts: Sequence[str],
-        a: Sequence[str],
-        b: Sequence[str],
-        references: Sequence[Sequence[str]] | None = None,
-    ) -> Comparison:
+    async def submit(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         """The calibrated comparisons of ``(prompts[i], a[i], b[i])``, judged in a call shared with other
         requests; equal to ``judge.compare(prompts, a, b, references)``.
 
@@ -132,8 +148,12 @@ class ComparisonBatcher:
             [tuple(r) for r in references] if references is not None else [()] * len(prompts)
         )
         future: asyncio.Future[Comparison] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Job(list(prompts), list(a), list(b), refs, future))
-        return await future
+        self.stats.in_flight += 1
+        try:
+            await self._queue.put(_Job(list(prompts), list(a), list(b), refs, future))
+            return await future
+        finally:
+            self.stats.in_flight -= 1
 
     async def _next(self, timeout: float | None) -> _Job | None:
         assert self._queue is not None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from judgeloop.config import check_at_least
+from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
 
 
@@ -19,7 +20,10 @@ class ServerConfig:
     no token. ``max_batch_size`` / ``max_wait_ms``: concurrent requests are merged into one judge call of
     up to ``max_batch_size`` comparisons, waiting at most ``max_wait_ms`` after the first for others
     (1 / 0: every request is its own judge call). ``drain_timeout_s``: on SIGTERM, how long in-flight
-    requests may take to finish."""
+    requests may take to finish. ``num_threads``: torch's intra-op threads for the judge (0: torch's
+    default, one per physical core); on a machine whose cores other jobs share, set 1: with more
+    threads than free cores every parallel op waits for a descheduled thread (4x slower for SmolLM2 on
+    the shared 2-core machine, ``docs/serving.md``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -30,6 +34,7 @@ class ServerConfig:
     max_chars_per_text: int = 50_000
     max_body_bytes: int = 32 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    num_threads: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
@@ -40,6 +45,7 @@ class ServerConfig:
         check_at_least("server", self, "max_chars_per_text", 1)
         check_at_least("server", self, "max_body_bytes", 1024)
         check_at_least("server", self, "drain_timeout_s", 0)
+        check_at_least("server", self, "num_threads", 0, " (0: torch's default)")
 
 
 @dataclass
@@ -77,11 +83,7 @@ class ServeConfig:
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
 
     def __post_init__(self) -> None:
-        if not self.judge_path:
-            raise ValueError(
-                "judge_path is empty; set judge_path=DIR, a folder written by judgeloop calibrate "
-                "(OUTPUT_DIR/calibrated_judge/<method>)"
-            )
+        check_judge_path(self.judge_path, on_disk=False)
         if self.rewards.scheme == "anchor" and self.openrlhf.source == "label":
             raise ValueError(
                 "rewards.scheme=anchor uses the OpenRLHF label as the anchor, so openrlhf.source=label cannot "

@@ -1,18 +1,25 @@
 """Groupwise rewards served: :func:`judgeloop.rewards.score_groups` with its one judge call sent through
 the cross-request batcher, and :class:`PromptGroups`, which gathers the completions of one prompt that
 arrive in separate requests (OpenRLHF posts each sample alone) into one group.
+
+With ``empty_loses`` (the OpenRLHF route, where a refused sample stops the training run) an empty
+completion is not sent to the judge: a comparison of it against a non-empty text has p = 0 (it loses),
+two empty ones tie (p = 0.5), so the aggregate ranks it last (win rate 0.0; the lowest Bradley-Terry
+strength of its group). The ``/v1/*`` routes refuse empty texts instead (422).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from judgeloop.judges.calibrated import Comparison
+from judgeloop.judges.calibrated import Comparison, References, Texts
 from judgeloop.logging import get_logger
 from judgeloop.rewards import Group, GroupScores, score_groups
 from judgeloop.serving.batcher import ComparisonBatcher
@@ -20,32 +27,62 @@ from judgeloop.serving.batcher import ComparisonBatcher
 logger = get_logger(__name__)
 
 
+def is_empty(text: str) -> bool:
+    """Whether a completion has no text to judge (nothing but whitespace)."""
+    return not text.strip()
+
+
 class _BatchedJudge:
     """What :func:`score_groups` needs of a judge (``pairwise``, ``debiases``, ``compare``), with
-    ``compare`` handed to the batcher on the server's event loop; called from a worker thread."""
+    ``compare`` handed to the batcher on the server's event loop; called from a worker thread. With
+    ``empty_loses`` the comparisons with an empty side are answered here (module docstring)."""
 
-    def __init__(self, batcher: ComparisonBatcher, loop: asyncio.AbstractEventLoop):
-        self.batcher, self.loop = batcher, loop
+    def __init__(
+        self, batcher: ComparisonBatcher, loop: asyncio.AbstractEventLoop, empty_loses: bool = False
+    ):
+        self.batcher, self.loop, self.empty_loses = batcher, loop, empty_loses
         self.pairwise = batcher.judge.pairwise
         self.debiases = batcher.judge.debiases
 
-    def compare(
+    def compare(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
+        empty = [is_empty(x) or is_empty(y) for x, y in zip(a, b)] if self.empty_loses else []
+        if not any(empty):
+            return self._submit(prompts, a, b, references)
+        n = len(a)
+        p, logit = np.full(n, np.nan), np.full(n, np.nan)
+        status = ["ok"] * n  # an empty side decides the comparison: a valid outcome, not a judgement
+        for i in range(n):
+            if empty[i]:
+                ea, eb = is_empty(a[i]), is_empty(b[i])
+                p[i] = 0.5 if ea == eb else (0.0 if ea else 1.0)
+                logit[i] = 0.0 if ea == eb else (-math.inf if ea else math.inf)  # raw p: sigmoid(logit)
+        keep = [i for i in range(n) if not empty[i]]
+        if keep:
+            refs = [references[i] for i in keep] if references is not None else None
+            out = self._submit([prompts[i] for i in keep], [a[i] for i in keep], [b[i] for i in keep], refs)
+            p[keep], logit[keep] = out.p, out.logit
+            for i, st in zip(keep, out.status):
+                status[i] = st
+        return Comparison(p=p, logit=logit, status=status, forward=logit.copy())
+
+    def _submit(
         self,
         prompts: Sequence[str],
         a: Sequence[str],
         b: Sequence[str],
-        references: Sequence[Sequence[str]] | None = None,
+        references: Sequence[Sequence[str]] | None,
     ) -> Comparison:
         coro = self.batcher.submit(prompts, a, b, references)
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
 
 async def served_group_scores(
-    batcher: ComparisonBatcher, groups: Sequence[Group], settings: dict[str, Any]
+    batcher: ComparisonBatcher, groups: Sequence[Group], settings: dict[str, Any], empty_loses: bool = False
 ) -> GroupScores:
     """:func:`judgeloop.rewards.score_groups` of ``groups`` (``settings``: scheme, aggregate, m, prior,
-    probability), its judge call merged with other requests'. Equal to scoring them in process."""
-    judge = _BatchedJudge(batcher, asyncio.get_running_loop())
+    probability), its judge call merged with other requests'. Equal to scoring them in process; with
+    ``empty_loses``, an empty completion loses to every non-empty text (module docstring)."""
+    judge = _BatchedJudge(batcher, asyncio.get_running_loop(), empty_loses)
     return await run_in_threadpool(score_groups, judge, list(groups), **settings)
 
 
@@ -64,15 +101,28 @@ class PromptGroups:
     :meth:`reward` waits until ``group_size`` completions of its (source, anchor) arrived, or
     ``wait_s`` passed since the first (a short group is scored as it is, and counted in
     ``partial_groups``), then scores the group with :func:`served_group_scores` and answers every
-    waiting caller with its own completion's reward (``None``: no valid comparison).
+    waiting caller with its own completion's reward (``None``: no valid comparison). Once
+    :meth:`drain` is called (the server is stopping) every open group is scored at once, and so is each
+    completion that arrives after, so no caller waits out ``wait_s`` while the server drains.
     """
 
-    def __init__(self, batcher: ComparisonBatcher, settings: dict[str, Any], group_size: int, wait_s: float):
+    def __init__(
+        self,
+        batcher: ComparisonBatcher,
+        settings: dict[str, Any],
+        group_size: int,
+        wait_s: float,
+        empty_loses: bool = False,
+    ):
         self.batcher, self.settings = batcher, settings
         self.group_size, self.wait_s = group_size, wait_s
+        self.empty_loses = empty_loses
         self._open: dict[tuple[str, str | None], _Pending] = {}
         self.groups = 0
         self.partial_groups = 0
+        self.empty_completions = 0  # counted by the route that sends them
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()  # the scoring tasks running (a reference keeps them)
 
     async def reward(self, source: str, completion: str, anchor: str | None = None) -> float | None:
         key = (source, anchor)
@@ -84,33 +134,47 @@ class PromptGroups:
         future: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
         pending.completions.append(completion)
         pending.futures.append(future)
-        if len(pending.completions) >= self.group_size:
-            self._close(key, pending, False)
+        if len(pending.completions) >= self.group_size or self.draining:
+            self._close(key, pending, self.draining and len(pending.completions) < self.group_size)
         return await future
 
-    def _close(self, key: tuple[str, str | None], pending: _Pending, timed_out: bool) -> None:
+    @property
+    def open_groups(self) -> int:
+        """Groups still waiting for completions."""
+        return len(self._open)
+
+    def drain(self) -> None:
+        """Score every open group now (short ones as they are) and every later completion at once."""
+        self.draining = True
+        for key, pending in list(self._open.items()):
+            self._close(key, pending, True)
+
+    def _close(self, key: tuple[str, str | None], pending: _Pending, short: bool) -> None:
         if self._open.get(key) is not pending:
             return  # already closed
         del self._open[key]
         if pending.timer is not None:
             pending.timer.cancel()
         self.groups += 1
-        if timed_out:
+        if short:
             self.partial_groups += 1
-            logger.warning(
-                "a group closed after %.0f s with %d of %d completions (openrlhf.n_samples_per_prompt=%d should "
-                "equal the trainer's --rollout.n_samples_per_prompt)",
-                self.wait_s,
-                len(pending.completions),
-                self.group_size,
-                self.group_size,
-            )
-        asyncio.get_running_loop().create_task(self._score(pending))
+            if not self.draining:
+                logger.warning(
+                    "a group closed after %.0f s with %d of %d completions (openrlhf.n_samples_per_prompt=%d "
+                    "should equal the trainer's --rollout.n_samples_per_prompt)",
+                    self.wait_s,
+                    len(pending.completions),
+                    self.group_size,
+                    self.group_size,
+                )
+        task = asyncio.get_running_loop().create_task(self._score(pending))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _score(self, pending: _Pending) -> None:
         group = Group(pending.source, pending.completions, pending.anchor)
         try:
-            scores = await served_group_scores(self.batcher, [group], self.settings)
+            scores = await served_group_scores(self.batcher, [group], self.settings, self.empty_loses)
         except Exception as err:
             for f in pending.futures:
                 if not f.done():
@@ -121,4 +185,4 @@ class PromptGroups:
                 f.set_result(r)
 
 
-__all__ = ["PromptGroups", "served_group_scores"]
+__all__ = ["PromptGroups", "is_empty", "served_group_scores"]

@@ -381,6 +381,18 @@ def _pairs(res: dict[str, Any]) -> str:
     return f"{d.get('n', 0)} ({d.get('n_seeds', 0)} seeds)"
 
 
+def _delta_table(by_arm: dict[str, Any], paired: bool) -> list[str]:
+    """A markdown table of each arm's deltas (DELTA_TABLE); against the baseline (``paired``) it also gives
+    the pairs used and the minimum detectable differences."""
+    head = "| arm | pairs | " if paired else "| arm | "
+    lines = [head + " | ".join(DELTA_TABLE) + " |", "|" + "---|" * (1 + paired + len(DELTA_TABLE))]
+    for arm, res in by_arm.items():
+        cells = [arm, _pairs(res)] if paired else [arm]
+        cells += [_fmt_delta(res[m], mdd=paired) for m in DELTA_TABLE]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def opening_lines(results: dict[str, Any]) -> list[str]:
     """What ``results.md`` says before the premise: a reversed judge, then the jobs the grid lacks."""
     lines: list[str] = []
@@ -444,26 +456,14 @@ def results_table(results: dict[str, Any]) -> str:
             "Arm minus baseline per (seed, article), mean [95% interval] (minimum detectable difference at "
             "80% power); bold when the interval excludes 0.",
             "",
-            "| arm | pairs | " + " | ".join(DELTA_TABLE) + " |",
-            "|---|---|" + "---|" * len(DELTA_TABLE),
+            *_delta_table(results["paired"], paired=True),
         ]
-        for arm, res in results["paired"].items():
-            lines.append(
-                f"| {arm} | {_pairs(res)} | " + " | ".join(_fmt_delta(res[m]) for m in DELTA_TABLE) + " |"
-            )
-        lines.append("")
     if results["vs_start"]:
         lines += [
             "## Change from the starting policy (each arm, paired)",
             "",
-            "| arm | " + " | ".join(DELTA_TABLE) + " |",
-            "|---|" + "---|" * len(DELTA_TABLE),
+            *_delta_table(results["vs_start"], paired=False),
         ]
-        for arm, res in results["vs_start"].items():
-            lines.append(
-                f"| {arm} | " + " | ".join(_fmt_delta(res[m], mdd=False) for m in DELTA_TABLE) + " |"
-            )
-        lines.append("")
     lines += [
         "## Absolute values",
         "",

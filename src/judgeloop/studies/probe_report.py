@@ -1,6 +1,6 @@
 """``report.md`` of ``judgeloop probe-judge``: the answer first (attacks x judges, final success rates),
 one line per judge on what fooled it and what debiasing and calibration did, then each judge's stages
-and the detectors' rates. Everything here reads the report dict of :func:`judgeloop.calibration.probe.probe`.
+and the detectors' rates. Everything here reads the report dict of :func:`judgeloop.studies.judge_probe.probe`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from judgeloop.calibration.health import health_lines
-from judgeloop.calibration.probe import STAGES, ci_key
+from judgeloop.studies.judge_probe import STAGES, ci_key
 from judgeloop.text import fmt_number
 
 

@@ -17,11 +17,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import check_at_least, check_choices, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, RetrievalDataConfig, load_retrieval_data, retrieve_dense
-from judgeloop.retrieval.encoder import BiEncoder
 from judgeloop.retrieval.gate import (
     SIGNALS,
     GateInputs,
@@ -63,9 +62,7 @@ class GateSection:
     def __post_init__(self) -> None:
         from judgeloop.retrieval.gate import SIGNALS
 
-        unknown = [s for s in self.signals if s not in SIGNALS]
-        if unknown or not self.signals:
-            raise ValueError(f"gate.signals has unknown signal(s) {unknown}; choose from {sorted(SIGNALS)}")
+        check_choices("gate.signals", self.signals, sorted(SIGNALS))
         check_at_least("gate", self, "window_k", 2, " (top_gap needs two results)")
 
 
@@ -107,7 +104,7 @@ def gate_signals(cfg: GateConfig, beir: Any, rq: Any) -> tuple[dict[str, np.ndar
         inputs.dense2_ids = rq2.indices
         # the per-query cost: encode the queries with the second encoder and search its index (model loaded)
         e = cfg.second_encoder
-        enc = BiEncoder.from_pretrained(e.name, pooling=e.pooling, normalize=True, max_length=e.max_length)
+        enc = e.load()
         t0 = time.perf_counter()
         enc.encode(rq.query_texts, batch_size=e.batch_size, is_query=True)
         timing["dense_agreement"] = (time.perf_counter() - t0) / len(rq.query_ids)

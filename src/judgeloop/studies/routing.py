@@ -20,7 +20,7 @@ import numpy as np
 from judgeloop.config import check_at_least, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
-from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_cached, encode_texts
+from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_with
 from judgeloop.text import fmt_number
 
 logger = get_logger(__name__)
@@ -112,9 +112,9 @@ def retrieve_passages(
         _, idx = bm25_topk(index, questions, k)
         return idx.tolist(), (time.perf_counter() - t0) / len(questions)
     e = r.encoder
-    pool_emb = encode_cached(e.name, pool, cfg.cache_dir, e.pooling, e.max_length, e.batch_size)
-    t0 = time.perf_counter()
-    q_emb = encode_texts(e.name, questions, e.pooling, e.max_length, e.batch_size, is_query=True)
+    pool_emb = encode_with(e, pool, cfg.cache_dir, e.batch_size)
+    t0 = time.perf_counter()  # the per-question cost: load the encoder, encode the questions, search
+    q_emb = encode_with(e, questions, None, e.batch_size, is_query=True)
     _, idx = dense_topk(q_emb, pool_emb, k)
     return idx.tolist(), (time.perf_counter() - t0) / len(questions)
 

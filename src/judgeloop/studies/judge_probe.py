@@ -19,12 +19,11 @@ on the same calibration-split pairs. A failed judgement (an empty summary the ju
 an input that cannot fit) is no success and is counted in ``n_failed``. Rates carry Wilson intervals;
 each attack's lift over the ``control`` row (the weak base alone) carries a paired bootstrap interval
 over articles. :func:`probe` returns the report and the per-pair rows;
-:func:`judgeloop.calibration.probe_report.render_markdown` writes ``report.md`` from the report.
+:func:`judgeloop.studies.probe_report.render_markdown` writes ``report.md`` from the report.
 """
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -36,10 +35,9 @@ from scipy.special import expit
 
 from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator
 from judgeloop.calibration.health import judge_health
-from judgeloop.calibration.lab import CalibratorOptions, build_calibrator
 from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs, pair_features
 from judgeloop.calibration.metrics import auc
-from judgeloop.config import ConfigError
+from judgeloop.config import ConfigError, check_choices
 from judgeloop.data import DataConfig, SplitConfig, SummExample, load_examples, split_examples
 from judgeloop.data.summarization import Candidate
 from judgeloop.intervals import wilson_interval
@@ -55,6 +53,7 @@ from judgeloop.judges.hacking import (
     hack_rates,
 )
 from judgeloop.logging import get_logger
+from judgeloop.studies.calibration_lab import CalibratorOptions, build_calibrator
 
 logger = get_logger(__name__)
 
@@ -135,13 +134,7 @@ class ProbeConfig:
     output_dir: str = "runs/probe"
 
     def __post_init__(self) -> None:
-        unknown = [a for a in self.attacks if a not in ATTACKS]
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], ATTACKS, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ValueError(f"attacks has unknown attack(s) {unknown}{hint}; choose from {list(ATTACKS)}")
-        if len(set(self.attacks)) != len(self.attacks):
-            raise ValueError(f"attacks={self.attacks} lists an attack twice; list each once")
+        check_choices("attacks", self.attacks, ATTACKS)
         if "control" not in self.attacks:
             raise ValueError(
                 "attacks has no 'control' (the weak base alone), the row each attack's effect is read "
@@ -269,14 +262,14 @@ def _refs(judge: Judge, references: tuple[str, ...], extractive: tuple[str, ...]
 
 def check_models(cfg: ProbeConfig) -> None:
     """Every judge's model resolves and its device is there, before any data or weights load."""
-    from judgeloop.judges.tokens import resolve_device
+    from judgeloop.devices import resolve_device
     from judgeloop.models import check_model
 
     try:
         for name, jc in cfg.active_judges.items():
-            resolve_device(jc.device)
+            resolve_device(jc.device, f"judges.{name}.device")
             for key, model, device in models_of(jc, f"judges.{name}"):
-                resolve_device(device)
+                resolve_device(device, key.removesuffix(".model") + ".device")
                 check_model(model, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
