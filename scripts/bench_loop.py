@@ -39,6 +39,22 @@ ratios. ``--size dry`` builds the same architectures at a toy width, to check th
     .venv/bin/python scripts/bench_loop.py --device cpu --size dry --steps 2 --repeats 1
     python scripts/bench_loop.py --device cuda --size real --steps 6 --repeats 1 --batch-size 8 \
         --max-new-tokens 64 --precision bf16 --json runs/bench_loop_gpu.json
+
+``--generation-backend vllm`` compares our loop with itself instead: the same run of the config (default:
+the quickstart) with ``generation.backend: vllm`` against ``hf`` (``model.generate``), at float32 and
+bfloat16 (``policy.dtype=bfloat16``: the LoRA base, the engine's weights and both backends' decoding in
+bf16). Each side keeps its own defaults: ``hf`` reuses the rollout's prompt pass in the update, ``vllm``
+cannot (``optim.share_prompt_pass`` is off with it). It times every step after the first: the rollout,
+the weight sync (vLLM: merged weights written and reloaded once per optimizer step), the judging and the
+update, and the evaluation passes of the demo (``num_eval_articles`` test and ``num_validation_articles``
+validation articles, greedy, ``eval_batch_size`` at a time) every ``--eval-every`` steps; and vLLM's
+start-up and its server's memory. The four arms (2 backends x 2 precisions) run in fresh processes,
+alternating, in reverse order every other repeat; the machine's load average is recorded before and
+after each. The work before step 1 (reference summaries, step-0 evaluation) is shared between an arm's
+repeats through a start cache, as an ablation's runs share it. It needs the vLLM environment (``make vllm``, or ``--set generation.vllm.python=...``):
+
+    .venv/bin/python scripts/bench_loop.py --generation-backend vllm --steps 3 --repeats 2 \
+        --json runs/bench_vllm.json
 """
 
 from __future__ import annotations
@@ -53,9 +69,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "feedback_loop" / "tiny.yaml"
+QUICKSTART = ROOT / "configs" / "feedback_loop" / "quickstart.yaml"
 
 
 def _cfg(args: argparse.Namespace):
@@ -180,6 +198,9 @@ def worker_ours(args: argparse.Namespace) -> dict:
 
     @contextlib.contextmanager
     def phase(name: str):
+        if name not in phases:  # the evaluation phase: off here (eval_every_n_steps=0)
+            yield
+            return
         _sync()
         t0 = time.perf_counter()
         yield
@@ -398,6 +419,216 @@ def worker_peer_grpo(args: argparse.Namespace) -> dict:
             "peak_gpu_mb": _gpu_peak_mb()}  # fmt: skip
 
 
+def worker_backend(args: argparse.Namespace) -> dict:
+    """One run of the config on ``--backend`` at ``--dtype``: the recipe's ``train`` timed through its
+    ``phase`` hook, each weight sync timed inside the phase it ran in (and taken out of it), vLLM's
+    start-up and its server's resident memory (every process of its group) read before it ends."""
+    import contextlib
+
+    from judgeloop.config import load_config
+    from judgeloop.loop import vllm_backend
+    from judgeloop.loop.config import FeedbackLoopConfig
+    from judgeloop.recipes import train
+
+    load = [os.getloadavg()]
+    steps: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+    current: dict[str, float] = {}
+    now: dict[str, Any] = {"phase": None, "sync": 0.0, "updates": 0}
+    found: dict[str, Any] = {}
+
+    syncs: list[float] = []  # one per optimizer step, in the next rollout or evaluation (taken out of it)
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        now["phase"], now["sync"] = name, 0.0
+        t0 = time.perf_counter()
+        yield
+        spent, synced = time.perf_counter() - t0, now["sync"]
+        now["phase"] = None
+        timed = now["updates"] > 1  # every step after the first, and its evaluation
+        if name == "evaluate":
+            if timed and now["updates"] % args.eval_every == 0:
+                evals.append({"evaluate": spent - synced})
+        else:
+            current[name] = spent - synced
+        if synced and (timed or (name == "rollout" and now["updates"] == 1)):
+            syncs.append(synced)  # the second step's rollout syncs the first step's update
+        if name == "update":
+            now["updates"] += 1
+            if now["updates"] > 1:  # the first step is warm-up
+                steps.append(dict(current))
+            current.clear()
+
+    def timed_sync(self: Any, model: Any, force: bool = False) -> bool:
+        t0 = time.perf_counter()
+        synced = sync(self, model, force)
+        if synced and now["phase"] is not None:
+            now["sync"] += time.perf_counter() - t0
+        return synced
+
+    def timed_start(self: Any, *a: Any, **k: Any) -> None:
+        t0 = time.perf_counter()
+        start(self, *a, **k)
+        found["startup_s"], found["server"] = time.perf_counter() - t0, self
+
+    def timed_close(self: Any) -> None:
+        found["server_rss_mb"] = _group_rss_mb(self.proc.pid)
+        close(self)
+
+    sync, start, close = (
+        vllm_backend.VllmEngine.sync,
+        vllm_backend.VllmServer.__init__,
+        vllm_backend.VllmServer.close,
+    )
+    vllm_backend.VllmEngine.sync = timed_sync  # type: ignore[method-assign]
+    vllm_backend.VllmServer.__init__ = timed_start  # type: ignore[method-assign]
+    vllm_backend.VllmServer.close = timed_close  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as out:
+        overrides = [
+            f"output_dir={out}", f"max_steps={args.steps + 1}", f"eval_every_n_steps={args.eval_every}",
+            "save_every_n_steps=0", "save_final_policy=false", "calibration.method=raw",
+            "calibration.recalibrate_every_n_steps=0", "calibration.num_articles=2",
+            "calibration.pairs_per_article=1", "calibration.extra_rounds=0", "early_stopping_patience=0",
+            f"batch_size={args.batch_size}", f"generation.backend={args.backend}", "log_with=[jsonl]",
+            "progress_bar=false", f"device={args.device}", f"judge.device={args.device}",
+        ]  # fmt: skip
+        if args.max_new_tokens is not None:
+            overrides.append(f"generation.max_new_tokens={args.max_new_tokens}")
+        if args.dtype == "bfloat16":
+            overrides.append("policy.dtype=bfloat16")
+        cfg = load_config(FeedbackLoopConfig, args.config, [*overrides, *args.set])
+        t0 = time.perf_counter()
+        train(cfg, phase=phase)
+        wall = time.perf_counter() - t0
+    load.append(os.getloadavg())
+    found.pop("server", None)
+    return {
+        "steps": steps,
+        "syncs": syncs,
+        "evals": evals,
+        "wall_s": wall,
+        "peak_rss_mb": _peak_rss_mb(),
+        "load": load,
+        **found,
+    }
+
+
+def _group_rss_mb(pgid: int) -> float:
+    """The resident memory of every process in process group ``pgid`` (a server and its workers), in MB."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            status = (proc / "status").read_text()
+        except (OSError, ProcessLookupError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024.0
+
+
+def bench_backends(args: argparse.Namespace) -> int:
+    """``--generation-backend vllm``: the arms in fresh processes, alternating; medians and ratios."""
+    med = statistics.median
+    arms = [(d, b) for d in args.dtypes for b in ("hf", "vllm")]
+    env = dict(
+        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), TOKENIZERS_PARALLELISM="false"
+    )
+    runs: dict[str, list[dict]] = {f"{d}/{b}": [] for d, b in arms}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for dtype, backend in arms if r % 2 == 0 else arms[::-1]:
+                out = Path(tmp) / f"{dtype}-{backend}-{r}.json"
+                cmd = [sys.executable, __file__, "--worker", "backend", "--out", str(out), "--backend", backend,
+                       "--dtype", dtype, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+                       "--batch-size", str(args.batch_size), "--config", args.config, "--device", args.device,
+                       f"--set=start_cache={Path(tmp) / 'start'}", *[f"--set={kv}" for kv in args.set]]  # fmt: skip
+                if args.max_new_tokens is not None:
+                    cmd += ["--max-new-tokens", str(args.max_new_tokens)]
+                subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+                res = json.loads(out.read_text())
+                runs[f"{dtype}/{backend}"].append(res)
+                if (
+                    args.json
+                ):  # kept as it comes: a long run on a busy machine loses nothing to a late failure
+                    Path(f"{args.json}.runs").write_text(json.dumps(runs))
+                step = med([sum(s.values()) for s in res["steps"]]) + (
+                    med(res["syncs"]) if res["syncs"] else 0
+                )
+                print(f"{dtype} {backend} repeat {r}: median step {step:.2f} s (load {res['load'][0][0]:.1f} -> "
+                      f"{res['load'][-1][0]:.1f})", flush=True)  # fmt: skip
+    return report_backends(args, runs, env["OMP_NUM_THREADS"])
+
+
+def report_backends(args: argparse.Namespace, runs: dict[str, list[dict]], threads: str) -> int:
+    """The medians, the ratios and the load of ``bench_backends``' runs: printed, and to ``--json``."""
+    med = statistics.median
+    arms = [(d, b) for d in args.dtypes for b in ("hf", "vllm")]
+    table: dict[str, dict[str, Any]] = {}
+    for dtype, backend in arms:
+        rs = runs[f"{dtype}/{backend}"]
+        all_steps = [s for r in rs for s in r["steps"]]
+        all_evals = [e for r in rs for e in r["evals"]]
+        all_syncs = [x for r in rs for x in r["syncs"]]
+        sync_s = med(all_syncs) if all_syncs else 0.0
+        row = {
+            # the step: rollout, judging, update, and (vLLM) the one weight sync each optimizer step needs
+            "step_s": med([sum(s.values()) for s in all_steps]) + sync_s,
+            **{f"{k}_s": med([s[k] for s in all_steps]) for k in ("rollout", "judge", "update")},
+            "sync_s": sync_s,
+            "syncs_timed": len(all_syncs),
+            "evaluate_s": med([e["evaluate"] for e in all_evals]) if all_evals else None,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+            "steps_timed": len(all_steps),
+            "evals_timed": len(all_evals),
+        }
+        if backend == "vllm":
+            row["startup_s"] = med([r["startup_s"] for r in rs])
+            row["server_rss_mb"] = max(r["server_rss_mb"] for r in rs)
+        table[f"{dtype}/{backend}"] = row
+    loads = [la for rs in runs.values() for r in rs for la in r["load"]]
+    ratios = {}
+    for dtype in args.dtypes:
+        hf, vl = table[f"{dtype}/hf"], table[f"{dtype}/vllm"]
+        ratios[dtype] = {
+            "step": hf["step_s"] / vl["step_s"],
+            "rollout": hf["rollout_s"] / (vl["rollout_s"] + vl["sync_s"]),
+            "evaluate": hf["evaluate_s"] / vl["evaluate_s"]
+            if hf["evaluate_s"] and vl["evaluate_s"]
+            else None,
+        }
+    print(f"\n{args.config}, batch {args.batch_size}, {args.steps} timed steps x {args.repeats} repeats, evaluation every "
+          f"{args.eval_every} steps; 1-min load average {min(x[0] for x in loads):.1f}-{max(x[0] for x in loads):.1f} "
+          f"on {os.cpu_count()} cores, OMP_NUM_THREADS={threads}; {time.strftime('%Y-%m-%d')}; medians")  # fmt: skip
+    cols = ("step_s", "rollout_s", "sync_s", "judge_s", "update_s", "evaluate_s", "peak_rss_mb")
+    print(f"{'arm':16}" + "".join(f"{c:>13}" for c in cols) + f"{'start-up s':>12}{'server MB':>11}")
+    for arm, row in table.items():
+        cells = "".join(f"{row[c]:13.2f}" if row[c] is not None else f"{'-':>13}" for c in cols)
+        extra = f"{row['startup_s']:12.0f}{row['server_rss_mb']:11.0f}" if "startup_s" in row else ""
+        print(f"{arm:16}{cells}{extra}")
+    for dtype, rt in ratios.items():
+        ev = f"{rt['evaluate']:.2f}x" if rt["evaluate"] else "-"
+        print(f"{dtype}: hf / vLLM time, whole step {rt['step']:.2f}x, rollout (vLLM's with its sync) "
+              f"{rt['rollout']:.2f}x, evaluation passes {ev}")  # fmt: skip
+    if args.json:
+        from judgeloop.io import atomic_write_json
+
+        atomic_write_json(args.json, {
+            "arms": table, "ratio_hf_over_vllm": ratios, "runs": runs, "load_averages": loads,
+            "settings": {"config": args.config, "steps": args.steps, "repeats": args.repeats,
+                         "eval_every": args.eval_every, "batch_size": args.batch_size,
+                         "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes, "overrides": args.set,
+                         "cpu_count": os.cpu_count(), "omp_num_threads": threads,
+                         "date": time.strftime("%Y-%m-%d %H:%M")},
+        })  # fmt: skip
+    return 0
+
+
 def summarize(runs: list[dict], batch_size: int, max_new_tokens: int, samples: int = 2) -> dict:
     med = statistics.median([t for r in runs for t in r["step_times"]])
     gpu = [r["peak_gpu_mb"] for r in runs if r.get("peak_gpu_mb")]
@@ -419,7 +650,11 @@ def summarize(runs: list[dict], batch_size: int, max_new_tokens: int, samples: i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(CONFIG), help="feedback-loop config (default: the tiny one)")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="feedback-loop config (default: the tiny one; the quickstart under --generation-backend)",
+    )
     ap.add_argument(
         "--set",
         action="append",
@@ -430,7 +665,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default 16 (--generation-backend: the config's)"
+    )
+    ap.add_argument(
+        "--generation-backend",
+        choices=["vllm"],
+        default=None,
+        help="compare our loop on this backend with itself on hf (model.generate) instead of with TRL",
+    )
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="--generation-backend")
+    ap.add_argument(
+        "--eval-every", type=int, default=2, help="--generation-backend: evaluation every n steps"
+    )
+    ap.add_argument("--backend", choices=["hf", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help="write {ours, peer, ratio} here")
     ap.add_argument(
         "--prefetch",
@@ -459,14 +708,21 @@ def main() -> int:
         help="dpo: ours (hard targets) vs TRL's online DPO; grpo: ours (loss.type=grpo) vs TRL's GRPOTrainer",
     )
     ap.add_argument("--num-generations", type=int, default=4, help="grpo: samples per prompt (k)")
-    ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["ours", "peer", "backend"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    backends = args.generation_backend is not None or args.worker == "backend"
+    if args.config is None:
+        args.config = str(QUICKSTART if backends else CONFIG)
+    if args.max_new_tokens is None and not backends:
+        args.max_new_tokens = 16
     if args.worker:
         peer = worker_peer_grpo if args.objective == "grpo" else worker_peer
-        res = worker_ours(args) if args.worker == "ours" else peer(args)
-        Path(args.out).write_text(json.dumps(res))
+        workers = {"ours": worker_ours, "peer": peer, "backend": worker_backend}
+        Path(args.out).write_text(json.dumps(workers[args.worker](args)))
         return 0
+    if args.generation_backend is not None:
+        return bench_backends(args)
     env = dict(
         os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), TOKENIZERS_PARALLELISM="false"
     )

@@ -63,6 +63,8 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
         "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp / 'labeled'}",
     ]  # fmt: skip
     pair = {"prompt": "an article", "chosen": "a summary", "rejected": "another"}
+    vllm = ["train", "--config", TINY, f"output_dir={tmp / 'vllm'}", "generation.backend=vllm",
+            "policy.model=judgeloop-tiny/causal-lm-h32"]  # fmt: skip
 
     def saved_judge() -> Path:
         """A calibrated judge that needs no model: the objective length signal, raw."""
@@ -243,6 +245,21 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "output_dir is a file",
             lambda: ["train", "--config", TINY, f"output_dir={write('a_file', 'x')}"],
             "is a file",
+        ),
+        (
+            "generation.backend=vllm with a python that is not there",
+            lambda: [*vllm, "generation.vllm.python=/no/such/python"],
+            "generation.vllm.python='/no/such/python' is not a file",
+        ),
+        (
+            "generation.backend=vllm at a URL nothing answers",
+            lambda: [*vllm, "generation.vllm.url=http://127.0.0.1:9"],
+            "generation.vllm.url='http://127.0.0.1:9' does not answer",
+        ),
+        (
+            "generation.backend=vllm on the tiny policy (heads of 16) on a CPU",
+            lambda: [*vllm[:-1], "policy.model=judgeloop-tiny/causal-lm"],
+            "has attention heads of size 16",
         ),
         (
             "output_path is a folder (mine-negatives)",

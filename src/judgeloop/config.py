@@ -297,7 +297,7 @@ def load_config(
 
 
 # config keys that name places a command writes: a folder, or a file
-OUTPUT_DIR_KEYS = ("output_dir", "cache_dir", "start_cache")
+OUTPUT_DIR_KEYS = ("output_dir", "cache_dir", "start_cache", "sync_dir")
 OUTPUT_FILE_KEYS = ("output_path",)
 
 

@@ -49,20 +49,51 @@ def save_policy(path: str | Path, accelerator: Any, model: Any) -> None:
 
 
 def export_policy(
-    path: str | Path, accelerator: Any, model: Any, tokenizer: Any, calibrator_state: dict[str, Any]
+    path: str | Path,
+    accelerator: Any,
+    model: Any,
+    tokenizer: Any,
+    calibrator_state: dict[str, Any],
+    base_model: str | None = None,
+    card: str | None = None,
+    config_yaml: str | None = None,
 ) -> None:
     """The trained policy in the ``transformers`` / ``peft`` layout (``from_pretrained`` loads it: the
-    LoRA adapters under LoRA, the full model otherwise), its tokenizer, and the final calibrator.
+    LoRA adapters under LoRA, the full model otherwise, its tied embedding stored once as
+    ``model.embed_tokens.weight`` as ``save_pretrained`` does), its tokenizer, and the final calibrator.
     Call it on every process: the full weights are gathered first (every shard, under FSDP / ZeRO-3),
-    then the main process writes them atomically."""
-    state = gathered_state_dict(_policy_module(accelerator, model))
+    then the main process writes them atomically.
+
+    ``base_model``: the configured model id (``policy.model``), written as the adapters'
+    ``base_model_name_or_path`` instead of the local folder the weights were read from, so the adapters
+    load on another machine and on the Hub. ``card``: the folder's ``README.md`` (the model card of
+    :mod:`judgeloop.loop.model_card`), replacing peft's empty template. ``config_yaml``: the run's config,
+    written as ``training_config.yaml`` (the card's command reruns it).
+    """
+    from judgeloop.models.saving import tied_state_dict
+
+    module = _policy_module(accelerator, model)
+    state = gathered_state_dict(module)
     if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        lora = hasattr(unwrapped, "peft_config")
+        if (
+            state is not None and not lora
+        ):  # gathered copies share no storage: name the tie as transformers does
+            state = tied_state_dict(unwrapped, state)
         with atomic_dir(path) as tmp:
-            accelerator.unwrap_model(model).save_pretrained(
-                str(tmp), state_dict=state, safe_serialization=True
-            )
+            unwrapped.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+            if lora and base_model is not None:  # after saving: peft reads the base's config from its path
+                for adapter_file in tmp.glob("**/adapter_config.json"):
+                    adapter = json.loads(adapter_file.read_text())
+                    adapter["base_model_name_or_path"] = base_model
+                    adapter_file.write_text(json.dumps(adapter, indent=2, sort_keys=True))
             tokenizer.save_pretrained(str(tmp))
             atomic_write_json(tmp / "calibrator.json", calibrator_state)
+            if config_yaml is not None:
+                (tmp / "training_config.yaml").write_text(config_yaml)
+            if card is not None:
+                (tmp / "README.md").write_text(card)
     accelerator.wait_for_everyone()
 
 

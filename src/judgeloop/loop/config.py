@@ -67,6 +67,50 @@ class PolicyConfig:
 
 
 @dataclass
+class VllmConfig:
+    """The vLLM engine of ``generation.backend: vllm`` (:mod:`judgeloop.loop.vllm_backend`, ``docs/vllm.md``).
+
+    ``mode: server`` (TRL's server mode): rollouts and greedy evaluation are requests to vLLM's
+    OpenAI-compatible server, started by judgeloop from the vLLM environment's ``python`` (null:
+    ``$JUDGELOOP_VLLM_PYTHON``, else the ``.venv-vllm`` that ``make vllm`` builds), or already running at
+    ``url`` (judgeloop then starts none). The policy's weights reach the engine through ``sync_dir``
+    (null: a temporary folder, removed after the run; a server at ``url`` must be able to read it): after
+    each optimizer step the policy's weights, LoRA adapters merged in, are written there and the engine
+    reloads them, all of them: vLLM 0.32's in-place reload rebuilds a layer that gets part of its weights
+    from those alone (``model_loader/reload/layerwise.py``; read, not run), so a fused ``qkv_proj`` sent
+    only the q and v that LoRA targeted would lose k. ``mode: colocate`` (vLLM inside the
+    training process) needs vLLM importable in the training environment.
+    ``dtype``: the engine's weights and compute (``auto``: bfloat16 when ``policy.dtype=bfloat16``, else
+    float32, where greedy output equals ``model.generate``'s). ``kv_cache_gib``: the engine's KV cache on
+    a CPU (``VLLM_CPU_KVCACHE_SPACE``); ``max_model_len``: its longest prompt + summary (null: 2048).
+    ``extra_args``: more ``vllm serve`` arguments (e.g. ``--gpu-memory-utilization=0.3`` on a GPU).
+    """
+
+    mode: Literal["server", "colocate"] = "server"
+    python: str | None = None
+    url: str | None = None
+    sync_dir: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    port: int = 0
+    max_model_len: int | None = None
+    kv_cache_gib: int = 1
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"generation.vllm.url={self.url!r} is not an http(s) address; e.g. http://127.0.0.1:8000"
+            )
+        check_range("generation.vllm", self, "port", 0, 65535, "[]", " (0: a free port)")
+        check_at_least("generation.vllm", self, "kv_cache_gib", 1)
+        check_at_least("generation.vllm", self, "startup_timeout_s", 0, strict=True)
+        check_at_least("generation.vllm", self, "request_timeout_s", 0, strict=True)
+        check_at_least("generation.vllm", self, "max_model_len", 16, optional=True)
+
+
+@dataclass
 class GenerationConfig:
     """Sampling for rollouts (two summaries per article; ``num_samples_per_article`` under
     ``loss.type: grpo``, where it is the group size k); evaluation decodes greedily.
@@ -75,6 +119,14 @@ class GenerationConfig:
     weight once per token, and autocast would re-cast each float32 weight at each step (measured on 2 CPU
     cores, quickstart rollout under bf16, alternating, median of 4: 4.43 s with it, 3.10 s without).
     A LoRA base stored in bf16 (``policy.dtype=bfloat16``) decodes in bf16 either way.
+
+    ``backend``: ``hf`` (default) samples with the training model's ``generate``; ``vllm`` sends the
+    policy's rollouts and greedy evaluations to a vLLM engine (``vllm``: :class:`VllmConfig`) holding a
+    copy of its weights, synced after every optimizer step. The KL and the update's log-probs still come
+    from the training model. The sampling settings map one to one (temperature, top_p, top_k, max new
+    tokens, the special tokens other than EOS suppressed), each sample with its own seed derived from
+    the batch's, so a run is reproducible; the random draws are vLLM's, so samples differ from ``hf``'s
+    while greedy output at float32 is the same.
     """
 
     max_new_tokens: int = 24
@@ -83,6 +135,8 @@ class GenerationConfig:
     top_k: int = 0
     autocast: bool = False
     num_samples_per_article: int = 2
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
         check_at_least("generation", self, "max_new_tokens", 1)

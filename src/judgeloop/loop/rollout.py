@@ -167,7 +167,20 @@ def generate(
 
     ``keep_prefix``: a list that receives the :class:`PromptPrefix` of this call (sampling with
     ``num_samples > 1`` only): the prompt prefill runs with gradients and is kept for the update.
+
+    Under ``generation.backend: vllm`` the policy's calls go to its vLLM engine instead
+    (:mod:`judgeloop.loop.vllm_backend`); a frozen reference, or the policy with its adapters disabled,
+    still generates here.
     """
+    from judgeloop.loop.vllm_backend import engine_for
+
+    engine = engine_for(model)
+    if engine is not None:
+        if keep_prefix is not None:
+            raise ValueError(
+                "keep_prefix needs the training model's own prompt pass; vLLM generates elsewhere"
+            )
+        return engine.generate(model, tokenizer, prompts, gen, num_samples, greedy, seed)
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     if seed is not None:
         torch.manual_seed(seed)

@@ -18,6 +18,7 @@ from judgeloop.loop.checkpoint import (
     load_policy_weights,
     save_checkpoint,
 )
+from judgeloop.loop.model_card import policy_card
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.setup import LoopRun
 from judgeloop.loop.state import peek_batch
@@ -174,7 +175,10 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         else {"hits": run.start.cache.hits, "misses": run.start.cache.misses},
     }
     if cfg.save_final_policy:  # every process: under FSDP / ZeRO-3 the weights are gathered
-        export_policy(out_dir / "policy", acc, run.model, run.tokenizer, run.calibrator.state_dict())
+        export_policy(
+            out_dir / "policy", acc, run.model, run.tokenizer, run.calibrator.state_dict(),
+            cfg.policy.model, policy_card(cfg, report, state.per_article), to_yaml(cfg),
+        )  # fmt: skip
     if acc.is_main_process:
         save_calibrated_judge(run)
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)

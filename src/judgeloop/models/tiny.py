@@ -1,6 +1,8 @@
 """Tiny models and a tokenizer built from config, for tests and benchmarks (no download, seconds on CPU).
 
-Names: ``judgeloop-tiny/causal-lm`` (Llama architecture), ``judgeloop-tiny/encoder`` (BERT),
+Names: ``judgeloop-tiny/causal-lm`` (Llama architecture), ``judgeloop-tiny/causal-lm-h32`` (the same
+with 2 attention heads of 32 instead of 4 of 16: vLLM's CPU attention takes head sizes from 32 up, so
+the ``generation.backend: vllm`` tests run on it), ``judgeloop-tiny/encoder`` (BERT),
 ``judgeloop-tiny/reward-model`` (Llama with a scalar sequence-classification head),
 ``judgeloop-tiny/nli`` (BERT with a 3-class head: contradiction, neutral, entailment). The tokenizer
 is a byte-level BPE that this project trains on its own embedded corpus, deterministically.
@@ -13,7 +15,7 @@ import functools
 from typing import Any
 
 TINY_PREFIX = "judgeloop-tiny/"
-TINY_KINDS = ("causal-lm", "encoder", "reward-model", "nli")
+TINY_KINDS = ("causal-lm", "causal-lm-h32", "encoder", "reward-model", "nli")
 
 SPECIAL_TOKENS = [
     "<|pad|>",
@@ -106,11 +108,12 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
             labels = {0: "contradiction", 1: "neutral", 2: "entailment"}
             bert = BertConfig(**dims, max_position_embeddings=512, id2label=labels)
             return BertForSequenceClassification(bert).eval()
+        heads = {"num_attention_heads": 2, "num_key_value_heads": 1} if kind == "causal-lm-h32" else {}
         llama = LlamaConfig(
-            **dims, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+            **{**dims, "num_key_value_heads": 2, **heads}, max_position_embeddings=2048,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
         )  # fmt: skip
-        if kind == "causal-lm":
+        if kind in ("causal-lm", "causal-lm-h32"):
             return LlamaForCausalLM(llama).eval()
         llama.num_labels = 1
         return LlamaForSequenceClassification(llama).eval()
