@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from judgeloop.loop.config import GenerationConfig, PolicyConfig
+from judgeloop.loop.vllm_backend import engine_for
 
 
 class PromptBuilder:
@@ -172,8 +173,6 @@ def generate(
     (:mod:`judgeloop.loop.vllm_backend`); a frozen reference, or the policy with its adapters disabled,
     still generates here.
     """
-    from judgeloop.loop.vllm_backend import engine_for
-
     engine = engine_for(model)
     if engine is not None:
         if keep_prefix is not None:
