@@ -76,9 +76,14 @@ def test_answer_confidence_is_calibrated_and_matches_sklearn_logistic():
         assert abs(y[m].mean() - got[m].mean()) < 0.06
     back = AnswerConfidence(["a", "b"]).load_state_dict(json.loads(json.dumps(model.state_dict())))
     assert np.allclose(back.predict(x), got)
+    # soft targets (an F1 in [0, 1]): the confidence estimates their mean
+    soft = AnswerConfidence(["a", "b"], l2=1e-6).fit({"a": x[:, 0], "b": x[:, 1]}, p)
+    assert np.abs(soft.predict({"a": x[:, 0], "b": x[:, 1]}) - p).max() < 1e-3
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 1\]"):
+        AnswerConfidence(["a"]).fit({"a": x[:, 0]}, 2 * p)
     from judgeloop.calibration import CalibrationError
 
-    with pytest.raises(CalibrationError, match="20 questions with 0 correct answers"):
+    with pytest.raises(CalibrationError, match="20 questions whose targets are all 0.0"):
         AnswerConfidence(["a"]).fit({"a": x[:20, 0]}, np.zeros(20, bool))
     with pytest.raises(ValueError, match=r"features \['b'\] are missing"):
         model.predict({"a": x[:, 0]})
@@ -218,7 +223,7 @@ def test_answer_command_end_to_end_with_a_tiny_reader_whose_answers_are_made_gol
     path = tmp_path / "squad.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     overrides = [f"data.path={path}", "model.name=judgeloop-tiny/causal-lm", "model.max_new_tokens=3",
-                 "retriever.encoder.name=judgeloop-tiny/encoder", "cache_dir=null", "abstain.num_bootstrap=50",
+                 "retriever.encoder.name=judgeloop-tiny/encoder", f"cache_dir={tmp_path / 'cache'}", "abstain.num_bootstrap=50",
                  "abstain.target_risk=0.6", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
     cfg = load_config(AnswerConfig, CONFIG, overrides)
     examples, pool = load_questions(cfg.data)
@@ -256,3 +261,4 @@ def test_answer_command_end_to_end_with_a_tiny_reader_whose_answers_are_made_gol
     again = run(load_config(AnswerConfig, CONFIG, overrides[:-1] + [
         f"abstain.conformal_path={out / 'conformal.json'}", f"output_dir={tmp_path / 'again'}"]))  # fmt: skip
     assert again["conformal"]["loaded"] and again["selective_f1"] == report["selective_f1"]
+    assert len(list((tmp_path / "cache").glob("reader-*.json"))) == 1  # the reader ran once for all three

@@ -9,10 +9,12 @@ mean of the selective risk over every coverage point, lower is better. Here the 
 ``1 - F1`` (SQuAD token F1; any answer to an unanswerable question has F1 0), so the selective F1 at
 coverage ``c`` is ``1 -`` the curve's risk there.
 
-* :class:`AnswerConfidence`: P(answer correct) by logistic regression on named features (the reader's
-  answer log-probability, its yes-probability that the passages answer the question, the top retrieval
-  similarity...), fitted on the calibration split; with one feature it is Platt scaling with an
-  intercept (Platt 1999).
+* :class:`AnswerConfidence`: the answer's expected quality by logistic regression on named features (the
+  reader's answer log-probability, its yes-probability that the passages answer the question, the top
+  retrieval similarity...), fitted on the calibration split to 0/1 labels (P(correct); with one feature,
+  Platt scaling with an intercept, Platt 1999) or to soft targets in [0, 1] such as the answer's F1 (then
+  the confidence estimates E[F1], the quantity the selective risk averages; cross-entropy with soft
+  targets is a proper scoring rule for a mean in [0, 1]).
 * :class:`RiskThreshold`: the lowest confidence threshold whose selective risk on the calibration split
   stays at or below ``target_risk`` (the most coverage that meets the target), frozen for test.
 * :func:`refusal_reasons`: the first of the pipeline's flags that holds for a refused question, in a
@@ -115,11 +117,16 @@ class AnswerConfidence:
             return np.stack([np.asarray(x[f], dtype=np.float64) for f in self.features], axis=1)
         return np.asarray(x, dtype=np.float64).reshape(len(x), -1)
 
-    def fit(self, x: Mapping[str, np.ndarray] | np.ndarray, correct: np.ndarray) -> AnswerConfidence:
+    def fit(self, x: Mapping[str, np.ndarray] | np.ndarray, target: np.ndarray) -> AnswerConfidence:
+        """Fit on calibration features and targets in [0, 1] (0/1 correctness, or a soft score like F1)."""
         from judgeloop.calibration.calibrators import CalibrationError, fit_logistic
 
         X = self._matrix(x)
-        y = np.asarray(correct, dtype=np.float64)
+        y = np.asarray(target, dtype=np.float64)
+        if y.size and (np.nanmin(y) < 0 or np.nanmax(y) > 1):
+            raise ValueError(
+                f"confidence targets must lie in [0, 1]; got [{np.nanmin(y):.3g}, {np.nanmax(y):.3g}]"
+            )
         if X.shape[0] != y.size:
             raise ValueError(f"{X.shape[0]} feature rows for {y.size} labels")
         if not np.isfinite(X).all():
@@ -129,8 +136,9 @@ class AnswerConfidence:
             )
         if y.size < self.min_points or len(np.unique(y)) < 2:
             raise CalibrationError(
-                f"answer confidence: the calibration split has {y.size} questions with "
-                f"{int(y.sum())} correct answers; need >= {self.min_points} and both outcomes to fit"
+                f"answer confidence: the calibration split has {y.size} questions whose targets are all "
+                f"{y[0] if y.size else 'missing'} (sum {y.sum():.3g}); need >= {self.min_points} questions and "
+                "targets that differ to fit (a reader that is never right cannot be calibrated)"
             )
         self.mean_ = X.mean(axis=0)
         self.scale_ = np.where(X.std(axis=0) > 0, X.std(axis=0), 1.0)
@@ -141,7 +149,8 @@ class AnswerConfidence:
         return self
 
     def predict(self, x: Mapping[str, np.ndarray] | np.ndarray) -> np.ndarray:
-        """``(N,)`` calibrated P(correct); NaN where a feature is NaN."""
+        """``(N,)`` the calibrated confidence (P(correct), or E[target] for soft targets); NaN where a
+        feature is NaN."""
         from scipy.special import expit
 
         if not hasattr(self, "w_"):

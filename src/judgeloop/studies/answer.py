@@ -15,8 +15,8 @@ kept per question:
   their answers share less than ``disagreement_max_f1`` token F1;
 * the reader's P(the passages answer it): *reader predicts unanswerable* below 0.5.
 
-The answer confidence (:class:`~judgeloop.routing.abstention.AnswerConfidence`, calibrated P(F1 >=
-``correct_min_f1``)) is fitted on the calibration split, the threshold
+The answer confidence (:class:`~judgeloop.routing.abstention.AnswerConfidence`: calibrated E[F1] with
+``confidence_target: f1``, or P(F1 >= ``correct_min_f1``) with ``correct``) is fitted on the calibration split, the threshold
 (:class:`~judgeloop.routing.abstention.RiskThreshold`) is the one that meets ``target_risk`` there, and the
 test split gets the curve, the selective F1 at fixed coverages against always answering and against a plain
 similarity threshold (paired bootstrap intervals over questions), and the refusals by reason.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,7 +52,8 @@ class AbstainSection:
     confidence_features: list[str] = field(
         default_factory=lambda: ["answer_logprob", "answerable_logit", "top1_similarity"]
     )
-    correct_min_f1: float = 0.5  # the label the confidence is calibrated to: F1 >= this
+    confidence_target: Literal["f1", "correct"] = "f1"  # E[F1], or P(F1 >= correct_min_f1)
+    correct_min_f1: float = 0.5  # what "correct" means (the target of "correct", and the reported AUC)
     conformal_alpha: float = 0.1
     conformal_path: str | None = None  # a conformal.json fitted on this pool; null = fit on calibration
     disagreement_max_f1: float = 0.5
@@ -118,7 +119,7 @@ class Outcomes:
     f1: np.ndarray
     unanswerable: np.ndarray
     features: dict[str, np.ndarray]
-    confidence: np.ndarray  # calibrated P(correct)
+    confidence: np.ndarray  # calibrated E[F1] or P(correct)
     answered: np.ndarray  # bool, at the threshold chosen on calibration
     flags: dict[str, np.ndarray]
     reasons: list[str | None]  # test refusals only
@@ -206,7 +207,33 @@ def load_reader(cfg: AnswerConfig) -> tuple[Any, Any]:
 
 
 def read_answers(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]]) -> dict[str, Any]:  # fmt: skip
-    """The reader's answers with its shown passages and its P(the passages answer it)."""
+    """The reader's answers with its shown passages and its P(the passages answer it), through a cache in
+    ``cache_dir`` keyed by the reader, its settings and every prompt's text (greedy decoding: the same
+    prompts give the same answers, so a rerun that changes only the abstention settings reads nothing)."""
+    import json
+
+    from judgeloop.hashing import json_digest, texts_digest
+    from judgeloop.io import atomic_write_json
+    from judgeloop.routing.llm import EXTRACT_ANSWER
+
+    m = cfg.model
+    key = json_digest([m.name, m.max_new_tokens, EXTRACT_ANSWER, texts_digest(
+        x for ex, ps in zip(examples, shown) for x in [ex.question, *ps])])  # fmt: skip
+    path = Path(cfg.cache_dir) / f"reader-{key}.json" if cfg.cache_dir else None
+    if path is not None and path.is_file():
+        logger.info("reusing the reader's answers from %s", path)
+        got = json.loads(path.read_text())
+        return {"answers": got["answers"], "p_yes": np.asarray(got["p_yes"]),
+                "logprob_mean": np.asarray([math.nan if x is None else x for x in got["logprob_mean"]])}  # fmt: skip
+    out = _read(cfg, reader, examples, shown)
+    if path is not None:
+        atomic_write_json(path, {"answers": out["answers"], "p_yes": out["p_yes"].tolist(),
+                                 "logprob_mean": out["logprob_mean"].tolist()})  # fmt: skip
+    return out
+
+
+def _read(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]]) -> dict[str, Any]:  # fmt: skip
+    """:func:`read_answers` without the cache."""
     from judgeloop.routing.llm import (
         EXTRACT_ANSWER,
         answer_with_passages,
@@ -221,7 +248,8 @@ def read_answers(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any]
         model, tok, qs, shown, m.max_new_tokens, m.batch_size, EXTRACT_ANSWER
     )
     p_yes = answerable_probability(model, tok, qs, shown, m.batch_size)
-    return {"answers": [strip_answer_label(x) for x in answers], "gens": gens, "p_yes": p_yes}
+    return {"answers": [strip_answer_label(x) for x in answers], "p_yes": p_yes,
+            "logprob_mean": np.asarray([g.logprob_mean for g in gens])}  # fmt: skip
 
 
 def single_passage_answers(
@@ -267,8 +295,8 @@ def _logit(p: np.ndarray) -> np.ndarray:
 def _features(read: dict[str, Any], top1: np.ndarray, in_set: np.ndarray) -> dict[str, np.ndarray]:
     """The candidate confidence features per question (``FEATURES``); a missing log-prob (an empty answer)
     counts as -20 nats a token."""
-    lp = [g.logprob_mean if math.isfinite(g.logprob_mean) else -20.0 for g in read["gens"]]
-    return {"answer_logprob": np.asarray(lp), "answerable_logit": _logit(read["p_yes"]), "top1_similarity": top1,
+    lp = np.where(np.isfinite(read["logprob_mean"]), read["logprob_mean"], -20.0)
+    return {"answer_logprob": lp, "answerable_logit": _logit(read["p_yes"]), "top1_similarity": top1,
             "num_in_set": in_set.sum(axis=1).astype(float)}  # fmt: skip
 
 
@@ -328,7 +356,8 @@ def answer_study(cfg: AnswerConfig) -> tuple[dict[str, Any], list[dict[str, Any]
     top1 = r.sim[np.arange(n), r.top[:, 0]]
     feats = _features(read, top1, in_set)
     confidence = AnswerConfidence(a.confidence_features).fit(
-        {k: v[cal] for k, v in feats.items()}, f1[cal] >= a.correct_min_f1
+        {k: v[cal] for k, v in feats.items()},
+        f1[cal] if a.confidence_target == "f1" else f1[cal] >= a.correct_min_f1,
     )
     conf = confidence.predict(feats)
     loss = 1.0 - f1
@@ -456,7 +485,8 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
         "loss": "1 - SQuAD token F1 (an answer to an unanswerable question has F1 0)",
         "confidence": {
             "features": a.confidence_features,
-            "label": f"F1 >= {a.correct_min_f1}",
+            "target": "F1" if a.confidence_target == "f1" else f"F1 >= {a.correct_min_f1}",
+            "auc_label": f"F1 >= {a.correct_min_f1}",
             "auc_test": _auc(conf[test], f1[test] >= a.correct_min_f1),
         },  # fmt: skip
         "always_answer_f1_test": float(f1[test].mean()),
@@ -543,7 +573,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{report['gold_passage_shown_rate_test']:.1%} of test questions)",
         f"- loss: {report['loss']}; always answering: F1 {fmt_number(report['always_answer_f1_test'])} on test",
         f"- confidence: logistic on {', '.join(report['confidence']['features'])}, calibrated to "
-        f"{report['confidence']['label']}; test AUC {fmt_number(report['confidence']['auc_test'])}",
+        f"{report['confidence']['target']}; test AUC for {report['confidence']['auc_label']} {fmt_number(report['confidence']['auc_test'])}",
         f"- AURC (test, lower is better): confidence {fmt_number(report['aurc']['system'], 4)}, top-1 similarity "
         f"{fmt_number(report['aurc']['similarity'], 4)}, answer log-prob {fmt_number(report['aurc']['answer_logprob'], 4)}, "
         f"no ranking {fmt_number(report['aurc']['random'], 4)}",
