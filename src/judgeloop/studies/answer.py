@@ -35,7 +35,7 @@ from judgeloop.config import ConfigError, check_at_least, check_range
 from judgeloop.intervals import bootstrap_interval
 from judgeloop.logging import get_logger
 from judgeloop.routing.abstention import REASONS, aurc, refusal_reasons, risk_coverage, selective_risk
-from judgeloop.studies.routing import LMConfig, RetrieverSection, RouteDataConfig, load_questions
+from judgeloop.studies.routing import QAStudyConfig, RouteDataConfig, load_questions
 from judgeloop.text import fmt_number
 
 logger = get_logger(__name__)
@@ -80,18 +80,15 @@ class AbstainSection:
 
 
 @dataclass
-class AnswerConfig:
-    """Schema of ``judgeloop answer``."""
+class AnswerConfig(QAStudyConfig):
+    """Schema of ``judgeloop answer``: a :class:`QAStudyConfig` over every question (unanswerable ones
+    included) and how the answer step refuses."""
 
     data: RouteDataConfig = field(
         default_factory=lambda: RouteDataConfig(answerable_only=False, max_questions=None)
     )
-    model: LMConfig = field(default_factory=LMConfig)
-    retriever: RetrieverSection = field(default_factory=RetrieverSection)
-    abstain: AbstainSection = field(default_factory=AbstainSection)
-    seed: int = 0
     output_dir: str = "runs/answer"
-    cache_dir: str | None = "runs/cache"
+    abstain: AbstainSection = field(default_factory=AbstainSection)
 
     def __post_init__(self) -> None:
         if self.retriever.type != "dense":

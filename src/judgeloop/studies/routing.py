@@ -76,16 +76,23 @@ class RouterSection:
 
 
 @dataclass
-class RouteConfig:
-    """Schema of ``judgeloop route``."""
+class QAStudyConfig:
+    """What the question-answering studies share (``judgeloop route`` and ``judgeloop answer``): the
+    questions, the reader, the retriever, the seed and where outputs and the embedding cache go."""
 
     data: RouteDataConfig = field(default_factory=RouteDataConfig)
     model: LMConfig = field(default_factory=LMConfig)
     retriever: RetrieverSection = field(default_factory=RetrieverSection)
-    router: RouterSection = field(default_factory=RouterSection)
     seed: int = 0
     output_dir: str = "runs/route"
     cache_dir: str | None = "runs/cache"
+
+
+@dataclass
+class RouteConfig(QAStudyConfig):
+    """Schema of ``judgeloop route``: a :class:`QAStudyConfig` and how the router chooses its threshold."""
+
+    router: RouterSection = field(default_factory=RouterSection)
 
 
 def load_questions(cfg: RouteDataConfig) -> tuple[list[Any], list[str]]:
