@@ -26,6 +26,7 @@ logger = get_logger(__name__)
 # What SLURM sends on scancel / preemption / the time limit, and the usual "--signal=B:USR1@120".
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+_ACTIVE: StopRequest | None = None  # the request of the outermost stop_signals scope of this process
 
 
 def check_signal_names(names: Sequence[str], key: str = "stop_signals") -> None:
@@ -78,7 +79,15 @@ class StopRequest:
 def stop_signals(names: Sequence[str]) -> Iterator[StopRequest]:
     """While inside, each signal in ``names`` sets the returned request's ``signum`` instead of stopping
     the process; the previous handlers are restored on leaving. Outside the main thread (where Python
-    cannot install handlers) nothing is installed and the request is never set."""
+    cannot install handlers) nothing is installed and the request is never set.
+
+    Nested inside another ``stop_signals`` of the same process, it yields the outer request and installs
+    nothing: a signal caught by the outer scope (an ablation worker between two jobs, or a run still in
+    its set-up) is seen by the inner one, which stops after the step in progress."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        yield _ACTIVE
+        return
     request = StopRequest()
     if not names or threading.current_thread() is not threading.main_thread():
         yield request
@@ -98,9 +107,11 @@ def stop_signals(names: Sequence[str]) -> Iterator[StopRequest]:
     for name in names:
         sig = getattr(signal, name)
         previous[sig] = signal.signal(sig, handler)
+    _ACTIVE = request
     try:
         yield request
     finally:
+        _ACTIVE = None
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -126,3 +137,23 @@ class Stopped(Exception):
         return (
             f"stopped by {name} after step {self.step}; checkpoint {self.checkpoint}: {self.how_to_continue}"
         )
+
+
+class GridStopped(Stopped):
+    """A grid of runs (``judgeloop ablate``) stopped by a signal: every job that was running stopped after
+    its step in progress and wrote its checkpoint (``jobs``: ``"ARM:SEED at step N"``); ``not_started``
+    jobs were never begun. The same command continues them all."""
+
+    def __init__(self, signum: int, jobs: Sequence[str], not_started: int, how_to_continue: str):
+        Exception.__init__(self, signum, list(jobs), not_started, how_to_continue)
+        self.signum, self.jobs, self.not_started, self.how_to_continue = (
+            signum,
+            list(jobs),
+            not_started,
+            how_to_continue,
+        )
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        running = f"{len(self.jobs)} running job(s) checkpointed ({', '.join(self.jobs) or 'none'})"
+        return f"stopped by {name}: {running}, {self.not_started} not started: {self.how_to_continue}"

@@ -347,6 +347,100 @@ def test_a_killed_job_rerun_with_the_same_job_continues_and_ends_with_the_same_r
             assert rerun[key] == whole[key], key
 
 
+_STOP_DRIVER = """
+import os, signal, sys, time
+import judgeloop.loop.recalibration as rn
+from judgeloop.cli import main
+
+flag, pids = sys.argv[1], sys.argv[2]
+if __name__ == "__mp_main__":  # a worker: note its pid
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+real = rn.maybe_recalibrate
+def maybe_recalibrate(step, *args, **kwargs):  # the first worker mid-step 1 sends SIGTERM to the parent
+    if step == 1 and __name__ == "__mp_main__":
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(3)  # the parent passes the signal on: this job stops after its step 1 too
+        except FileExistsError:
+            pass
+    return real(step, *args, **kwargs)
+rn.maybe_recalibrate = maybe_recalibrate
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_sigterm_to_the_ablation_stops_every_worker_at_a_checkpoint_and_the_rerun_finishes_the_grid(
+    one_process, tmp_path
+):
+    """SIGTERM to `judgeloop ablate`'s parent while two workers run: no further job starts, each running
+    job finishes its step and checkpoints, no worker is left running, the exit status is 143 with one line
+    saying which jobs stopped where; the same command then finishes the grid with the one-process numbers."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+    import time
+
+    from judgeloop.cli import main
+
+    out = tmp_path / "stopped"
+    args = ["ablate", "--config", str(TINY), *FAST, "ablation.num_workers=2", f"output_dir={out}"]
+    driver = tmp_path / "driver.py"
+    driver.write_text(_STOP_DRIVER)
+    flag, pids = tmp_path / "sent", tmp_path / "pids"
+    proc = subprocess.run(
+        [sys.executable, str(driver), str(flag), str(pids), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    m = re.fullmatch(
+        r"judgeloop ablate: stopped by SIGTERM: (\d) running job\(s\) checkpointed \((.*)\), (\d) not started: "
+        r"run the same command again to continue \(each job from its checkpoint\)",
+        line,
+    )
+    assert m, line
+    stopped = re.findall(r"(raw|platt):(\d) at step (\d)", m.group(2))
+    finished = list(out.glob("*/seed*/report.json"))  # a job past its last step when the signal came
+    assert len(stopped) == int(m.group(1)) >= 1 and len(stopped) + len(finished) + int(m.group(3)) == 4
+    assert any(step == "1" for *_, step in stopped), line  # the job that sent it stopped after its step 1
+    for arm, seed, step in stopped:
+        folder = out / arm / f"seed{seed}"
+        assert (folder / "checkpoints" / f"step_{step}").is_dir() and not (folder / "report.json").exists()
+    deadline = time.monotonic() + 10  # the pool's workers end with the parent
+    alive = [int(p) for p in pids.read_text().split()]
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if "zombie" not in _proc_state(p)]
+        time.sleep(0.2)
+    assert not alive, f"workers still running: {alive}"
+    assert not (out / "results.json").exists()
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args) == 0  # the same command continues the stopped jobs and runs the rest
+    assert _final_metrics(out) == pytest.approx(_final_metrics(one_process), rel=1e-6, abs=1e-9)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def _final_metrics(out: Path) -> dict[str, float]:
+    finals = {}
+    for report in sorted(out.glob("*/seed*/report.json")):
+        for k, v in json.loads(report.read_text())["final"].items():
+            if isinstance(v, float):
+                finals[f"{report.parent.parent.name}/{report.parent.name}/{k}"] = v
+    return finals
+
+
 def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, capsys):
     import shutil
 

@@ -190,41 +190,121 @@ def default_workers(cfg: FeedbackLoopConfig, n_jobs: int) -> int:
     return max(1, min(cores, int(mem_gib // JOB_MEMORY_GIB), n_jobs))  # cores: of threads_per_job each
 
 
-def _worker_init(threads: int) -> None:
+_GRID_STOPPED: Any = None  # in a worker: the parent's event, set once a stop signal reached the grid
+
+
+def _worker_init(threads: int, stop_names: Sequence[str], grid_stopped: Any) -> None:
+    global _GRID_STOPPED
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    import signal
+
     import torch
 
     torch.set_num_threads(threads)
+    _GRID_STOPPED = grid_stopped
+    # an idle worker ignores a stop signal (the parent has cancelled what it had not started); one that is
+    # running a job catches it in _worker_job. A worker killed by it would break the pool, and the pool
+    # would then kill the other workers in the middle of their checkpoints.
+    for name in stop_names:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
     from judgeloop.logging import quiet_third_party, setup_logging
+    from judgeloop.signals import stop_signals
 
     quiet_third_party(progress_bars=False)  # several jobs share the terminal: the parent's line counts them
     setup_logging(prefix=f"{arm}:{seed}")
-    return run_job(dataclasses.replace(cfg, progress_bar=False), arm, seed)  # progress_bar: result-free
+    # caught from here on: a signal before the run's own set-up is seen by the run, which stops after step 0
+    with stop_signals(cfg.stop_signals):
+        if _GRID_STOPPED is not None and _GRID_STOPPED.is_set():  # queued before the stop, not begun
+            return {"arm": arm, "seed": seed, "status": "not started", "dir": job_dir(cfg, arm, seed)}
+        return run_job(dataclasses.replace(cfg, progress_bar=False), arm, seed)  # progress_bar: result-free
 
 
 def run_jobs(
     cfg: FeedbackLoopConfig, todo: Sequence[tuple[str, int]], num_workers: int
 ) -> list[dict[str, Any]]:
     """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, each job at
-    ``ablation.threads_per_job`` threads (or, when that is null, the cores split evenly)."""
+    ``ablation.threads_per_job`` threads (or, when that is null, the cores split evenly).
+
+    A stop signal (``stop_signals``, e.g. SLURM's SIGTERM) stops the grid as it stops one run: no further
+    job starts, each running job (the signal is passed on to the workers) finishes its step in progress and
+    writes its checkpoint, and :class:`~judgeloop.signals.GridStopped` says which; the same command
+    continues them (``resume_from: auto``)."""
+    from judgeloop.signals import GridStopped, Stopped, stop_signals
+
     progress = JobProgress(len(todo))
-    if num_workers <= 1 or len(todo) <= 1:
-        return [progress.done(run_job(cfg, arm, seed)) for arm, seed in todo]
+    how = "run the same command again to continue (each job from its checkpoint)"
+    with stop_signals(cfg.stop_signals) as stop:
+        if num_workers > 1 and len(todo) > 1:
+            return _run_in_workers(cfg, todo, num_workers, progress, stop, how)
+        results = []
+        for i, (arm, seed) in enumerate(todo):
+            if stop.requested:
+                raise GridStopped(stop.signum or 0, [], len(todo) - i, how)
+            try:
+                results.append(progress.done(run_job(cfg, arm, seed)))
+            except Stopped as err:
+                raise GridStopped(err.signum, [_stopped(arm, seed, err)], len(todo) - i - 1, how) from None
+        return results
+
+
+def _stopped(arm: str, seed: int, err: Any) -> str:
+    return f"{arm}:{seed} at step {err.step}"
+
+
+def _run_in_workers(
+    cfg: FeedbackLoopConfig,
+    todo: Sequence[tuple[str, int]],
+    num_workers: int,
+    progress: JobProgress,
+    stop: Any,
+    how: str,
+) -> list[dict[str, Any]]:
+    """:func:`run_jobs` in ``num_workers`` spawned processes; a stop signal is passed on to them."""
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     import torch
 
+    from judgeloop.signals import GridStopped, Stopped
+
     threads = cfg.ablation.threads_per_job or max(1, torch.get_num_threads() // num_workers)
     logger.info("ablation: %d jobs on %d workers, %d thread(s) each", len(todo), num_workers, threads)
-    with ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _worker_init, (threads,)) as pool:
-        futures = [pool.submit(_worker_job, cfg, arm, seed) for arm, seed in todo]
-        for f in as_completed(futures):
-            progress.done(f.result())
-        return [f.result() for f in futures]
+    ctx = mp.get_context("spawn")
+    grid_stopped = ctx.Event()
+    init = (threads, list(cfg.stop_signals), grid_stopped)
+    stopped: list[str] = []  # the running jobs that checkpointed and stopped
+    not_started = 0
+    signum = None
+    with ProcessPoolExecutor(num_workers, ctx, _worker_init, init) as pool:
+        futures = {pool.submit(_worker_job, cfg, arm, seed): (arm, seed) for arm, seed in todo}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for f in finished:
+                err = None if f.cancelled() else f.exception()
+                if f.cancelled() or (err is None and f.result()["status"] == "not started"):
+                    not_started += 1
+                elif isinstance(err, Stopped):
+                    stopped.append(_stopped(*futures[f], err))
+                    signum = signum or err.signum
+                else:
+                    progress.done(f.result())  # a job's error is raised here
+            if stop.requested and not grid_stopped.is_set():
+                grid_stopped.set()
+                signum = stop.signum
+                for f in pending:
+                    f.cancel()  # the ones not yet handed to a worker; the queued ones see grid_stopped
+                logger.warning(
+                    "ablation: %s: no further job starts; the running ones checkpoint", stop.name()
+                )
+                for child in mp.active_children():  # the pool's workers
+                    os.kill(child.pid, stop.signum)
+    if signum is not None:
+        raise GridStopped(signum, stopped, not_started, how)
+    return [f.result() for f in futures]
 
 
 class JobProgress:
