@@ -140,14 +140,16 @@ class Stopped(Exception):
 
 
 class GridStopped(Stopped):
-    """A grid of runs (``judgeloop ablate``) stopped by a signal: every job that was running stopped after
-    its step in progress and wrote its checkpoint (``jobs``: ``"ARM:SEED at step N"``); ``not_started``
-    jobs were never begun. The same command continues them all."""
+    """A grid of runs (``judgeloop ablate``) stopped by a signal: ``done`` jobs had finished, every job that
+    was running stopped after its step in progress and wrote its checkpoint (``jobs``: ``"ARM:SEED at step
+    N"``; one past its last step finishes instead and counts as done), and ``not_started`` jobs were never
+    begun. The same command continues them all."""
 
-    def __init__(self, signum: int, jobs: Sequence[str], not_started: int, how_to_continue: str):
-        Exception.__init__(self, signum, list(jobs), not_started, how_to_continue)
-        self.signum, self.jobs, self.not_started, self.how_to_continue = (
+    def __init__(self, signum: int, done: int, jobs: Sequence[str], not_started: int, how_to_continue: str):
+        Exception.__init__(self, signum, done, list(jobs), not_started, how_to_continue)
+        self.signum, self.done, self.jobs, self.not_started, self.how_to_continue = (
             signum,
+            done,
             list(jobs),
             not_started,
             how_to_continue,
@@ -155,5 +157,8 @@ class GridStopped(Stopped):
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
-        running = f"{len(self.jobs)} running job(s) checkpointed ({', '.join(self.jobs) or 'none'})"
-        return f"stopped by {name}: {running}, {self.not_started} not started: {self.how_to_continue}"
+        stopped = f" ({', '.join(self.jobs)})" if self.jobs else ""
+        return (
+            f"stopped by {name}: {self.done} job(s) done, {len(self.jobs)} running job(s) checkpointed{stopped}, "
+            f"{self.not_started} not started: {self.how_to_continue}"
+        )

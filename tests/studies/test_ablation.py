@@ -400,14 +400,16 @@ def test_sigterm_to_the_ablation_stops_every_worker_at_a_checkpoint_and_the_reru
     assert proc.returncode == 143, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     m = re.fullmatch(
-        r"judgeloop ablate: stopped by SIGTERM: (\d) running job\(s\) checkpointed \((.*)\), (\d) not started: "
+        r"judgeloop ablate: stopped by SIGTERM: (\d) job\(s\) done, (\d) running job\(s\) checkpointed \((.*)\), "
+        r"(\d) not started: "
         r"run the same command again to continue \(each job from its checkpoint\)",
         line,
     )
     assert m, line
-    stopped = re.findall(r"(raw|platt):(\d) at step (\d)", m.group(2))
+    stopped = re.findall(r"(raw|platt):(\d) at step (\d)", m.group(3))
     finished = list(out.glob("*/seed*/report.json"))  # a job past its last step when the signal came
-    assert len(stopped) == int(m.group(1)) >= 1 and len(stopped) + len(finished) + int(m.group(3)) == 4
+    assert len(finished) == int(m.group(1)) and len(stopped) == int(m.group(2)) >= 1
+    assert len(stopped) + len(finished) + int(m.group(4)) == 4
     assert any(step == "1" for *_, step in stopped), line  # the job that sent it stopped after its step 1
     for arm, seed, step in stopped:
         folder = out / arm / f"seed{seed}"

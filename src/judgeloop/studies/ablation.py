@@ -242,11 +242,11 @@ def run_jobs(
         results = []
         for i, (arm, seed) in enumerate(todo):
             if stop.requested:
-                raise GridStopped(stop.signum or 0, [], len(todo) - i, how)
+                raise GridStopped(stop.signum or 0, i, [], len(todo) - i, how)
             try:
                 results.append(progress.done(run_job(cfg, arm, seed)))
             except Stopped as err:
-                raise GridStopped(err.signum, [_stopped(arm, seed, err)], len(todo) - i - 1, how) from None
+                raise GridStopped(err.signum, i, [_stopped(arm, seed, err)], len(todo) - i - 1, how) from None
         return results
 
 
@@ -303,7 +303,7 @@ def _run_in_workers(
                 for child in mp.active_children():  # the pool's workers
                     os.kill(child.pid, stop.signum)
     if signum is not None:
-        raise GridStopped(signum, stopped, not_started, how)
+        raise GridStopped(signum, progress.finished, stopped, not_started, how)
     return [f.result() for f in futures]
 
 
