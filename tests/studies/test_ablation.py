@@ -417,7 +417,7 @@ def test_sigterm_to_the_ablation_stops_every_worker_at_a_checkpoint_and_the_reru
     deadline = time.monotonic() + 10  # the pool's workers end with the parent
     alive = [int(p) for p in pids.read_text().split()]
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if "zombie" not in _proc_state(p)]
+        alive = [p for p in alive if _running(p)]
         time.sleep(0.2)
     assert not alive, f"workers still running: {alive}"
     assert not (out / "results.json").exists()
@@ -427,11 +427,12 @@ def test_sigterm_to_the_ablation_stops_every_worker_at_a_checkpoint_and_the_reru
     assert _final_metrics(out) == pytest.approx(_final_metrics(one_process), rel=1e-6, abs=1e-9)
 
 
-def _proc_state(pid: int) -> str:
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting to be reaped is not)."""
     try:
-        return Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return "zombie"
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:  # gone
+        return False
 
 
 def _final_metrics(out: Path) -> dict[str, float]:
