@@ -1,12 +1,22 @@
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Literal
 
 import pytest
 
-from judgeloop.config import ConfigError, check_at_least, check_range, load_config, replace, to_dict
+from judgeloop.config import (
+    ConfigError,
+    check_at_least,
+    check_range,
+    infinite_ok,
+    load_config,
+    replace,
+    to_dict,
+)
 
 
 @dataclass
@@ -159,3 +169,71 @@ def test_every_shipped_config_loads(repo):
             assert cfg.max_steps >= 1 and cfg.ablation.arms, rel
         checked += 1
     assert checked >= 1
+
+
+@dataclass
+class Numbers:
+    miss_rate: float = 0.5
+    kl_coef: float = 0.1
+    timeout_s: float = infinite_ok(math.inf)
+    port: int = 8000
+    levels: list[float] = field(default_factory=lambda: [0.5])
+    width: float = 1.0
+    RANGES = {"width": (1.0, 4.0, "[]", " (a width)")}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kl_coef=nan", "'kl_coef'=nan is not a finite number"),
+        ("kl_coef=.inf", "'kl_coef'=inf is not a finite number"),
+        ("miss_rate=-inf", "'miss_rate'=-inf is not a finite number"),
+        ("levels=[0.1, nan]", "'levels[1]'=nan is not a finite number"),
+        ("timeout_s=nan", "'timeout_s'=nan is not a number (inf is allowed here)"),
+        ("port=99999999999999999999", "'port'=99999999999999999999 does not fit in 64 bits"),
+        ("miss_rate=1e400", "'miss_rate'=inf is not a finite number"),
+        ("width=" + "9" * 400, "is too large for a number"),
+        ("port=70000", "'port'=70000 must be in [0, 65535] (0: any free port)"),
+        ("kl_coef=-0.5", "'kl_coef'=-0.5 must be >= 0"),
+        ("miss_rate=1.5", "'miss_rate'=1.5 must be in [0, 1]"),
+        ("width=0.5", "'width'=0.5 must be in [1, 4] (a width)"),
+    ],
+)
+def test_non_finite_and_out_of_range_numbers_are_one_line(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(Numbers, None, [override])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_infinity_where_it_means_something_and_ranges_at_their_ends():
+    cfg = load_config(Numbers, None, ["timeout_s=inf", "port=0", "miss_rate=1", "kl_coef=0", "width=4"])
+    assert cfg.timeout_s == math.inf and cfg.port == 0 and cfg.miss_rate == 1.0 and cfg.width == 4.0
+
+
+@pytest.mark.parametrize(
+    "command, override, key",
+    [
+        ("train", "loss.kl_coef=nan", "loss.kl_coef"),
+        ("train", "optim.learning_rate=inf", "optim.learning_rate"),
+        ("train", "optim.learning_rate=0", "optim.learning_rate"),
+        ("train-retriever", "loss.tau=nan", "loss.tau"),
+        ("train-retriever", "loss.tau=-1", "loss.tau"),
+        ("serve-judge", "server.port=70000", "server.port"),
+        ("calibrate", "seed=-1", "seed"),
+    ],
+)
+def test_every_command_checks_its_numbers(command, override, key):
+    from judgeloop.cli import resolve_command
+
+    schema, _ = resolve_command(command)
+    with pytest.raises(ConfigError, match=re.escape(key) + "'?="):
+        load_config(schema, None, [override])
+
+
+def test_a_truncated_yaml_file_is_one_line(tmp_path):
+    path = tmp_path / "cut.yaml"
+    path.write_text("judge:\n  scale: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(Outer, path)
+    text = str(info.value)
+    assert "\n" not in text and "cut.yaml' is not valid YAML" in text and "line 3" in text, text

@@ -6,6 +6,11 @@ YAML file, applies the overrides, and builds the schema recursively, checking ev
 * an unknown or misspelled key raises :class:`ConfigError` naming it and the closest valid key
   (a silently dropped ``kl_coef`` costs GPU-days);
 * a value of the wrong type raises :class:`ConfigError` naming the key, the value and the type;
+* every number must be finite (NaN never; infinity only in a field marked :func:`infinite_ok`) and
+  every integer must fit in 64 bits;
+* a value must lie in the range its schema's ``RANGES`` table gives it, or, failing that, the range
+  :data:`NAME_RANGES` gives its name by convention (``*_coef >= 0``, ``*_fraction`` in [0, 1],
+  ``port`` in [0, 65535], ...), all before the command does any work;
 * dataclasses may validate values further in ``__post_init__`` (raise ``ValueError``); the common bound
   and interval checks are :func:`check_at_least` and :func:`check_range`, one message shape for all.
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
+import math
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +36,75 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or override does not match the command's schema."""
+
+
+# a range: (low, high, interval as in check_range, hint); None for an open end
+Range = tuple[float | None, float | None, str, str]
+
+INT64 = (-(2**63), 2**63 - 1)
+
+# ranges by naming convention (fnmatch patterns, first match wins); a schema's own RANGES table wins
+# over these. Only the values a config sets are checked here (the defaults are the schema's own).
+NAME_RANGES: tuple[tuple[str, Range], ...] = (
+    ("learning_rate", (0, None, "(", "")),
+    ("*_learning_rate", (0, None, "(", "")),
+    ("tau", (0, None, "(", " (the softmax temperature)")),
+    ("port", (0, 65535, "[]", " (0: any free port)")),
+    ("seed", (0, 2**32 - 1, "[]", "")),
+    ("*_seed", (0, 2**32 - 1, "[]", "")),
+    ("*_coef", (0, None, "[", "")),
+    ("weight_decay", (0, None, "[", "")),
+    ("*dropout", (0, 1, "[)", "")),
+    ("*_fraction", (0, 1, "[]", "")),
+    ("*_ratio", (0, 1, "[]", "")),
+    ("*_rate", (0, 1, "[]", "")),
+    ("*_s", (0, None, "[", " (seconds)")),
+    ("*_ms", (0, None, "[", " (milliseconds)")),
+    ("*_every_n_steps", (0, None, "[", " (0 = off)")),
+    ("*_every_n_epochs", (0, None, "[", " (0 = off)")),
+    ("num_*", (0, None, "[", "")),
+    ("*batch_size", (0, None, "[", "")),
+    ("max_*", (0, None, "[", "")),
+)
+
+
+def infinite_ok(default: float, **kwargs: Any) -> Any:
+    """A float field for which infinity means something (``x: float = infinite_ok(math.inf)``): the
+    loader accepts ``inf`` / ``-inf`` there; NaN stays an error."""
+    return dataclasses.field(default=default, metadata={"infinite_ok": True}, **kwargs)
+
+
+def _range_of(cls: type, name: str) -> Range | None:
+    own: dict[str, Range] = getattr(cls, "RANGES", {})
+    if name in own:
+        return own[name]
+    return next((r for pattern, r in NAME_RANGES if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def _in_range(value: float, rng: Range) -> bool:
+    low, high, interval, _ = rng
+    above = low is None or ((low <= value) if interval[0] == "[" else (low < value))
+    below = high is None or ((value <= high) if interval[-1] == "]" else (value < high))
+    return above and below
+
+
+def _range_text(rng: Range) -> str:
+    low, high, interval, _ = rng
+    if high is None:
+        return f"{'>=' if interval[0] == '[' else '>'} {_bound(low or 0)}"
+    if low is None:
+        return f"{'<=' if interval[-1] == ']' else '<'} {_bound(high)}"
+    return f"in {interval[0]}{_bound(low)}, {_bound(high)}{interval[-1]}"
+
+
+def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str) -> None:
+    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        rng = _range_of(cls, name)
+        if rng is not None and not _in_range(value, rng):
+            raise ConfigError(f"config key '{prefix}{name}'={value} must be {_range_text(rng)}{rng[3]}")
 
 
 def _bound(x: float) -> str:
@@ -123,13 +199,36 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check (and minimally convert) ``value`` against annotation ``tp``; ``key`` is for messages."""
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past 1.8e308
+            raise ConfigError(f"config key '{key}'={value} is too large for a number; give a finite one") from None
+    if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+
+
+def _finite(value: float, key: str, infinite: bool) -> float:
+    """NaN is never a setting; infinity only where the field says it means something."""
+    if math.isnan(value) or (math.isinf(value) and not infinite):
+        allowed = "a number (inf is allowed here)" if infinite else "a finite number"
+        raise ConfigError(f"config key '{key}'={value} is not {allowed}; give {allowed}")
+    return value
+
+
+def _coerce(value: Any, tp: Any, key: str, infinite: bool = False) -> Any:
+    """Check (and minimally convert) ``value`` against annotation ``tp``; ``key`` is for messages;
+    ``infinite``: a float may be infinite (a field marked :func:`infinite_ok`)."""
     if tp is Any:
         return value
     optional, inner = _is_optional(tp)
     if optional:
-        return None if value is None else _coerce(value, inner, key)
+        return None if value is None else _coerce(value, inner, key, infinite)
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):  # type: ignore[arg-type]
@@ -151,31 +250,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
         item_tp = args[0] if args else Any
-        items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [_coerce(v, item_tp, f"{key}[{i}]", infinite) for i, v in enumerate(value)]
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin is dict or tp is dict:
         args = get_args(tp)
         if not isinstance(value, Mapping):
             raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
         val_tp = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+        return {str(k): _coerce(v, val_tp, f"{key}.{k}", infinite) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"config key '{key}' expects true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64[0] <= value <= INT64[1]:
+                raise ConfigError(f"config key '{key}'={value} does not fit in 64 bits; give a smaller integer")
             return value
         raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+        return _finite(_to_float(value, key), key, infinite)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -204,14 +298,17 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
             hint = f"; did you mean '{prefix}{close}'?" if close else ""
             valid = ", ".join(sorted(fields))
             raise ConfigError(f"unknown config key '{prefix}{name}'{hint} (valid keys here: {valid})")
-        kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
+        infinite = bool(fields[name].metadata.get("infinite_ok"))
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}", infinite)
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
         where = prefix.rstrip(".") or cls.__name__
         raise ConfigError(f"invalid config for '{where}': {err}") from err
+    _check_ranges(cls, kwargs, prefix)  # after __post_init__, whose own messages say more
+    return built
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -239,6 +336,14 @@ def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _yaml_error(err: yaml.YAMLError) -> str:
+    """PyYAML's error (several lines, with a caret drawing) as one line: what, and where."""
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}; fix the file (a truncated copy?)"
+
+
 def _read_yaml(path: str | Path, allow_empty: bool = False) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -251,7 +356,7 @@ def _read_yaml(path: str | Path, allow_empty: bool = False) -> dict[str, Any]:
             "save it as UTF-8"
         ) from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from err
+        raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_error(err)}") from None
     if data is None:
         # an empty file is more often a truncated copy or the wrong path than a wish for every default
         if not allow_empty:
