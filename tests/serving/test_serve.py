@@ -1,6 +1,6 @@
 """The judge server as users run it: ``judgeloop serve-judge`` started as a real process on a free
 loopback port and called over HTTP (no test client): answers equal the in-process calibrated judge
-exactly; the OpenRLHF route answers OpenRLHF's own client code; verl's ``compute_score`` round-trips;
+exactly; the OpenRLHF route answers OpenRLHF's own client code; verl's route is tested through verl in tests/integrations/test_verl.py;
 bad requests get their codes and one-line reasons; 16 concurrent clients lose nothing; SIGTERM drains.
 """
 
@@ -309,49 +309,6 @@ def test_openrlhf_empty_completion_per_sample(length_server: str, length_judge_p
     assert [rewards[0], rewards[2], rewards[3]] == pytest.approx(
         [(2 * r + 1) / 3 for r in judged if r is not None], abs=1e-12
     )
-
-
-def test_verl_compute_score_round_trips(tiny_server: str, tiny_judge_path: Path) -> None:
-    from judgeloop.integrations.verl import compute_score
-
-    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
-    sols = SUMMARIES[:3] + SUMMARIES[3:5]
-    infos = [{"article": ARTICLES[0], "index": i} for i in range(3)] + [{"article": ARTICLES[1]}] * 2
-    got = compute_score(
-        data_sources=["summeval"] * 5,
-        solution_strs=sols,
-        ground_truths=[None] * 5,
-        extra_infos=infos,
-        server_url=tiny_server,
-    )
-    want = score_groups(judge, [Group(ARTICLES[0], sols[:3]), Group(ARTICLES[1], sols[3:])]).rewards
-    assert [r["score"] for r in got] == want[0] + want[1]
-    with pytest.raises(ValueError, match="has no 'article'"):
-        compute_score(["x"], ["a summary"], [None], [{}], server_url=tiny_server)
-
-
-def test_verl_empty_response_gets_the_lowest_reward(tiny_server: str, tiny_judge_path: Path) -> None:
-    """An empty response would be a 422 on /v1/rewards; compute_score asks empty_completions=lose, so
-    verl's run goes on with the response ranked last."""
-    from judgeloop.integrations.verl import compute_score
-
-    judge = CalibratedJudge.from_pretrained(tiny_judge_path)
-    sols = [SUMMARIES[0], "", SUMMARIES[1]]
-    got = compute_score(
-        ["summeval"] * 3, sols, [None] * 3, [{"article": ARTICLES[0]}] * 3, server_url=tiny_server
-    )
-    p = float(judge.compare([ARTICLES[0]], [SUMMARIES[0]], [SUMMARIES[1]]).p[0])
-    assert [r["score"] for r in got] == pytest.approx([(p + 1) / 2, 0.0, (2 - p) / 2], abs=1e-12)
-    assert [r["judge_empty"] for r in got] == [0, 1, 0]
-    body = {"groups": [{"prompt": ARTICLES[0], "completions": sols}], "aggregate": "bradley_terry"}
-    refused = httpx.post(tiny_server + "/v1/rewards", json=body, timeout=60)
-    assert refused.status_code == 422 and "completions[1] is empty" in refused.json()["error"]
-    strengths = httpx.post(
-        tiny_server + "/v1/rewards", json={**body, "empty_completions": "lose"}, timeout=60
-    )
-    assert strengths.status_code == 200, strengths.text
-    bt = strengths.json()["rewards"][0]
-    assert bt[1] < min(bt[0], bt[2]) and sum(bt) == pytest.approx(0.0, abs=1e-9)  # the lowest strength
 
 
 # --- bad requests ----------------------------------------------------------------------------------

@@ -5,11 +5,12 @@ Routes: ``GET /health``; ``GET /v1/info`` (judge, calibrator, held-out figures, 
 ``POST /v1/compare`` (``{"items": [{"prompt", "a", "b"}]}`` -> ``{"p", "logit", "status"}``);
 ``POST /v1/rewards`` (``{"groups": [{"prompt", "completions"}]}`` -> one reward per completion);
 ``POST /openrlhf/get_reward`` (OpenRLHF's ``--reward.remote_url``, :mod:`judgeloop.integrations.openrlhf`).
-verl calls ``/v1/rewards`` through :func:`judgeloop.integrations.verl.compute_score`.
+``POST /verl/reward`` (one verl response in, its groupwise reward out, :mod:`judgeloop.integrations.verl_route`),
+posted by :func:`judgeloop.integrations.verl.compute_score`.
 
 The judge is loaded, and the token checked, before the port is bound: a folder that is no calibrated
 judge stops here with exit status 2. SIGTERM (or Ctrl-C) drains: the server stops accepting connections,
-scores the OpenRLHF route's open groups at once (short ones as they are), lets in-flight requests finish
+scores the OpenRLHF and verl routes' open groups at once (short ones as they are), lets in-flight requests finish
 (at most ``server.drain_timeout_s``; then the unfinished are cancelled and their connections closed),
 releases the port and exits with status 0. A second Ctrl-C stops without waiting.
 """
@@ -124,7 +125,7 @@ def run(cfg: ServeConfig) -> None:
         timeout_graceful_shutdown=math.ceil(cfg.server.drain_timeout_s),
         access_log=False,  # the OpenRLHF route may carry ?api_key=
     )
-    server = DrainingServer(config, app.state.prompt_groups.drain)
+    server = DrainingServer(config, app.state.drain)
     with stopped_by_signal() as received:
         server.run()
     if not server.started:

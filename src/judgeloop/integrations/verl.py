@@ -1,30 +1,40 @@
-"""verl's batch reward manager, scored by judgeloop's judge server: :func:`compute_score`.
+"""verl's custom reward function, scored by judgeloop's judge server: :func:`compute_score`.
 
-verl's ``BatchRewardManager`` (``verl/workers/reward_manager/batch.py``) calls the custom reward
-function once per batch, by keyword::
+Supported: verl 0.7.1 to 0.9.x (:data:`SUPPORTED_VERL`; tested with 0.9.1). These run rewards in the
+reward loop (``verl/experimental/reward_loop``): ``RewardLoopManager`` splits the batch across
+``reward.num_workers`` Ray actors, and each actor's reward manager (``naive``, registered in
+``reward_loop/reward_manager/naive.py``) awaits the custom function once per response, by keyword::
 
-    compute_score(data_sources=..., solution_strs=..., ground_truths=..., extra_infos=..., **reward_kwargs)
+    await compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)
 
-and reads back one score per response (a float, or a dict with ``"score"`` and extra logged values);
-``reward_kwargs`` come from ``custom_reward_function.reward_kwargs`` (``verl/trainer/ppo/reward.py``,
-``get_custom_reward_fn``). verl passes no prompt, so the text the judge reads each response against
-comes from the row's ``extra_info[source_key]`` (put the article there when preparing the parquet),
-and the responses of one prompt (GRPO's ``rollout.n``) are grouped by that text. With
-``scheme="anchor"`` each response is judged against its ``ground_truth``. All groups of the batch go to
-the server's ``/v1/rewards`` in one request (one judge call there, merged with other workers').
+reading back a float, or a dict with ``"score"`` whose other keys verl logs. ``reward_kwargs`` come
+from ``reward.custom_reward_function.reward_kwargs`` (``verl/trainer/ppo/reward.py``,
+``get_custom_reward_fn``). The legacy top-level ``custom_reward_function.*`` and
+``reward_model.reward_manager`` keys are not read by verl 0.9's ``main_ppo`` (nothing migrates them),
+and its reward loop has no ``batch`` manager: use the ``reward.*`` keys of the launch line below.
+
+A groupwise reward needs every response of a prompt, and one call sees one response; so each call
+posts its response to the server's ``POST /verl/reward`` (:mod:`judgeloop.integrations.verl_route`),
+which gathers the ``group_size`` responses of one prompt (set it to ``actor_rollout_ref.rollout.n``),
+from every reward worker, scores them as one group and answers each call with its own reward; a group
+still short after ``group_wait_s`` is scored as it is. verl passes no prompt, so the text the judge
+reads the responses against comes from ``extra_info[source_key]`` (put the article there when preparing
+the parquet). With the server's ``rewards.scheme=anchor`` each response is judged against its
+``ground_truth``.
 
 Launch::
 
     judgeloop serve-judge --config configs/serve/judge.yaml judge_path=DIR
-    python -m verl.trainer.main_ppo ... reward_model.reward_manager=batch \\
-        custom_reward_function.path=pkg://judgeloop.integrations.verl custom_reward_function.name=compute_score \\
-        +custom_reward_function.reward_kwargs.server_url=http://127.0.0.1:8000
+    python -m verl.trainer.main_ppo ... actor_rollout_ref.rollout.n=8 \\
+        reward.custom_reward_function.path=pkg://judgeloop.integrations.verl \\
+        reward.custom_reward_function.name=compute_score \\
+        +reward.custom_reward_function.reward_kwargs.server_url=http://127.0.0.1:8000 \\
+        +reward.custom_reward_function.reward_kwargs.group_size=8
 
 An empty response (the policy wrote nothing) is not judged: it loses each comparison with a non-empty
-response of its group (the server's ``empty_completions: lose``), so it gets the group's lowest reward
-(0.0 with ``win_rate``), and its ``judge_empty`` is 1. A response with no valid comparison (a group of
-one, a judgement that failed) raises, and verl stops with the server's reason, rather than being scored
-as anything.
+response of its group, so it gets the group's lowest reward (0.0 with ``win_rate``), and its
+``judge_empty`` is 1. A response with no valid comparison (a group of one, a judgement that failed)
+raises with the server's reason, rather than being scored as anything.
 """
 
 from __future__ import annotations
@@ -34,12 +44,35 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from typing import Any
+
+SUPPORTED_VERL = ("0.7.1", "0.10")  # from (inclusive) to (exclusive)
+
+
+def check_verl_version(version: str | None = None) -> str:
+    """The installed verl's version, if :func:`compute_score` speaks its reward API.
+
+    Raises:
+        RuntimeError: verl is older than 0.7.1 (its batch reward manager calls the function once per batch
+            with lists) or 0.10 or newer (not tested), naming the version and the fix.
+    """
+    from packaging.version import Version
+
+    if version is None:
+        import verl
+
+        version = str(verl.__version__)
+    low, high = SUPPORTED_VERL
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(
+            f"verl {version} is not supported by judgeloop.integrations.verl (supported: verl>={low},<{high}, "
+            f"whose reward loop awaits compute_score once per response); install verl==0.9.1"
+        )
+    return version
 
 
 def post_json(url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 600.0) -> Any:
-    """POST ``body`` as JSON and return the decoded answer.
+    """POST ``body`` as JSON and return the decoded answer (blocking; for scripts and tests).
 
     Raises:
         RuntimeError: the server answered an error (its one-line reason) or could not be reached.
@@ -52,97 +85,118 @@ def post_json(url: str, body: dict[str, Any], api_key: str | None = None, timeou
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
-        reason = err.read().decode(errors="replace")
-        with contextlib.suppress(ValueError, AttributeError):
-            reason = json.loads(reason).get("error", reason)
-        raise RuntimeError(f"judge server {url} answered {err.code}: {reason}") from None
+        raise RuntimeError(_server_error(url, err.code, err.read().decode(errors="replace"))) from None
     except urllib.error.URLError as err:
         raise RuntimeError(
             f"judge server {url} cannot be reached ({err.reason}); start it with judgeloop serve-judge"
         ) from None
 
 
-def compute_score(
-    data_sources: Sequence[Any],
-    solution_strs: Sequence[str],
-    ground_truths: Sequence[Any],
-    extra_infos: Sequence[dict[str, Any] | None],
+def _server_error(url: str, status: int, text: str) -> str:
+    with contextlib.suppress(ValueError, AttributeError):
+        text = json.loads(text).get("error", text)
+    return f"judge server {url} answered {status}: {text}"
+
+
+async def post_json_async(url: str, body: dict[str, Any], api_key: str | None, timeout: float) -> Any:
+    """POST ``body`` as JSON with aiohttp (what verl's reward loop itself uses) and decode the answer.
+
+    Raises:
+        RuntimeError: as :func:`post_json`.
+    """
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.post(url, json=body, headers=headers) as response,
+        ):
+            text = await response.text()
+            if response.status >= 400:
+                raise RuntimeError(_server_error(url, response.status, text))
+            return json.loads(text)
+    except aiohttp.ClientConnectionError as err:
+        raise RuntimeError(
+            f"judge server {url} cannot be reached ({err}); start it with judgeloop serve-judge"
+        ) from None
+
+
+def reward_request(
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None,
+    source_key: str,
+    group_size: int,
+    group_wait_s: float,
+) -> dict[str, Any]:
+    """The body of ``POST /verl/reward`` for one response (checked before anything is sent).
+
+    Raises:
+        ValueError: ``extra_info`` lacks ``source_key``, or ``group_size`` is below 1.
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(
+            f"reward_kwargs.group_size={group_size!r}; set +reward.custom_reward_function.reward_kwargs."
+            "group_size to actor_rollout_ref.rollout.n (the responses per prompt)"
+        )
+    if not extra_info or source_key not in extra_info:
+        raise ValueError(
+            f"extra_info has no {source_key!r} (keys: {sorted(extra_info or {})}); put the text the judge reads "
+            "(the article) in extra_info when preparing the data, or set "
+            "+reward.custom_reward_function.reward_kwargs.source_key=KEY"
+        )
+    anchor = None if ground_truth is None else str(ground_truth)
+    return {
+        "prompt": str(extra_info[source_key]),
+        "completion": solution_str,
+        "anchor": anchor,
+        "group_size": group_size,
+        "group_wait_s": group_wait_s,
+    }
+
+
+async def compute_score(
+    data_source: Any = None,
+    solution_str: str = "",
+    ground_truth: Any = None,
+    extra_info: dict[str, Any] | None = None,
     server_url: str = "http://127.0.0.1:8000",
+    group_size: int = 0,
+    group_wait_s: float = 30.0,
     source_key: str = "article",
-    scheme: str | None = None,
-    aggregate: str | None = None,
     api_key_env: str = "",
     timeout: float = 600.0,
     **kwargs: Any,
-) -> list[dict[str, Any]]:
-    """verl batch reward function: groupwise calibrated rewards from a judgeloop judge server.
+) -> dict[str, Any]:
+    """verl reward function (reward loop, one response per call): the response's groupwise calibrated
+    reward among the ``group_size`` responses of its prompt, from a judgeloop judge server.
 
     Args:
-        data_sources, solution_strs, ground_truths, extra_infos: what verl's batch reward manager passes,
-            one per response.
+        data_source, solution_str, ground_truth, extra_info: what verl's reward manager passes.
         server_url: the judge server's address.
-        source_key: the ``extra_info`` key holding the text the judge reads the responses against.
-        scheme, aggregate: override the server's ``rewards.*`` (None: the server's).
+        group_size: the responses per prompt (``actor_rollout_ref.rollout.n``).
+        group_wait_s: how long the server waits for a group's missing responses, from the first.
+        source_key: the ``extra_info`` key holding the text the judge reads the response against.
         api_key_env: the environment variable holding the server's bearer token (empty: none).
+        kwargs: what else verl passes (``reward_router_address`` with a reward model), ignored.
 
     Returns:
-        per response ``{"score": reward, "judge_comparisons": ..., "judge_empty": 0 or 1}`` (verl logs
-        the extra keys).
+        ``{"score": reward, "judge_empty": 0 or 1, "judge_group_size": n}`` (verl logs the extra keys).
 
     Raises:
-        ValueError: a row lacks ``extra_info[source_key]``, or the inputs differ in length.
-        RuntimeError: the server refused the batch or gave a response no reward.
+        RuntimeError: an unsupported verl; the server refused the response or gave it no reward.
+        ValueError: ``extra_info`` lacks ``source_key``, or ``group_size`` is unset.
     """
-    n = len(solution_strs)
-    if not (len(data_sources) == len(ground_truths) == len(extra_infos) == n):
-        raise ValueError(
-            f"compute_score got {n} solution_strs, {len(data_sources)} data_sources, {len(ground_truths)} "
-            f"ground_truths and {len(extra_infos)} extra_infos; verl passes one of each per response"
-        )
-    sources = []
-    for i, info in enumerate(extra_infos):
-        if not info or source_key not in info:
-            raise ValueError(
-                f"extra_info of response {i} has no {source_key!r} (keys: {sorted(info or {})}); put the "
-                "text the judge reads (the article) in extra_info when preparing the data, or set "
-                "+custom_reward_function.reward_kwargs.source_key=KEY"
-            )
-        sources.append(str(info[source_key]))
-    anchored = scheme == "anchor"
-    index: dict[tuple[str, str | None], int] = {}
-    groups: list[dict[str, Any]] = []
-    where = []
-    for s, text, truth in zip(sources, solution_strs, ground_truths):
-        anchor = str(truth) if anchored else None
-        key = (s, anchor)
-        if key not in index:
-            index[key] = len(groups)
-            groups.append({"prompt": s, "completions": [], **({"anchor": anchor} if anchored else {})})
-        where.append((index[key], len(groups[index[key]]["completions"])))
-        groups[index[key]]["completions"].append(text)
-    body: dict[str, Any] = {"groups": groups, "empty_completions": "lose"}
-    if scheme is not None:
-        body["scheme"] = scheme
-    if aggregate is not None:
-        body["aggregate"] = aggregate
+    check_verl_version()
+    body = reward_request(solution_str, ground_truth, extra_info, source_key, group_size, group_wait_s)
     api_key = os.environ.get(api_key_env, "") if api_key_env else None
-    answer = post_json(server_url.rstrip("/") + "/v1/rewards", body, api_key, timeout)
-    out = []
-    for i, (g, j) in enumerate(where):
-        reward = answer["rewards"][g][j]
-        if reward is None:
-            raise RuntimeError(
-                f"response {i} got no reward (no valid comparison: a group of one, or the judge failed on "
-                "it); generate rollout.n > 1 responses per prompt, or use scheme=anchor"
-            )
-        out.append(
-            {
-                "score": float(reward),
-                "judge_comparisons": answer["comparisons"][g],
-                "judge_empty": int(not solution_strs[i].strip()),
-            }
-        )
-    return out
+    answer = await post_json_async(server_url.rstrip("/") + "/verl/reward", body, api_key, timeout)
+    return {
+        "score": float(answer["reward"]),
+        "judge_empty": int(answer["empty"]),
+        "judge_group_size": int(answer["group_size"]),
+    }
 
 
-__all__ = ["compute_score", "post_json"]
+__all__ = ["SUPPORTED_VERL", "check_verl_version", "compute_score", "post_json", "reward_request"]

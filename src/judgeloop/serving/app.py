@@ -325,9 +325,10 @@ def info_body(
 # --- the application -----------------------------------------------------------------------------
 def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
-    :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher`` and ``prompt_groups``."""
+    :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher``, ``prompt_groups``, ``verl_groups`` and ``drain``."""
     from judgeloop import __version__
     from judgeloop.integrations.openrlhf import openrlhf_router
+    from judgeloop.integrations.verl_route import VerlGroups, verl_router
 
     token = api_key(cfg)
     batcher = ComparisonBatcher(
@@ -350,6 +351,8 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="judgeloop judge server", version=__version__, lifespan=lifespan)
     app.state.batcher, app.state.cfg, app.state.prompt_groups = batcher, cfg, prompt_groups
+    verl_groups = app.state.verl_groups = VerlGroups(batcher, defaults)
+    app.state.drain = lambda: (prompt_groups.drain(), verl_groups.drain())
 
     authorize = authorizer(token)
     add_error_handlers(app)
@@ -360,7 +363,9 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
 
     @app.get("/v1/info", dependencies=[Depends(authorize)])
     async def info() -> dict[str, Any]:
-        return info_body(judge, cfg, batcher, prompt_groups)
+        body = info_body(judge, cfg, batcher, prompt_groups)
+        body["stats"].update(verl_groups.stats())
+        return body
 
     @app.post("/v1/compare", dependencies=[Depends(authorize)])
     async def compare(body: CompareRequest) -> dict[str, Any]:
@@ -395,6 +400,9 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
 
     app.include_router(
         openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
+    )
+    app.include_router(
+        verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
     )
     app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
     return app
