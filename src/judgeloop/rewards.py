@@ -14,7 +14,9 @@ judge says which of two is better, so a group's rewards come from comparisons in
 Every comparison of every group in a batch goes to the judge in one call (:func:`score_groups`).
 Completions are de-duplicated first: identical completions get identical rewards, and the comparison
 design is built on the distinct completions sorted by content, so the rewards do not depend on the
-order of completions within the group. A pairwise judge that does not debias positions is asked both
+order of completions within the group. With :class:`EmptyLoses` around the judge, an empty completion
+is not judged: it loses to every non-empty text (p = 0) and ties another empty one, so it gets the
+lowest reward of its group under either aggregate. A pairwise judge that does not debias positions is asked both
 orders of each comparison (the two calibrated p are averaged); a failed comparison is dropped from the
 aggregate and counted, and a completion with no valid comparison gets ``None`` (which TRL reads as "not
 applicable").
@@ -29,6 +31,8 @@ from typing import Any, Literal
 
 import numpy as np
 from scipy.special import expit
+
+from judgeloop.judges.calibrated import Comparison
 
 SCHEMES = ("all_pairs", "round_robin", "anchor")
 AGGREGATES = ("win_rate", "bradley_terry")
@@ -60,6 +64,10 @@ class GroupScores:
         judge_calls: calls to the judge for the whole batch (1, or 0 when nothing needed judging).
         mean_p: mean calibrated p of the valid comparisons (as the first-listed completion).
         position_bias: mean s(a,b) + s(b,a) of the judged comparisons, when both orders were scored.
+        mean_margin: mean |p - 0.5| of the comparisons the judge answered (the judge's signal: 0 when
+            it cannot tell the completions apart, whatever the rewards' scale).
+        order_agreement: share of the comparisons judged in both orders whose two orders name the same
+            winner (NaN when none was judged in both orders).
     """
 
     rewards: list[list[float | None]]
@@ -68,6 +76,8 @@ class GroupScores:
     judge_calls: int = 0
     mean_p: float = float("nan")
     position_bias: float = float("nan")
+    mean_margin: float = float("nan")
+    order_agreement: float = float("nan")
     statuses: dict[str, int] = field(default_factory=dict)
 
 
@@ -175,6 +185,45 @@ def _aggregate(
     return [float(theta[i]) if seen[i] else None for i in range(n)]
 
 
+def is_empty(text: str) -> bool:
+    """Whether a completion has no text to judge (nothing but whitespace)."""
+    return not text.strip()
+
+
+class EmptyLoses:
+    """A judge whose comparisons with an empty side are answered without it: an empty text loses to a
+    non-empty one (p = 0, raw logit -inf), two empty ones tie (p = 0.5); the rest go to ``judge`` in one
+    call. ``pairwise`` and ``debiases`` are the judge's; ``empty`` counts the comparisons answered here."""
+
+    def __init__(self, judge: Any):
+        self.judge = judge
+        self.pairwise, self.debiases = judge.pairwise, judge.debiases
+        self.empty = 0
+
+    def compare(self, prompts: Any, a: Any, b: Any, references: Any = None) -> Comparison:
+        empty = [is_empty(x) or is_empty(y) for x, y in zip(a, b)]
+        if not any(empty):
+            return self.judge.compare(prompts, a, b, references)
+        n = len(a)
+        p, logit = np.full(n, np.nan), np.full(n, np.nan)
+        status = ["ok"] * n  # an empty side decides the comparison: a valid outcome, not a judgement
+        for i in (i for i in range(n) if empty[i]):
+            ea, eb = is_empty(a[i]), is_empty(b[i])
+            p[i] = 0.5 if ea == eb else (0.0 if ea else 1.0)
+            logit[i] = 0.0 if ea == eb else (-np.inf if ea else np.inf)
+        self.empty += sum(empty)
+        keep = [i for i in range(n) if not empty[i]]
+        if keep:
+            refs = [references[i] for i in keep] if references is not None else None
+            out = self.judge.compare(
+                [prompts[i] for i in keep], [a[i] for i in keep], [b[i] for i in keep], refs
+            )
+            p[keep], logit[keep] = out.p, out.logit
+            for i, st in zip(keep, out.status):
+                status[i] = st
+        return Comparison(p=p, logit=logit, status=status, forward=logit.copy())
+
+
 def score_groups(
     judge: Any,
     groups: Sequence[Group],
@@ -233,6 +282,8 @@ def score_groups(
         valid = out.valid & np.isfinite(prob)
     result = GroupScores(rewards=[], comparisons=[], failed=[], judge_calls=calls)
     all_p: list[float] = []
+    margins: list[float] = []
+    agree: list[bool] = []
     for g, (texts, plan) in zip(groups, plans):
         pairs, ps, failed = [], [], 0
         for i, j, judged in plan:
@@ -245,6 +296,10 @@ def score_groups(
                 continue
             p_first = float(prob[judged[0]])
             pij = p_first if len(judged) == 1 else 0.5 * (p_first + 1.0 - float(prob[judged[1]]))
+            if all(np.isfinite(out.logit[r]) for r in judged):  # answered by the judge, not an empty side
+                margins.append(abs(pij - 0.5))
+                if len(judged) == 2:
+                    agree.append((p_first > 0.5) == (float(prob[judged[1]]) < 0.5))
             pairs.append((i, j))
             ps.append(pij)
         all_p += ps
@@ -258,6 +313,11 @@ def score_groups(
         result.statuses = {s: out.status.count(s) for s in sorted(set(out.status))}
         result.position_bias = _position_bias(out, both)
     result.mean_p = float(np.mean(all_p)) if all_p else float("nan")
+    result.mean_margin = float(np.mean(margins)) if margins else float("nan")
+    if a and not both and out.reverse is not None:  # the judge scored both orders itself
+        ok = out.valid & np.isfinite(out.forward) & np.isfinite(out.reverse)
+        agree = list((out.forward[ok] > 0) == (out.reverse[ok] < 0))
+    result.order_agreement = float(np.mean(agree)) if agree else float("nan")
     return result
 
 
@@ -267,7 +327,7 @@ def _position_bias(out: Any, both: bool) -> float:
         return out.position_bias()
     ok = out.valid
     fwd, rev = out.logit[0::2], out.logit[1::2]
-    keep = ok[0::2] & ok[1::2]
+    keep = ok[0::2] & ok[1::2] & np.isfinite(fwd) & np.isfinite(rev)  # not an empty side's +-inf
     return float(np.mean(fwd[keep] + rev[keep])) if keep.any() else float("nan")
 
 
@@ -291,6 +351,7 @@ def group_rewards(
 
 __all__ = [
     "AGGREGATES",
+    "EmptyLoses",
     "SCHEMES",
     "Group",
     "GroupScores",
@@ -298,5 +359,6 @@ __all__ = [
     "bradley_terry",
     "design",
     "group_rewards",
+    "is_empty",
     "score_groups",
 ]

@@ -10,7 +10,7 @@ from scipy.special import expit
 from judgeloop.calibration import IdentityCalibrator, PlattCalibrator
 from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.rewards import Group, bradley_terry, design, group_rewards, score_groups
+from judgeloop.rewards import EmptyLoses, Group, bradley_terry, design, group_rewards, score_groups
 
 ARTICLE = "the council met on monday and voted to expand the city park by ten acres next spring"
 # shorter is better for the length judge: the planted ranking is c1 > c2 > ... > c5
@@ -120,6 +120,11 @@ def test_a_pairwise_judge_that_does_not_debias_is_asked_both_orders():
     scores = score_groups(judge, [Group(ARTICLE, COMPLETIONS[:3])])
     assert judge.judge.stats.cache_misses - before == 2 * 3  # 3 comparisons x 2 orders
     assert np.isfinite(scores.position_bias)
+    assert 0.0 <= scores.order_agreement <= 1.0 and 0.0 <= scores.mean_margin <= 0.5
+    # an empty side is answered without the judge, and its +-inf logits leave the position bias finite
+    with_empty = score_groups(EmptyLoses(judge), [Group(ARTICLE, COMPLETIONS[:3] + [" "])])
+    assert judge.judge.stats.cache_misses - before == 2 * 3 and np.isfinite(with_empty.position_bias)
+    assert with_empty.rewards[0][3] == 0.0 and with_empty.order_agreement == scores.order_agreement
     rewards = scores.rewards[0]
     # the two orders averaged: win rates of a 3-group sum to 3/2 exactly as p(i, j) + p(j, i) = 1
     assert sum(rewards) == pytest.approx(1.5)

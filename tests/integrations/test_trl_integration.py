@@ -280,3 +280,47 @@ def test_trl_rloo_trainer_takes_the_reward_with_its_groups(tmp_path, tiny_calibr
     for s, e in call["spans"]:  # Bradley-Terry strengths of a group's distinct completions sum to 0
         distinct = dict(zip(call["completions"][s:e], call["rewards"][s:e]))
         assert abs(sum(r for r in distinct.values() if r is not None)) < 1e-9
+
+
+class _CountingJudge:
+    """The length judge, recording every text it is asked about."""
+
+    def __init__(self):
+        self.inner, self.seen = _length_judge(), []
+        self.pairwise, self.debiases = self.inner.pairwise, self.inner.debiases
+
+    def compare(self, prompts, a, b, references=None):
+        self.seen += list(a) + list(b)
+        return self.inner.compare(prompts, a, b, references)
+
+
+@pytest.mark.parametrize("aggregate", ["win_rate", "bradley_terry"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_an_empty_completion_gets_its_groups_lowest_reward_unjudged(aggregate, k):
+    judge = _CountingJudge()
+    reward = JudgeReward(judge, aggregate=aggregate, num_generations=k)
+    texts = ["", "a b c", "a", "a b"][:k]
+    logged: dict[str, float] = {}
+    out = reward(prompts=["p"] * k, completions=texts, article=["art"] * k,
+                 log_metric=lambda key, v: logged.__setitem__(key, v))  # fmt: skip
+    assert "" not in judge.seen and all(r is not None for r in out)
+    assert out[0] < min(out[1:])
+    assert logged["judge/empty"] == 1 and logged["judge/reward_std"] > 0
+    assert 0 < logged["judge/mean_margin"] <= 0.5 if k > 2 else np.isnan(logged["judge/mean_margin"])
+    # empty="judge" keeps the old behaviour: the judge reads the empty text
+    JudgeReward(judge, aggregate=aggregate, num_generations=k, empty="judge")(
+        prompts=["p"] * k, completions=texts, article=["art"] * k
+    )
+    assert "" in judge.seen
+
+
+def test_judge_reward_logs_the_judges_signal_and_no_nan_position_bias():
+    logged: dict[str, float] = {}
+    JudgeReward(_length_judge(), num_generations=3)(
+        prompts=["p"] * 3, completions=["a", "a b", "a b c"], article=["art"] * 3,
+        log_metric=lambda key, v: logged.__setitem__(key, v),
+    )  # fmt: skip
+    assert {"judge/reward_std", "judge/mean_margin", "judge/empty"} <= set(logged)
+    assert all(np.isfinite(v) for v in logged.values())  # no NaN position bias / order agreement
+    with pytest.raises(ValueError, match="empty='drop'; use lose"):
+        JudgeReward(_length_judge(), empty="drop")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from judgeloop.rewards import Group, check_scheme, score_groups
+from judgeloop.rewards import EmptyLoses, Group, check_scheme, is_empty, score_groups
 
 
 def completion_text(completion: Any) -> str:
@@ -39,6 +39,9 @@ def completion_text(completion: Any) -> str:
     )
 
 
+_OMIT_NAN = ("judge/order_agreement", "judge/position_bias")
+
+
 class JudgeReward:
     """A TRL reward function backed by a calibrated judge.
 
@@ -51,10 +54,16 @@ class JudgeReward:
         source_column: the dataset column with the text the judge reads the completions against.
         anchor_column: the column with each row's anchor completion (``anchor`` scheme).
         reference_column: the column with references, for a judge that reads them.
+        empty: ``lose`` (default, like the server's ``empty_completions: lose``): an empty completion
+            is not judged and gets the lowest reward of its group under either aggregate; ``judge``:
+            the judge is asked about it like any other text.
 
     Each call judges the whole batch in one judge call, and logs through TRL (``log_metric``, when the
     trainer passes it): ``judge/comparisons_per_group``, ``judge/failed``, ``judge/mean_p``,
-    ``judge/position_bias``. ``history`` keeps the last calls' inputs and rewards (``keep_history``).
+    ``judge/empty`` (empty completions), and the ones that show the judge's signal:
+    ``judge/reward_std`` (mean spread of the rewards within a group), ``judge/mean_margin`` (mean
+    |p - 0.5|) and ``judge/order_agreement`` (both orders name the same winner); that one and
+    ``judge/position_bias`` are logged only when both orders were scored (a pairwise judge). ``history`` keeps the last calls' inputs and rewards (``keep_history``).
     """
 
     def __init__(
@@ -71,8 +80,13 @@ class JudgeReward:
         reference_column: str | None = None,
         keep_history: int = 0,
         name: str = "judgeloop",
+        empty: str = "lose",
     ):
         check_scheme(scheme, aggregate, m, prior)
+        if empty not in ("lose", "judge"):
+            raise ValueError(
+                f"JudgeReward: empty={empty!r}; use lose (an empty completion ranks last) or judge"
+            )
         if scheme == "anchor" and not anchor_column:
             raise ValueError("scheme=anchor needs anchor_column: the dataset column with each row's anchor")
         if num_generations is not None and num_generations < 1:
@@ -91,6 +105,7 @@ class JudgeReward:
         self.anchor_column = anchor_column
         self.reference_column = reference_column
         self.keep_history = keep_history
+        self.empty = empty
         self.history: list[dict[str, Any]] = []
         self.calls = 0
         self.judge_calls = 0
@@ -136,6 +151,23 @@ class JudgeReward:
                 )
         return spans
 
+    def _log(self, log: Any, scores: Any, texts: list[str]) -> None:
+        valid = [[r for r in g if r is not None] for g in scores.rewards]
+        spreads = [np.std(g) for g in valid if len(g) > 1]  # within each group: the signal GRPO uses
+        values = {
+            "judge/comparisons_per_group": float(np.mean(scores.comparisons)),
+            "judge/failed": float(sum(scores.failed)),
+            "judge/empty": float(sum(is_empty(t) for t in texts)),
+            "judge/mean_p": scores.mean_p,
+            "judge/reward_std": float(np.mean(spreads)) if spreads else float("nan"),
+            "judge/mean_margin": scores.mean_margin,
+            "judge/order_agreement": scores.order_agreement,
+            "judge/position_bias": scores.position_bias,
+        }
+        for key, value in values.items():
+            if key not in _OMIT_NAN or np.isfinite(value):  # NaN: no comparison was judged in both orders
+                log(key, value)
+
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
     ) -> list[float | None]:
@@ -167,7 +199,7 @@ class JudgeReward:
                 Group(str(sources[s]), texts[s:e], anchors[s], (ref,) if isinstance(ref, str) else tuple(ref))
             )
         scores = score_groups(
-            self.judge,
+            EmptyLoses(self.judge) if self.empty == "lose" else self.judge,
             groups,
             self.scheme,
             self.aggregate,
@@ -180,10 +212,7 @@ class JudgeReward:
         self.judge_calls += scores.judge_calls
         log = kwargs.get("log_metric")
         if callable(log):
-            log("judge/comparisons_per_group", float(np.mean(scores.comparisons)))
-            log("judge/failed", float(sum(scores.failed)))
-            log("judge/mean_p", scores.mean_p)
-            log("judge/position_bias", scores.position_bias)
+            self._log(log, scores, texts)
         if self.keep_history:
             self.history.append(
                 {"sources": sources, "completions": texts, "spans": spans, "rewards": rewards}
