@@ -8,7 +8,8 @@ is generated or parsed):
 * ``reward_model``: difference of a scalar sequence-classification head (Bradley-Terry);
 * ``embedding``: difference of cosine similarities to the article or references, times ``scale``;
 
-or an objective signal (``objective``: ROUGE, a length or copy penalty, an NLI factual-consistency
+or ``served``: the ``choice`` judge's verdict logit read from a vLLM / SGLang / OpenAI-compatible server
+(:mod:`judgeloop.judges.served`, settings under ``judge.server``), or an objective signal (``objective``: ROUGE, a length or copy penalty, an NLI factual-consistency
 score; :mod:`judgeloop.judges.objective`), or a ``panel`` of any of these, each member calibrated on
 its own and combined (:mod:`judgeloop.judges.panel`).
 
@@ -32,10 +33,11 @@ from judgeloop.judges.base import (
     PointwiseJudge,
     combine_orders,
 )
+from judgeloop.judges.served_client import ServerConfig
 from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
 from judgeloop.judges.styled import STYLE_FEATURES, StyledJudge, style_feature
 
-JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding", "objective", "panel")
+JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served")
 PANEL_CALIBRATIONS = ("platt", "isotonic", "temperature", "feature_platt")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
 
@@ -121,13 +123,15 @@ class JudgeConfig:
             the NLI model); the value difference is multiplied by ``scale``.
         entailment_label: ``objective`` judge, ``factual`` signal: the NLI model's entailment class.
         panel: ``panel`` judge: its members and combination rule (:class:`PanelConfig`).
+        server: ``served`` judge: the server, its model and how to call it (:class:`ServerConfig`);
+            ``model`` then names the served model's tokenizer, which renders the prompts here.
         calibrate: as a panel member, whether its calibrator is fitted on the labeled pairs; ``None``
             (default) means yes for a judge and no for an objective signal, whose logit then enters as it
             is (``p = sigmoid(s)``): a penalty keeps the direction and the ``scale`` it was given, where a
             calibrator fitted on ROUGE labels would turn a length penalty into a length reward.
     """
 
-    type: Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel"] = "choice"
+    type: Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"] = "choice"
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     prompt: str = "neutral"
     position_debias: bool | None = None
@@ -145,6 +149,7 @@ class JudgeConfig:
     signal: Literal["rouge", "length", "copy_rate", "factual"] = "rouge"
     entailment_label: str = "entailment"
     panel: PanelConfig = field(default_factory=lambda: PanelConfig())
+    server: ServerConfig = field(default_factory=lambda: ServerConfig())
     calibrate: bool | None = None
 
     def __post_init__(self) -> None:
@@ -160,6 +165,13 @@ class JudgeConfig:
             )
         if self.type != "panel" and self.panel.members:
             raise ValueError(f"judge.panel.members is set but judge.type={self.type!r}; set judge.type=panel")
+        if self.type == "served" and not (self.server.base_url and self.server.model):
+            raise ValueError(
+                f"judge.type=served needs judge.server.base_url and judge.server.model (got "
+                f"{self.server.base_url!r}, {self.server.model!r}); e.g. judge.server.base_url=http://localhost:8000"
+            )
+        if self.type != "served" and self.server.base_url:
+            raise ValueError(f"judge.server.base_url is set but judge.type={self.type!r}; set judge.type=served")
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")
         get_prompt(self.prompt)  # raises naming the closest template
@@ -204,8 +216,8 @@ class JudgeConfig:
 
     @property
     def debias(self) -> bool:
-        """Resolved position debiasing: the explicit setting, else on for ``choice`` only."""
-        return self.type == "choice" if self.position_debias is None else self.position_debias
+        """Resolved position debiasing: the explicit setting, else on for ``choice`` and ``served`` only."""
+        return self.type in ("choice", "served") if self.position_debias is None else self.position_debias
 
 
 def models_of(cfg: JudgeConfig, key: str = "judge") -> list[tuple[str, str, str]]:
@@ -274,6 +286,19 @@ def _build_base_judge(cfg: JudgeConfig) -> Judge:
         from judgeloop.judges.choice import ChoiceJudge
 
         return ChoiceJudge(cfg.model, prompt=cfg.prompt, verdict_tokens=tuple(cfg.verdict_tokens), **common)
+    if cfg.type == "served":
+        from judgeloop.judges.served import ServedJudge
+
+        return ServedJudge(
+            cfg.server,
+            cfg.model,
+            prompt=cfg.prompt,
+            verdict_tokens=tuple(cfg.verdict_tokens),
+            position_debias=cfg.debias,
+            batch_size=cfg.batch_size,
+            max_length=cfg.max_length,
+            cache_size=cfg.cache_size,
+        )
     if cfg.type == "likelihood":
         from judgeloop.judges.likelihood import LikelihoodJudge
 
@@ -298,6 +323,7 @@ __all__ = [
     "Judge",
     "JudgeConfig",
     "PanelConfig",
+    "ServerConfig",
     "build_panel",
     "member_names",
     "members_models",

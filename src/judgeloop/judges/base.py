@@ -26,9 +26,15 @@ import numpy as np
 
 from judgeloop.hashing import texts_digest
 
-Status = Literal["ok", "truncated", "empty_summary", "nonfinite", "too_long"]
-STATUSES = ("ok", "truncated", "empty_summary", "nonfinite", "too_long")
-VALID_STATUSES = ("ok", "truncated")
+Status = Literal[
+    "ok", "truncated", "empty_summary", "nonfinite", "too_long", "outside_topk", "text_only", "unparsed", "failed"
+]
+STATUSES = (
+    "ok", "truncated", "empty_summary", "nonfinite", "too_long", "outside_topk", "text_only", "unparsed", "failed"
+)
+# scored statuses; the served judge's ``outside_topk`` (a bound) and ``text_only`` (a hard label) are scored
+# too, so calibration sees and counts them (judges/served.py)
+VALID_STATUSES = ("ok", "truncated", "outside_topk", "text_only")
 
 
 @dataclass
@@ -110,12 +116,13 @@ def combine_orders(forward: np.ndarray, reverse: np.ndarray) -> np.ndarray:
 
 
 def merge_status(first: str, second: str) -> str:
-    """Status of an item built from two parts: the first failure wins, else truncated if either is."""
+    """Status of an item built from two parts: the first failure wins, else the weaker of two scored
+    statuses (``text_only`` over ``outside_topk`` over ``truncated`` over ``ok``)."""
     if first not in VALID_STATUSES:
         return first
     if second not in VALID_STATUSES:
         return second
-    return "truncated" if "truncated" in (first, second) else "ok"
+    return max(first, second, key=VALID_STATUSES.index)
 
 
 _digest = texts_digest

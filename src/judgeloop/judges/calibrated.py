@@ -106,6 +106,7 @@ class CalibratedJudge:
     def __post_init__(self) -> None:
         if self.judge is None:
             self.judge = build_judge(self.config)
+        check_served(self.judge, self.card)
         self.calls = 0  # compare() calls: a batched caller makes one per batch
 
     @property
@@ -157,6 +158,8 @@ class CalibratedJudge:
             "method": self.method,
             "feature_names": list(FEATURE_NAMES) if self.calibrator.uses_features else [],
         }
+        if hasattr(self.judge, "describe"):  # a served judge: the model, server and route it was fit on
+            card["served"] = self.judge.describe()
         with atomic_dir(path) as tmp:
             atomic_write_text(tmp / "judge.yaml", to_yaml(self.config))
             atomic_write_json(tmp / "calibrator.json", self.calibrator.state_dict())
@@ -215,6 +218,28 @@ class CalibratedJudge:
         return cls(config=config, calibrator=calibrator, card=card)
 
 
+def check_served(judge: Judge, card: dict[str, Any]) -> None:
+    """A served judge loaded from a folder must reach the model and verdict token ids it was fit on.
+
+    Raises:
+        ConfigError: one line naming the saved and the present model (or token ids).
+    """
+    saved = card.get("served")
+    if not saved or not hasattr(judge, "describe"):
+        return
+    now = judge.describe()
+    if saved.get("model") != now.get("model"):
+        raise ConfigError(
+            f"this served judge was calibrated on model {saved.get('model')!r} but the server serves "
+            f"{now.get('model')!r}; point judge.server.base_url at a server of {saved.get('model')!r} or calibrate again"
+        )
+    if saved.get("verdict_token_ids") != now.get("verdict_token_ids"):
+        raise ConfigError(
+            f"this served judge was calibrated with verdict token ids {saved.get('verdict_token_ids')} but "
+            f"judge.model's tokenizer gives {now.get('verdict_token_ids')}; use the served model's own tokenizer"
+        )
+
+
 # judge settings whose change changes what the logit means (so the fitted calibrator no longer applies)
 MEANING_KEYS = (
     "type",
@@ -227,6 +252,8 @@ MEANING_KEYS = (
     "style_feature",
     "signal",
     "panel",
+    "server.model",
+    "server.route",
 )
 
 
@@ -247,6 +274,14 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
         lines.append(
             "- Fit on " + ", ".join(f"{k}: {v}" for k, v in fit.items() if not isinstance(v, dict)) + "."
         )
+    served = card.get("served")
+    if served:
+        lines.append(
+            f"- Served: model `{served.get('model')}` at `{config.server.base_url}`, route `{served.get('route')}`"
+            f", verdict token ids {served.get('verdict_token_ids')}."
+        )
+    if card.get("statuses"):
+        lines.append(f"- Judge statuses seen: {card['statuses']}.")
     if held:
         lines.append(
             "- Held out: " + ", ".join(f"{k} {v:.4f}" for k, v in held.items() if isinstance(v, float)) + "."

@@ -30,7 +30,7 @@ from judgeloop.calibration.labels import (
 from judgeloop.calibration.metrics import all_metrics
 from judgeloop.data import DataConfig, load_examples, split_examples
 from judgeloop.io import DataError
-from judgeloop.judges import JudgeConfig, build_judge
+from judgeloop.judges import VALID_STATUSES, JudgeConfig, build_judge
 from judgeloop.judges.base import Judge, Pair
 from judgeloop.logging import get_logger
 
@@ -126,7 +126,7 @@ def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[s
             back = judge.score([Pair(p.article, p.b, p.a, references=r) for p, r in zip(chunk, refs)])
             rev[start : start + len(chunk)] = back.scores
             for s1, s2 in zip(out.status, back.status):
-                status.append(s1 if s1 not in ("ok", "truncated") else s2)
+                status.append(s1 if s1 not in VALID_STATUSES else s2)
             ok = out.valid & back.valid
             bias_terms.extend((out.scores[ok] + back.scores[ok]).tolist())
     return {
@@ -138,7 +138,7 @@ def score_pairs(judge: Judge, pairs: Sequence[LabeledPair], desc: str) -> dict[s
 
 
 def _valid(scored: dict[str, Any]) -> np.ndarray:
-    ok = np.array([s in ("ok", "truncated") for s in scored["status"]], dtype=bool)
+    ok = np.array([s in VALID_STATUSES for s in scored["status"]], dtype=bool)
     return ok & np.isfinite(scored["forward"]) & np.isfinite(scored["reverse"])
 
 
@@ -270,6 +270,7 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
                 "test": dict(Counter(eval_scored["status"])),
             },
             "cache": {"hits": judge.stats.cache_hits, "misses": judge.stats.cache_misses},
+            **({"served": judge.describe()} if hasattr(judge, "describe") else {}),
         },
         "labels": {
             "type": cfg.labels.type,
@@ -308,6 +309,7 @@ def judge_card(cfg: CalibrateConfig, report: dict[str, Any], method: str) -> dic
     """What a saved calibrated judge says of itself: the data it was fit on and its held-out figures."""
     m = report["methods"][method]
     return {
+        "statuses": report["judge"]["status"],
         "fit": {
             "split": "calibration",
             "pairs": report["n_fit"],
@@ -363,8 +365,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{j['position_bias']['calibration']:.4f}, test {j['position_bias']['test']:.4f}.",
             "",
             f"Judge item status: calibration {j['status']['calibration']}, test {j['status']['test']}. "
-            "Items that are not `ok`/`truncated` are excluded, never scored as a preference.",
+            "Items that are not `ok`/`truncated` (or a served judge's `outside_topk`/`text_only`) are excluded, "
+            "never scored as a preference.",
             "",
+            *(
+                [f"Served judge: model `{j['served']['model']}`, route `{j['served']['route']}`.", ""]
+                if "served" in j
+                else []
+            ),
             f"Label ties / unrated pairs dropped: calibration {report['labels']['calibration']}, "
             f"test {report['labels']['test']}.",
             "",

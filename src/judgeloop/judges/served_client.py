@@ -1,0 +1,400 @@
+"""The HTTP client of the served judge: verdict-token log-probabilities from vLLM, SGLang or an OpenAI API.
+
+One request asks the next-token distribution at the end of a judge prompt (given as token ids, so the
+server sees exactly the tokens the in-process judge would) and returns a :class:`Reply`. Routes, best
+first (``route: auto`` probes them in this order on the first call):
+
+* ``vllm``: ``POST /v1/completions`` with ``logprob_token_ids`` (the log-probability of the given ids
+  whatever their rank) and ``return_tokens_as_token_ids``; read from
+  ``choices[0].logprobs.top_logprobs[0]``, keys ``token_id:N``;
+* ``sglang``: ``POST /generate`` with ``input_ids``, ``return_logprob`` and ``token_ids_logprob``; read from
+  ``meta_info.output_token_ids_logprobs[0]``, entries ``[logprob, token_id, text]``;
+* ``top_logprobs``: ``POST /v1/completions`` with ``logprobs: k`` (at most 20 on OpenAI); a verdict token
+  missing from the top k is bounded above by the k-th log-probability (:attr:`Reply.bound`);
+* ``text``: the same completion with no log-probabilities: the sampled token as a hard label.
+
+Calls are async (httpx) with bounded concurrency, requests- and tokens-per-minute limits, retries with
+backoff on 429 (honouring ``Retry-After``), 5xx, timeouts and dropped connections. A call that still
+fails is a :class:`Reply` with ``error`` set, never an exception in the middle of a batch. Successful
+replies can be kept in an SQLite cache keyed by server, model, route and prompt ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ROUTES = ("vllm", "sglang", "top_logprobs", "text")
+
+
+@dataclass
+class ServerConfig:
+    """Where the served judge's model runs (``judge.server``, with ``judge.type: served``).
+
+    Attributes:
+        base_url: the server's root, e.g. ``http://localhost:8000`` (``/v1`` is added by the client).
+        model: the model id the server serves (``GET /v1/models``); the saved judge records it.
+        api_key_env: name of the environment variable holding the API key (the key itself is never
+            stored in a config, a saved judge or a log); empty: no key.
+        route: ``auto`` (probe the best route the server answers) or one of ``vllm``, ``sglang``,
+            ``top_logprobs``, ``text``.
+        top_logprobs: k of the ``top_logprobs`` route (OpenAI allows at most 20).
+        timeout_s: per-call timeout, seconds.
+        max_retries: retries of one call after a 429, a 5xx, a timeout or a dropped connection.
+        backoff_s: first retry delay, doubled on each retry (a 429's ``Retry-After`` wins when given).
+        concurrency: requests in flight at once.
+        max_requests_per_minute, max_tokens_per_minute: rate limits (0: none); tokens are prompt tokens.
+        on_failure: ``mask`` (a failed call is status ``failed``, its pair dropped and counted) or
+            ``stop`` (raise after the batch, naming the count and the first error).
+        cache_path: SQLite file of judgements kept across runs (empty: none).
+    """
+
+    base_url: str = ""
+    model: str = ""
+    api_key_env: str = ""
+    route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
+    top_logprobs: int = 20
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    concurrency: int = 8
+    max_requests_per_minute: int = 0
+    max_tokens_per_minute: int = 0
+    on_failure: Literal["mask", "stop"] = "mask"
+    cache_path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.route not in ("auto", *ROUTES):
+            raise ValueError(f"judge.server.route={self.route!r}; use auto or one of {list(ROUTES)}")
+        if self.on_failure not in ("mask", "stop"):
+            raise ValueError(f"judge.server.on_failure={self.on_failure!r}; use mask or stop")
+        for name, low in (("top_logprobs", 1), ("concurrency", 1), ("max_retries", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"judge.server.{name}={getattr(self, name)} must be >= {low}")
+        for name in ("max_requests_per_minute", "max_tokens_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"judge.server.{name}={getattr(self, name)} must be >= 0 (0: no limit)")
+        if not self.timeout_s > 0 or self.backoff_s < 0:
+            raise ValueError(
+                f"judge.server.timeout_s={self.timeout_s}, backoff_s={self.backoff_s}: the timeout must be "
+                "positive and the backoff >= 0"
+            )
+
+
+@dataclass
+class Reply:
+    """One prompt's answer.
+
+    Attributes:
+        logprobs: token id -> log-probability at the answer position, for the ids the route returned;
+            ``None`` when the server returned no log-probabilities (route ``text``).
+        bound: the k-th (smallest) returned log-probability of the ``top_logprobs`` route: an upper bound
+            of any id missing from ``logprobs``; ``None`` on the exact-id routes.
+        text: the sampled next token's text.
+        error: why the call failed after its retries (empty: it did not).
+    """
+
+    logprobs: dict[int, float] | None = None
+    bound: float | None = None
+    text: str = ""
+    error: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"logprobs": self.logprobs, "bound": self.bound, "text": self.text})
+
+    @classmethod
+    def from_json(cls, raw: str) -> Reply:
+        d = json.loads(raw)
+        lp = None if d["logprobs"] is None else {int(k): float(v) for k, v in d["logprobs"].items()}
+        return cls(lp, d["bound"], d["text"])
+
+
+class _RateLimiter:
+    """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit)."""
+
+    def __init__(self, rpm: int, tpm: int):
+        self.rpm, self.tpm = rpm, tpm
+        self._sent: deque[tuple[float, int]] = deque()
+
+    async def wait(self, tokens: int) -> None:
+        while True:
+            now = time.monotonic()
+            while self._sent and now - self._sent[0][0] >= 60.0:
+                self._sent.popleft()
+            used = sum(t for _, t in self._sent)
+            rpm_ok = not self.rpm or len(self._sent) < self.rpm
+            tpm_ok = not self.tpm or not self._sent or used + tokens <= self.tpm
+            if rpm_ok and tpm_ok:
+                self._sent.append((now, tokens))
+                return
+            await asyncio.sleep(max(0.01, 60.0 - (now - self._sent[0][0])))
+
+
+class _ReplyCache:
+    """SQLite judgement cache: key (server, model, route, prompt ids, verdict ids) -> reply JSON."""
+
+    def __init__(self, path: str):
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False)
+        self._db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, reply TEXT NOT NULL)")
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Reply | None:
+        with self._lock:
+            row = self._db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        return Reply.from_json(row[0]) if row else None
+
+    def put(self, key: str, reply: Reply) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply.to_json()))
+            self._db.commit()
+
+
+class _Retryable(Exception):
+    """A failure worth another try (429, 5xx, timeout, dropped connection); ``wait_s`` from Retry-After."""
+
+    def __init__(self, message: str, wait_s: float | None = None):
+        super().__init__(message)
+        self.wait_s = wait_s
+
+
+@dataclass
+class ServedClient:
+    """Asks a server for verdict-token log-probabilities (see the module docstring for the routes).
+
+    Args:
+        cfg: the ``judge.server`` settings.
+        verdict_ids: the two verdict token ids (of the model's tokenizer).
+        api_key: the key read from ``cfg.api_key_env`` (kept in memory only).
+    """
+
+    cfg: ServerConfig
+    verdict_ids: tuple[int, int]
+    api_key: str = ""
+    route: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    calls: int = 0
+    retries: int = 0
+    cache_hits: int = 0
+
+    def __post_init__(self) -> None:
+        self.route = "" if self.cfg.route == "auto" else self.cfg.route
+        self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
+
+    @property
+    def root(self) -> str:
+        return self.cfg.base_url.rstrip("/").removesuffix("/v1")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    # --- before any judging --------------------------------------------------------------------
+    def connect(self) -> dict[str, Any]:
+        """Check the server serves ``cfg.model`` and record what it says of itself; one-line errors.
+
+        Raises:
+            ValueError: no server at ``base_url``, a refused key, or a model the server does not serve.
+        """
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10))
+        except httpx.HTTPError as err:
+            raise ValueError(
+                f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: {err}); "
+                "start it (docs/served.md) or fix the URL"
+            ) from None
+        if r.status_code in (401, 403):
+            raise ValueError(
+                f"judge.server.base_url={self.cfg.base_url!r} refused the API key (HTTP {r.status_code}); set "
+                f"the key in ${self.cfg.api_key_env or 'judge.server.api_key_env'}"
+            )
+        if r.status_code != 200:
+            raise ValueError(f"{self.root}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+        served = [m.get("id", "") for m in r.json().get("data", [])]
+        if self.cfg.model not in served:
+            raise ValueError(
+                f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
+                f"{served}); set judge.server.model to one of them"
+            )
+        self.info = {"model": self.cfg.model, "served_models": served}
+        for path in ("/version", "/get_server_info"):
+            try:
+                v = httpx.get(f"{self.root}{path}", headers=self._headers(), timeout=5)
+                if v.status_code == 200:
+                    self.info["version"] = v.json()
+                    break
+            except (httpx.HTTPError, ValueError):
+                continue
+        return self.info
+
+    # --- requests ------------------------------------------------------------------------------
+    def _request(self, route: str, ids: Sequence[int]) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of one greedy next-token request on ``route``."""
+        if route == "sglang":
+            return "/generate", {
+                "input_ids": list(ids),
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True,
+                "token_ids_logprob": list(self.verdict_ids),
+                "logprob_start_len": -1,
+            }
+        body: dict[str, Any] = {"model": self.cfg.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0}
+        if route == "vllm":
+            body.update(logprobs=1, logprob_token_ids=list(self.verdict_ids), return_tokens_as_token_ids=True)
+        elif route == "top_logprobs":
+            body.update(logprobs=self.cfg.top_logprobs, return_tokens_as_token_ids=True)
+        return "/v1/completions", body
+
+    def _parse(self, route: str, data: dict[str, Any], token_ids: dict[str, int]) -> Reply:
+        """The :class:`Reply` in a server's JSON answer on ``route`` (``KeyError``/``TypeError`` if malformed)."""
+        if route == "sglang":
+            meta = data["meta_info"]
+            entries = (meta.get("output_token_ids_logprobs") or [None])[0]
+            if not entries:
+                return Reply(None, None, data.get("text", ""))
+            return Reply({int(e[1]): float(e[0]) for e in entries}, None, data.get("text", ""))
+        choice = data["choices"][0]
+        text = choice.get("text", "")
+        tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if route == "text" or not tops or not tops[0]:
+            return Reply(None, None, text)
+        out: dict[int, float] = {}
+        for key, value in tops[0].items():
+            tid = int(key[9:]) if key.startswith("token_id:") else token_ids.get(key)
+            if tid is not None:
+                out[tid] = float(value)
+        bound = min(float(v) for v in tops[0].values()) if route == "top_logprobs" else None
+        return Reply(out, bound, text)
+
+    async def _post_once(self, http: Any, route: str, ids: Sequence[int], token_ids: dict[str, int]) -> Reply:
+        import httpx
+
+        path, body = self._request(route, ids)
+        try:
+            r = await http.post(self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s)
+        except (httpx.TimeoutException, httpx.TransportError) as err:
+            raise _Retryable(f"{type(err).__name__}: {err}") from None
+        if r.status_code == 429:
+            after = r.headers.get("retry-after")
+            raise _Retryable("HTTP 429", float(after) if after and after.replace(".", "").isdigit() else None)
+        if r.status_code >= 500:
+            raise _Retryable(f"HTTP {r.status_code}: {r.text[:120]}")
+        if r.status_code != 200:
+            return Reply(error=f"HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            return self._parse(route, r.json(), token_ids)
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            raise _Retryable(f"malformed reply ({type(err).__name__}: {err})") from None
+
+    async def _post(self, http: Any, gate: asyncio.Semaphore, limiter: _RateLimiter, route: str,
+                    ids: Sequence[int], token_ids: dict[str, int]) -> Reply:
+        """One request with its retries; a reply whose ``error`` says why when they run out."""
+        error = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            async with gate:
+                await limiter.wait(len(ids))
+                self.calls += 1
+                try:
+                    return await self._post_once(http, route, ids, token_ids)
+                except _Retryable as err:
+                    error, wait = str(err), err.wait_s
+            if attempt < self.cfg.max_retries:
+                self.retries += 1
+                await asyncio.sleep(wait if wait is not None else self.cfg.backoff_s * 2**attempt)
+        return Reply(error=f"{error} (after {self.cfg.max_retries} retries)")
+
+    def _key(self, route: str, ids: Sequence[int]) -> str:
+        raw = json.dumps([self.root, self.cfg.model, route, list(self.verdict_ids), list(ids)])
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    async def _many(self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int]) -> list[Reply]:
+        import httpx
+
+        gate = asyncio.Semaphore(self.cfg.concurrency)
+        limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
+        limits = httpx.Limits(max_connections=self.cfg.concurrency)
+        async with httpx.AsyncClient(limits=limits) as http:
+            if not self.route:
+                self.route = await self._probe(http, gate, limiter, prompts[0], token_ids)
+            return list(
+                await asyncio.gather(*(self._post(http, gate, limiter, self.route, p, token_ids) for p in prompts))
+            )
+
+    async def _probe(self, http: Any, gate: asyncio.Semaphore, limiter: _RateLimiter, ids: Sequence[int],
+                     token_ids: dict[str, int]) -> str:
+        """The best route this server answers for ``ids`` (``text`` when none returns log-probabilities)."""
+        for route in ROUTES[:-1]:
+            saved = self.cfg.max_retries
+            self.cfg.max_retries = 0  # a route the server lacks answers 4xx/5xx at once
+            try:
+                reply = await self._post(http, gate, limiter, route, ids, token_ids)
+            finally:
+                self.cfg.max_retries = saved
+            if reply.error or reply.logprobs is None:
+                continue
+            if route == "top_logprobs" or all(t in reply.logprobs for t in self.verdict_ids):
+                return route
+        return "text"
+
+    def replies(self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int]) -> list[Reply]:
+        """Replies to ``prompts`` (token id lists), all in flight together, in order; cached ones are
+        read from the cache, successful new ones written to it. ``token_ids``: token string -> id, for
+        servers that key ``top_logprobs`` by token text."""
+        out: list[Reply | None] = [None] * len(prompts)
+        todo = []
+        for i, p in enumerate(prompts):
+            hit = self._cache.get(self._key(self.route, p)) if self._cache is not None and self.route else None
+            if hit is not None:
+                out[i] = hit
+                self.cache_hits += 1
+            else:
+                todo.append(i)
+        if todo:
+            new = _run(self._many([prompts[i] for i in todo], token_ids))
+            for i, reply in zip(todo, new):
+                out[i] = reply
+                if self._cache is not None and not reply.error:
+                    self._cache.put(self._key(self.route, prompts[i]), reply)
+        return [r for r in out if r is not None]
+
+
+def _run(coro: Any) -> Any:
+    """Run ``coro`` to completion, on a thread of its own when this thread already runs an event loop
+    (the judge server calls judges from inside one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(coro)))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def read_api_key(cfg: ServerConfig) -> str:
+    """The key in ``$cfg.api_key_env`` ('' when no variable is named); a one-line error when it is unset."""
+    if not cfg.api_key_env:
+        return ""
+    key = os.environ.get(cfg.api_key_env, "")
+    if not key:
+        raise ValueError(
+            f"judge.server.api_key_env={cfg.api_key_env!r} but ${cfg.api_key_env} is not set; export the key "
+            "(it is never written to a config or a saved judge)"
+        )
+    return key
+
+
+__all__ = ["ROUTES", "Reply", "ServedClient", "ServerConfig", "read_api_key"]

@@ -1,0 +1,166 @@
+"""A small OpenAI-compatible completion server for a local causal LM: the served judge's test server.
+
+It answers the fields the served judge reads, as the real servers document them:
+
+* ``GET /v1/models`` (the model id), ``GET /version``;
+* ``POST /v1/completions`` (OpenAI / vLLM): ``prompt`` as text or token ids, ``max_tokens`` greedy
+  tokens, ``logprobs: k`` -> ``choices[0].logprobs.top_logprobs[0]`` (the k most likely first tokens),
+  vLLM's ``logprob_token_ids`` (those ids' log-probabilities whatever their rank) and
+  ``return_tokens_as_token_ids`` (keys ``token_id:N``);
+* ``POST /generate`` (SGLang): ``input_ids``, ``sampling_params.max_new_tokens``, ``return_logprob`` with
+  ``token_ids_logprob`` -> ``meta_info.output_token_ids_logprobs[0]`` = ``[[logprob, id, None], ...]``.
+
+``routes`` limits what it answers (a route it lacks is a 404), and ``logprobs=False`` makes it a server that
+returns text only (as some hosted reasoning models do). Log-probabilities are a float32 log-softmax of the
+model's next-token logits. One request runs at a time (a lock): a test and bench server, not a product.
+Run it with ``python -m judgeloop.serving.openai_compat MODEL --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+
+class LocalModel:
+    """A causal LM and its tokenizer behind a lock: next-token log-probabilities of a prompt."""
+
+    def __init__(self, name: str, model: Any = None, tokenizer: Any = None):
+        from judgeloop.models import load_causal_lm, load_tokenizer
+
+        self.name = name
+        self.model = (model if model is not None else load_causal_lm(name, dtype="float32")).eval()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(name)
+        self.lock = threading.Lock()
+
+    def next_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """(V,) float32 log-probabilities of the token after ``ids``."""
+        with self.lock, torch.inference_mode():
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            return logits.float().log_softmax(-1)
+
+    def greedy(self, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """``n`` greedy tokens after ``ids`` and the first position's (V,) log-probabilities."""
+        first = self.next_logprobs(ids)
+        out = [int(first.argmax())]
+        while len(out) < n:
+            out.append(int(self.next_logprobs(ids + out).argmax()))
+        return out, first
+
+
+class Handler(BaseHTTPRequestHandler):
+    """The routes; the server object carries ``lm``, ``routes`` and ``logprobs``."""
+
+    server: Any
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+        """Quiet: a test server logs nothing per request."""
+
+    def _send(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        raw = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def fault(self) -> bool:
+        """Hook for scripted faults (tests): answer the request here and return True. Default: none."""
+        return False
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": self.server.lm.name, "object": "model"}]})
+        elif self.path == "/version":
+            self._send(200, {"version": "judgeloop-openai-compat", "routes": sorted(self.server.routes)})
+        else:
+            self._send(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.fault():
+            return
+        route = {"/v1/completions": "completions", "/generate": "sglang"}.get(self.path)
+        if route is None or route not in self.server.routes:
+            self._send(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            self._send(200, self._completions(body) if route == "completions" else self._generate(body))
+        except (KeyError, TypeError, ValueError) as err:
+            self._send(400, {"error": f"bad request: {err}"})
+
+    def _ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.server.lm.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def _key(self, tid: int, as_ids: bool) -> str:
+        return f"token_id:{tid}" if as_ids else self.server.lm.tokenizer.decode([tid])
+
+    def _completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        lm = self.server.lm
+        out, first = lm.greedy(self._ids(body["prompt"]), max(1, int(body.get("max_tokens", 16))))
+        choice: dict[str, Any] = {"index": 0, "text": lm.tokenizer.decode(out), "finish_reason": "length"}
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        if self.server.logprobs and (body.get("logprobs") or body.get("logprob_token_ids")):
+            if body.get("logprob_token_ids"):
+                tops = {self._key(int(t), as_ids): float(first[int(t)]) for t in body["logprob_token_ids"]}
+            else:
+                vals, idx = first.topk(int(body["logprobs"]))
+                tops = {self._key(int(t), as_ids): float(v) for v, t in zip(vals, idx)}
+            choice["logprobs"] = {
+                "tokens": [self._key(out[0], as_ids)],
+                "token_logprobs": [float(first[out[0]])],
+                "top_logprobs": [tops],
+                "text_offset": [0],
+            }
+        else:
+            choice["logprobs"] = None
+        return {"object": "text_completion", "model": lm.name, "choices": [choice]}
+
+    def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        lm = self.server.lm
+        params = body.get("sampling_params", {})
+        out, first = lm.greedy(self._ids(body["input_ids"]), max(1, int(params.get("max_new_tokens", 16))))
+        meta: dict[str, Any] = {"completion_tokens": len(out)}
+        if self.server.logprobs and body.get("return_logprob") and body.get("token_ids_logprob"):
+            meta["output_token_ids_logprobs"] = [
+                [[float(first[int(t)]), int(t), None] for t in body["token_ids_logprob"]]
+            ]
+        return {"text": lm.tokenizer.decode(out), "meta_info": meta}
+
+
+def make_server(
+    lm: LocalModel,
+    port: int = 0,
+    routes: tuple[str, ...] = ("completions", "sglang"),
+    logprobs: bool = True,
+    handler: type[Handler] = Handler,
+) -> ThreadingHTTPServer:
+    """A server for ``lm`` on ``127.0.0.1:port`` (0: a free port; read ``server.server_port``), not started:
+    call ``serve_forever`` (on a thread) and ``shutdown``."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server.daemon_threads = True
+    server.lm, server.routes, server.logprobs = lm, set(routes), logprobs  # type: ignore[attr-defined]
+    return server
+
+
+def main() -> None:
+    """``python -m judgeloop.serving.openai_compat MODEL --port N``: serve until interrupted."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--no-logprobs", action="store_true", help="answer text only")
+    args = parser.parse_args()
+    make_server(LocalModel(args.model), args.port, logprobs=not args.no_logprobs).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The served judge against a real OpenAI-compatible server on a loopback port (judgeloop's own
+``serving/openai_compat.py`` wrapping the tiny Llama, and SmolLM2-135M-Instruct for parity), plus a scripted
+server for the faults a real one cannot produce on demand (429 with Retry-After, 5xx, a hang, bad JSON)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from judgeloop.cli import main as cli
+from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
+from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.judges.choice import ChoiceJudge
+from judgeloop.judges.served import ServedJudge, verdict_score
+from judgeloop.judges.served_client import Reply
+from judgeloop.serving.openai_compat import Handler, LocalModel, make_server
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "judgeloop-tiny/causal-lm"
+ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]
+A = ["A cat sat.", "The mat was warm.", "Cat.", "It rained."]
+B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
+
+
+def _start(lm, **kw):
+    srv = make_server(lm, **kw)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_port}"
+
+
+def _stop(srv):
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    return LocalModel(TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_lm):
+    srv, url = _start(tiny_lm)
+    yield url
+    _stop(srv)
+
+
+def _judge(url, model=TINY, tokenizer=TINY, **server):
+    return build_judge(JudgeConfig(type="served", model=tokenizer, server=ServerConfig(base_url=url, model=model, **server)))
+
+
+@pytest.mark.parametrize("route", ["auto", "vllm", "sglang"])
+def test_exact_id_routes_equal_the_in_process_choice_judge(tiny_server, route):
+    ref = ChoiceJudge(TINY, device="cpu")(ARTICLES, A, B)
+    judge = _judge(tiny_server, route=route)
+    out = judge(ARTICLES, A, B)
+    assert judge.route == ("vllm" if route == "auto" else route)
+    assert out.status == ["ok"] * 4
+    np.testing.assert_allclose(out.scores, ref.scores, atol=1e-5)
+    np.testing.assert_allclose(out.forward, ref.forward, atol=1e-5)
+
+
+def test_auto_falls_back_to_top_logprobs_then_text(tiny_lm):
+    srv, url = _start(tiny_lm, routes=("completions",), logprobs=False)
+    try:
+        judge = _judge(url)
+        out = judge(ARTICLES, A, B)
+        assert judge.route == "text"
+        # the tiny model's greedy token is not a verdict: unparsed, masked, never a preference
+        assert set(out.status) <= {"text_only", "unparsed"} and np.isnan(out.scores[~out.valid]).all()
+    finally:
+        _stop(srv)
+
+
+def test_top_logprobs_route_with_the_whole_vocabulary_is_exact(tiny_server, tiny_lm):
+    ref = ChoiceJudge(TINY, device="cpu")(ARTICLES, A, B)
+    vocab = len(tiny_lm.tokenizer)
+    out = _judge(tiny_server, route="top_logprobs", top_logprobs=vocab)(ARTICLES, A, B)
+    assert out.status == ["ok"] * 4
+    np.testing.assert_allclose(out.scores, ref.scores, atol=1e-5)
+
+
+def test_verdict_score_statuses_by_hand():
+    ids, labels = (5, 7), ("A", "B")
+    assert verdict_score(Reply({5: -1.0, 7: -3.0}), ids, labels) == (2.0, "ok")
+    # B outside the top k: log P(B) <= bound = -4, so s >= -1 - (-4) = 3
+    assert verdict_score(Reply({5: -1.0, 9: -4.0}, bound=-4.0), ids, labels) == (3.0, "outside_topk")
+    assert verdict_score(Reply({7: -2.0, 9: -4.0}, bound=-4.0), ids, labels) == (-2.0, "outside_topk")
+    assert math.isnan(verdict_score(Reply({9: -1.0}, bound=-1.0), ids, labels)[0])
+    assert verdict_score(Reply(None, text=" B"), ids, labels) == (-1.0, "text_only")
+    assert verdict_score(Reply(None, text="C"), ids, labels)[1] == "unparsed"
+    assert verdict_score(Reply(error="HTTP 500"), ids, labels)[1] == "failed"
+
+
+class _Scripted(Handler):
+    """Answers the next scripted fault (then serves for real): 429 / 500 / hang / bad_json."""
+
+    script: list[str] = []
+
+    def fault(self) -> bool:
+        if not self.script:
+            return False
+        kind = self.script.pop(0)
+        if kind == "429":
+            self._send(429, {"error": "rate limited"}, {"Retry-After": "0.05"})
+        elif kind == "500":
+            self._send(500, {"error": "boom"})
+        elif kind == "bad_json":
+            self._send(200, "{not json")
+        elif kind == "hang":
+            time.sleep(1.5)
+            self._send(500, {"error": "late"})
+        return True
+
+
+@pytest.mark.parametrize("faults", [["429", "429"], ["500", "500"], ["bad_json"], ["hang"]])
+def test_retries_recover_from_scripted_faults(tiny_lm, faults):
+    srv, url = _start(tiny_lm, handler=_Scripted)
+    try:
+        judge = _judge(url, route="vllm", timeout_s=0.5, backoff_s=0.01, concurrency=1)
+        _Scripted.script[:] = list(faults)
+        out = judge(ARTICLES[:1], A[:1], B[:1])
+        assert out.status == ["ok"] and judge.client.retries == len(faults)
+    finally:
+        _Scripted.script[:] = []
+        _stop(srv)
+
+
+def test_a_killed_server_masks_every_pair_or_stops_the_run(tiny_lm, caplog):
+    srv, url = _start(tiny_lm)
+    masked = _judge(url, route="vllm", max_retries=1, backoff_s=0.01)
+    stopping = _judge(url, route="vllm", max_retries=0, on_failure="stop")
+    _stop(srv)
+    out = masked(ARTICLES, A, B)
+    assert out.status == ["failed"] * 4 and np.isnan(out.scores).all() and not out.valid.any()
+    assert "4 of 4 pairs failed" in caplog.text
+    assert not masked._cache  # a failure is tried again next time, not remembered
+    with pytest.raises(RuntimeError, match=r"4 of 4 pairs failed .*on_failure=stop"):
+        stopping(ARTICLES, A, B)
+
+
+def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):
+    db = str(tmp_path / "j.sqlite")
+    first = _judge(tiny_server, route="vllm", cache_path=db)
+    s1 = first(ARTICLES, A, B).scores
+    again = _judge(tiny_server, route="vllm", cache_path=db)
+    s2 = again(ARTICLES, A, B).scores
+    assert first.client.calls == 8 and again.client.calls == 0 and again.client.cache_hits == 8
+    np.testing.assert_array_equal(s1, s2)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"base_url": "http://127.0.0.1:9"}, "no server answers"),
+        ({"model": "other/model"}, r"judge.server.model='other/model' is not served at .* \(it serves \['judgeloop-tiny"),
+        ({"api_key_env": "JUDGELOOP_NO_SUCH_KEY"}, r"\$JUDGELOOP_NO_SUCH_KEY is not set"),
+        ({"verdict": ["Answer A", "B"]}, "must be a single token"),
+    ],
+)
+def test_bad_settings_fail_in_one_line_before_any_judging(tiny_server, settings, message):
+    server = {"base_url": tiny_server, "model": TINY, **settings}
+    verdict = server.pop("verdict", ["A", "B"])
+    with pytest.raises(ValueError, match=message) as err:
+        build_judge(JudgeConfig(type="served", model=TINY, verdict_tokens=verdict, server=ServerConfig(**server)))
+    assert "\n" not in str(err.value)
+
+
+def test_served_config_errors():
+    with pytest.raises(ValueError, match="judge.type=served needs judge.server.base_url"):
+        JudgeConfig(type="served")
+    with pytest.raises(ValueError, match="judge.server.route='fast'"):
+        ServerConfig(route="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="set judge.type=served"):
+        JudgeConfig(type="choice", server=ServerConfig(base_url="http://x", model="m"))
+
+
+@pytest.fixture(scope="module")
+def served_calibration(tiny_server, tmp_path_factory):
+    """``judgeloop calibrate`` on the served tiny judge (embedded corpus, ROUGE labels): its output folder."""
+    out = tmp_path_factory.mktemp("served_calibration") / "run"
+    rc = cli(["calibrate", "--config", str(ROOT / "configs/calibrate/summeval_served.yaml"),
+              "data.format=embedded", "data.path=null", "data.embedded_size=40", "labels.type=rouge",
+              f"judge.model={TINY}", f"judge.server.model={TINY}", f"judge.server.base_url={tiny_server}",
+              f"judge.server.cache_path={out / 'judgements.sqlite'}", "max_pairs_per_article=3",
+              f"output_dir={out}"])  # fmt: skip
+    assert rc == 0
+    return out
+
+
+def test_calibrate_writes_a_served_judge_that_loads_and_refuses_another_model(served_calibration, tiny_server):
+    report = json.loads((served_calibration / "report.json").read_text())
+    assert report["judge"]["served"]["route"] == "vllm" and report["judge"]["served"]["model"] == TINY
+    assert report["judge"]["status"]["test"] == {"ok": report["n_eval"] // 2}
+    folder = served_calibration / "calibrated_judge" / "platt"
+    card = json.loads((folder / "judge_card.json").read_text()) if (folder / "judge_card.json").is_file() else None
+    judge = CalibratedJudge.from_pretrained(folder)
+    assert isinstance(judge.judge, ServedJudge)
+    comp = judge.compare(ARTICLES, A, B)
+    assert comp.status == ["ok"] * 4 and np.isfinite(comp.p).all()
+    assert "Served: model `judgeloop-tiny/causal-lm`" in (folder / "README.md").read_text()
+    assert card is None or card["served"]["verdict_token_ids"] == list(judge.judge.verdict_ids)
+    with pytest.raises(ValueError, match=r"changes? \['server.model'\]|overrides change \['server.model'\]"):
+        CalibratedJudge.from_pretrained(folder, ["server.model=other/model"])
+
+
+def test_loading_against_a_server_of_another_model_is_one_line(served_calibration, tmp_path):
+    import shutil
+
+    from judgeloop.judges.calibrated import CARD_FILE
+
+    folder = tmp_path / "judge"
+    shutil.copytree(served_calibration / "calibrated_judge" / "platt", folder)
+    card = json.loads((folder / CARD_FILE).read_text())
+    card["served"]["model"] = "Qwen/Qwen3-8B"  # as if it had been fit on another model
+    (folder / CARD_FILE).write_text(json.dumps(card))
+    with pytest.raises(ValueError, match=r"calibrated on model 'Qwen/Qwen3-8B' but the server serves 'judgeloop-tiny"):
+        CalibratedJudge.from_pretrained(folder)
+
+
+def test_the_served_judge_rewards_a_trl_grpo_trainer(served_calibration, tmp_path):
+    spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out = recipe.main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"),
+                       f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
+                       "max_train_articles=8", f"output_dir={tmp_path / 'grpo'}"])  # fmt: skip
+    assert out["report"]["steps"] == 2 and out["reward"].judge_calls == 2
+    rewards = [r for call in out["reward"].history for r in call["rewards"]]
+    assert rewards and all(r is None or np.isfinite(r) for r in rewards)
