@@ -30,15 +30,14 @@ from judgeloop.hashing import derive_seed
 
 def row_seeds(prompts: Sequence[Sequence[int]], num_samples: int, seed: int) -> list[int]:
     """One seed per output row (row ``i * num_samples + j``: sample j of prompt i), from ``seed``, the
-    digest of prompt i's tokens and how many rows of an equal prompt came before it in this call, so two
-    samples of one prompt draw what one sample each of two copies of it draws."""
+    digest of prompt i's tokens, how many equal prompts came before it in this call, and j."""
     seen: dict[str, int] = {}
     out = []
     for p in prompts:
         digest = hashlib.sha256(",".join(map(str, p)).encode()).hexdigest()[:16]
-        first = seen.get(digest, 0)
-        seen[digest] = first + num_samples
-        out += [derive_seed(seed, "row", digest, first + j) for j in range(num_samples)]
+        occurrence = seen.get(digest, 0)
+        seen[digest] = occurrence + 1
+        out += [derive_seed(seed, "row", digest, occurrence, j) for j in range(num_samples)]
     return out
 
 
