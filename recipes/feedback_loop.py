@@ -66,7 +66,7 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
                 with phase("rollout"), generation_context(run.model):  # 1. samples per article
                     rollout_step(
                         acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg,
-                        run.learner.reuses_prompt_pass(len(batch.examples)),
+                        acc.process_index, run.learner.reuses_prompt_pass(len(batch.examples)),
                     )  # fmt: skip
                 with phase("judge"):
                     run.prefetch.wait()  # the article-side judge work, done during the last update

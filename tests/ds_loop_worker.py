@@ -32,9 +32,10 @@ def job(out, mode, extra):
         f"policy.lora={str(mode == 'lora').lower()}", "policy.lora_r=4",
     ]  # fmt: skip
     cfg = load_config(FeedbackLoopConfig, root / "configs/feedback_loop/tiny.yaml", [*base, *extra])
-    cfg.batch_size = per = 4 // int(os.environ.get("WORLD_SIZE", "1"))  # before make_accelerator reads it
     acc = make_accelerator(cfg, out)
     world, rank = acc.num_processes, acc.process_index
+    per = 4 // world
+    cfg.batch_size = per
     run = setup_run(cfg, acc, out, load_splits(cfg, world))
     model, tok = run.model, run.tokenizer
     policy = acc.unwrap_model(model)

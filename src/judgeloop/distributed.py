@@ -258,23 +258,14 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     per-process batch; DeepSpeed clips gradients itself with its ``gradient_clipping`` (1.0 when its
     config has none), so an ``"auto"`` or missing one is set to ``max_grad_norm`` (0: off, written out)
     and a different explicit one, a launch's ``--gradient_clipping`` included, is an error naming both
-    (``key`` is the config key of ``max_grad_norm``). Gradient accumulation other than 1 is an error: the
-    loop and the retriever step the optimizer at every batch, and a DeepSpeed engine that accumulated
-    would step once every N of them, with another schedule and another batch than one process. Does
-    nothing outside DeepSpeed. Call it right after the ``Accelerator`` is made: the inference engines
-    (:func:`prepare_for_inference`) read the filled config too.
+    (``key`` is the config key of ``max_grad_norm``). Does nothing outside DeepSpeed.
     """
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
     ds = plugin.deepspeed_config
     accum = ds.get("gradient_accumulation_steps", 1)
-    if accum not in ("auto", 1, "1"):
-        raise ConfigError(
-            f"the DeepSpeed config's gradient_accumulation_steps={accum} is not supported (each batch is one "
-            "optimizer step); launch with --gradient_accumulation_steps 1 or gradient_accumulation_steps: 1"
-        )
-    ds["gradient_accumulation_steps"] = accum = 1
+    accum = 1 if accum == "auto" else int(accum)
     if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         ds["train_micro_batch_size_per_gpu"] = micro_batch_size
     if ds.get("train_batch_size", "auto") == "auto":

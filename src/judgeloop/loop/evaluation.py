@@ -119,7 +119,7 @@ def sampled_kl(
     texts: list[str] = []
     for i in range(0, len(examples), batch_size):
         prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
-        comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed)  # rows keyed by prompt
+        comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed + i)
         pol, mask = token_logprobs(model, prompts, comps, tokenizer.pad_token_id)
         refl, _ = reference_logprobs(model, ref, prompts, comps, tokenizer.pad_token_id)
         kls += kl_per_sequence(pol, refl, mask, "k1").tolist()
@@ -251,7 +251,7 @@ def run_evaluation(
     ids = list(range(len(splits.test)))
     mine = shard(ids, accelerator)
     exs = [splits.test[i] for i in mine]
-    seed = derive_seed(cfg.seed, "eval", step)  # per-article streams: the same on any number of processes
+    seed = derive_seed(cfg.seed, "eval", step, accelerator.process_index)
     greedy = sampled = val_greedy = None
     gen, bs = cfg.generation, cfg.eval_batch_size
     if start is not None and start.cache is not None:

@@ -411,7 +411,7 @@ def collect_calibration_pairs(
         if not len(pick):
             break
         # round 0 keeps the seed the loop has always used; later rounds get their own
-        tag: tuple[Any, ...] = (step,) + ((round_,) if round_ else ())  # rows keyed by prompt: any world
+        tag: tuple[Any, ...] = (step, accelerator.process_index) + ((round_,) if round_ else ())
         picked = [calibration[i] for i in sorted(pick)]
         rows = _calibration_rows(
             accelerator,

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from judgeloop.loop.config import GenerationConfig, PolicyConfig
-from judgeloop.loop.sampling import row_seeds, sampling_processors
 from judgeloop.loop.vllm_backend import engine_for
 
 
@@ -182,6 +181,8 @@ def generate(
             )
         return engine.generate(model, tokenizer, prompts, gen, num_samples, greedy, seed)
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    if seed is not None:
+        torch.manual_seed(seed)
     # Special tokens other than EOS (pad, bos, chat markers) never belong inside a summary.
     suppress = [t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id]
     kwargs: dict[str, Any] = {
@@ -191,13 +192,16 @@ def generate(
         "use_cache": True,
         "suppress_tokens": suppress or None,
     }
-    # greedy decoding either way: sampling is its Gumbel-max pick on each row's own stream (see
-    # judgeloop.loop.sampling), so a row's sample does not depend on its batch or its process
-    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    if not greedy:
-        if seed is None:  # unseeded: a base seed drawn from torch's global generator
-            seed = int(torch.randint(0, 2**31 - 1, ()).item())
-        kwargs["logits_processor"] = sampling_processors(gen, row_seeds(prompts, num_samples, seed))
+    if greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(
+            do_sample=True,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k or None,
+            num_return_sequences=num_samples,
+        )
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -267,8 +271,8 @@ def _generate(
             keep_prefix.append(PromptPrefix(cache, ids, mask))
             cache = _detached_copy(cache)
         cache.batch_repeat_interleave(num_samples)
+        kwargs.pop("num_return_sequences")
         kwargs[_cache_kwarg(model)] = cache
-    if not greedy and num_samples > 1:  # row i * num_samples + j: sample j of prompt i
         ids, mask = ids.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)  # (N*k, P+T)
     return out[:, ids.shape[1] :]

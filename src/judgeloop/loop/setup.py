@@ -122,17 +122,13 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     """
     device = accelerator_kwargs(on_cpu(cfg.device))  # DeepSpeed on a CPU: gloo (judgeloop.distributed)
     precision = mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision)
-    accelerator = Accelerator(
+    return Accelerator(
         cpu=device["cpu"],
         log_with=make_trackers(cfg.log_with, out_dir),
         project_dir=str(out_dir),
         step_scheduler_with_optimizer=False,
         **{**precision, "kwargs_handlers": precision["kwargs_handlers"] + device["kwargs_handlers"]},
     )
-    # DeepSpeed's `auto` values (batch sizes, clipping) from this config, before any model is prepared: the
-    # ZeRO-3 reference and judge engines read them too (a flags-only launch left train_batch_size `auto`)
-    configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")
-    return accelerator
 
 
 def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
@@ -339,6 +335,7 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
         cfg.calibration, judge, cfg.judge.name or cfg.judge.type, process_device("auto", accelerator)
     )
     optimizer, scheduler = make_optimizer(model, cfg)
+    configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     save_only_trainable(accelerator, trainable_state, load_trainable_state)  # LoRA: adapters, not the base
     learner = Learner(

@@ -110,18 +110,16 @@ class Learner:
 
 
 def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch: PairBatch, cfg: FeedbackLoopConfig,
-                 keep_prefix: bool = False) -> Rollout:  # fmt: skip
+                 process_index: int, keep_prefix: bool = False) -> Rollout:  # fmt: skip
     """The policy samples two summaries per article, or ``generation.num_samples_per_article``
-    under grpo (``keep_prefix``: and keeps its prompt pass, with gradients, for the update). The seed
-    names the step only: each article's samples come from its own stream (:mod:`judgeloop.loop.sampling`),
-    so they are the same on any number of processes."""
+    under grpo (``keep_prefix``: and keeps its prompt pass, with gradients, for the update)."""
     batch.rollout = rollout(
         model,
         tokenizer,
         build_prompt,
         [e.article for e in batch.examples],
         cfg.generation,
-        seed=derive_seed(cfg.seed, "rollout", batch.step),
+        seed=derive_seed(cfg.seed, "rollout", batch.step, process_index),
         keep_prefix=keep_prefix,
         num_samples=cfg.generation.num_samples_per_article if cfg.loss.type == "grpo" else 2,
     )
