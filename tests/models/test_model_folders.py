@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from judgeloop.models import load_causal_lm, load_tokenizer, resolve_model_path
+from judgeloop.models import check_model, load_causal_lm, load_tokenizer, resolve_model_path
 from judgeloop.models.saving import save_model_folder
 
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -25,7 +25,11 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": SRC, **env}
     return subprocess.run(
-        [sys.executable, "-m", "judgeloop.models", *args], capture_output=True, text=True, env=full, timeout=300
+        [sys.executable, "-m", "judgeloop.models", *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
     )
 
 
@@ -49,7 +53,9 @@ def test_cached_folder_without_architectures_is_repaired_and_printed(tmp_path, m
     prints that folder and TRL loads from it."""
     monkeypatch.setenv("JUDGELOOP_CACHE", str(tmp_path))
     folder = tmp_path / "models" / SMOL.replace("/", "--")
-    save_model_folder(folder, load_causal_lm("judgeloop-tiny/causal-lm"), load_tokenizer("judgeloop-tiny/causal-lm"))
+    save_model_folder(
+        folder, load_causal_lm("judgeloop-tiny/causal-lm"), load_tokenizer("judgeloop-tiny/causal-lm")
+    )
     config = json.loads((folder / "config.json").read_text())
     del config["architectures"]
     (folder / "config.json").write_text(json.dumps(config))
@@ -84,7 +90,11 @@ def test_hub_id_offline_fails_fast_with_the_folder_command(monkeypatch):
     assert time.perf_counter() - start < 2.0
     msg = str(err.value)
     assert "\n" not in msg and "'no-such-org/no-such-model'" in msg and "HF_HUB_OFFLINE is set" in msg
-    assert "`python -m judgeloop.models no-such-org/no-such-model`" in msg
+    assert "run python -m judgeloop.models no-such-org/no-such-model and pass the folder" in msg
+    with pytest.raises(
+        ValueError, match=r"\(python -m judgeloop.models no-such-org/x prints its local folder\)"
+    ):
+        check_model("no-such-org/x", "policy.model")  # a config key's check gives the same advice
 
 
 def test_hub_id_without_network_fails_fast():
@@ -101,7 +111,8 @@ def test_hub_id_without_network_fails_fast():
                           env={**os.environ, "PYTHONPATH": SRC, **env})  # fmt: skip
     seconds, msg = done.stdout.strip().split("\n")
     assert float(seconds) < 2.0, done.stdout
-    assert "the hub cannot be reached" in msg and "`python -m judgeloop.models no-such-org/no-such-model`" in msg
+    assert "the hub cannot be reached" in msg
+    assert "run python -m judgeloop.models no-such-org/no-such-model and pass the folder" in msg
     cli = _cli("no-such-org/no-such-model", **env)
     assert cli.returncode == 2 and cli.stdout == ""
     (line,) = cli.stderr.strip().split("\n")

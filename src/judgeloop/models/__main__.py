@@ -32,13 +32,14 @@ def folder(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m judgeloop.models HUB_ID_OR_DIR  (prints the local model folder)", file=sys.stderr)
+        sys.stderr.write("usage: python -m judgeloop.models HUB_ID_OR_DIR  (prints the local model folder)\n")
         return 2
     try:
-        print(folder(args[0]))
+        path = folder(args[0])
     except (ValueError, FileNotFoundError) as err:
-        print(f"judgeloop.models: error: {err}", file=sys.stderr)
+        sys.stderr.write(f"judgeloop.models: error: {err}\n")
         return 2
+    sys.stdout.write(path + "\n")
     return 0
 
 

@@ -166,7 +166,9 @@ def _hub_reachable(timeout_s: float) -> bool:
 
     url = urlparse(constants.ENDPOINT)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+        socket.create_connection(
+            (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s
+        ).close()
     except OSError:
         return False
     return True
@@ -186,7 +188,7 @@ def _check_hub_reachable(name: str, timeout_s: float = 1.0) -> None:
         why = "the hub cannot be reached"
     if why is not None:
         raise ValueError(
-            f"model {name!r} is not local and {why}; where there is network run `{FOLDER_COMMAND} {name}` "
+            f"model {name!r} is not local and {why}; where there is network run {FOLDER_COMMAND} {name} "
             "and pass the folder it prints (packaged offline ids print their folder anywhere)"
         )
 
@@ -225,7 +227,10 @@ def check_model(name: str, key: str, timeout_s: float = 2.0) -> None:
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
-    hint = f"download it first (huggingface-cli download {name}) or set {key} to a local model directory"
+    hint = (
+        f"download it first ({FOLDER_COMMAND} {name} prints its local folder) or set {key} to a local "
+        "model directory"
+    )
     if _hub_offline():
         raise ValueError(f"{key}={name!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {hint}")
     from huggingface_hub import model_info
@@ -306,9 +311,7 @@ def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bo
     path = resolve_model_path(name)
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(
-        path, dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
-    )
+    return AutoModel.from_pretrained(path, dtype=_dtype(dtype), **_common_kwargs(trust_remote_code))
 
 
 def load_sequence_classifier(
