@@ -201,7 +201,7 @@ def read_json(path: str | Path, what: str = "JSON file", fix: str = "write it ag
         raise DataError(f"{what} {path}: byte at offset {err.start} is not UTF-8 (damaged?); {fix}") from None
     except json.JSONDecodeError as err:
         raise DataError(
-            f"{what} {path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}; truncated or "
+            f"{what} {path}: not valid JSON ({err.msg}: line {err.lineno} column {err.colno}; truncated or "
             f"damaged?); {fix}"
         ) from None
     except ValueError as err:
