@@ -169,8 +169,10 @@ class CalibratedJudge:
 
         Raises:
             ConfigError: one line naming the file and the fix: not a calibrated judge folder, another
-                format version, a model that cannot be found here, a changed setting the calibrator
-                depends on.
+                format version, a truncated or invalid ``calibrated_judge.json`` / ``calibrator.json``, a
+                calibrator parameter that is missing, of the wrong kind or not finite, a method that does
+                not match its parameters (or the card's), a model that cannot be found here, a changed
+                setting the calibrator depends on. Every file is checked before the judge is built.
         """
         from judgeloop import __version__
         from judgeloop.devices import resolve_device
