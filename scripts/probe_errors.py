@@ -56,6 +56,37 @@ def run_cli(argv: list[str]) -> tuple[int, float, str]:
     return rc, time.perf_counter() - t0, (lines[0] if lines else "")
 
 
+def damaged_judge(tmp: Path, name: str, file: str, damage: Callable[[str], str]) -> Path:
+    """A Platt-fitted length judge (no model needed) saved to ``tmp/name`` with ``file`` rewritten by
+    ``damage`` (its text in, the damaged text out)."""
+    from judgeloop.calibration import PlattCalibrator
+    from judgeloop.judges import JudgeConfig
+    from judgeloop.judges.calibrated import CalibratedJudge
+
+    folder = tmp / name
+    cal = PlattCalibrator(min_points=2).fit([-2.0, -1.0, 1.0, 2.0], [0, 0, 1, 1])
+    CalibratedJudge(JudgeConfig(type="objective", signal="length"), cal, {"method": "platt"}).save_pretrained(
+        folder
+    )
+    (folder / file).write_text(damage((folder / file).read_text()))
+    return folder
+
+
+def _set(path: str, value: object) -> Callable[[str], str]:
+    """A damage: set the JSON entry at ``path`` (dotted) to ``value``."""
+
+    def damage(text: str) -> str:
+        state = json.loads(text)
+        *parents, last = path.split(".")
+        node = state
+        for key in parents:
+            node = node[key]
+        node[last] = value
+        return json.dumps(state)
+
+    return damage
+
+
 def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
     """(case, argv builder, text the first error line must hold)."""
     label_pairs = [
@@ -361,6 +392,42 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "is not a calibrated judge (no calibrated_judge.json)",
         ),
         (
+            "label-pairs: a truncated calibrator.json",
+            lambda: [
+                *label_pairs,
+                f"judge_path={damaged_judge(tmp, 'cut_judge', 'calibrator.json', lambda t: t[: len(t) // 2])}",
+                f"data.path={jsonl('pairs.jsonl', [pair])}",
+            ],
+            "calibrator.json: not valid JSON",
+        ),
+        (
+            "label-pairs: a NaN slope in calibrator.json",
+            lambda: [
+                *label_pairs,
+                f"judge_path={damaged_judge(tmp, 'nan_judge', 'calibrator.json', _set('params.a_', None))}",
+                f"data.path={jsonl('pairs.jsonl', [pair])}",
+            ],
+            "params.a_ must be a finite number, got None",
+        ),
+        (
+            "label-pairs: a calibrator method that does not match its parameters",
+            lambda: [
+                *label_pairs,
+                f"judge_path={damaged_judge(tmp, 'method_judge', 'calibrator.json', _set('method', 'temperature'))}",
+                f"data.path={jsonl('pairs.jsonl', [pair])}",
+            ],
+            "parameters do not match method 'temperature'",
+        ),
+        (
+            "label-pairs: a truncated calibrated_judge.json",
+            lambda: [
+                *label_pairs,
+                f"judge_path={damaged_judge(tmp, 'card_judge', 'calibrated_judge.json', lambda t: t[:30])}",
+                f"data.path={jsonl('pairs.jsonl', [pair])}",
+            ],
+            "calibrated_judge.json: not valid JSON",
+        ),
+        (
             "label-pairs: a pair without its rejected field",
             lambda: [
                 *label_pairs,
@@ -432,6 +499,14 @@ def serve_cases(
             "is not a calibrated judge",
         ),
         ("serve-judge: judge_path empty", lambda: [*serve, "judge_path="], "judge_path is empty"),
+        (
+            "serve-judge: a string slope in calibrator.json",
+            lambda: [
+                *serve,
+                f"judge_path={damaged_judge(tmp, 'str_judge', 'calibrator.json', _set('params.a_', '1.5'))}",
+            ],
+            "params.a_ must be a finite number, got '1.5'",
+        ),
         (
             "serve-judge: server.api_key_env names an unset variable",
             lambda: [*serve, good_judge(), "server.api_key_env=JUDGELOOP_PROBE_UNSET_TOKEN"],

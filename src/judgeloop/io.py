@@ -182,6 +182,35 @@ def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
             yield lineno, text
 
 
+def read_json(path: str | Path, what: str = "JSON file", fix: str = "write it again") -> dict[str, Any]:
+    """Read a JSON file strictly: it must exist, be UTF-8 strict JSON (no NaN/Infinity) and hold an object.
+
+    Anything else (missing, truncated, invalid, another top-level shape) is a :class:`DataError` in one
+    line naming the file, ``what`` it should be and the ``fix``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} {path} does not exist; {fix}")
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not strict JSON")
+
+    try:
+        obj = json.loads(path.read_bytes().decode("utf-8-sig"), parse_constant=no_constant)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{what} {path}: byte at offset {err.start} is not UTF-8 (damaged?); {fix}") from None
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"{what} {path}: not valid JSON ({err.msg}: line {err.lineno} column {err.colno}; truncated or "
+            f"damaged?); {fix}"
+        ) from None
+    except ValueError as err:
+        raise DataError(f"{what} {path}: {err}; {fix}") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{what} {path}: expected a JSON object, got {type(obj).__name__}; {fix}")
+    return obj
+
+
 # what each field kind of read_jsonl accepts, and how its error names it
 _KINDS: dict[str, tuple[str, Any]] = {
     "text": ("a string", lambda v: isinstance(v, str)),

@@ -15,7 +15,7 @@ warns below ``min_points_isotonic``.
 
 from __future__ import annotations
 
-import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -67,6 +67,57 @@ def _validate(scores: Any, labels: Any, min_points: int, method: str, features: 
         if not np.all(np.isfinite(f)):
             raise CalibrationError(f"{method}: features contain NaN or infinite values")
     return s, y, f
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_value(value: Any, kind: type, where: str) -> None:
+    if kind is bool and not isinstance(value, bool):
+        raise CalibrationError(f"{where} must be true or false, got {_shown(value)}")
+    if kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise CalibrationError(f"{where} must be an integer, got {_shown(value)}")
+    if kind is float and not (_is_number(value) and math.isfinite(value)):
+        raise CalibrationError(f"{where} must be a finite number, got {_shown(value)}")
+    if kind is np.ndarray:
+        flat = value
+        while isinstance(flat, list) and flat and isinstance(flat[0], list):
+            flat = [x for row in flat for x in (row if isinstance(row, list) else [row])]
+        if not isinstance(value, list) or not all(_is_number(x) and math.isfinite(x) for x in flat):
+            raise CalibrationError(f"{where} must be a list of finite numbers, got {_shown(value)}")
+
+
+def check_state(state: Any, method: str, params: dict[str, type]) -> None:
+    """One :class:`CalibrationError` line unless ``state`` is a ``method`` calibrator's state dict: the
+    method named, the settings and exactly the parameters ``params`` of their kinds, numbers finite."""
+    if not isinstance(state, dict):
+        raise CalibrationError(f"calibrator state must be an object, got {type(state).__name__}")
+    if state.get("method") != method:
+        raise CalibrationError(f"state is for a {state.get('method')!r} calibrator, not {method!r}")
+    for name, kind in (("symmetric", bool), ("min_points", int), ("n_fit_", int)):
+        if name not in state:
+            raise CalibrationError(f"{method} calibrator state has no '{name}'")
+        _check_value(state[name], kind, f"'{name}'")
+    if state["n_fit_"] < 0:
+        raise CalibrationError(f"'n_fit_' must be 0 (not fitted) or more, got {state['n_fit_']}")
+    got = state.get("params")
+    if not isinstance(got, dict):
+        raise CalibrationError(f"{method} calibrator state: 'params' must be an object, got {_shown(got)}")
+    missing, extra = sorted(set(params) - set(got)), sorted(set(got) - set(params))
+    if missing or extra:
+        raise CalibrationError(
+            f"the parameters do not match method {method!r}: "
+            + "; ".join(t for t in (missing and f"missing {missing}", extra and f"unexpected {extra}") if t)
+            + f" (a {method} calibrator has {sorted(params)})"
+        )
+    for name, kind in params.items():
+        _check_value(got[name], kind, f"params.{name}")
 
 
 def _symmetrize(s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> tuple:
@@ -160,13 +211,22 @@ class Calibrator:
         return {**settings, "params": self._params()}
 
     def load_state_dict(self, state: dict[str, Any]) -> Calibrator:
-        if state.get("method") != self.method:
-            raise ValueError(f"state is for a '{state.get('method')}' calibrator, not '{self.method}'")
-        self.symmetric = bool(state["symmetric"])
-        self.min_points = int(state["min_points"])
-        self.n_fit_ = int(state["n_fit_"])
+        """Restore a :meth:`state_dict`, checked first: the method, every setting and parameter present and
+        of its kind, every number finite.
+
+        Raises:
+            CalibrationError: one line naming the first bad entry (the state is left unapplied).
+        """
+        check_state(state, self.method, self.PARAMS)
+        self._check_params(state["params"], fitted=state["n_fit_"] > 0)
+        self.symmetric = state["symmetric"]
+        self.min_points = state["min_points"]
+        self.n_fit_ = state["n_fit_"]
         self._set_params(state["params"])
         return self
+
+    def _check_params(self, params: dict[str, Any], fitted: bool) -> None:
+        """Checks between parameters a subclass adds (the kinds and finiteness are checked already)."""
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, self.state_dict())
@@ -247,6 +307,10 @@ class TemperatureCalibrator(Calibrator):
         super().__init__(symmetric, min_points)
         self.temperature_ = 1.0
 
+    def _check_params(self, params: dict[str, Any], fitted: bool) -> None:
+        if params["temperature_"] <= 0:
+            raise CalibrationError(f"params.temperature_ must be positive, got {params['temperature_']}")
+
     def _fit(self, s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> None:
         def loss_grad(log_t: np.ndarray) -> tuple[float, np.ndarray]:
             inv_t = np.exp(-log_t[0])
@@ -301,6 +365,15 @@ class IsotonicCalibrator(Calibrator):
         iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0).fit(s, y)
         self.x_ = np.asarray(iso.X_thresholds_, dtype=float)
         self.y_ = np.asarray(iso.y_thresholds_, dtype=float)
+
+    def _check_params(self, params: dict[str, Any], fitted: bool) -> None:
+        x, y = np.asarray(params["x_"], dtype=float), np.asarray(params["y_"], dtype=float)
+        if x.ndim != 1 or x.shape != y.shape or (fitted and x.size == 0):
+            raise CalibrationError(
+                f"params.x_ and params.y_ must be two lists of the same length (non-empty once fitted), got {x.size} and {y.size}"
+            )
+        if np.any(np.diff(x) < 0) or np.any((y < 0) | (y > 1)):
+            raise CalibrationError("params.x_ must be non-decreasing and params.y_ within [0, 1]")
 
     def _raw(self, s: np.ndarray) -> np.ndarray:
         return np.interp(
@@ -436,11 +509,27 @@ def make_calibrator(method: str, **kwargs: Any) -> Calibrator:
 
 
 def load_calibrator(path: str | Path) -> Calibrator:
-    """A fitted calibrator read from a JSON file written by :meth:`Calibrator.save`."""
-    state = json.loads(Path(path).read_text())
-    return make_calibrator(state["method"]).load_state_dict(state)
+    """A fitted calibrator read from a JSON file written by :meth:`Calibrator.save`.
+
+    Raises:
+        CalibrationError: one line naming the file: missing, truncated or not JSON, or a state that
+            :meth:`Calibrator.load_state_dict` refuses.
+    """
+    from judgeloop.io import DataError, read_json
+
+    fix = "fit and save the calibrator again"
+    try:
+        state = read_json(path, "calibrator file", fix)
+        return calibrator_from_state(state)
+    except DataError as err:
+        raise CalibrationError(str(err)) from None
+    except CalibrationError as err:
+        raise CalibrationError(f"calibrator file {path}: {err}; {fix}") from None
 
 
 def calibrator_from_state(state: dict[str, Any]) -> Calibrator:
-    """A fitted calibrator rebuilt from its :meth:`Calibrator.state_dict`."""
-    return make_calibrator(state["method"]).load_state_dict(state)
+    """A fitted calibrator rebuilt from its :meth:`Calibrator.state_dict` (checked; see ``load_state_dict``)."""
+    method = state.get("method") if isinstance(state, dict) else None
+    if method not in CALIBRATORS:
+        raise CalibrationError(f"calibrator method {method!r} is not one of {sorted(CALIBRATORS)}")
+    return make_calibrator(method).load_state_dict(state)

@@ -19,7 +19,6 @@ status with ``p = nan``, never a number.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from judgeloop.calibration.calibrators import Calibrator, calibrator_from_state
+from judgeloop.calibration.calibrators import CalibrationError, Calibrator, calibrator_from_state
 from judgeloop.calibration.labels import FEATURE_NAMES, pair_features
 from judgeloop.config import ConfigError, load_config, to_yaml
-from judgeloop.io import atomic_dir, atomic_write_json, atomic_write_text
+from judgeloop.io import DataError, atomic_dir, atomic_write_json, atomic_write_text, read_json
 from judgeloop.judges import JudgeConfig, build_judge
 from judgeloop.judges.base import VALID_STATUSES, Judge, PointwiseJudge
 
@@ -173,8 +172,10 @@ class CalibratedJudge:
 
         Raises:
             ConfigError: one line naming the file and the fix: not a calibrated judge folder, another
-                format version, a model that cannot be found here, a changed setting the calibrator
-                depends on.
+                format version, a truncated or invalid ``calibrated_judge.json`` / ``calibrator.json``, a
+                calibrator parameter that is missing, of the wrong kind or not finite, a method that does
+                not match its parameters (or the card's), a model that cannot be found here, a changed
+                setting the calibrator depends on. Every file is checked before the judge is built.
         """
         from judgeloop import __version__
         from judgeloop.devices import resolve_device
@@ -187,7 +188,11 @@ class CalibratedJudge:
                 f"{folder} is not a calibrated judge (no {CARD_FILE}); pass a folder written by judgeloop "
                 "calibrate (OUTPUT_DIR/calibrated_judge/<method>) or by CalibratedJudge.save_pretrained"
             )
-        card = json.loads(card_path.read_text())
+        again = "calibrate again (judgeloop calibrate) or restore the folder"
+        try:
+            card = read_json(card_path, "calibrated judge card", again)
+        except DataError as err:
+            raise ConfigError(str(err)) from None
         if card.get("format") != FORMAT or card.get("format_version") != FORMAT_VERSION:
             raise ConfigError(
                 f"{card_path}: format {card.get('format')!r} version {card.get('format_version')!r} (written by "
@@ -197,6 +202,24 @@ class CalibratedJudge:
         for name in ("judge.yaml", "calibrator.json"):
             if not (folder / name).is_file():
                 raise ConfigError(f"{folder / name} is missing; the folder is incomplete: calibrate again")
+        cal_path = folder / "calibrator.json"
+        try:
+            calibrator = calibrator_from_state(read_json(cal_path, "calibrator file", again))
+        except DataError as err:
+            raise ConfigError(str(err)) from None
+        except CalibrationError as err:
+            raise ConfigError(f"calibrator file {cal_path}: {err}; {again}") from None
+        if not calibrator.n_fit_:
+            raise ConfigError(
+                f"calibrator file {cal_path}: 'n_fit_' is 0, the calibrator was never fitted; {again}"
+            )
+        if card.get("method", calibrator.method) != calibrator.method:
+            raise ConfigError(
+                f"{card_path} says method {card.get('method')!r} but {cal_path} holds a {calibrator.method!r} "
+                f"calibrator; the folder is mixed up: {again}"
+            )
+        if not all(isinstance(card.get(k, {}), dict) for k in ("fit", "held_out")):
+            raise ConfigError(f"{card_path}: 'fit' and 'held_out' must be objects; {again}")
         changed = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in MEANING_KEYS]
         if changed:
             raise ConfigError(
@@ -214,7 +237,6 @@ class CalibratedJudge:
                 raise ConfigError(
                     f"{folder / 'judge.yaml'}: {err}; or load it with overrides=['model=LOCAL_DIR']"
                 ) from None
-        calibrator = calibrator_from_state(json.loads((folder / "calibrator.json").read_text()))
         return cls(config=config, calibrator=calibrator, card=card)
 
 
