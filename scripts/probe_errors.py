@@ -163,6 +163,44 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
     return [
         ("resume with a changed loss.kl_coef", resume_changed, "loss.kl_coef: 0.1 -> 0.5"),
         (
+            "resume a checkpoint past max_steps",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                *QUICK,
+                f"output_dir={tmp / 'resume_run'}",
+                f"resume_from={tmp / 'resume_run' / 'checkpoints' / 'step_2'}",
+                "max_steps=1",
+            ],
+            "is at step 2, past max_steps=1",
+        ),
+        (
+            "early stopping with num_validation_articles=0",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                f"output_dir={tmp / 'es'}",
+                "early_stopping_patience=1",
+                "num_validation_articles=0",
+            ],
+            "num_validation_articles=0",
+        ),
+        (
+            "early stopping with an empty validation split",
+            lambda: [
+                "train",
+                "--config",
+                TINY,
+                *QUICK,
+                f"output_dir={tmp / 'es'}",
+                "early_stopping_patience=1",
+                "data.split.validation=0.001",
+            ],
+            "the 'validation' split is empty",
+        ),
+        (
             "ablation.seeds=[0,0]",
             lambda: ["ablate", "--config", TINY, "ablation.seeds=[0,0]"],
             "ablation.seeds=[0, 0] lists 0 more than once",

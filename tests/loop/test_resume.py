@@ -389,3 +389,16 @@ def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpo
     assert checked_resume(to_yaml(cfg), resume_checkpoint, RESUME_FREE_KEYS) == 1
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         checked_resume(to_yaml(cfg), tmp_path, RESUME_FREE_KEYS)
+
+
+def test_resuming_a_checkpoint_past_max_steps_is_refused_naming_both(tmp_path):
+    """A checkpoint at step 2 resumed with max_steps=1 ran nothing and exited 0; now one line names the
+    checkpoint's step, max_steps and the fix, before any work."""
+    from judgeloop.recipes import train
+
+    out = tmp_path / "run"
+    part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "stop_after_n_steps=2"]))
+    ckpt = part["checkpoint"]
+    with pytest.raises(ConfigError, match=r"is at step 2, past max_steps=1: nothing to run; set max_steps above 2"):
+        train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", f"resume_from={ckpt}", "max_steps=1"]))
+    assert not (out / "report.json").exists()

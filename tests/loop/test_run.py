@@ -31,6 +31,28 @@ def test_config_errors_name_the_parameter():
         load_config(FeedbackLoopConfig, TINY, ["loss.margin=0.7"])
 
 
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("num_validation_articles=0", "but num_validation_articles=0; set num_validation_articles=16"),
+        ("data.split.validation=0.001", "the 'validation' split is empty; use more articles"),
+    ],
+)
+@pytest.mark.parametrize("keeper", ["early_stopping_patience=1", "alarms.action=stop"])
+def test_keeping_the_best_policy_without_validation_articles_is_refused_before_any_step(
+    tmp_path, override, match, keeper
+):
+    """Early stopping (or an alarm that stops) with no validation article ran every step and then failed
+    on a missing best_policy/; now one line before any work."""
+    from judgeloop.recipes import train
+
+    alarm = ["alarms.every_n_steps=2", "alarms.signals=[rouge]"] if keeper.startswith("alarms") else []
+    with pytest.raises(ConfigError, match=re.escape(match)) as err:
+        train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path}", keeper, *alarm, override]))
+    assert "\n" not in str(err.value) and keeper.split("=")[0] in str(err.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
     """The next batch's article embeddings computed on a background thread give the same run.
 

@@ -475,3 +475,28 @@ def test_bf16_encoding_and_training_stay_close_to_float32(tmp_path, beir_dir):
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     assert all(math.isfinite(v) for v in report["after"].values())
+
+
+def test_the_shipped_embedding_cache_lives_in_the_judgeloop_cache_not_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """The retriever configs wrote the embedding cache to ./outputs/ of whatever folder the command ran
+    in; ``auto`` (what they ship) is ``embeddings/`` under $JUDGELOOP_CACHE."""
+    from judgeloop.commands.mine_negatives import MineNegativesConfig
+    from judgeloop.retrieval.embedding_cache import encode_texts
+    from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "retriever"
+    shipped = [
+        load_config(TrainRetrieverConfig, root / "scifact.yaml").eval.embedding_cache_dir,
+        load_config(MineNegativesConfig, root / "mine_scifact.yaml").embedding_cache_dir,
+    ]
+    assert shipped == ["auto", "auto"]
+    work, cache = tmp_path / "work", tmp_path / "jl-cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("JUDGELOOP_CACHE", str(cache))
+    enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
+    encode_texts(enc, DOCS, 4, False, cache_dir="auto")
+    assert len(list((cache / "embeddings").glob("*.pt"))) == 1
+    assert list(work.iterdir()) == []

@@ -537,6 +537,18 @@ class FeedbackLoopConfig:
                 f"early_stopping_patience={self.early_stopping_patience} needs a validation split; set "
                 "data.split.validation=0.1 (the test split never chooses a checkpoint)"
             )
+        check_at_least("", self, "num_validation_articles", 0)
+        keeps_best = self.early_stopping_patience or (self.alarms.action == "stop" and self.alarms.enabled)
+        if keeps_best and self.num_validation_articles == 0:
+            what = (
+                f"early_stopping_patience={self.early_stopping_patience}"
+                if self.early_stopping_patience
+                else "alarms.action=stop"
+            )
+            raise ValueError(
+                f"{what} chooses the best validation checkpoint but num_validation_articles=0; set "
+                "num_validation_articles=16 (or turn it off)"
+            )
         if self.alarms.action == "stop" and self.alarms.enabled and self.data.split.validation <= 0:
             raise ValueError(
                 "alarms.action=stop keeps the best validation checkpoint and needs a validation split; set "

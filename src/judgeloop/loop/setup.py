@@ -288,6 +288,11 @@ def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: P
         if cfg.resume_from
         else None
     )
+    if ckpt_step is not None and ckpt_step > cfg.max_steps:  # else the loop runs no step and exits 0
+        raise ConfigError(
+            f"resume_from={cfg.resume_from} is at step {ckpt_step}, past max_steps={cfg.max_steps}: nothing to "
+            f"run; set max_steps above {ckpt_step} to continue it (or resume an earlier checkpoint)"
+        )
     if accelerator.is_main_process:
         for orphan, what in remove_orphans(out_dir):
             logger.info("%s %s, left by a killed checkpoint write", what, orphan)

@@ -87,6 +87,15 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
                 f"the '{name}' split is empty; use more articles (data.max_articles) or change "
                 f"data.split fractions (now {cfg.data.split})"
             )
+    keeps_best = cfg.early_stopping_patience or (cfg.alarms.enabled and cfg.alarms.action == "stop")
+    if keeps_best and not splits.validation:  # else every step runs and no best_policy/ is ever saved
+        what = f"early_stopping_patience={cfg.early_stopping_patience}" if cfg.early_stopping_patience else (
+            "alarms.action=stop"
+        )
+        raise ConfigError(
+            f"{what} chooses the best validation checkpoint but the 'validation' split is empty; use more "
+            f"articles (data.max_articles) or a larger data.split.validation (now {cfg.data.split.validation})"
+        )
     if len(splits.train) < cfg.batch_size * num_processes:  # a process would get a short or empty batch
         per = f" x {num_processes} processes" if num_processes > 1 else ""
         raise ConfigError(

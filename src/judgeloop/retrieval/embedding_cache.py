@@ -6,7 +6,9 @@ A cache file ``<model>-<texts>.pt`` holds ``{"hashes", "emb"}``: each text's SHA
 embedding (pooling, normalization, the length that applies to queries or documents, encoding precision),
 so a changed encoder, corpus or setting never reuses stale vectors, and runs from the same weights share
 the files. A text is looked up by its hash in every file of the same model: a corpus with a few new or
-edited documents encodes those only. Files are written atomically, by the main process.
+edited documents encodes those only. Files are written atomically, by the main process. ``cache_dir: auto``
+is ``embeddings/`` under the judgeloop cache (``$JUDGELOOP_CACHE``, else ``~/.cache/judgeloop``), never a
+folder of the working directory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ from judgeloop.logging import get_logger
 from judgeloop.retrieval.encoder import BiEncoder
 
 logger = get_logger(__name__)
+
+
+def resolve_cache_dir(cache_dir: str | Path | None) -> Path | None:
+    """The folder a ``cache_dir`` setting names: ``auto`` is ``embeddings/`` under the judgeloop cache
+    (shared by every run, whatever its working directory); None or empty: no cache."""
+    if not cache_dir:
+        return None
+    if str(cache_dir) == "auto":
+        from judgeloop.models.loading import cache_dir as judgeloop_cache
+
+        return judgeloop_cache() / "embeddings"
+    return Path(cache_dir)
 
 
 def _model_fingerprint(encoder: BiEncoder, is_query: bool) -> str:
@@ -83,6 +97,7 @@ def encode_texts(
     cache_file, hashes = None, []
     emb: torch.Tensor | None = None
     todo = list(range(len(texts)))
+    cache_dir = resolve_cache_dir(cache_dir)
     if cache_dir:
         model_fp, hashes = _model_fingerprint(encoder, is_query), _text_hashes(texts)
         texts_fp = hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]
