@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import check_range
+from judgeloop.config import ConfigError, check_range
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import DataError, atomic_dir, atomic_write_jsonl, read_jsonl
 from judgeloop.judges.calibrated import check_judge_path
@@ -164,10 +164,26 @@ def read_pairs(data: PairDataConfig) -> list[InputPair]:
 def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Judge every pair of ``cfg.data`` with the calibrated judge at ``cfg.judge_path``; returns the
     labeled rows (the output dataset) and the report."""
-    from judgeloop.judges.calibrated import CalibratedJudge
+    from judgeloop.judges.calibrated import CalibratedJudge, MissingReferences, check_references
 
-    judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)  # checked first: cheap
+    # the folder, then the data against what the judge reads, then the weights
+    needs = CalibratedJudge.needs_of(cfg.judge_path, cfg.judge_overrides)
+    if needs.reads_references and not cfg.data.fields.references:
+        raise ConfigError(
+            f"judge_path={cfg.judge_path} reads references ({needs.setting}) and data.fields.references is "
+            "not set; set data.fields.references=FIELD, the field with each row's reference summaries, or "
+            f"label with a judge calibrated with {needs.alternative}"
+        )
     pairs = read_pairs(cfg.data)
+    try:
+        check_references(
+            needs, [x.references for x in pairs], len(pairs),
+            f"give every row its reference summaries in field {cfg.data.fields.references!r} (data.fields.references)",
+            "row",
+        )  # fmt: skip
+    except MissingReferences as err:
+        raise DataError(f"{cfg.data.path}: {err}") from None
+    judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)
     t0 = time.perf_counter()
     p: list[float] = []
     logit: list[float] = []

@@ -324,3 +324,59 @@ def test_judge_reward_logs_the_judges_signal_and_no_nan_position_bias():
     assert all(np.isfinite(v) for v in logged.values())  # no NaN position bias / order agreement
     with pytest.raises(ValueError, match="empty='drop'; use lose"):
         JudgeReward(_length_judge(), empty="drop")
+
+
+# --- a judge that reads references (issue 39: a judge states what it reads) ----------------------------
+def _rouge_judge() -> CalibratedJudge:
+    """ROUGE-L against the references as the judge: it reads references (``judge.signal=rouge``)."""
+    from judgeloop.calibration import IdentityCalibrator
+
+    return CalibratedJudge(JudgeConfig(type="objective", signal="rouge", scale=5.0), IdentityCalibrator())
+
+
+def test_judge_reward_for_a_judge_that_reads_references_needs_reference_column():
+    judge = _rouge_judge()
+    assert judge.reads_references and not _length_judge().reads_references
+    with pytest.raises(ValueError, match=r"reads references \(judge.signal=rouge\).*pass reference_column=COLUMN"):
+        JudgeReward(judge, num_generations=2)
+    JudgeReward(judge, num_generations=2, reference_column="references")  # what the message asks for
+
+
+def _grpo(tmp_path: Path, reward: JudgeReward, rows: list[dict]):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tok = _tiny_policy()
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, max_steps=1,
+                      max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", seed=0)  # fmt: skip
+    return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
+                       processing_class=tok,
+                       peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+
+
+def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(tmp_path):
+    """Real GRPOTrainer: with ``reference_column`` the reference judge rewards the batch (equal to
+    ``group_rewards`` with the references); a row whose references are empty stops the step with one line
+    naming the column, before the judge is called."""
+    rows = [{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
+             "article": f"the dog ran {i} miles", "references": [f"a dog ran {i} miles"]} for i in range(8)]  # fmt: skip
+    judge = _rouge_judge()
+    reward = JudgeReward(judge, num_generations=4, reference_column="references", keep_history=1)
+    trainer = _grpo(tmp_path / "ok", reward, rows)
+    trainer.train()
+    assert trainer.state.global_step == 1 and reward.judge_calls == 1
+    call = reward.history[0]
+    for s, e in call["spans"]:
+        refs = rows[[r["article"] for r in rows].index(call["sources"][s])]["references"]
+        assert call["rewards"][s:e] == group_rewards(judge, call["sources"][s], call["completions"][s:e],
+                                                     references=refs)  # fmt: skip
+
+    for row in rows[1:]:  # a step's two prompts: at least one of them without references
+        row["references"] = []
+    judge = _rouge_judge()
+    reward = JudgeReward(judge, num_generations=4, reference_column="references")
+    with pytest.raises(ValueError, match=r"have none \(first: row \d+\); give every row its reference summaries "
+                                         r"in the column reference_column='references'"):  # fmt: skip
+        _grpo(tmp_path / "missing", reward, rows).train()
+    assert judge.calls == 0

@@ -8,6 +8,11 @@ Routes: ``GET /health``; ``GET /v1/info`` (judge, calibrator, held-out figures, 
 ``POST /verl/reward`` (one verl response in, its groupwise reward out, :mod:`judgeloop.integrations.verl_route`),
 posted by :func:`judgeloop.integrations.verl.compute_score`.
 
+``routes.openrlhf`` / ``routes.verl`` (default on) turn those two routes off; a judge that reads references
+(``judge.embedding_target=references``, :attr:`~judgeloop.judges.calibrated.CalibratedJudge.needs`) is
+refused at start-up while either is on, since neither protocol carries them. ``/v1/compare`` and
+``/v1/rewards`` answer an item without the references such a judge reads with a 422.
+
 The judge is loaded, and the token checked, before the port is bound: a folder that is no calibrated
 judge stops here with exit status 2. SIGTERM (or Ctrl-C) drains: the server stops accepting connections,
 scores the OpenRLHF and verl routes' open groups at once (short ones as they are), lets in-flight requests finish
@@ -102,7 +107,10 @@ def run(cfg: ServeConfig) -> None:
     """Load the judge, build the app, serve until SIGTERM (or Ctrl-C), drain, return."""
     from judgeloop.judges.calibrated import CalibratedJudge
     from judgeloop.serving.app import build_app
+    from judgeloop.serving.config import check_routes
 
+    # what the judge reads against what each enabled route can carry, before any weights load
+    check_routes(cfg, CalibratedJudge.needs_of(cfg.judge_path, cfg.judge_overrides))
     judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)  # fails before binding
     app = build_app(judge, cfg)  # checks the token's variable
     check_port(cfg.server.host, cfg.server.port)

@@ -49,8 +49,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
+from judgeloop.rewards import is_empty
 from judgeloop.serving.config import ServeConfig
-from judgeloop.serving.groups import is_empty
 
 ROUTE = "/openrlhf/get_reward"
 

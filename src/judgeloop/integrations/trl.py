@@ -53,7 +53,9 @@ class JudgeReward:
             alone and needs no groups.
         source_column: the dataset column with the text the judge reads the completions against.
         anchor_column: the column with each row's anchor completion (``anchor`` scheme).
-        reference_column: the column with references, for a judge that reads them.
+        reference_column: the column with each row's reference summaries (a list of texts, or one text);
+            required, and checked at construction, for a judge that reads references
+            (``judge.needs.reads_references``); a row without any is an error naming the column.
         empty: ``lose`` (default, like the server's ``empty_completions: lose``): an empty completion
             is not judged and gets the lowest reward of its group under either aggregate; ``judge``:
             the judge is asked about it like any other text.
@@ -95,6 +97,13 @@ class JudgeReward:
             from judgeloop.judges.calibrated import CalibratedJudge
 
             judge = CalibratedJudge.from_pretrained(judge)
+        needs = getattr(judge, "needs", None)
+        if needs is not None and needs.reads_references and not reference_column:
+            raise ValueError(
+                f"JudgeReward: the judge reads references ({needs.setting}) and reference_column is not set; "
+                "pass reference_column=COLUMN, the dataset column with each row's reference summaries, or "
+                f"use a judge calibrated with {needs.alternative}"
+            )
         self.judge = judge
         self.scheme: Any = scheme
         self.aggregate: Any = aggregate
@@ -188,6 +197,16 @@ class JudgeReward:
         anchors = self._column(kwargs, self.anchor_column, n) if self.anchor_column else [None] * n
         refs = self._column(kwargs, self.reference_column, n) if self.reference_column else [()] * n
         spans = self.groups(prompts, n)
+        needs = getattr(self.judge, "needs", None)
+        if needs is not None and self.reference_column:  # before the judge is asked anything
+            from judgeloop.judges.calibrated import check_references
+
+            as_lists = [(r,) if isinstance(r, str) else tuple(r or ()) for r in refs]
+            check_references(
+                needs, as_lists, n,
+                f"give every row its reference summaries in the column reference_column={self.reference_column!r}",
+                "row",
+            )  # fmt: skip
         groups = []
         for s, e in spans:
             if any(sources[i] != sources[s] for i in range(s, e)):

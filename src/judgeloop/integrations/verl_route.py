@@ -24,7 +24,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from judgeloop.serving.groups import PromptGroups, is_empty
+from judgeloop.rewards import is_empty
+from judgeloop.serving.groups import PromptGroups
 
 ROUTE = "/verl/reward"
 

@@ -235,6 +235,62 @@ def members_models(panel: PanelConfig, key: str) -> list[tuple[str, str, str]]:
     return [m for i, member in enumerate(panel.members) for m in models_of(member, f"{key}.members[{i}]")]
 
 
+@dataclass(frozen=True)
+class JudgeNeeds:
+    """What a judge reads per call besides the source text (the article) and the two summaries.
+
+    Attributes:
+        references: which reference summaries it compares to: ``neutral`` (the human / neutral ones),
+            ``extractive``, or ``""`` when it reads none.
+        setting: the config setting that makes it read them (``judge.embedding_target=references``,
+            ``judge.signal=rouge``, ``judge.panel.members[1].embedding_target=extractive``); ``""`` if none.
+    """
+
+    references: str = ""
+    setting: str = ""
+
+    @property
+    def reads_references(self) -> bool:
+        return bool(self.references)
+
+    def describe(self) -> str:
+        """One phrase for a card or an error: what each call must carry."""
+        if not self.references:
+            return "the source text (the article) and the two summaries; no references"
+        return (
+            f"the source text, the two summaries and each item's {self.references} reference summaries "
+            f"(it reads them: {self.setting})"
+        )
+
+    @property
+    def alternative(self) -> str:
+        """The change, at calibration, that gives a judge reading no references."""
+        if self.setting.endswith("signal=rouge"):
+            return self.setting.replace("signal=rouge", "signal=length")
+        return self.setting.rsplit("=", 1)[0] + "=article"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"references": self.references or None, "setting": self.setting or None}
+
+
+def judge_needs(cfg: JudgeConfig, key: str = "judge") -> JudgeNeeds:
+    """What the judge ``cfg`` describes reads per call (:class:`JudgeNeeds`), from its config alone (no
+    model loads): an embedding judge whose target is ``references`` / ``extractive``, the ``rouge``
+    objective signal, or a panel with such a member reads references; every other judge reads none."""
+    if cfg.type == "panel":
+        for i, member in enumerate(cfg.panel.members):
+            needs = judge_needs(member, f"{key}.panel.members[{i}]")
+            if needs.reads_references:
+                return needs
+        return JudgeNeeds()
+    if cfg.type == "embedding" and cfg.embedding_target != "article":
+        style = "extractive" if cfg.embedding_target == "extractive" else "neutral"
+        return JudgeNeeds(style, f"{key}.embedding_target={cfg.embedding_target}")
+    if cfg.type == "objective" and cfg.signal == "rouge":
+        return JudgeNeeds("neutral", f"{key}.signal=rouge")
+    return JudgeNeeds()
+
+
 def build_judge(cfg: JudgeConfig) -> Judge:
     """Load the model and build the judge ``cfg`` describes (styled when ``style_weight`` is not 0)."""
     if cfg.type == "panel":
@@ -322,6 +378,7 @@ __all__ = [
     "VALID_STATUSES",
     "Judge",
     "JudgeConfig",
+    "JudgeNeeds",
     "PanelConfig",
     "ServerConfig",
     "build_panel",
@@ -336,6 +393,7 @@ __all__ = [
     "STYLE_FEATURES",
     "StyledJudge",
     "build_judge",
+    "judge_needs",
     "references_for",
     "style_feature",
     "combine_orders",

@@ -30,7 +30,7 @@ from judgeloop.calibration.calibrators import CalibrationError, Calibrator, cali
 from judgeloop.calibration.labels import FEATURE_NAMES, pair_features
 from judgeloop.config import ConfigError, load_config, to_yaml
 from judgeloop.io import DataError, atomic_dir, atomic_write_json, atomic_write_text, read_json
-from judgeloop.judges import JudgeConfig, build_judge
+from judgeloop.judges import JudgeConfig, JudgeNeeds, build_judge, judge_needs
 from judgeloop.judges.base import VALID_STATUSES, Judge, PointwiseJudge
 
 FORMAT = "judgeloop.calibrated_judge"
@@ -51,6 +51,35 @@ def check_judge_path(path: str, *, on_disk: bool = True) -> None:
 # the texts of a batch of comparisons, and each one's reference summaries (None: the judge needs none)
 Texts = Sequence[str]
 References = Sequence[Sequence[str]] | None
+
+
+class MissingReferences(ValueError):
+    """A judge that reads references was called without them (the message names what to pass)."""
+
+
+def items_without_references(references: References, n: int) -> list[int]:
+    """The indices of the ``n`` items whose reference list is missing, empty or only blank texts."""
+    if references is None:
+        return list(range(n))
+    return [i for i, refs in enumerate(references) if not any(str(r).strip() for r in refs)]
+
+
+def check_references(needs: JudgeNeeds, references: References, n: int, fix: str, name: str = "item") -> None:
+    """Refuse ``n`` items some of which lack the references a judge that reads them needs, before any
+    judging: one line naming the judge's setting, the first such item and ``fix`` (what to pass, in the
+    caller's terms: ``references=``, ``reference_column=``, ``items[i].references``...).
+
+    Raises:
+        MissingReferences: a judge that reads references and an item without any.
+    """
+    if not needs.reads_references or n == 0:
+        return
+    missing = items_without_references(references, n)
+    if missing:
+        raise MissingReferences(
+            f"this judge reads references ({needs.setting}) but {len(missing)} of {n} {name}s have none "
+            f"(first: {name} {missing[0]}); {fix}, or calibrate a judge that reads none ({needs.alternative})"
+        )
 
 
 @dataclass
@@ -119,6 +148,16 @@ class CalibratedJudge:
         return is_pairwise(self.judge)
 
     @property
+    def needs(self) -> JudgeNeeds:
+        """What each call must carry (:class:`~judgeloop.judges.JudgeNeeds`), from the judge's config."""
+        return judge_needs(self.config)
+
+    @property
+    def reads_references(self) -> bool:
+        """Whether :meth:`compare` needs every item's ``references``."""
+        return self.needs.reads_references
+
+    @property
     def debiases(self) -> bool:
         """Whether :meth:`compare` scores both orders of every pair (position debiasing)."""
         assert self.judge is not None
@@ -130,8 +169,13 @@ class CalibratedJudge:
 
         Raises:
             ValueError: the three lists (and ``references``, when given) differ in length.
+            MissingReferences: the judge reads references (:attr:`needs`) and an item has none.
         """
         assert self.judge is not None
+        check_references(
+            self.needs, references, len(prompts),
+            "pass references= to compare, one list of reference summaries per item",
+        )  # fmt: skip
         self.calls += 1
         out = self.judge(list(prompts), list(a), list(b), references)
         features = None
@@ -156,6 +200,7 @@ class CalibratedJudge:
             "judgeloop_version": __version__,
             "method": self.method,
             "feature_names": list(FEATURE_NAMES) if self.calibrator.uses_features else [],
+            "needs": self.needs.as_dict(),
         }
         if hasattr(self.judge, "describe"):  # a served judge: the model, server and route it was fit on
             card["served"] = self.judge.describe()
@@ -177,6 +222,24 @@ class CalibratedJudge:
                 not match its parameters (or the card's), a model that cannot be found here, a changed
                 setting the calibrator depends on. Every file is checked before the judge is built.
         """
+        config, calibrator, card = cls._read_folder(path, overrides)
+        return cls(config=config, calibrator=calibrator, card=card)
+
+    @classmethod
+    def needs_of(cls, path: str | Path, overrides: Sequence[str] = ()) -> JudgeNeeds:
+        """What the saved judge at ``path`` reads per call, with every check of :meth:`from_pretrained`
+        but no model loaded: cheap, so a command checks its data against it before any heavy work.
+
+        Raises:
+            ConfigError: as :meth:`from_pretrained`.
+        """
+        return judge_needs(cls._read_folder(path, overrides)[0])
+
+    @staticmethod
+    def _read_folder(
+        path: str | Path, overrides: Sequence[str]
+    ) -> tuple[JudgeConfig, Calibrator, dict[str, Any]]:
+        """The folder's judge config, calibrator and card, each file checked (no model loads)."""
         from judgeloop import __version__
         from judgeloop.devices import resolve_device
         from judgeloop.models import check_model
@@ -218,8 +281,8 @@ class CalibratedJudge:
                 f"{card_path} says method {card.get('method')!r} but {cal_path} holds a {calibrator.method!r} "
                 f"calibrator; the folder is mixed up: {again}"
             )
-        if not all(isinstance(card.get(k, {}), dict) for k in ("fit", "held_out")):
-            raise ConfigError(f"{card_path}: 'fit' and 'held_out' must be objects; {again}")
+        if not all(isinstance(card.get(k, {}), dict) for k in ("fit", "held_out", "held_out_raw")):
+            raise ConfigError(f"{card_path}: 'fit', 'held_out' and 'held_out_raw' must be objects; {again}")
         changed = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in MEANING_KEYS]
         if changed:
             raise ConfigError(
@@ -237,7 +300,7 @@ class CalibratedJudge:
                 raise ConfigError(
                     f"{folder / 'judge.yaml'}: {err}; or load it with overrides=['model=LOCAL_DIR']"
                 ) from None
-        return cls(config=config, calibrator=calibrator, card=card)
+        return config, calibrator, card
 
 
 def check_served(judge: Judge, card: dict[str, Any]) -> None:
@@ -279,13 +342,78 @@ MEANING_KEYS = (
 )
 
 
+LABEL_NAMES = {
+    "rouge": "ROUGE-L labels (the summary closer to the references wins)",
+    "human": "human judgements",
+}
+METRIC_NAMES = (
+    ("accuracy", "accuracy (higher is better)"),
+    ("ece", "ECE (lower is better)"),
+    ("brier", "Brier (lower is better)"),
+    ("nll", "NLL (lower is better)"),
+    ("auc", "AUC (higher is better)"),
+)
+
+
+def _labels_phrase(fit: dict[str, Any]) -> str:
+    kind = fit.get("label_type")
+    name = LABEL_NAMES.get(str(kind), f"`{kind}` labels" if kind else "its labels")
+    if kind == "human" and fit.get("label_dimension"):
+        name = f"human `{fit['label_dimension']}` judgements"
+    source = ", ".join(str(fit[k]) for k in ("data_format", "data_path") if fit.get(k))
+    return name + (f" ({source})" if source else "")
+
+
+def _needs_lines(needs: JudgeNeeds) -> list[str]:
+    if not needs.reads_references:
+        return [
+            f"**Each call needs** {needs.describe()}: `judge.compare(articles, summaries_a, summaries_b)`; every "
+            "route of `judgeloop serve-judge` serves it."
+        ]
+    return [
+        f"**Each call needs** {needs.describe()}: `judge.compare(articles, summaries_a, summaries_b, "
+        "references=refs)` (one list per item), `JudgeReward(judge, ..., reference_column=COLUMN)`, "
+        "`label-pairs` with `data.fields.references=FIELD`, and the server's `/v1/compare` and `/v1/rewards` "
+        "with `references` in every item or group. The OpenRLHF and verl routes cannot carry references, so "
+        "`serve-judge` serves this judge with `routes.openrlhf=false routes.verl=false`. A judge that reads "
+        f"none is calibrated with `{needs.alternative}`."
+    ]
+
+
 def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
-    """The folder's ``README.md``: what the judge is, what it was fit on, how it did on held-out pairs."""
+    """The folder's ``README.md``. It opens with what a user asks first: what the judge agrees with, on how
+    many held-out pairs, raw beside calibrated, and what each call must carry; then the details."""
     held = card.get("held_out", {})
+    raw = card.get("held_out_raw", {})
     fit = card.get("fit", {})
-    lines = [
-        f"# Calibrated judge: `{config.type}` on `{config.model}`, `{card['method']}`",
-        "",
+    method = card["method"]
+    needs = judge_needs(config)
+    lines = [f"# Calibrated judge: `{config.type}` on `{config.model}`, `{method}`", ""]
+    figures = [(k, name) for k, name in METRIC_NAMES if isinstance(held.get(k), float)]
+    pairs = held.get("pairs")
+    count = (
+        f"{pairs} held-out pairs ({held.get('predictions')} predictions, both orders of each)"
+        if pairs
+        else (f"{held['predictions']} held-out predictions" if held.get("predictions") else "held-out pairs")
+    )
+    where = f" from {held['articles']} {held.get('split', 'test')} articles" if held.get("articles") else ""
+    if figures:
+        head = f"**Agrees with** {_labels_phrase(fit)}: measured on {count}{where}, none of them used to fit it"
+        if isinstance(held.get("accuracy"), float):
+            head += f"; it picks the labels' winner on {held['accuracy']:.1%} of them"
+        lines += [head + ".", ""]
+        cols = ["raw (sigmoid of the logit)", f"`{method}` (these probabilities)"] if raw else [f"`{method}`"]
+        lines += [f"| held out | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
+        for key, name in figures:
+            row = ([f"{raw[key]:.4f}" if isinstance(raw.get(key), float) else "-"] if raw else []) + [
+                f"{held[key]:.4f}"
+            ]
+            lines.append(f"| {name} | {' | '.join(row)} |")
+        lines.append("")
+    else:
+        lines += [f"**Agrees with** {_labels_phrase(fit)}; no held-out figures were recorded.", ""]
+    lines += [*_needs_lines(needs), ""]
+    lines += [
         "Load it with `CalibratedJudge.from_pretrained(path)` (`from judgeloop import CalibratedJudge`).",
         "",
         f"- Prompt `{config.prompt}`, position debiasing {'on' if config.debias else 'off'}"
@@ -304,11 +432,16 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
         )
     if card.get("statuses"):
         lines.append(f"- Judge statuses seen: {card['statuses']}.")
-    if held:
-        lines.append(
-            "- Held out: " + ", ".join(f"{k} {v:.4f}" for k, v in held.items() if isinstance(v, float)) + "."
-        )
+    if isinstance(held.get("position_bias"), float):
+        lines.append(f"- Held-out position bias (mean s(a,b) + s(b,a)): {held['position_bias']:.4f}.")
     return "\n".join([*lines, ""])
 
 
-__all__ = ["CalibratedJudge", "Comparison", "check_judge_path", "is_pairwise"]
+__all__ = [
+    "CalibratedJudge",
+    "Comparison",
+    "MissingReferences",
+    "check_judge_path",
+    "check_references",
+    "is_pairwise",
+]

@@ -134,7 +134,9 @@ class EmbeddingJudge(PointwiseJudge, ModelBacked):
             if missing:
                 raise ValueError(
                     f"embedding judge with target='references' got {missing} of {len(pairs)} pairs without "
-                    "references; give each Pair its references or set judge.embedding_target=article"
+                    "references; give each pair its references (CalibratedJudge.compare(..., references=)); a saved "
+                    "judge keeps its target, so for one that reads the article calibrate again with "
+                    "judge.embedding_target=article"
                 )
         return super()._score_ordered(pairs)
 

@@ -10,8 +10,9 @@ matters (comparisons from many requests in one judge call, never splitting a req
 :mod:`judgeloop.serving.batcher`, a few dozen lines under judgeloop's own tests.
 
 Every error answers ``{"error": "<one line>"}``: 400 malformed JSON, 401 a missing or wrong token, 413
-a body, request or text over its limit, 422 a missing field, a wrong type or an empty text, 500 a judge
-failure (the server stays up). The server logs each one (route, status, reason) as a warning: the access
+a body, request or text over its limit, 422 a missing field, a wrong type, an empty text or (for a judge
+that reads references, :attr:`~judgeloop.judges.calibrated.CalibratedJudge.needs`) an item without
+references, 500 a judge failure (the server stays up). The server logs each one (route, status, reason) as a warning: the access
 log is off, and OpenRLHF's client shows the status code only.
 """
 
@@ -30,12 +31,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from judgeloop.config import ConfigError, to_dict
-from judgeloop.judges.calibrated import CalibratedJudge
+from judgeloop.judges.calibrated import CalibratedJudge, MissingReferences, check_references
 from judgeloop.logging import get_logger
-from judgeloop.rewards import Group, check_scheme
+from judgeloop.rewards import Group, check_scheme, is_empty
 from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
-from judgeloop.serving.config import ServeConfig
-from judgeloop.serving.groups import PromptGroups, is_empty, served_group_scores
+from judgeloop.serving.config import ServeConfig, check_routes
+from judgeloop.serving.groups import PromptGroups, served_group_scores
 
 logger = get_logger(__name__)
 
@@ -223,6 +224,21 @@ def check_reward_texts(cfg: ServeConfig, body: RewardsRequest) -> None:
     check_texts(cfg, len(completions), texts)
 
 
+def check_request_references(judge: CalibratedJudge, refs: list[list[str]], field: str) -> None:
+    """422 before any judging when the judge reads references and an item or group (``field``: its
+    path, ``items`` or ``groups``) sends none."""
+    try:
+        check_references(
+            judge.needs,
+            refs,
+            len(refs),
+            f"send each one's reference summaries in {field}[i].references",
+            field,
+        )
+    except MissingReferences as err:
+        raise ApiError(422, str(err)) from None
+
+
 def _one_line(err: RequestValidationError) -> tuple[int, str]:
     errors = err.errors()
     first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
@@ -248,6 +264,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return answer(request, *_one_line(err))
+
+    @app.exception_handler(MissingReferences)
+    async def _no_references(request: Request, err: MissingReferences) -> JSONResponse:
+        return answer(request, 422, str(err))
 
     @app.exception_handler(JudgeFailure)
     async def _judge_failed(request: Request, err: JudgeFailure) -> JSONResponse:
@@ -306,6 +326,8 @@ def info_body(
         "calibrator": judge.method,
         "pairwise": judge.pairwise,
         "debiases": judge.debiases,
+        "needs": judge.needs.as_dict(),
+        "routes": to_dict(cfg.routes),
         "card": judge.card,
         "judgeloop_version": __version__,
         "rewards": prompt_groups.settings,
@@ -330,6 +352,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     from judgeloop.integrations.openrlhf import openrlhf_router
     from judgeloop.integrations.verl_route import VerlGroups, verl_router
 
+    check_routes(cfg, judge.needs)  # a route that cannot carry what the judge reads is never enabled
     token = api_key(cfg)
     batcher = ComparisonBatcher(
         judge, cfg.server.max_batch_size, cfg.server.max_wait_ms, cfg.server.num_threads
@@ -376,6 +399,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
         check_texts(cfg, len(items), texts)
         if not items:
             return {"p": [], "logit": [], "status": []}
+        check_request_references(judge, [it.references for it in items], "items")
         refs = [it.references for it in items] if any(it.references for it in items) else None
         out = await batcher.submit(
             [it.prompt for it in items], [it.a for it in items], [it.b for it in items], refs
@@ -386,6 +410,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     async def rewards(body: RewardsRequest) -> dict[str, Any]:
         settings = reward_settings(body, defaults)
         check_reward_texts(cfg, body)
+        check_request_references(judge, [g.references for g in body.groups], "groups")
         lose = body.empty_completions == "lose"
         try:
             scores = await served_group_scores(batcher, reward_groups(body), settings, empty_loses=lose)
@@ -398,12 +423,14 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
             "mean_p": scores.mean_p if scores.mean_p == scores.mean_p else None,
         }
 
-    app.include_router(
-        openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
-    )
-    app.include_router(
-        verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
-    )
+    if cfg.routes.openrlhf:
+        app.include_router(
+            openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
+        )
+    if cfg.routes.verl:
+        app.include_router(
+            verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
+        )
     app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
     return app
 

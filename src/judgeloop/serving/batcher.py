@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from judgeloop.judges.calibrated import CalibratedJudge, Comparison, References, Texts
+from judgeloop.judges.calibrated import CalibratedJudge, Comparison, MissingReferences, References, Texts
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -212,8 +212,13 @@ class ComparisonBatcher:
             self.stats.failed_calls += 1
             if len(batch) == 1:
                 logger.warning("judge failed on a request of %d comparisons: %r", size, err)
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(JudgeFailure(f"{type(err).__name__}: {err}"))
+                if not batch[0].future.done():  # the caller's missing input stays what it is (a 422)
+                    failure = (
+                        err
+                        if isinstance(err, MissingReferences)
+                        else JudgeFailure(f"{type(err).__name__}: {err}")
+                    )
+                    batch[0].future.set_exception(failure)
                 return
             for job in batch:  # find the request that broke it: judge each alone
                 await self._judge([job])

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from judgeloop.config import check_at_least
+from judgeloop.config import ConfigError, check_at_least
+from judgeloop.judges import JudgeNeeds
 from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
 
@@ -73,6 +74,16 @@ class OpenRLHFConfig:
 
 
 @dataclass
+class RoutesConfig:
+    """Which trainer routes the server enables (``routes.*``); ``/health``, ``/v1/info``, ``/v1/compare``
+    and ``/v1/rewards`` are always on. The OpenRLHF and verl protocols carry no references, so a judge
+    that reads them is served with both off (``serve-judge`` refuses to start otherwise)."""
+
+    openrlhf: bool = True
+    verl: bool = True
+
+
+@dataclass
 class ServeConfig:
     """Schema of ``judgeloop serve-judge``."""
 
@@ -81,6 +92,7 @@ class ServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)  # a /v1/rewards request may name its own
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
+    routes: RoutesConfig = field(default_factory=RoutesConfig)
 
     def __post_init__(self) -> None:
         check_judge_path(self.judge_path, on_disk=False)
@@ -91,4 +103,29 @@ class ServeConfig:
             )
 
 
-__all__ = ["OpenRLHFConfig", "ServeConfig", "ServerConfig"]
+def check_routes(cfg: ServeConfig, needs: JudgeNeeds) -> None:
+    """Refuse to enable a route that cannot carry what the judge reads per call (one line naming the
+    route, the judge's setting and both fixes); cheap, so ``serve-judge`` calls it before loading weights.
+
+    Raises:
+        ConfigError: the judge reads references and ``routes.openrlhf`` or ``routes.verl`` is on.
+    """
+    if not needs.reads_references:
+        return
+    on = [
+        (k, r)
+        for k, r in (("openrlhf", "/openrlhf/get_reward"), ("verl", "/verl/reward"))
+        if getattr(cfg.routes, k)
+    ]
+    if not on:
+        return
+    routes = " and ".join(f"routes.{k}=true ({r})" for k, r in on)
+    off = " ".join(f"routes.{k}=false" for k, _ in on)
+    raise ConfigError(
+        f"judge_path={cfg.judge_path} reads references ({needs.setting}), which {routes} cannot carry (the "
+        f"protocol has no field for them); set {off} to serve /v1/compare and /v1/rewards only, or serve a "
+        f"judge that reads none (calibrate with {needs.alternative})"
+    )
+
+
+__all__ = ["OpenRLHFConfig", "RoutesConfig", "ServeConfig", "ServerConfig", "check_routes"]

@@ -5,73 +5,37 @@ arrive in separate requests (OpenRLHF posts each sample alone) into one group.
 With ``empty_loses`` (the OpenRLHF route, where a refused sample stops the training run) an empty
 completion is not sent to the judge: a comparison of it against a non-empty text has p = 0 (it loses),
 two empty ones tie (p = 0.5), so the aggregate ranks it last (win rate 0.0; the lowest Bradley-Terry
-strength of its group). The ``/v1/*`` routes refuse empty texts instead (422).
+strength of its group): :class:`judgeloop.rewards.EmptyLoses` around the batched judge, the rule
+``JudgeReward`` uses too. The ``/v1/*`` routes refuse empty texts unless asked (422).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from judgeloop.judges.calibrated import Comparison, References, Texts
 from judgeloop.logging import get_logger
-from judgeloop.rewards import Group, GroupScores, score_groups
+from judgeloop.rewards import EmptyLoses, Group, GroupScores, score_groups
 from judgeloop.serving.batcher import ComparisonBatcher
 
 logger = get_logger(__name__)
 
 
-def is_empty(text: str) -> bool:
-    """Whether a completion has no text to judge (nothing but whitespace)."""
-    return not text.strip()
-
-
 class _BatchedJudge:
     """What :func:`score_groups` needs of a judge (``pairwise``, ``debiases``, ``compare``), with
-    ``compare`` handed to the batcher on the server's event loop; called from a worker thread. With
-    ``empty_loses`` the comparisons with an empty side are answered here (module docstring)."""
+    ``compare`` handed to the batcher on the server's event loop; called from a worker thread."""
 
-    def __init__(
-        self, batcher: ComparisonBatcher, loop: asyncio.AbstractEventLoop, empty_loses: bool = False
-    ):
-        self.batcher, self.loop, self.empty_loses = batcher, loop, empty_loses
+    def __init__(self, batcher: ComparisonBatcher, loop: asyncio.AbstractEventLoop):
+        self.batcher, self.loop = batcher, loop
         self.pairwise = batcher.judge.pairwise
         self.debiases = batcher.judge.debiases
 
     def compare(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
-        empty = [is_empty(x) or is_empty(y) for x, y in zip(a, b)] if self.empty_loses else []
-        if not any(empty):
-            return self._submit(prompts, a, b, references)
-        n = len(a)
-        p, logit = np.full(n, np.nan), np.full(n, np.nan)
-        status = ["ok"] * n  # an empty side decides the comparison: a valid outcome, not a judgement
-        for i in range(n):
-            if empty[i]:
-                ea, eb = is_empty(a[i]), is_empty(b[i])
-                p[i] = 0.5 if ea == eb else (0.0 if ea else 1.0)
-                logit[i] = 0.0 if ea == eb else (-math.inf if ea else math.inf)  # raw p: sigmoid(logit)
-        keep = [i for i in range(n) if not empty[i]]
-        if keep:
-            refs = [references[i] for i in keep] if references is not None else None
-            out = self._submit([prompts[i] for i in keep], [a[i] for i in keep], [b[i] for i in keep], refs)
-            p[keep], logit[keep] = out.p, out.logit
-            for i, st in zip(keep, out.status):
-                status[i] = st
-        return Comparison(p=p, logit=logit, status=status, forward=logit.copy())
-
-    def _submit(
-        self,
-        prompts: Sequence[str],
-        a: Sequence[str],
-        b: Sequence[str],
-        references: Sequence[Sequence[str]] | None,
-    ) -> Comparison:
         coro = self.batcher.submit(prompts, a, b, references)
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
@@ -82,7 +46,8 @@ async def served_group_scores(
     """:func:`judgeloop.rewards.score_groups` of ``groups`` (``settings``: scheme, aggregate, m, prior,
     probability), its judge call merged with other requests'. Equal to scoring them in process; with
     ``empty_loses``, an empty completion loses to every non-empty text (module docstring)."""
-    judge = _BatchedJudge(batcher, asyncio.get_running_loop(), empty_loses)
+    batched = _BatchedJudge(batcher, asyncio.get_running_loop())
+    judge = EmptyLoses(batched) if empty_loses else batched  # the one copy of the empty-completion rule
     return await run_in_threadpool(score_groups, judge, list(groups), **settings)
 
 
@@ -185,4 +150,4 @@ class PromptGroups:
                 f.set_result(r)
 
 
-__all__ = ["PromptGroups", "is_empty", "served_group_scores"]
+__all__ = ["PromptGroups", "served_group_scores"]

@@ -307,7 +307,7 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
 
 def judge_card(cfg: CalibrateConfig, report: dict[str, Any], method: str) -> dict[str, Any]:
     """What a saved calibrated judge says of itself: the data it was fit on and its held-out figures."""
-    m = report["methods"][method]
+    m, raw = report["methods"][method], report["methods"]["raw"]
     return {
         "statuses": report["judge"]["status"],
         "fit": {
@@ -322,11 +322,14 @@ def judge_card(cfg: CalibrateConfig, report: dict[str, Any], method: str) -> dic
         },
         "held_out": {
             "split": "test",
+            "pairs": report["n_eval_pairs"],
             "predictions": report["n_eval"],
             "articles": report["articles"]["test"],
             **{k: float(m[k]) for k in ("ece", "brier", "nll", "auc", "accuracy")},
             "position_bias": float(report["judge"]["position_bias"]["test"]),
         },
+        # the same test predictions before calibration (p = sigmoid(logit)), beside the calibrated ones
+        "held_out_raw": {k: float(raw[k]) for k in ("ece", "brier", "nll", "auc", "accuracy")},
     }
 
 
