@@ -179,7 +179,7 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         check_references(
             needs, [x.references for x in pairs], len(pairs),
             f"give every row its reference summaries in field {cfg.data.fields.references!r} (data.fields.references)",
-            "row",
+            "row {i} (counting from 0)",
         )  # fmt: skip
     except MissingReferences as err:
         raise DataError(f"{cfg.data.path}: {err}") from None

@@ -337,7 +337,9 @@ def _rouge_judge() -> CalibratedJudge:
 def test_judge_reward_for_a_judge_that_reads_references_needs_reference_column():
     judge = _rouge_judge()
     assert judge.reads_references and not _length_judge().reads_references
-    with pytest.raises(ValueError, match=r"reads references \(judge.signal=rouge\).*pass reference_column=COLUMN"):
+    with pytest.raises(
+        ValueError, match=r"reads references \(judge.signal=rouge\).*pass reference_column=COLUMN"
+    ):
         JudgeReward(judge, num_generations=2)
     JudgeReward(judge, num_generations=2, reference_column="references")  # what the message asks for
 

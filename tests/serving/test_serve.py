@@ -515,3 +515,90 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) 
         from judgeloop.commands.serve_judge import check_port
 
         check_port("127.0.0.1", port)  # released: a restart passes the check that refuses a taken port
+
+
+# --- a judge that reads references (issue 39: a judge states what it reads) ----------------------------
+@pytest.fixture(scope="module")
+def rouge_judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ROUGE-L against the references as the judge (``judge.signal=rouge``): it reads references."""
+    path = tmp_path_factory.mktemp("rouge_judge") / "judge"
+    platt = PlattCalibrator().load_state_dict(
+        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
+         "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
+    )  # fmt: skip
+    CalibratedJudge(JudgeConfig(type="objective", signal="rouge", scale=5.0), platt).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "routes, named, fix",
+    [
+        ((), "routes.openrlhf=true (/openrlhf/get_reward) and routes.verl=true (/verl/reward)",
+         "set routes.openrlhf=false routes.verl=false"),
+        (("routes.openrlhf=false",), "which routes.verl=true (/verl/reward) cannot", "set routes.verl=false to"),
+        (("routes.verl=false",), "which routes.openrlhf=true (/openrlhf/get_reward) cannot",
+         "set routes.openrlhf=false to"),
+    ],
+)  # fmt: skip
+def test_a_route_that_cannot_carry_references_is_refused_at_start(
+    rouge_judge_path: Path, routes: tuple[str, ...], named: str, fix: str
+) -> None:
+    port = free_port()
+    done = subprocess.run(
+        [JUDGELOOP, "serve-judge", "--config", CONFIG, f"judge_path={rouge_judge_path}", f"server.port={port}",
+         *routes],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert "reads references (judge.signal=rouge)" in err[0] and named in err[0] and fix in err[0]
+    assert "calibrate with judge.signal=length" in err[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the port was never taken
+
+
+def test_a_references_judge_is_served_without_the_trainer_routes(rouge_judge_path: Path) -> None:
+    """With both trainer routes off: /v1/compare and /v1/rewards answer a request without references with a
+    422 naming the field (never a 500), and one with them equal to the in-process judge."""
+    judge = CalibratedJudge.from_pretrained(rouge_judge_path)
+    refs = ["The council expands buses to the northern suburbs.", "Walking lowers blood pressure."]
+    with serve(rouge_judge_path, "routes.openrlhf=false", "routes.verl=false") as (url, _):
+        info = httpx.get(url + "/v1/info").json()
+        assert info["needs"] == {"references": "neutral", "setting": "judge.signal=rouge"}
+        assert info["card"]["needs"] == info["needs"]
+
+        batch = items(4, seed=11)
+        got = httpx.post(url + "/v1/compare", json={"items": batch}, timeout=60)
+        assert got.status_code == 422, got.text
+        assert "4 of 4 have none (first: items[0].references)" in got.json()["error"]
+        assert "send each one's reference summaries in items[i].references" in got.json()["error"]
+        partial = [{**x, "references": refs} for x in batch[:3]] + batch[3:]
+        got = httpx.post(url + "/v1/compare", json={"items": partial}, timeout=60)
+        assert (
+            got.status_code == 422 and "1 of 4 have none (first: items[3].references)" in got.json()["error"]
+        )
+
+        full = [{**x, "references": refs} for x in batch]
+        got = httpx.post(url + "/v1/compare", json={"items": full}, timeout=60)
+        assert got.status_code == 200, got.text
+        want = judge.compare([x["prompt"] for x in batch], [x["a"] for x in batch], [x["b"] for x in batch],
+                             [refs] * len(batch))  # fmt: skip
+        assert got.json()["p"] == [float(v) for v in want.p]
+
+        groups = [{"prompt": ARTICLES[0], "completions": SUMMARIES[:3]}]
+        got = httpx.post(url + "/v1/rewards", json={"groups": groups}, timeout=60)
+        assert got.status_code == 422, got.text
+        assert "in groups[i].references" in got.json()["error"]
+        got = httpx.post(
+            url + "/v1/rewards", json={"groups": [{**groups[0], "references": refs}]}, timeout=60
+        )
+        assert got.status_code == 200, got.text
+        assert got.json()["rewards"] == [group_rewards_of(judge, ARTICLES[0], SUMMARIES[:3], refs)]
+
+        for route in ("/openrlhf/get_reward", "/verl/reward"):  # off: not served at all
+            assert httpx.post(url + route, json={}).status_code == 404
+        assert httpx.get(url + "/v1/info").json()["stats"]["failed_calls"] == 0  # nothing reached the judge
+
+
+def group_rewards_of(judge: CalibratedJudge, prompt: str, completions: list[str], refs: list[str]) -> list:
+    return score_groups(judge, [Group(prompt, completions, references=tuple(refs))]).rewards[0]

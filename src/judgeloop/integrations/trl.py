@@ -205,7 +205,7 @@ class JudgeReward:
             check_references(
                 needs, as_lists, n,
                 f"give every row its reference summaries in the column reference_column={self.reference_column!r}",
-                "row",
+                "row {i}",
             )  # fmt: skip
         groups = []
         for s, e in spans:

@@ -64,10 +64,13 @@ def items_without_references(references: References, n: int) -> list[int]:
     return [i for i, refs in enumerate(references) if not any(str(r).strip() for r in refs)]
 
 
-def check_references(needs: JudgeNeeds, references: References, n: int, fix: str, name: str = "item") -> None:
+def check_references(
+    needs: JudgeNeeds, references: References, n: int, fix: str, first: str = "item {i}"
+) -> None:
     """Refuse ``n`` items some of which lack the references a judge that reads them needs, before any
     judging: one line naming the judge's setting, the first such item and ``fix`` (what to pass, in the
-    caller's terms: ``references=``, ``reference_column=``, ``items[i].references``...).
+    caller's terms: ``references=``, ``reference_column=``, ``items[i].references``...); ``first`` names
+    an item from its index ``i`` (``"row {i}"``, ``"items[{i}].references"``).
 
     Raises:
         MissingReferences: a judge that reads references and an item without any.
@@ -77,8 +80,8 @@ def check_references(needs: JudgeNeeds, references: References, n: int, fix: str
     missing = items_without_references(references, n)
     if missing:
         raise MissingReferences(
-            f"this judge reads references ({needs.setting}) but {len(missing)} of {n} {name}s have none "
-            f"(first: {name} {missing[0]}); {fix}, or calibrate a judge that reads none ({needs.alternative})"
+            f"this judge reads references ({needs.setting}) but {len(missing)} of {n} have none (first: "
+            f"{first.format(i=missing[0])}); {fix}, or calibrate a judge that reads none ({needs.alternative})"
         )
 
 

@@ -233,7 +233,7 @@ def check_request_references(judge: CalibratedJudge, refs: list[list[str]], fiel
             refs,
             len(refs),
             f"send each one's reference summaries in {field}[i].references",
-            field,
+            field + "[{i}].references",
         )
     except MissingReferences as err:
         raise ApiError(422, str(err)) from None
