@@ -382,3 +382,32 @@ def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(t
                                          r"in the column reference_column='references'"):  # fmt: skip
         _grpo(tmp_path / "missing", reward, rows).train()
     assert judge.calls == 0
+
+
+@pytest.mark.parametrize(
+    "fields, refs, message",
+    [
+        (["data.fields.references=null"], [["r"], ["r"]],
+         "reads references (judge.signal=rouge) and data.fields.references is not set; set "
+         "data.fields.references=FIELD"),
+        ([], [["the cat sat"], []],
+         "reads references (judge.signal=rouge) but 1 of 2 have none (first: row 1 (counting from 0)); give every "
+         "row its reference summaries in field 'references'"),
+    ],
+)  # fmt: skip
+def test_label_pairs_with_a_judge_that_reads_references_checks_them_first(tmp_path, capsys, fields, refs, message):
+    judge = tmp_path / "rouge_judge"
+    _rouge_judge().save_pretrained(judge)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "p", "article": "the cat sat on the mat", "chosen": "the cat sat",
+                                        "rejected": "a dog", "references": r}) + "\n" for r in refs))  # fmt: skip
+    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"), f"judge_path={judge}",
+            f"data.path={data}", *fields, f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()
+    data.write_text("".join(json.dumps({"prompt": "p", "article": "the cat sat on the mat", "chosen": "the cat sat",
+                                        "rejected": "a dog", "references": ["the cat sat"]}) + "\n" for _ in refs))  # fmt: skip
+    assert cli([*args[:-1], "data.fields.references=references", args[-1]]) == 0  # the fix works
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["labeled"] == 2
