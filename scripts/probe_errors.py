@@ -475,6 +475,15 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "missing field(s) ['rejected']",
         ),
         (
+            "label-pairs: a judge that reads references, no data.fields.references",
+            lambda: [
+                *label_pairs,
+                f"judge_path={rouge_judge(tmp)}",
+                f"data.path={jsonl('norefs.jsonl', [pair])}",
+            ],  # fmt: skip
+            "set data.fields.references=FIELD",
+        ),
+        (
             "label-pairs: an empty completion",
             lambda: [
                 *label_pairs,
@@ -500,6 +509,20 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
         ),
         *serve_cases(tmp, write),
     ]
+
+
+def rouge_judge(tmp: Path) -> Path:
+    """A saved judge that reads references (ROUGE-L against them, ``judge.signal=rouge``); no model."""
+    from judgeloop.calibration import IdentityCalibrator
+    from judgeloop.judges import JudgeConfig
+    from judgeloop.judges.calibrated import CalibratedJudge
+
+    path = tmp / "rouge_judge"
+    if not path.exists():
+        CalibratedJudge(JudgeConfig(type="objective", signal="rouge"), IdentityCalibrator()).save_pretrained(
+            path
+        )
+    return path
 
 
 def serve_cases(
@@ -557,6 +580,11 @@ def serve_cases(
             "server.max_batch_size=0",
         ),
         ("serve-judge: rewards.scheme=pairs", lambda: [*serve, "rewards.scheme=pairs"], "rewards.scheme"),
+        (
+            "serve-judge: a judge that reads references, with the OpenRLHF and verl routes on",
+            lambda: [*serve, f"judge_path={rouge_judge(tmp)}"],
+            "set routes.openrlhf=false routes.verl=false",
+        ),
         (
             "serve-judge: a judge override that changes its meaning",
             lambda: [*serve, good_judge(), "judge_overrides=[scale=3]"],

@@ -401,7 +401,9 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
     )
     where = f" from {held['articles']} {held.get('split', 'test')} articles" if held.get("articles") else ""
     if figures:
-        head = f"**Agrees with** {_labels_phrase(fit)}: measured on {count}{where}, none of them used to fit it"
+        head = (
+            f"**Agrees with** {_labels_phrase(fit)}: measured on {count}{where}, none of them used to fit it"
+        )
         if isinstance(held.get("accuracy"), float):
             head += f"; it picks the labels' winner on {held['accuracy']:.1%} of them"
         lines += [head + ".", ""]
