@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         num_generations=cfg.grpo.num_generations,
         source_column="article",
         anchor_column="reference" if cfg.reward.scheme == "anchor" else None,
+        reference_column="reference" if judge.reads_references else None,  # what judge.needs says it reads
         keep_history=cfg.grpo.max_steps,
     )
 
