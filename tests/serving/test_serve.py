@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -257,8 +258,66 @@ def test_openrlhf_per_sample_requests_form_one_group(length_server: str, length_
         ]
         return await asyncio.gather(*(openrlhf_post(url, d) for d in one))
 
+    before = httpx.get(length_server + "/v1/info", headers=AUTH).json()["stats"]
     got = [r["rewards"][0] for r in asyncio.run(four())]
     assert got == score_groups(judge, [Group(prompt, completions)]).rewards[0]
+    after = httpx.get(length_server + "/v1/info", headers=AUTH).json()["stats"]
+    # stats.requests counts the four posts; the batcher judged them as one group, one job
+    assert after["requests"] - before["requests"] == 4
+    assert after["judge_jobs"] - before["judge_jobs"] == 1
+    assert after["openrlhf_groups"] - before["openrlhf_groups"] == 1
+
+
+def test_a_short_group_is_answered_after_group_idle_s(length_judge_path: Path) -> None:
+    """Two samples of a prompt when the server expects four (an eval run with fewer samples per prompt):
+    OpenRLHF's own client (``SingleTurnAgentExecutor._fetch_rewards_via_http``) gets both rewards about
+    ``group_idle_s`` after the second post, not after ``group_wait_s``; the group is counted partial."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    judge = CalibratedJudge.from_pretrained(length_judge_path)
+    prompt = "<|im_start|>user\nSummarize: " + ARTICLES[0] + "<|im_end|>\n<|im_start|>assistant\n"
+    completions = SUMMARIES[:2]
+    with serve(
+        length_judge_path,
+        "openrlhf.n_samples_per_prompt=4",
+        "openrlhf.group_wait_s=120",
+        "openrlhf.group_idle_s=1.5",
+    ) as (url, _):
+        executor = SingleTurnAgentExecutor(url + "/openrlhf/get_reward")
+
+        async def two() -> list[list[dict]]:
+            return await asyncio.gather(
+                *(
+                    executor._fetch_rewards_via_http([prompt + c + "<|im_end|>"], [prompt], [None])
+                    for c in completions
+                )
+            )
+
+        t0 = time.monotonic()
+        got = asyncio.run(two())
+        took = time.monotonic() - t0
+        stats = httpx.get(url + "/v1/info").json()["stats"]
+    assert 1.5 <= took < 30, (
+        f"answered after {took:.1f} s"
+    )  # group_wait_s=120 would outlast the client's 180 s
+    assert [r[0]["rewards"][0] for r in got] == score_groups(judge, [Group(prompt, completions)]).rewards[0]
+    assert stats["openrlhf_partial_groups"] == 1 and stats["openrlhf_groups"] == 1
+    assert stats["requests"] == 2 and stats["judge_jobs"] == 1
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("openrlhf.group_idle_s=0", "openrlhf.group_idle_s=0.0 must be in (0, 60]"),
+        ("openrlhf.group_idle_s=90", "at most openrlhf.group_wait_s=60"),
+    ],
+)
+def test_group_idle_s_is_range_checked(length_judge_path: Path, override: str, message: str) -> None:
+    from judgeloop.config import ConfigError, load_config
+    from judgeloop.serving.config import ServeConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ServeConfig, CONFIG, [f"judge_path={length_judge_path}", override])
 
 
 def test_openrlhf_empty_completion_gets_the_lowest_reward(tiny_server: str, tiny_judge_path: Path) -> None:
@@ -470,6 +529,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) 
         "server.max_wait_ms=3000",
         "openrlhf.n_samples_per_prompt=4",
         "openrlhf.group_wait_s=120",
+        "openrlhf.group_idle_s=120",
     ) as (url, proc):
         port = int(url.rsplit(":", 1)[1])
         answers: dict[str, httpx.Response] = {}
@@ -491,7 +551,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) 
         deadline = time.monotonic() + 30
         while True:  # all five in flight: three in the batcher, one open group of two
             stats = httpx.get(url + "/v1/info").json()["stats"]
-            if stats["in_flight_requests"] == 3 and stats["openrlhf_open_groups"] == 1:
+            # five posts in flight; the batcher holds the three compare jobs, the group is not submitted yet
+            if (
+                stats["in_flight_requests"] == 5
+                and stats["in_flight_jobs"] == 3
+                and stats["openrlhf_open_groups"] == 1
+            ):
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
