@@ -140,7 +140,8 @@ class ComparisonBatcher:
 
     async def submit(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         """The calibrated comparisons of ``(prompts[i], a[i], b[i])``, judged in a call shared with other
-        requests; equal to ``judge.compare(prompts, a, b, references)``.
+        requests; equal to ``judge.compare(prompts, a, b, references)`` (bit for bit in a call of its own;
+        merged, within float rounding: texts are padded to the whole call's longest).
 
         Raises:
             JudgeFailure: the judge raised on these comparisons.
