@@ -242,8 +242,8 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     labeled rows (the output dataset) and the report."""
     from judgeloop.judges.calibrated import CalibratedJudge
 
-    judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)  # checked first: cheap
-    pairs, prompts_in_data = read_pairs(cfg.data)
+    pairs, prompts_in_data = read_pairs(cfg.data)  # every row checked before the judge model loads
+    judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)
     t0 = time.perf_counter()
     p: list[float] = []
     logit: list[float] = []
