@@ -204,7 +204,9 @@ def _to_float(value: Any, key: str) -> float:
         try:
             return float(value)
         except OverflowError:  # an integer past 1.8e308
-            raise ConfigError(f"config key '{key}'={value} is too large for a number; give a finite one") from None
+            raise ConfigError(
+                f"config key '{key}'={value} is too large for a number; give a finite one"
+            ) from None
     if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
         try:
             return float(value)
@@ -265,7 +267,9 @@ def _coerce(value: Any, tp: Any, key: str, infinite: bool = False) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             if not INT64[0] <= value <= INT64[1]:
-                raise ConfigError(f"config key '{key}'={value} does not fit in 64 bits; give a smaller integer")
+                raise ConfigError(
+                    f"config key '{key}'={value} does not fit in 64 bits; give a smaller integer"
+                )
             return value
         raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
     if tp is float:

@@ -4,17 +4,22 @@ Reads a preference dataset (JSONL, or a local Hugging Face dataset saved with ``
 TRL's field names (``prompt``, ``chosen``, ``rejected``; others mapped with ``data.fields``), or pairs
 of unordered completions (``data.fields.a`` / ``data.fields.b``), judges every pair with a saved
 calibrated judge (:class:`~judgeloop.judges.calibrated.CalibratedJudge`) and writes a TRL-ready
-dataset: ``prompt``, ``chosen``, ``rejected`` (ordered by the calibrated judge, or kept as given with
-``keep_order``), ``p_chosen`` (calibrated P(chosen better)), ``logit`` (the raw logit, chosen vs
+dataset in the input's own TRL preference format: ``prompt``, ``chosen``, ``rejected`` (ordered by the
+calibrated judge, or kept as given with ``keep_order``) as strings when they came as strings (TRL's
+standard format), as lists of ``{"role", "content"}`` messages when they came as messages (its
+conversational format: a string completion of a chat prompt becomes one assistant message), ``p_chosen`` (calibrated P(chosen better)), ``logit`` (the raw logit, chosen vs
 rejected), ``orders_agree`` (whether the judge's two orders preferred the same completion; null when
 it scored one order), ``judge_agrees`` (with the dataset's own order, when it has one) and ``status``.
 Pairs the judge failed on are kept out of the dataset and counted; ``min_confidence`` drops pairs whose
-``max(p, 1 - p)`` is below it. The report gives the agreement with the dataset's labels (Wilson 95%
-interval), a confidence histogram and the throughput.
+``max(p, 1 - p)`` is below it. ``data.max_pairs`` samples that many pairs spread over the prompts
+(round-robin over the prompts in an order drawn with ``data.seed``), not the file's head, which in a
+dataset sorted by prompt is one prompt's pairs. The report gives the agreement with the dataset's labels (Wilson 95%
+interval), how many prompts the pairs cover, a confidence histogram and the throughput.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import ConfigError, check_range
+from judgeloop.config import ConfigError, check_at_least, check_range
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import DataError, atomic_dir, atomic_write_jsonl, read_jsonl
 from judgeloop.judges.calibrated import check_judge_path
@@ -49,12 +54,17 @@ class PairFields:
 @dataclass
 class PairDataConfig:
     """The preference data: ``format`` ``jsonl`` (``path`` a file) or ``hf`` (a folder from
-    ``Dataset.save_to_disk``)."""
+    ``Dataset.save_to_disk``). ``max_pairs``: label at most this many pairs, sampled across the prompts
+    with ``seed`` (:func:`sample_across_prompts`); null labels them all."""
 
     path: str = ""
     format: Literal["jsonl", "hf"] = "jsonl"
     fields: PairFields = field(default_factory=PairFields)
     max_pairs: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_at_least("data", self, "max_pairs", 1, " (null: every pair)", optional=True)
 
 
 @dataclass
@@ -86,17 +96,26 @@ class LabelPairsConfig:
 
 @dataclass
 class InputPair:
+    """One pair: ``first`` / ``second`` the texts the judge reads, ``first_value`` / ``second_value``
+    what the output dataset gets (the row's own value: a string, or a list of messages)."""
+
     prompt: Any
     source: str
     first: str
     second: str
     ordered: bool  # first is the dataset's chosen
     references: tuple[str, ...] = ()
+    first_value: Any = None
+    second_value: Any = None
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
 
 
 def _text(value: Any, where: str, name: str) -> str:
     """A completion's text: a string, or a conversational completion (the assistant messages' content)."""
-    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+    if _is_messages(value):
         value = "".join(str(m.get("content", "")) for m in value if m.get("role", "assistant") == "assistant")
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{name}' must be text or chat messages, got {type(value).__name__}")
@@ -108,14 +127,15 @@ def _text(value: Any, where: str, name: str) -> str:
 
 
 def _prompt_text(value: Any) -> str:
-    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+    if _is_messages(value):
         return "\n".join(str(m.get("content", "")) for m in value)
     return str(value)
 
 
-def read_pairs(data: PairDataConfig) -> list[InputPair]:
-    """The input pairs, every field checked (a missing field or an empty completion is a one-line
-    :class:`DataError` naming the row) before any judging."""
+def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int]:
+    """The input pairs (``data.max_pairs`` of them sampled across the prompts) and how many distinct
+    prompts the data has; every field checked (a missing field, an empty completion, a row in another
+    format than the first is a one-line :class:`DataError` naming the row) before any judging."""
     f = data.fields
     first, second = (f.a, f.b) if f.a is not None else (f.chosen, f.rejected)
     assert first is not None and second is not None
@@ -141,8 +161,12 @@ def read_pairs(data: PairDataConfig) -> list[InputPair]:
             )
         rows = list(ds)
         where = [f"{data.path} row {i}" for i in range(len(rows))]
+    keys = [prompt_key(r[f.prompt]) for r in rows]
+    prompts_in_data = len(set(keys))
     if data.max_pairs is not None:
-        rows, where = rows[: data.max_pairs], where[: data.max_pairs]
+        keep = sample_across_prompts(keys, data.max_pairs, data.seed)
+        rows, where = [rows[i] for i in keep], [where[i] for i in keep]
+    conversational = _format_of(rows, where, f.prompt, first, second)
     pairs = []
     for row, w in zip(rows, where):
         refs = row.get(f.references) if f.references else ()
@@ -156,9 +180,61 @@ def read_pairs(data: PairDataConfig) -> list[InputPair]:
                 _text(row[second], w, second),
                 ordered=f.a is None,
                 references=refs,
+                first_value=_as_format(row[first], conversational),
+                second_value=_as_format(row[second], conversational),
             )  # fmt: skip
         )
-    return pairs
+        if conversational and not _is_messages(row[f.prompt]):
+            pairs[-1].prompt = [{"role": "user", "content": str(row[f.prompt])}]
+    return pairs, prompts_in_data
+
+
+def prompt_key(prompt: Any) -> str:
+    """A prompt as a hashable key (a list of messages as its JSON)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+
+
+def sample_across_prompts(keys: list[str], n: int, seed: int) -> list[int]:
+    """Indices of ``n`` rows spread over the prompts: the prompts in an order drawn with ``seed``, each
+    prompt's rows shuffled, then one row of each prompt in turn until ``n`` are taken (so ``n`` pairs
+    cover ``min(n, prompts)`` prompts, and the counts per prompt differ by at most one where the prompts
+    have enough rows). Deterministic for a seed; returned in file order."""
+    if n >= len(keys):
+        return list(range(len(keys)))
+    rng = np.random.default_rng(seed)
+    by_prompt: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        by_prompt.setdefault(k, []).append(i)
+    queues = [list(rng.permutation(by_prompt[k])) for k in by_prompt]
+    queues = [queues[j] for j in rng.permutation(len(queues))]
+    taken: list[int] = []
+    while len(taken) < n:
+        for q in queues:
+            if q and len(taken) < n:
+                taken.append(int(q.pop(0)))
+    return sorted(taken)
+
+
+def _format_of(rows: list[dict[str, Any]], where: list[str], prompt: str, first: str, second: str) -> bool:
+    """Whether the rows are in TRL's conversational format (a prompt or a completion as chat messages);
+    every row must be in the same one (a dataset column holds one type)."""
+    kinds = [_is_messages(r[prompt]) or _is_messages(r[first]) or _is_messages(r[second]) for r in rows]
+    for k, w in zip(kinds, where):
+        if k != kinds[0]:
+            one, other = ("chat messages", "text") if kinds[0] else ("text", "chat messages")
+            raise DataError(
+                f"{w}: this row is {other} but the first row is {one}; give every row in one format "
+                "(TRL's standard: strings; conversational: lists of {'role', 'content'} messages)"
+            )
+    return bool(kinds and kinds[0])
+
+
+def _as_format(value: Any, conversational: bool) -> Any:
+    """A completion as the output dataset holds it: its own messages, or a string as one assistant
+    message when the dataset is conversational."""
+    if conversational and not _is_messages(value):
+        return [{"role": "assistant", "content": value}]
+    return value
 
 
 def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -174,7 +250,7 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "not set; set data.fields.references=FIELD, the field with each row's reference summaries, or "
             f"label with a judge calibrated with {needs.alternative}"
         )
-    pairs = read_pairs(cfg.data)
+    pairs, prompts_in_data = read_pairs(cfg.data)  # every row checked before the judge model loads
     try:
         check_references(
             needs, [x.references for x in pairs], len(pairs),
@@ -221,7 +297,7 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if x.ordered:
             kept_agree.append(judge_first)
         swap = not judge_first and not cfg.keep_order
-        chosen, rejected = (x.second, x.first) if swap else (x.first, x.second)
+        chosen, rejected = (x.second_value, x.first_value) if swap else (x.first_value, x.second_value)
         row = {
             "prompt": x.prompt,
             "chosen": chosen,
@@ -234,7 +310,9 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if x.ordered:
             row["judge_agrees"] = bool(judge_first)
         rows.append(row)
-    report = label_report(cfg, judge, pairs, p, status, agree, agreements, rows, dropped, seconds)
+    report = label_report(
+        cfg, judge, pairs, p, status, agree, agreements, rows, dropped, seconds, prompts_in_data
+    )
     report["agreement_kept"] = _agreement(kept_agree)
     return rows, report
 
@@ -248,7 +326,7 @@ def _agreement(flags: list[bool]) -> dict[str, Any]:
 def label_report(
     cfg: LabelPairsConfig, judge: Any, pairs: list[InputPair], p: list[float], status: list[str],
     agree: list[bool | None], agreements: list[bool], rows: list[dict[str, Any]], dropped: dict[str, int],
-    seconds: float,
+    seconds: float, prompts_in_data: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The figures of a labeling run (see :func:`render_label_report`)."""
     valid = np.array([v for v in p if np.isfinite(v)])
@@ -264,8 +342,17 @@ def label_report(
             "model": judge.config.model,
             "held_out": judge.card.get("held_out", {}),
         },  # fmt: skip
+        "format": "conversational" if pairs and _is_messages(pairs[0].prompt) else "standard",
         "pairs": len(pairs),
         "labeled": len(rows),
+        # how many prompts the pairs cover: in the data, among the pairs judged, among those labeled
+        "prompts": {
+            "in_data": prompts_in_data,
+            "judged": len({prompt_key(x.prompt) for x in pairs}),
+            "labeled": len({prompt_key(r["prompt"]) for r in rows}),
+        },
+        "max_pairs": cfg.data.max_pairs,
+        "seed": cfg.data.seed,
         "dropped": dropped,
         "status": {s: status.count(s) for s in sorted(set(status))},
         "agreement_with_dataset": _agreement(agreements),
@@ -309,7 +396,9 @@ def render_label_report(report: dict[str, Any]) -> str:
             head,
             "",
             f"Judge `{j['type']}` on `{j['model']}`, calibration `{j['method']}` ({j['path']}). "
-            f"{report['labeled']} of {report['pairs']} pairs labeled; dropped: {report['dropped']} "
+            f"{report['labeled']} of {report['pairs']} pairs labeled"
+            + _coverage(report)
+            + f"; dropped: {report['dropped']} "
             f"(min_confidence {report['min_confidence']}). Judge status: {report['status']}. "
             + (f"Both orders preferred the same completion on {o['k']} of {o['n']} pairs. " if o["n"] else "")
             + (f"{report['pairs_per_s']:.1f} pairs/s." if report["pairs_per_s"] else ""),
@@ -322,6 +411,14 @@ def render_label_report(report: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def _coverage(report: dict[str, Any]) -> str:
+    pr = report.get("prompts")
+    if not pr:
+        return ""
+    sampled = f", sampled with seed {report['seed']}" if report.get("max_pairs") is not None else ""
+    return f" ({report.get('format', 'standard')} format; they cover {pr['labeled']} of the data's {pr['in_data']} prompts{sampled})"
 
 
 def write_dataset(out_dir: Path, rows: list[dict[str, Any]]) -> None:

@@ -231,6 +231,63 @@ def test_soft_dpo_trainer_equals_judgeloops_loss_and_trl_at_hard_targets(labeled
     assert any(not torch.equal(before[n], t) for n, t in model.named_parameters())
 
 
+def _as_chat(row: dict, completions: bool = True) -> dict:
+    """A standard preference row in TRL's conversational format (the prompt a user turn, each completion
+    an assistant turn); ``completions=False`` leaves the completions as strings."""
+    out = dict(row, prompt=[{"role": "user", "content": row["prompt"]}])
+    if completions:
+        for k in ("chosen", "rejected"):
+            out[k] = [{"role": "assistant", "content": row[k]}]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["standard", "conversational", "chat_prompt_text_completions"])
+def test_label_pairs_keeps_trls_format_and_its_output_trains_dpo(tiny_calibration, tmp_path, layout):
+    """Standard in, standard out; conversational in, conversational out (a chat prompt with string
+    completions comes out conversational too): the labeled dataset trains one step of TRL's own
+    DPOTrainer, which refuses a chat prompt with string completions."""
+    import copy
+
+    import torch
+    from datasets import load_from_disk
+    from trl import DPOTrainer
+
+    std = [
+        json.loads(x)
+        for x in _preference_file(tiny_calibration, tmp_path / "std.jsonl", n=8).read_text().splitlines()
+    ]
+    rows = std if layout == "standard" else [_as_chat(r, completions=layout == "conversational") for r in std]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
+              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
+              "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    assert rc == 0
+    ds = load_from_disk(str(out / "dataset"))
+    assert len(ds) == 8
+    chat = layout != "standard"
+    for r in ds:
+        for k in ("prompt", "chosen", "rejected"):
+            assert isinstance(r[k], list if chat else str), (k, r[k])
+        if chat:
+            assert [m["role"] for m in r["chosen"]] == [m["role"] for m in r["rejected"]] == ["assistant"]
+            assert r["prompt"][0]["role"] == "user"
+    given = {json.dumps(_as_chat(r)[k] if chat else r[k]) for r in std for k in ("chosen", "rejected")}
+    assert all(json.dumps(r["chosen"]) in given and json.dumps(r["rejected"]) in given for r in ds)
+    assert json.loads((out / "report.json").read_text())["format"] == (
+        "conversational" if chat else "standard"
+    )
+    model, tok = _tiny_policy()
+    trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=_dpo_args(tmp_path / "dpo"),
+                         train_dataset=ds, processing_class=tok)  # fmt: skip
+    before = {n: t.detach().clone() for n, t in model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert any(not torch.equal(before[n], t) for n, t in model.named_parameters())
+
+
 @pytest.mark.slow
 def test_trl_online_dpo_accepts_the_anchor_mode_reward(tmp_path, tiny_calibration):
     import copy
@@ -395,7 +452,9 @@ def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(t
          "row its reference summaries in field 'references'"),
     ],
 )  # fmt: skip
-def test_label_pairs_with_a_judge_that_reads_references_checks_them_first(tmp_path, capsys, fields, refs, message):
+def test_label_pairs_with_a_judge_that_reads_references_checks_them_first(
+    tmp_path, capsys, fields, refs, message
+):
     judge = tmp_path / "rouge_judge"
     _rouge_judge().save_pretrained(judge)
     data = tmp_path / "pairs.jsonl"

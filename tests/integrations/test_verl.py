@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-
 import verl  # noqa: F401  (Makefile: verl --no-deps; its reward path imports in the dev extras)
 
 from judgeloop.calibration import PlattCalibrator  # noqa: E402
@@ -82,7 +81,6 @@ def documented_overrides(url: str) -> list[str]:
 
 def verl_config(overrides: list[str]) -> Any:
     """verl's ``ppo_trainer`` config composed with ``overrides``, as ``main_ppo``'s hydra does."""
-    import verl
     from hydra import compose, initialize_config_dir
 
     config_dir = str(Path(verl.__file__).parent / "trainer" / "config")

@@ -53,7 +53,9 @@ def tiny_server(tiny_lm):
 
 
 def _judge(url, model=TINY, tokenizer=TINY, **server):
-    return build_judge(JudgeConfig(type="served", model=tokenizer, server=ServerConfig(base_url=url, model=model, **server)))
+    return build_judge(
+        JudgeConfig(type="served", model=tokenizer, server=ServerConfig(base_url=url, model=model, **server))
+    )
 
 
 @pytest.mark.parametrize("route", ["auto", "vllm", "sglang"])
@@ -160,7 +162,10 @@ def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_pat
     "settings, message",
     [
         ({"base_url": "http://127.0.0.1:9"}, "no server answers"),
-        ({"model": "other/model"}, r"judge.server.model='other/model' is not served at .* \(it serves \['judgeloop-tiny"),
+        (
+            {"model": "other/model"},
+            r"judge.server.model='other/model' is not served at .* \(it serves \['judgeloop-tiny",
+        ),
         ({"api_key_env": "JUDGELOOP_NO_SUCH_KEY"}, r"\$JUDGELOOP_NO_SUCH_KEY is not set"),
         ({"verdict": ["Answer A", "B"]}, "must be a single token"),
     ],
@@ -169,7 +174,9 @@ def test_bad_settings_fail_in_one_line_before_any_judging(tiny_server, settings,
     server = {"base_url": tiny_server, "model": TINY, **settings}
     verdict = server.pop("verdict", ["A", "B"])
     with pytest.raises(ValueError, match=message) as err:
-        build_judge(JudgeConfig(type="served", model=TINY, verdict_tokens=verdict, server=ServerConfig(**server)))
+        build_judge(
+            JudgeConfig(type="served", model=TINY, verdict_tokens=verdict, server=ServerConfig(**server))
+        )
     assert "\n" not in str(err.value)
 
 
@@ -195,12 +202,18 @@ def served_calibration(tiny_server, tmp_path_factory):
     return out
 
 
-def test_calibrate_writes_a_served_judge_that_loads_and_refuses_another_model(served_calibration, tiny_server):
+def test_calibrate_writes_a_served_judge_that_loads_and_refuses_another_model(
+    served_calibration, tiny_server
+):
     report = json.loads((served_calibration / "report.json").read_text())
     assert report["judge"]["served"]["route"] == "vllm" and report["judge"]["served"]["model"] == TINY
     assert report["judge"]["status"]["test"] == {"ok": report["n_eval"] // 2}
     folder = served_calibration / "calibrated_judge" / "platt"
-    card = json.loads((folder / "judge_card.json").read_text()) if (folder / "judge_card.json").is_file() else None
+    card = (
+        json.loads((folder / "judge_card.json").read_text())
+        if (folder / "judge_card.json").is_file()
+        else None
+    )
     judge = CalibratedJudge.from_pretrained(folder)
     assert isinstance(judge.judge, ServedJudge)
     comp = judge.compare(ARTICLES, A, B)
@@ -221,7 +234,9 @@ def test_loading_against_a_server_of_another_model_is_one_line(served_calibratio
     card = json.loads((folder / CARD_FILE).read_text())
     card["served"]["model"] = "Qwen/Qwen3-8B"  # as if it had been fit on another model
     (folder / CARD_FILE).write_text(json.dumps(card))
-    with pytest.raises(ValueError, match=r"calibrated on model 'Qwen/Qwen3-8B' but the server serves 'judgeloop-tiny"):
+    with pytest.raises(
+        ValueError, match=r"calibrated on model 'Qwen/Qwen3-8B' but the server serves 'judgeloop-tiny"
+    ):
         CalibratedJudge.from_pretrained(folder)
 
 

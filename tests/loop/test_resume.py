@@ -399,6 +399,12 @@ def test_resuming_a_checkpoint_past_max_steps_is_refused_naming_both(tmp_path):
     out = tmp_path / "run"
     part = train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", "stop_after_n_steps=2"]))
     ckpt = part["checkpoint"]
-    with pytest.raises(ConfigError, match=r"is at step 2, past max_steps=1: nothing to run; set max_steps above 2"):
-        train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", f"resume_from={ckpt}", "max_steps=1"]))
+    with pytest.raises(
+        ConfigError, match=r"is at step 2, past max_steps=1: nothing to run; set max_steps above 2"
+    ):
+        train(
+            load_config(
+                FeedbackLoopConfig, TINY, [*FAST, f"output_dir={out}", f"resume_from={ckpt}", "max_steps=1"]
+            )
+        )
     assert not (out / "report.json").exists()

@@ -48,7 +48,9 @@ def test_keeping_the_best_policy_without_validation_articles_is_refused_before_a
 
     alarm = ["alarms.every_n_steps=2", "alarms.signals=[rouge]"] if keeper.startswith("alarms") else []
     with pytest.raises(ConfigError, match=re.escape(match)) as err:
-        train(load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path}", keeper, *alarm, override]))
+        train(
+            load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path}", keeper, *alarm, override])
+        )
     assert "\n" not in str(err.value) and keeper.split("=")[0] in str(err.value)
     assert not (tmp_path / "metrics.jsonl").exists()
 

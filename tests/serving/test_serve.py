@@ -1,6 +1,6 @@
 """The judge server as users run it: ``judgeloop serve-judge`` started as a real process on a free
 loopback port and called over HTTP (no test client): answers equal the in-process calibrated judge
-exactly; the OpenRLHF route answers OpenRLHF's own client code; verl's route is tested through verl in tests/integrations/test_verl.py;
+bit for bit on the same batch, and within float rounding when the server merges requests; the OpenRLHF route answers OpenRLHF's own client code; verl's route is tested through verl in tests/integrations/test_verl.py;
 bad requests get their codes and one-line reasons; 16 concurrent clients lose nothing; SIGTERM drains.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -168,7 +169,30 @@ def test_compare_equals_in_process(tiny_server: str, tiny_judge_path: Path) -> N
         batch = items(n, seed)
         got = httpx.post(tiny_server + "/v1/compare", json={"items": batch}, timeout=60)
         assert got.status_code == 200, got.text
-        assert got.json() == local(judge, batch)  # exact: the same floats, the same statuses
+        assert got.json() == local(judge, batch)  # one request alone, one call: the same floats, statuses
+
+
+def test_merged_requests_equal_in_process_within_float_rounding(tiny_judge_path: Path) -> None:
+    """Concurrent requests merged into one judge call are padded to the whole call's longest text, so
+    their floats may differ from the request judged alone in the last bits (docs/serving.md gives the
+    measured bound, scripts/server_merge_bound.py): statuses equal, p within 1e-6, the logit within 1e-5 relative (float32)."""
+    with serve(tiny_judge_path, "server.max_wait_ms=200") as (url, _):
+        batches = [items(3 + k % 4, seed=500 + k) for k in range(8)]
+
+        async def all_at_once() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                return await asyncio.gather(*(http.post("/v1/compare", json={"items": b}) for b in batches))
+
+        answers = asyncio.run(all_at_once())
+        stats = httpx.get(url + "/v1/info").json()["stats"]
+    assert stats["requests"] == 8 and stats["judge_calls"] < 8  # merged
+    judge = CalibratedJudge.from_pretrained(tiny_judge_path)  # its own cache: each request alone
+    for batch, got in zip(batches, answers):
+        assert got.status_code == 200, got.text
+        want = local(judge, batch)
+        assert got.json()["status"] == want["status"]
+        np.testing.assert_allclose(got.json()["p"], want["p"], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got.json()["logit"], want["logit"], rtol=1e-5, atol=1e-6)  # float32 logits
 
 
 def test_a_body_without_json_content_type_is_read_as_json(tiny_server: str, tiny_judge_path: Path) -> None:
@@ -257,8 +281,66 @@ def test_openrlhf_per_sample_requests_form_one_group(length_server: str, length_
         ]
         return await asyncio.gather(*(openrlhf_post(url, d) for d in one))
 
+    before = httpx.get(length_server + "/v1/info", headers=AUTH).json()["stats"]
     got = [r["rewards"][0] for r in asyncio.run(four())]
     assert got == score_groups(judge, [Group(prompt, completions)]).rewards[0]
+    after = httpx.get(length_server + "/v1/info", headers=AUTH).json()["stats"]
+    # stats.requests counts the four posts; the batcher judged them as one group, one job
+    assert after["requests"] - before["requests"] == 4
+    assert after["judge_jobs"] - before["judge_jobs"] == 1
+    assert after["openrlhf_groups"] - before["openrlhf_groups"] == 1
+
+
+def test_a_short_group_is_answered_after_group_idle_s(length_judge_path: Path) -> None:
+    """Two samples of a prompt when the server expects four (an eval run with fewer samples per prompt):
+    OpenRLHF's own client (``SingleTurnAgentExecutor._fetch_rewards_via_http``) gets both rewards about
+    ``group_idle_s`` after the second post, not after ``group_wait_s``; the group is counted partial."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    judge = CalibratedJudge.from_pretrained(length_judge_path)
+    prompt = "<|im_start|>user\nSummarize: " + ARTICLES[0] + "<|im_end|>\n<|im_start|>assistant\n"
+    completions = SUMMARIES[:2]
+    with serve(
+        length_judge_path,
+        "openrlhf.n_samples_per_prompt=4",
+        "openrlhf.group_wait_s=120",
+        "openrlhf.group_idle_s=1.5",
+    ) as (url, _):
+        executor = SingleTurnAgentExecutor(url + "/openrlhf/get_reward")
+
+        async def two() -> list[list[dict]]:
+            return await asyncio.gather(
+                *(
+                    executor._fetch_rewards_via_http([prompt + c + "<|im_end|>"], [prompt], [None])
+                    for c in completions
+                )
+            )
+
+        t0 = time.monotonic()
+        got = asyncio.run(two())
+        took = time.monotonic() - t0
+        stats = httpx.get(url + "/v1/info").json()["stats"]
+    assert 1.5 <= took < 30, (
+        f"answered after {took:.1f} s"
+    )  # group_wait_s=120 would outlast the client's 180 s
+    assert [r[0]["rewards"][0] for r in got] == score_groups(judge, [Group(prompt, completions)]).rewards[0]
+    assert stats["openrlhf_partial_groups"] == 1 and stats["openrlhf_groups"] == 1
+    assert stats["requests"] == 2 and stats["judge_jobs"] == 1
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("openrlhf.group_idle_s=0", "openrlhf.group_idle_s=0.0 must be in (0, 60]"),
+        ("openrlhf.group_idle_s=90", "at most openrlhf.group_wait_s=60"),
+    ],
+)
+def test_group_idle_s_is_range_checked(length_judge_path: Path, override: str, message: str) -> None:
+    from judgeloop.config import ConfigError, load_config
+    from judgeloop.serving.config import ServeConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ServeConfig, CONFIG, [f"judge_path={length_judge_path}", override])
 
 
 def test_openrlhf_empty_completion_gets_the_lowest_reward(tiny_server: str, tiny_judge_path: Path) -> None:
@@ -470,6 +552,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) 
         "server.max_wait_ms=3000",
         "openrlhf.n_samples_per_prompt=4",
         "openrlhf.group_wait_s=120",
+        "openrlhf.group_idle_s=120",
     ) as (url, proc):
         port = int(url.rsplit(":", 1)[1])
         answers: dict[str, httpx.Response] = {}
@@ -491,7 +574,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(length_judge_path: Path) 
         deadline = time.monotonic() + 30
         while True:  # all five in flight: three in the batcher, one open group of two
             stats = httpx.get(url + "/v1/info").json()["stats"]
-            if stats["in_flight_requests"] == 3 and stats["openrlhf_open_groups"] == 1:
+            # five posts in flight; the batcher holds the three compare jobs, the group is not submitted yet
+            if (
+                stats["in_flight_requests"] == 5
+                and stats["in_flight_jobs"] == 3
+                and stats["openrlhf_open_groups"] == 1
+            ):
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)

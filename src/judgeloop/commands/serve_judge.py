@@ -140,9 +140,10 @@ def run(cfg: ServeConfig) -> None:
         raise OSError(f"the server could not listen on {cfg.server.host}:{cfg.server.port} (see above)")
     stats = app.state.batcher.stats
     logger.info(
-        "stopped%s after judging %d comparisons of %d requests in %d judge calls",
+        "stopped%s after judging %d comparisons of %d requests (%d batcher jobs) in %d judge calls",
         f" on {signal.Signals(received[0]).name}" if received else "",
         stats.comparisons,
-        stats.requests,
+        app.state.posts.requests,
+        stats.jobs,
         stats.judge_calls,
     )

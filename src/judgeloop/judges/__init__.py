@@ -33,8 +33,8 @@ from judgeloop.judges.base import (
     PointwiseJudge,
     combine_orders,
 )
-from judgeloop.judges.served_client import ServerConfig
 from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
+from judgeloop.judges.served_client import ServerConfig
 from judgeloop.judges.styled import STYLE_FEATURES, StyledJudge, style_feature
 
 JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served")
@@ -131,7 +131,9 @@ class JudgeConfig:
             calibrator fitted on ROUGE labels would turn a length penalty into a length reward.
     """
 
-    type: Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"] = "choice"
+    type: Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"] = (
+        "choice"
+    )
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     prompt: str = "neutral"
     position_debias: bool | None = None
@@ -171,7 +173,9 @@ class JudgeConfig:
                 f"{self.server.base_url!r}, {self.server.model!r}); e.g. judge.server.base_url=http://localhost:8000"
             )
         if self.type != "served" and self.server.base_url:
-            raise ValueError(f"judge.server.base_url is set but judge.type={self.type!r}; set judge.type=served")
+            raise ValueError(
+                f"judge.server.base_url is set but judge.type={self.type!r}; set judge.type=served"
+            )
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")
         get_prompt(self.prompt)  # raises naming the closest template

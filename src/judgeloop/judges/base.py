@@ -27,10 +27,26 @@ import numpy as np
 from judgeloop.hashing import texts_digest
 
 Status = Literal[
-    "ok", "truncated", "empty_summary", "nonfinite", "too_long", "outside_topk", "text_only", "unparsed", "failed"
+    "ok",
+    "truncated",
+    "empty_summary",
+    "nonfinite",
+    "too_long",
+    "outside_topk",
+    "text_only",
+    "unparsed",
+    "failed",
 ]
 STATUSES = (
-    "ok", "truncated", "empty_summary", "nonfinite", "too_long", "outside_topk", "text_only", "unparsed", "failed"
+    "ok",
+    "truncated",
+    "empty_summary",
+    "nonfinite",
+    "too_long",
+    "outside_topk",
+    "text_only",
+    "unparsed",
+    "failed",
 )
 # scored statuses; the served judge's ``outside_topk`` (a bound) and ``text_only`` (a hard label) are scored
 # too, so calibration sees and counts them (judges/served.py)

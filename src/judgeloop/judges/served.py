@@ -125,7 +125,9 @@ class ServedJudge(Judge):
         """Token ids of the judge prompt of ``pair`` (article cut to fit ``max_length``) and its status."""
 
         def render_ids(article: str) -> list[int]:
-            return self.tokenizer.encode(self.render(article, pair.a, pair.b), add_special_tokens=not self._chat)
+            return self.tokenizer.encode(
+                self.render(article, pair.a, pair.b), add_special_tokens=not self._chat
+            )
 
         ids, status, _ = fit_article(render_ids, self.tokenizer, pair.article, self.max_length)
         return ids, status

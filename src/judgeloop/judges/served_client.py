@@ -209,7 +209,9 @@ class ServedClient:
         import httpx
 
         try:
-            r = httpx.get(f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10))
+            r = httpx.get(
+                f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10)
+            )
         except httpx.HTTPError as err:
             raise ValueError(
                 f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: {err}); "
@@ -250,7 +252,12 @@ class ServedClient:
                 "token_ids_logprob": list(self.verdict_ids),
                 "logprob_start_len": -1,
             }
-        body: dict[str, Any] = {"model": self.cfg.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0}
+        body: dict[str, Any] = {
+            "model": self.cfg.model,
+            "prompt": list(ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
         if route == "vllm":
             body.update(logprobs=1, logprob_token_ids=list(self.verdict_ids), return_tokens_as_token_ids=True)
         elif route == "top_logprobs":
@@ -283,7 +290,9 @@ class ServedClient:
 
         path, body = self._request(route, ids)
         try:
-            r = await http.post(self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s)
+            r = await http.post(
+                self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s
+            )
         except (httpx.TimeoutException, httpx.TransportError) as err:
             raise _Retryable(f"{type(err).__name__}: {err}") from None
         if r.status_code == 429:
@@ -298,8 +307,15 @@ class ServedClient:
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise _Retryable(f"malformed reply ({type(err).__name__}: {err})") from None
 
-    async def _post(self, http: Any, gate: asyncio.Semaphore, limiter: _RateLimiter, route: str,
-                    ids: Sequence[int], token_ids: dict[str, int]) -> Reply:
+    async def _post(
+        self,
+        http: Any,
+        gate: asyncio.Semaphore,
+        limiter: _RateLimiter,
+        route: str,
+        ids: Sequence[int],
+        token_ids: dict[str, int],
+    ) -> Reply:
         """One request with its retries; a reply whose ``error`` says why when they run out."""
         error = ""
         for attempt in range(self.cfg.max_retries + 1):
@@ -329,11 +345,19 @@ class ServedClient:
             if not self.route:
                 self.route = await self._probe(http, gate, limiter, prompts[0], token_ids)
             return list(
-                await asyncio.gather(*(self._post(http, gate, limiter, self.route, p, token_ids) for p in prompts))
+                await asyncio.gather(
+                    *(self._post(http, gate, limiter, self.route, p, token_ids) for p in prompts)
+                )
             )
 
-    async def _probe(self, http: Any, gate: asyncio.Semaphore, limiter: _RateLimiter, ids: Sequence[int],
-                     token_ids: dict[str, int]) -> str:
+    async def _probe(
+        self,
+        http: Any,
+        gate: asyncio.Semaphore,
+        limiter: _RateLimiter,
+        ids: Sequence[int],
+        token_ids: dict[str, int],
+    ) -> str:
         """The best route this server answers for ``ids`` (``text`` when none returns log-probabilities)."""
         for route in ROUTES[:-1]:
             saved = self.cfg.max_retries
@@ -355,7 +379,9 @@ class ServedClient:
         out: list[Reply | None] = [None] * len(prompts)
         todo = []
         for i, p in enumerate(prompts):
-            hit = self._cache.get(self._key(self.route, p)) if self._cache is not None and self.route else None
+            hit = (
+                self._cache.get(self._key(self.route, p)) if self._cache is not None and self.route else None
+            )
             if hit is not None:
                 out[i] = hit
                 self.cache_hits += 1

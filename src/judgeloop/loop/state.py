@@ -89,8 +89,10 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
             )
     keeps_best = cfg.early_stopping_patience or (cfg.alarms.enabled and cfg.alarms.action == "stop")
     if keeps_best and not splits.validation:  # else every step runs and no best_policy/ is ever saved
-        what = f"early_stopping_patience={cfg.early_stopping_patience}" if cfg.early_stopping_patience else (
-            "alarms.action=stop"
+        what = (
+            f"early_stopping_patience={cfg.early_stopping_patience}"
+            if cfg.early_stopping_patience
+            else ("alarms.action=stop")
         )
         raise ConfigError(
             f"{what} chooses the best validation checkpoint but the 'validation' split is empty; use more "

@@ -23,6 +23,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
@@ -175,6 +176,35 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+@dataclass
+class PostStats:
+    """The POST requests the server received (refused ones included) and those not answered yet: the
+    posts as clients sent them. OpenRLHF posts each sample alone, and its route judges a prompt's group
+    of posts as one batcher job (``stats.judge_jobs``)."""
+
+    requests: int = 0
+    in_flight: int = 0
+
+
+class RequestCounter:
+    """ASGI middleware counting POST requests into ``stats`` (``/v1/info``: ``stats.requests``,
+    ``stats.in_flight_requests``)."""
+
+    def __init__(self, app: Any, stats: PostStats):
+        self.app, self.stats = app, stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        self.stats.requests += 1
+        self.stats.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.stats.in_flight -= 1
+
+
 def api_key(cfg: ServeConfig) -> str | None:
     """The bearer token the server requires (from ``server.api_key_env``), or None.
 
@@ -316,9 +346,15 @@ def reward_groups(body: RewardsRequest) -> list[Group]:
 
 
 def info_body(
-    judge: CalibratedJudge, cfg: ServeConfig, batcher: ComparisonBatcher, prompt_groups: PromptGroups
+    judge: CalibratedJudge,
+    cfg: ServeConfig,
+    batcher: ComparisonBatcher,
+    prompt_groups: PromptGroups,
+    posts: PostStats,
 ) -> dict[str, Any]:
-    """``GET /v1/info``: the judge, its card, the server's settings (no token) and what it has done."""
+    """``GET /v1/info``: the judge, its card, the server's settings (no token) and what it has done
+    (``stats.requests``: POST requests received; ``stats.judge_jobs``: what the batcher judged, one per
+    ``/v1`` request and one per OpenRLHF or verl group)."""
     from judgeloop import __version__
 
     return {
@@ -334,6 +370,8 @@ def info_body(
         "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
         "judge_threads": batcher.threads,  # torch intra-op threads of the judge thread
         "stats": {
+            "requests": posts.requests,
+            "in_flight_requests": posts.in_flight,
             **batcher.stats.as_dict(),
             **judge_cache_stats(judge),
             "openrlhf_groups": prompt_groups.groups,
@@ -364,6 +402,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
         max(cfg.openrlhf.n_samples_per_prompt, 1),
         cfg.openrlhf.group_wait_s,
         empty_loses=True,
+        idle_s=cfg.openrlhf.group_idle_s,
     )
 
     @asynccontextmanager
@@ -374,6 +413,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="judgeloop judge server", version=__version__, lifespan=lifespan)
     app.state.batcher, app.state.cfg, app.state.prompt_groups = batcher, cfg, prompt_groups
+    app.state.posts = PostStats()
     verl_groups = app.state.verl_groups = VerlGroups(batcher, defaults)
     app.state.drain = lambda: (prompt_groups.drain(), verl_groups.drain())
 
@@ -386,7 +426,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
 
     @app.get("/v1/info", dependencies=[Depends(authorize)])
     async def info() -> dict[str, Any]:
-        body = info_body(judge, cfg, batcher, prompt_groups)
+        body = info_body(judge, cfg, batcher, prompt_groups, app.state.posts)
         body["stats"].update(verl_groups.stats())
         return body
 
@@ -432,6 +472,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
             verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
         )
     app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
+    app.add_middleware(RequestCounter, stats=app.state.posts)  # outermost: refused posts count too
     return app
 
 

@@ -53,25 +53,27 @@ class _Job:
 
 @dataclass
 class BatchStats:
-    """What the batcher did: requests and comparisons judged, judge calls, the largest call."""
+    """What the batcher did: jobs and comparisons judged, judge calls, the largest call. A job is one
+    :meth:`ComparisonBatcher.submit`: a ``/v1`` request's comparisons, or one whole group of the
+    OpenRLHF or verl route (whose samples arrive in separate posts; the server counts posts itself)."""
 
-    requests: int = 0
+    jobs: int = 0
     comparisons: int = 0
     judge_calls: int = 0
     failed_calls: int = 0
     max_batch: int = 0
-    in_flight: int = 0  # requests submitted and not answered yet
+    in_flight: int = 0  # jobs submitted and not answered yet
     judge_seconds: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "requests": self.requests,
+            "judge_jobs": self.jobs,
             "comparisons": self.comparisons,
             "judge_calls": self.judge_calls,
             "failed_calls": self.failed_calls,
             "max_batch": self.max_batch,
-            "in_flight_requests": self.in_flight,
+            "in_flight_jobs": self.in_flight,
             "mean_batch": self.comparisons / self.judge_calls if self.judge_calls else 0.0,
             "judge_seconds": round(self.judge_seconds, 3),
         }
@@ -138,7 +140,8 @@ class ComparisonBatcher:
 
     async def submit(self, prompts: Texts, a: Texts, b: Texts, references: References = None) -> Comparison:
         """The calibrated comparisons of ``(prompts[i], a[i], b[i])``, judged in a call shared with other
-        requests; equal to ``judge.compare(prompts, a, b, references)``.
+        requests; equal to ``judge.compare(prompts, a, b, references)`` (bit for bit in a call of its own;
+        merged, within float rounding: texts are padded to the whole call's longest).
 
         Raises:
             JudgeFailure: the judge raised on these comparisons.
@@ -223,7 +226,7 @@ class ComparisonBatcher:
             for job in batch:  # find the request that broke it: judge each alone
                 await self._judge([job])
             return
-        self.stats.requests += len(batch)
+        self.stats.jobs += len(batch)
         self.stats.comparisons += size
         start = 0
         for job in batch:

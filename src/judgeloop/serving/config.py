@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from judgeloop.config import ConfigError, check_at_least
+from judgeloop.config import ConfigError, check_at_least, check_range
 from judgeloop.judges import JudgeNeeds
 from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
@@ -55,7 +55,11 @@ class OpenRLHFConfig:
 
     OpenRLHF's executor posts each sample alone (one query per request), so ``n_samples_per_prompt``
     (set it to the trainer's ``--rollout.n_samples_per_prompt``) collects the completions of one prompt
-    across requests; a group still short after ``group_wait_s`` is scored as it is. 0 groups the queries
+    across requests; a group still short ``group_idle_s`` after its latest completion (no other came:
+    an eval run with fewer samples per prompt, a dropped sample), or ``group_wait_s`` after its first,
+    is scored as it is. ``group_idle_s`` must exceed the longest gap between two completions of one
+    prompt (they are generated together and finish as their lengths differ): a completion that arrives
+    after its group closed starts a group of its own. 0 groups the queries
     of each request by prompt (clients that post a whole batch). ``source``: what the judge reads the
     completions against: the prompt, or the dataset label (``--data.label_key`` naming the article).
     With the ``anchor`` scheme the label is the anchor. ``strip_suffixes``: end-of-turn tokens the
@@ -63,6 +67,7 @@ class OpenRLHFConfig:
 
     n_samples_per_prompt: int = 0
     group_wait_s: float = 60.0
+    group_idle_s: float = 10.0
     source: Literal["prompt", "label"] = "prompt"
     strip_suffixes: list[str] = field(
         default_factory=lambda: ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"]
@@ -71,6 +76,11 @@ class OpenRLHFConfig:
     def __post_init__(self) -> None:
         check_at_least("openrlhf", self, "n_samples_per_prompt", 0, " (0: group each request's queries)")
         check_at_least("openrlhf", self, "group_wait_s", 0, strict=True)
+        check_range(
+            "openrlhf", self, "group_idle_s", 0, self.group_wait_s, "(]",
+            f" (at most openrlhf.group_wait_s={self.group_wait_s:g}, which bounds a group's wait from its first "
+            "completion anyway; lower group_idle_s or raise group_wait_s)",
+        )  # fmt: skip
 
 
 @dataclass

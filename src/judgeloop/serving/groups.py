@@ -57,15 +57,16 @@ class _Pending:
     anchor: str | None
     completions: list[str] = field(default_factory=list)
     futures: list[asyncio.Future[float | None]] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
+    timer: asyncio.TimerHandle | None = None  # wait_s after the first completion
+    idle: asyncio.TimerHandle | None = None  # idle_s after the latest one
 
 
 class PromptGroups:
     """Completions of one prompt posted in separate requests, gathered into one group.
 
     :meth:`reward` waits until ``group_size`` completions of its (source, anchor) arrived, or
-    ``wait_s`` passed since the first (a short group is scored as it is, and counted in
-    ``partial_groups``), then scores the group with :func:`served_group_scores` and answers every
+    ``wait_s`` passed since the first, or ``idle_s`` (when set) since the latest with no other (a short
+    group is scored as it is, and counted in ``partial_groups``), then scores the group with :func:`served_group_scores` and answers every
     waiting caller with its own completion's reward (``None``: no valid comparison). Once
     :meth:`drain` is called (the server is stopping) every open group is scored at once, and so is each
     completion that arrives after, so no caller waits out ``wait_s`` while the server drains.
@@ -78,9 +79,10 @@ class PromptGroups:
         group_size: int,
         wait_s: float,
         empty_loses: bool = False,
+        idle_s: float | None = None,
     ):
         self.batcher, self.settings = batcher, settings
-        self.group_size, self.wait_s = group_size, wait_s
+        self.group_size, self.wait_s, self.idle_s = group_size, wait_s, idle_s
         self.empty_loses = empty_loses
         self._open: dict[tuple[str, str | None], _Pending] = {}
         self.groups = 0
@@ -92,15 +94,19 @@ class PromptGroups:
     async def reward(self, source: str, completion: str, anchor: str | None = None) -> float | None:
         key = (source, anchor)
         pending = self._open.get(key)
+        loop = asyncio.get_running_loop()
         if pending is None:
             pending = self._open[key] = _Pending(source, anchor)
-            loop = asyncio.get_running_loop()
-            pending.timer = loop.call_later(self.wait_s, self._close, key, pending, True)
-        future: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+            pending.timer = loop.call_later(self.wait_s, self._close, key, pending, True, "wait")
+        future: asyncio.Future[float | None] = loop.create_future()
         pending.completions.append(completion)
         pending.futures.append(future)
         if len(pending.completions) >= self.group_size or self.draining:
             self._close(key, pending, self.draining and len(pending.completions) < self.group_size)
+        elif self.idle_s is not None:  # restart the idle clock at every arrival
+            if pending.idle is not None:
+                pending.idle.cancel()
+            pending.idle = loop.call_later(self.idle_s, self._close, key, pending, True, "idle")
         return await future
 
     @property
@@ -114,22 +120,27 @@ class PromptGroups:
         for key, pending in list(self._open.items()):
             self._close(key, pending, True)
 
-    def _close(self, key: tuple[str, str | None], pending: _Pending, short: bool) -> None:
+    def _close(self, key: tuple[str, str | None], pending: _Pending, short: bool, why: str = "") -> None:
         if self._open.get(key) is not pending:
             return  # already closed
         del self._open[key]
-        if pending.timer is not None:
-            pending.timer.cancel()
+        for timer in (pending.timer, pending.idle):
+            if timer is not None:
+                timer.cancel()
         self.groups += 1
         if short:
             self.partial_groups += 1
             if not self.draining:
+                after = (
+                    f"{self.idle_s:g} s without another completion (group_idle_s)"
+                    if why == "idle"
+                    else f"{self.wait_s:g} s (group_wait_s)"
+                )
                 logger.warning(
-                    "a group closed after %.0f s with %d of %d completions (openrlhf.n_samples_per_prompt=%d "
-                    "should equal the trainer's --rollout.n_samples_per_prompt)",
-                    self.wait_s,
+                    "a group closed after %s with %d of %d completions (the group size should equal the "
+                    "trainer's samples per prompt; raise group_idle_s if its generations finish further apart)",
+                    after,
                     len(pending.completions),
-                    self.group_size,
                     self.group_size,
                 )
         task = asyncio.get_running_loop().create_task(self._score(pending))
