@@ -50,8 +50,13 @@ def workdir(tmp_path_factory) -> Path:
     try:
         rc = main(
             [
-                "calibrate", "--config", "configs/calibrate/embedded_embedding.yaml", "output_dir=runs/cal",
-                "judge.model=judgeloop-tiny/encoder", "data.embedded_size=120", "max_pairs_per_article=6",
+                "calibrate",
+                "--config",
+                "configs/calibrate/embedded_embedding.yaml",
+                "output_dir=runs/cal",
+                "judge.model=judgeloop-tiny/encoder",
+                "data.embedded_size=120",
+                "max_pairs_per_article=6",
             ]
         )
     finally:
