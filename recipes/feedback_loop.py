@@ -27,7 +27,7 @@ from judgeloop.loop.alarms import watch_divergence
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.evaluation import evaluate_when_due
 from judgeloop.loop.recalibration import maybe_recalibrate
-from judgeloop.loop.run import after_step, close_run, stepping
+from judgeloop.loop.run import after_step, close_run, curve_when_due, stepping
 from judgeloop.loop.setup import open_run
 from judgeloop.loop.state import next_batch, peek_batch
 from judgeloop.loop.steps import (
@@ -88,9 +88,10 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
                     step, run.state, run.calibrator, run.collect, cfg, run.train_judge
                 )
                 watch_divergence(run, step)  # 7. the judge against objective signals
-                # 3. Evaluation on the test split (reported) and early stopping on validation.
+                # 3. Evaluation on the test split (reported) and early stopping on validation; the validation curve.
                 with phase("evaluate"):
                     evaluate_when_due(run, step)
+                    curve_when_due(run, step)  # the validation curve: is the task learned?
                 # 4. The scheduled checkpoint (resume_from continues exactly), the progress bar.
                 after_step(run, batch)
         # 5. The kept policy (best validation under early stopping, else the last), its final

@@ -304,6 +304,22 @@ ALARM_SIGNALS = ("rouge", "length", "copy_rate")
 
 
 @dataclass
+class CurveConfig:
+    """The validation curve (:mod:`judgeloop.loop.curve`): every ``every_n_steps`` (0: off), at step 0
+    and at the last step, one greedy summary and one sample per article of the first ``num_articles``
+    validation articles (the same ones each time), with the neutral ROUGE-L gain from step 0 and its
+    interval, the style metrics, KL and the judge's signal; into ``report.json`` (``curve``),
+    ``curve.md``, ``curve.png`` and the trackers (``curve/*``)."""
+
+    every_n_steps: int = 0
+    num_articles: int = 16
+
+    def __post_init__(self) -> None:
+        check_at_least("curve", self, "every_n_steps", 0, " (0 disables)")
+        check_at_least("curve", self, "num_articles", 1)
+
+
+@dataclass
 class AlarmConfig:
     """Divergence alarms: does the training judge still agree with objective signals, and a panel's
     members with each other? (:mod:`judgeloop.loop.alarms`)
@@ -496,6 +512,7 @@ class FeedbackLoopConfig:
     calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     alarms: AlarmConfig = field(default_factory=AlarmConfig)
+    curve: CurveConfig = field(default_factory=CurveConfig)
     batch_size: int = 4
     RENAMED: ClassVar[dict[str, str]] = {"num_steps": "max_steps"}
     max_steps: int = 20
@@ -538,6 +555,11 @@ class FeedbackLoopConfig:
                 "data.split.validation=0.1 (the test split never chooses a checkpoint)"
             )
         check_at_least("", self, "num_validation_articles", 0)
+        if self.curve.every_n_steps and self.num_validation_articles == 0:
+            raise ValueError(
+                f"curve.every_n_steps={self.curve.every_n_steps} draws its curve on validation articles but "
+                "num_validation_articles=0; set num_validation_articles=16 (or curve.every_n_steps=0)"
+            )
         keeps_best = self.early_stopping_patience or (self.alarms.action == "stop" and self.alarms.enabled)
         if keeps_best and self.num_validation_articles == 0:
             what = (

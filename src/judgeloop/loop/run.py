@@ -11,13 +11,14 @@ from typing import Any
 
 from judgeloop.checkpointing import prune_checkpoints
 from judgeloop.config import to_yaml
-from judgeloop.io import atomic_write_json, atomic_write_jsonl
+from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.checkpoint import (
     export_policy,
     load_policy_weights,
     save_checkpoint,
 )
+from judgeloop.loop.curve import curve_articles, curve_due, curve_table, plot_curve
 from judgeloop.loop.model_card import policy_card
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.setup import LoopRun
@@ -70,6 +71,12 @@ def stop_requested(run: LoopRun) -> bool:
         save_run(run, run.state.step)
     run.stopped_by, run.interrupted = signum, True
     return True
+
+
+def curve_when_due(run: LoopRun, step: int) -> None:
+    """Every ``curve.every_n_steps`` (and at the last step): the validation curve's point."""
+    if curve_due(run.cfg, step):
+        run.curve(step)
 
 
 def after_step(run: LoopRun, batch: PairBatch) -> None:
@@ -165,6 +172,7 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         "train_log": state.train_log,
         "refits": state.refits,
         "judge_coupling": state.coupling,
+        "curve": state.curve,
         "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
         "judge_stats": {"status": dict(judge_stats.status), "cache_hits": judge_stats.cache_hits},
         "prompts_truncated": run.build_prompt.num_truncated,
@@ -182,8 +190,27 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
     if acc.is_main_process:
         save_calibrated_judge(run)
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
+        if state.curve:
+            write_curve(run)
         atomic_write_json(out_dir / "report.json", report)
     return report
+
+
+def write_curve(run: LoopRun) -> None:
+    """``curve.md`` (the table) and ``curve.png`` (the plots) of the run's validation curve."""
+    cfg, out = run.cfg, run.out_dir
+    n = len(curve_articles(run.splits.validation, cfg))
+    head = [
+        f"# Validation curve: {cfg.calibration.method}, seed {cfg.seed}",
+        "",
+        f"The first {n} validation articles at every point (greedy and one sample each, the sample from the "
+        "same seed each time); means with 95% bootstrap intervals over the articles; the gain from step 0 "
+        "is paired on the article. Judge signal: the mean |soft target - 0.5| of the pairs in the DPO loss "
+        "(or the mean |advantage| under GRPO) over the steps since the previous point.",
+        "",
+    ]
+    atomic_write_text(out / "curve.md", "\n".join([*head, *curve_table(run.state.curve), ""]))
+    plot_curve(run.state.curve, out / "curve.png", f"{cfg.calibration.method}, seed {cfg.seed}")
 
 
 def save_calibrated_judge(run: LoopRun) -> None:

@@ -52,6 +52,7 @@ from judgeloop.loop.checkpoint import (
     remove_orphans,
 )
 from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.loop.curve import curve_articles, curve_due, curve_log, curve_rows, record_curve_point
 from judgeloop.loop.evaluation import (
     early_stopping,
     reference_summaries,
@@ -270,6 +271,18 @@ class LoopRun:
             self.collected = (step, pairs)
         return self.collected[1]
 
+    def curve(self, step: int) -> dict[str, Any]:
+        """The validation curve's point at ``step`` (:mod:`judgeloop.loop.curve`), into the state and
+        the trackers."""
+        with generation_context(self.model):
+            rows = curve_rows(
+                self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt,
+                curve_articles(self.splits.validation, self.cfg), self.cfg, step,
+            )  # fmt: skip
+        point = record_curve_point(self.state, rows, step, self.cfg.seed)
+        self.accelerator.log({f"curve/{k}": v for k, v in curve_log(point).items()}, step=step)
+        return point
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Test and validation metrics of the current policy at ``step``."""
         with generation_context(self.model):
@@ -455,6 +468,8 @@ def start_run(run: LoopRun) -> None:
                 }
             )
         )
+    if curve_due(cfg, 0):
+        run.curve(0)
     if cfg.eval_every_n_steps:
         metrics = run.evaluate(0)
         state.history.append(metrics)

@@ -40,6 +40,8 @@ class LoopState:
     ref_summaries: list[str] = field(default_factory=list)
     per_article: list[dict[str, Any]] = field(default_factory=list)
     coupling: list[dict[str, Any]] = field(default_factory=list)
+    curve: list[dict[str, Any]] = field(default_factory=list)  # the validation curve (loop/curve.py)
+    curve_rows: list[dict[str, Any]] = field(default_factory=list)  # its per-article rows
     # run-long counters, so a resumed run's report counts the whole run
     judge_status: dict[str, int] = field(default_factory=dict)
     judge_cache_hits: int = 0
@@ -97,6 +99,12 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
         raise ConfigError(
             f"{what} chooses the best validation checkpoint but the 'validation' split is empty; use more "
             f"articles (data.max_articles) or a larger data.split.validation (now {cfg.data.split.validation})"
+        )
+    if cfg.curve.every_n_steps and not splits.validation:
+        raise ConfigError(
+            f"curve.every_n_steps={cfg.curve.every_n_steps} draws its curve on validation articles but the "
+            "'validation' split is empty; use more articles (data.max_articles) or a larger "
+            f"data.split.validation (now {cfg.data.split.validation})"
         )
     if len(splits.train) < cfg.batch_size * num_processes:  # a process would get a short or empty batch
         per = f" x {num_processes} processes" if num_processes > 1 else ""

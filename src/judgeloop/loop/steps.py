@@ -212,11 +212,13 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     grad_norm = optimizer_step(learner)
     # each chunk's terms are already weighted by its share of the batch: their sums are the batch's
     totals = [torch.stack([p[i] for p in parts]).sum() if len(parts) > 1 else parts[0][i] for i in range(5)]
-    stats = torch.stack([*totals, mask.float().mean().to(acc.device)])
     agree_n = mask.sum().clamp(min=1).to(acc.device)
+    # the judge's signal: how far the targets of the pairs that count are from a coin flip
+    margin = ((targets.to(acc.device) - 0.5).abs() * mask.to(acc.device)).sum() / agree_n
+    stats = torch.stack([*totals, mask.float().mean().to(acc.device), margin])
     stats[4] = stats[4] / agree_n
     stats = acc.reduce(stats, reduction="mean")
-    names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction"]
+    names = ["loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction", "target_margin"]
     batch.stats.update({n: float(v) for n, v in zip(names, stats.tolist())})
     batch.stats["grad_norm"] = grad_norm
     return batch.stats
