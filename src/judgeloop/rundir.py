@@ -2,7 +2,8 @@
 
 A run folder holds ``run.lock``, locked (``fcntl.flock``) for as long as the run is alive, and
 ``run.json``, its manifest: the command, the digest of the config keys that decide what it computes
-(:func:`config_digest`), the judgeloop version, the start time, the pid and the state (``running``
+(:func:`config_digest`) and those keys themselves (a refusal names the ones that differ), the judgeloop
+version, the start time, the pid and the state (``running``
 while it works; ``finished`` once its outputs are written; a ``running`` folder whose lock is free was
 stopped or killed). Opening a folder (:func:`open_run_dir`):
 
@@ -23,6 +24,7 @@ folder is free for its resume.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -87,14 +89,16 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0") or 0) == 0
 
 
-def _config_differences(folder: Path, cfg: Any) -> list[str] | None:
-    """``key: old -> new`` between the folder's ``config.yaml`` and ``cfg`` over the non-free keys (a key
-    added to the schema since compares at its default); None where the folder has no readable config."""
-    path = folder / "config.yaml"
-    try:
-        saved = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
+def _config_differences(folder: Path, manifest: dict[str, Any], cfg: Any) -> list[str] | None:
+    """``key: old -> new`` between the config the folder's run was made with (its manifest's, else its
+    ``config.yaml``) and ``cfg`` over the non-free keys (a key added to the schema since compares at its
+    default); None where the folder has no readable config."""
+    saved = manifest.get("config")
+    if not isinstance(saved, dict):
+        try:
+            saved = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return None
     if not isinstance(saved, dict):
         return None
     new = yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)) or {}
@@ -126,6 +130,9 @@ class RunDir:
     path: Path
     command: str
     digest: str
+    config: dict[str, Any] = dataclasses.field(
+        default_factory=dict
+    )  # the non-free keys, as run.json holds them
     kept: bool = False
     shared: bool = False
     _lock: int | None = None
@@ -154,6 +161,7 @@ class RunDir:
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "pid": os.getpid(),
                 "state": state,
+                "config": self.config,
             },
         )
 
@@ -192,9 +200,6 @@ def _take_lock(folder: Path, shared: bool) -> int:
             f"output_dir={folder} is in use by another run{what}, pid {holder}; wait for it to end, or "
             "choose another output_dir"
         ) from None
-    if not shared:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
@@ -225,13 +230,17 @@ def open_run_dir(
         raise RunDirError(f"output_dir={folder} is a file; point output_dir at a folder")
     overwrite = bool(getattr(cfg, "overwrite", False))
     digest = config_digest(cfg)
-    rd = RunDir(folder, command, digest, shared=shared)
+    config = yaml.safe_load(yaml.safe_dump(_without(to_dict(cfg), free_keys(cfg)), sort_keys=False)) or {}
+    rd = RunDir(folder, command, digest, config, shared=shared)
     rd._lock = _take_lock(folder, shared)
     try:
         _decide(rd, cfg, on_match, can_resume, hint, overwrite)
     except BaseException:
         rd.release()
         raise
+    if not shared:  # the holder's pid, for the message of a run that finds the folder locked
+        os.ftruncate(rd._lock, 0)
+        os.pwrite(rd._lock, f"{os.getpid()}\n".encode(), 0)
     return rd
 
 
@@ -274,7 +283,7 @@ def _decide(
     if old != command:
         raise RunDirError(f"output_dir={folder} holds a {old or 'damaged'} run, not a {command} run; {FIX}")
     if manifest.get("config_digest") != rd.digest:
-        changes = _config_differences(folder, cfg)
+        changes = _config_differences(folder, manifest, cfg)
         if changes != []:  # a key added to the schema since, at its default, changes nothing
             shown = "; ".join((changes or [])[:3]) + ("; ..." if changes and len(changes) > 3 else "")
             raise RunDirError(
