@@ -3,9 +3,9 @@
 A run folder holds ``run.lock``, locked (``fcntl.flock``) for as long as the run is alive, and
 ``run.json``, its manifest: the command, the digest of the config keys that decide what it computes
 (:func:`config_digest`) and those keys themselves (a refusal names the ones that differ), the judgeloop
-version, the start time, the pid and the state (``running``
-while it works; ``finished`` once its outputs are written; a ``running`` folder whose lock is free was
-stopped or killed). Opening a folder (:func:`open_run_dir`):
+version, the start time, the pid and the state (``running`` while it works; ``finished`` once its outputs
+are written; ``stopped`` when it ended on an error or a stop signal; a ``running`` folder whose lock is free
+was killed). Opening a folder (:func:`open_run_dir`):
 
 - missing or empty: a fresh run;
 - locked: another run is writing it now: refused, naming its pid;
@@ -165,14 +165,15 @@ class RunDir:
             },
         )
 
-    def finish(self) -> None:
-        """Mark the run finished (its outputs are all written)."""
+    def finish(self, state: str = "finished") -> None:
+        """Mark the run ``finished`` (its outputs are all written) or ``stopped`` (it ended on an error or a
+        stop signal; a resume may continue it)."""
         if not self.shared and self._lock is not None:
-            manifest = _read_manifest(self.path) or {}
-            manifest["state"] = "finished"
-            manifest["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             from judgeloop.io import atomic_write_text
 
+            manifest = _read_manifest(self.path) or {}
+            manifest["state"] = state
+            manifest["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             atomic_write_text(self.path / RUN_FILE, json_text(manifest) + "\n")
 
     def release(self) -> None:
@@ -201,6 +202,16 @@ def _take_lock(folder: Path, shared: bool) -> int:
             "choose another output_dir"
         ) from None
     return fd
+
+
+def check_not_in_use(out_dir: str | Path) -> None:
+    """Raise :class:`RunDirError` (naming the holder's pid) when a run holds ``out_dir`` now: call it
+    before removing or replacing a run folder by other means than :func:`open_run_dir`."""
+    folder = Path(out_dir)
+    if (folder / LOCK_FILE).is_file():
+        fd = _take_lock(folder, shared=False)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def open_run_dir(
@@ -330,6 +341,8 @@ def run_dir(
                 (rd.path / LOCK_FILE).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     rd.path.rmdir()
+        elif (rd.path / RUN_FILE).is_file():
+            rd.finish("stopped")
         raise
     finally:
         rd.release()

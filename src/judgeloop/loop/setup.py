@@ -195,6 +195,9 @@ def open_output(cfg: FeedbackLoopConfig, out_dir: Path) -> contextlib.AbstractCo
     resume (``resume_from: auto`` keeps it when it holds a checkpoint, and starts it clean when it holds
     none), refused without ``resume_from``; one of another run is refused."""
 
+    if cfg.resume_from and cfg.resume_from != "auto":  # its own check first: it names the keys that differ
+        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
+
     def has_checkpoint(folder: Path) -> bool:
         remove_orphans(folder)  # a write killed between its two renames leaves the checkpoint as .NAME.old
         return latest_checkpoint(folder) is not None
