@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import json
 import os
 import shutil
 import time
@@ -108,8 +109,6 @@ def _config_differences(folder: Path, manifest: dict[str, Any], cfg: Any) -> lis
 
 
 def _read_manifest(folder: Path) -> dict[str, Any] | None:
-    import json
-
     try:
         manifest = json.loads((folder / RUN_FILE).read_text())
     except FileNotFoundError:
@@ -130,9 +129,7 @@ class RunDir:
     path: Path
     command: str
     digest: str
-    config: dict[str, Any] = dataclasses.field(
-        default_factory=dict
-    )  # the non-free keys, as run.json holds them
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the non-free keys (run.json's)
     kept: bool = False
     shared: bool = False
     _lock: int | None = None
