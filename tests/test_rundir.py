@@ -263,3 +263,34 @@ def test_every_folder_writing_command_refuses_another_runs_folder_in_one_line(
         "new output_dir, or set overwrite=true to clear it"
     )
     assert _tree(out) == before
+
+
+# --- ablate: jobs share the grid's folder --------------------------------------------------------------
+
+
+def test_an_ablation_job_held_by_another_run_is_neither_cleaned_nor_resumed(tmp_path, capsys):
+    from judgeloop.loop.config import FeedbackLoopConfig
+    from judgeloop.studies.ablation import arm_config, job_dir
+
+    args = ["ablate", "--config", str(TINY), *FAST, f"output_dir={tmp_path / 'grid'}"]
+    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'grid'}"])
+    folder = job_dir(cfg, "raw", 0)
+    # the same job, run by another --job task now: it holds the grid's folder (shared) and the job's
+    grid = open_run_dir(cfg.output_dir, "ablate", cfg, on_match="keep", shared=True)
+    held = open_run_dir(folder, "train", arm_config(cfg, "raw", 0), on_match="keep")
+    try:
+        (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+        assert main([*args, "--job", "raw:0"]) == 2
+        assert _one_line(capsys) == (
+            f"judgeloop ablate: error: output_dir={folder} is in use by another run (train), pid {os.getpid()}; "
+            "wait for it to end, or choose another output_dir"
+        )
+        assert (folder / "metrics.jsonl").read_text() == '{"step": 1}\n'
+        # a job task may not clear the grid's folder, which the other jobs are writing
+        assert main([*args, "overwrite=true", "--job", "raw:1"]) == 2
+        assert "overwrite=true clears the folder, which runs sharing it may be writing now" in _one_line(
+            capsys
+        )
+    finally:
+        held.release()
+        grid.release()
