@@ -508,6 +508,48 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "is empty",
         ),
         *serve_cases(tmp, write),
+        *run_dir_cases(tmp, resume_changed),
+    ]
+
+
+def run_dir_cases(
+    tmp: Path, resume_changed: Callable[[], list[str]]
+) -> list[tuple[str, Callable[[], list[str]], str]]:
+    """An output folder that holds another run (judgeloop.rundir): refused in one line before any work."""
+    calibrate = ["calibrate", "--config", str(ROOT / "configs/calibrate/embedded_embedding.yaml")]
+    run = tmp / "resume_run"
+    held: list[object] = []
+
+    def finished_run() -> Path:
+        if not (run / "run.json").is_file():
+            resume_changed()  # a finished tiny train run with checkpoints
+        return run
+
+    def busy() -> list[str]:
+        from judgeloop.loop.config import FeedbackLoopConfig
+        from judgeloop.rundir import open_run_dir
+
+        held.append(open_run_dir(tmp / "busy", "train", FeedbackLoopConfig()))  # held until the probe ends
+        return ["train", "--config", TINY, *QUICK, f"output_dir={tmp / 'busy'}"]
+
+    def old_folder() -> list[str]:
+        (tmp / "old_run").mkdir(exist_ok=True)
+        (tmp / "old_run" / "report.json").write_text("{}")
+        return ["gate", "--config", str(ROOT / "configs/gate/scifact.yaml"), f"output_dir={tmp / 'old_run'}"]
+
+    return [
+        (
+            "train afresh into a train run's folder",
+            lambda: ["train", "--config", TINY, *QUICK, f"output_dir={finished_run()}"],
+            "holds this train run already (stopped); continue it with resume_from=auto",
+        ),
+        (
+            "calibrate into a train run's folder",
+            lambda: [*calibrate, f"output_dir={finished_run()}"],
+            "holds a train run, not a calibrate run",
+        ),
+        ("a second train into a folder in use", busy, "is in use by another run (train), pid"),
+        ("gate into an older judgeloop's folder (no run.json)", old_folder, "but no run.json"),
     ]
 
 

@@ -79,6 +79,7 @@ class LabelPairsConfig:
     batch_size: int = 256
     num_bins: int = 10
     output_dir: str = "runs/label_pairs"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
         check_judge_path(self.judge_path, on_disk=False)

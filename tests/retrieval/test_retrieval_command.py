@@ -171,6 +171,7 @@ def test_train_retriever_resumes_exactly(tmp_path, beir_dir):
     # "interrupt" after the second step: keep only its checkpoint
     part = tmp_path / "part"
     (part / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "run.json", part / "run.json")  # the run the checkpoint belongs to (judgeloop.rundir)
     shutil.copytree(full / "checkpoints" / "step_2", part / "checkpoints" / "step_2")
     state = json.loads((part / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     if state.get("negatives_path"):

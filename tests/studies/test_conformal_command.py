@@ -88,7 +88,7 @@ def test_conformal_command_end_to_end(tmp_path):
     # a single alpha: the keys sit at the top level too
     one = run(load_config(ConformalConfig, None, _data_overrides(paths) + [
         "conformal.alphas=[0.2]", "conformal.top_k=20", "num_trials=3", "data.grouping=none",
-        f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}"]))  # fmt: skip
+        f"output_dir={tmp_path / 'one'}", f"cache_dir={tmp_path / 'cache'}"]))  # fmt: skip
     assert one["alpha"] == 0.2 and set(one["groups"]) == {"all"} and 0.0 <= one["coverage"] <= 1.0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from judgeloop.config import ConfigError
 from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.rundir import run_dir
 from judgeloop.studies.ablation import jobs, parse_job, run_ablation
 from judgeloop.studies.ablation_report import aggregate
 
@@ -41,9 +42,13 @@ def run(
             parse_job(job, cfg)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        result = run_ablation(cfg, job=job)
-        sys.stdout.write(f"{job}: {result['status']} ({result['dir']})\n")
-        return result
-    results = aggregate(cfg, allow_missing) if aggregate_only else run_ablation(cfg)
+    # the grid's folder: jobs (--job tasks at once, an --aggregate beside them) share it, each job
+    # folder held by its own run (judgeloop.rundir); only a whole-grid run may clear it (overwrite=true)
+    with run_dir(cfg.output_dir, "ablate", cfg, on_match="keep", shared=job is not None or aggregate_only):
+        if job is not None:
+            result = run_ablation(cfg, job=job)
+            sys.stdout.write(f"{job}: {result['status']} ({result['dir']})\n")
+            return result
+        results = aggregate(cfg, allow_missing) if aggregate_only else run_ablation(cfg)
     sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
     return results

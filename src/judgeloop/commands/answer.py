@@ -11,6 +11,7 @@ from typing import Any
 
 from judgeloop.reports import write_report
 from judgeloop.retrieval.conformal import save_conformal_file
+from judgeloop.rundir import run_dir
 from judgeloop.studies.answer import AnswerConfig, answer_study, plot_risk_coverage, render_markdown
 
 __all__ = ["AnswerConfig", "run"]
@@ -18,11 +19,11 @@ __all__ = ["AnswerConfig", "run"]
 
 def run(cfg: AnswerConfig) -> dict[str, Any]:
     """Run the answer study of ``cfg`` and write its outputs; returns the report."""
-    report, rows, state = answer_study(cfg)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_conformal_file(out / "conformal.json", state["conformal"], state["corpus"], state["scorer"])
-    plot_risk_coverage(report, rows, out / "risk_coverage.png")
-    extra = {"answers.jsonl": rows, "abstention.json": {k: state[k] for k in ("confidence", "threshold")}}
-    write_report(out, cfg, report, render_markdown(report), extra)
+    with run_dir(cfg.output_dir, "answer", cfg):
+        report, rows, state = answer_study(cfg)
+        out = Path(cfg.output_dir)
+        save_conformal_file(out / "conformal.json", state["conformal"], state["corpus"], state["scorer"])
+        plot_risk_coverage(report, rows, out / "risk_coverage.png")
+        extra = {"answers.jsonl": rows, "abstention.json": {k: state[k] for k in ("confidence", "threshold")}}
+        write_report(out, cfg, report, render_markdown(report), extra)
     return report

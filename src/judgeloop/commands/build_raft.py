@@ -11,6 +11,7 @@ from typing import Any
 
 from judgeloop.logging import get_logger
 from judgeloop.raft.builder import BuildRaftConfig, build_raft, save_raft
+from judgeloop.rundir import run_dir
 
 logger = get_logger(__name__)
 
@@ -19,8 +20,9 @@ __all__ = ["BuildRaftConfig", "run"]
 
 def run(cfg: BuildRaftConfig) -> dict[str, Any]:
     """Build, save, and return ``stats``."""
-    build = build_raft(cfg)
-    out = save_raft(build, cfg.output_dir, cfg)
+    with run_dir(cfg.output_dir, "build-raft", cfg):
+        build = build_raft(cfg)
+        out = save_raft(build, cfg.output_dir, cfg)
     st = build.stats
     logger.info(
         "RAFT set: %d train / %d eval examples, oracle rate %.3f (p_oracle %.2f), sources %s -> %s",

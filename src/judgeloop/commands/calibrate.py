@@ -16,6 +16,7 @@ from judgeloop.calibration.reliability import reliability_diagram
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
+from judgeloop.rundir import run_dir
 from judgeloop.studies.calibration_lab import (
     CalibrateConfig,
     calibration_lab,
@@ -31,6 +32,11 @@ __all__ = ["CalibrateConfig", "run"]
 
 def run(cfg: CalibrateConfig) -> dict[str, Any]:
     """Run the lab of ``cfg`` and write its outputs; returns the report."""
+    with run_dir(cfg.output_dir, "calibrate", cfg):
+        return _run(cfg)
+
+
+def _run(cfg: CalibrateConfig) -> dict[str, Any]:
     lab = calibration_lab(cfg)
     out_dir = Path(cfg.output_dir)
     for method, cal in lab.calibrators.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from judgeloop.reports import write_report
+from judgeloop.rundir import run_dir
 from judgeloop.studies.conformal import ConformalConfig, conformal_study, render_markdown
 
 __all__ = ["ConformalConfig", "run"]
@@ -16,6 +17,7 @@ __all__ = ["ConformalConfig", "run"]
 
 def run(cfg: ConformalConfig) -> dict[str, Any]:
     """Run the study of ``cfg`` and write its report; returns the report."""
-    report = conformal_study(cfg)
-    write_report(cfg.output_dir, cfg, report, render_markdown(report))
+    with run_dir(cfg.output_dir, "conformal", cfg):
+        report = conformal_study(cfg)
+        write_report(cfg.output_dir, cfg, report, render_markdown(report))
     return report

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from judgeloop.reports import write_report
+from judgeloop.rundir import run_dir
 from judgeloop.studies.gate import GateConfig, gate_study, render_markdown
 
 __all__ = ["GateConfig", "run"]
@@ -14,6 +15,7 @@ __all__ = ["GateConfig", "run"]
 
 def run(cfg: GateConfig) -> dict[str, Any]:
     """Run the gate study of ``cfg`` and write its outputs; returns the report."""
-    report, gate = gate_study(cfg)
-    write_report(cfg.output_dir, cfg, report, render_markdown(report), {"gate.json": gate.state_dict()})
+    with run_dir(cfg.output_dir, "gate", cfg):
+        report, gate = gate_study(cfg)
+        write_report(cfg.output_dir, cfg, report, render_markdown(report), {"gate.json": gate.state_dict()})
     return report

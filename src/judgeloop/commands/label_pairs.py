@@ -19,6 +19,7 @@ from judgeloop.label_pairs import (
 )
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
+from judgeloop.rundir import run_dir
 
 logger = get_logger(__name__)
 
@@ -28,9 +29,10 @@ __all__ = ["LabelPairsConfig", "run"]
 def run(cfg: LabelPairsConfig) -> dict[str, Any]:
     """Label the pairs and write the dataset and the report; returns the report."""
     check_judge_path(cfg.judge_path)
-    rows, report = label(cfg)
-    out = Path(cfg.output_dir)
-    write_dataset(out, rows)
-    write_report(out, cfg, report, render_label_report(report))
+    with run_dir(cfg.output_dir, "label-pairs", cfg):
+        rows, report = label(cfg)
+        out = Path(cfg.output_dir)
+        write_dataset(out, rows)
+        write_report(out, cfg, report, render_label_report(report))
     logger.info("\n%s", render_label_report(report).split("\n\n")[1])
     return report

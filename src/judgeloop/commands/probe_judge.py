@@ -11,6 +11,7 @@ from typing import Any
 
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
+from judgeloop.rundir import run_dir
 from judgeloop.studies.judge_probe import ProbeConfig, probe
 from judgeloop.studies.probe_report import health_warnings, render_markdown
 
@@ -21,9 +22,10 @@ __all__ = ["ProbeConfig", "run"]
 
 def run(cfg: ProbeConfig) -> dict[str, Any]:
     """Probe the judges of ``cfg`` and write the outputs; returns the report."""
-    result = probe(cfg)
-    markdown = render_markdown(result.report)
-    write_report(cfg.output_dir, cfg, result.report, markdown, {"pairs.jsonl": result.rows})
+    with run_dir(cfg.output_dir, "probe-judge", cfg):
+        result = probe(cfg)
+        markdown = render_markdown(result.report)
+        write_report(cfg.output_dir, cfg, result.report, markdown, {"pairs.jsonl": result.rows})
     shown = 4 + 2 * len(health_warnings(result.report)) + len(cfg.attacks) + 2  # the warnings, the table
     logger.info("\n%s", "\n".join(markdown.splitlines()[:shown]))
     return result.report

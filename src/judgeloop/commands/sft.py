@@ -16,6 +16,7 @@ from judgeloop.devices import check_device
 from judgeloop.logging import get_logger
 from judgeloop.raft.sft import SftConfig
 from judgeloop.recipes import recipe_path
+from judgeloop.rundir import run_dir
 from judgeloop.tracking import check_trackers
 
 logger = get_logger(__name__)
@@ -25,14 +26,19 @@ __all__ = ["SftConfig", "run"]
 
 def run(cfg: SftConfig) -> dict[str, Any]:
     """Launch ``recipes/sft_raft.py`` with this config; returns the recipe's ``train_report.json``."""
+    check_device(cfg.device)  # before anything is written or launched
+    check_trackers([t for t in cfg.log_with if t != "jsonl"])
+    with run_dir(cfg.output_dir, "sft", cfg):
+        return _launch(cfg)
+
+
+def _launch(cfg: SftConfig) -> dict[str, Any]:
     import json
     import runpy
 
     from judgeloop.config import to_yaml
     from judgeloop.io import atomic_write_text
 
-    check_device(cfg.device)  # before anything is written or launched
-    check_trackers([t for t in cfg.log_with if t != "jsonl"])
     out = Path(cfg.output_dir)
     cfg_path = out / "sft_config.yaml"
     atomic_write_text(cfg_path, to_yaml(cfg))

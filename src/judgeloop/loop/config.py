@@ -382,6 +382,7 @@ RESUME_FREE_KEYS = (
     "ablation",
     "threads",  # float rounding only; a resume at another count says so in the log
     "stop_signals",
+    "overwrite",
 )
 
 STYLE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
@@ -495,6 +496,7 @@ class FeedbackLoopConfig:
     """
 
     output_dir: str = "runs/feedback_loop"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     seed: int = 0
     RETIRED: ClassVar[dict[str, str]] = {
         "cpu": "set device: cpu (or auto, the default: a GPU when accelerate sees one, else the CPU)"
@@ -515,6 +517,7 @@ class FeedbackLoopConfig:
     curve: CurveConfig = field(default_factory=CurveConfig)
     batch_size: int = 4
     RENAMED: ClassVar[dict[str, str]] = {"num_steps": "max_steps"}
+    RUN_FREE_KEYS: ClassVar[tuple[str, ...]] = RESUME_FREE_KEYS  # judgeloop.rundir: a resume may change these
     max_steps: int = 20
     eval_every_n_steps: int = 10
     save_every_n_steps: int = 0

@@ -83,6 +83,7 @@ from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
 from judgeloop.loop.vllm_backend import check_backend, generation_engine
 from judgeloop.models import load_tokenizer
+from judgeloop.rundir import run_dir
 from judgeloop.signals import StopRequest, stop_signals
 from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
 
@@ -180,9 +181,36 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     check_output_places(cfg)
     check_models(cfg)
     # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
-    with stop_signals(cfg.stop_signals) as stop, intra_op_threads(cfg.threads), _opened(cfg, out_dir) as run:
+    with (
+        open_output(cfg, out_dir),
+        stop_signals(cfg.stop_signals) as stop,
+        intra_op_threads(cfg.threads),
+        _opened(cfg, out_dir) as run,
+    ):
         run.stop = stop
         yield run
+
+
+def open_output(cfg: FeedbackLoopConfig, out_dir: Path) -> contextlib.AbstractContextManager[Any]:
+    """The run's hold on ``output_dir`` (:mod:`judgeloop.rundir`): a folder of this run is kept for a
+    resume (``resume_from: auto`` keeps it when it holds a checkpoint, and starts it clean when it holds
+    none), refused without ``resume_from``; one of another run is refused."""
+
+    if cfg.resume_from and cfg.resume_from != "auto":  # its own check first: it names the keys that differ
+        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
+
+    def has_checkpoint(folder: Path) -> bool:
+        remove_orphans(folder)  # a write killed between its two renames leaves the checkpoint as .NAME.old
+        return latest_checkpoint(folder) is not None
+
+    return run_dir(
+        out_dir,
+        "train",
+        cfg,
+        on_match="keep" if cfg.resume_from else "refuse",
+        can_resume=has_checkpoint if cfg.resume_from == "auto" else None,
+        hint="continue it with resume_from=auto",
+    )
 
 
 def resolve_resume(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> FeedbackLoopConfig:
@@ -206,6 +234,7 @@ def resolve_resume(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: P
 @contextlib.contextmanager
 def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
     accelerator = make_accelerator(cfg, out_dir)
+    accelerator.wait_for_everyone()  # the main process has opened (and maybe cleaned) output_dir
     auto = cfg.resume_from == "auto"
     cfg = resolve_resume(cfg, accelerator, out_dir)
     # the data next: a split too small for the batch on these processes stops here, before any output

@@ -74,6 +74,7 @@ class BuildRaftConfig:
     seed: int = 0
     max_length: int | None = 768
     output_dir: str = "runs/raft/pubmedqa"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
         check_range("", self, "p_oracle", 0.0, 1.0, "[]", " (RAFT uses 0.8)")

@@ -69,6 +69,7 @@ class EvalRaftConfig:
     marks: EvalMarksConfig = field(default_factory=EvalMarksConfig)
     seed: int = 0
     output_dir: str = "runs/eval_raft/pubmedqa"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
         check_choices("settings", self.settings, SETTINGS)

@@ -80,6 +80,7 @@ class SftConfig:
     device: Device = "auto"
     data_dir: str = "runs/raft/pubmedqa"
     output_dir: str = "runs/sft/pubmedqa"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     max_train_examples: int | None = 240
     max_length: int = 768
     completion_only: bool = True

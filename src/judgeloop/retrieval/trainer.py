@@ -483,6 +483,7 @@ def _train_retriever(cfg: TrainRetrieverConfig, stop: StopRequest) -> tuple[dict
 
     out, t0 = Path(cfg.output_dir), time.time()
     accelerator = make_accelerator(cfg)
+    accelerator.wait_for_everyone()  # the main process has opened (maybe cleaned) output_dir (judgeloop.rundir)
     set_seed(cfg.train.seed)
     train_data, eval_data = load_retrieval_data(cfg.data)
     m = cfg.model

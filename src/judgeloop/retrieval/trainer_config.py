@@ -170,6 +170,7 @@ class TrainRetrieverConfig:
     one line names it, the exit status is 128 + signum; the same command continues (``train.resume``)."""
 
     output_dir: str = "outputs/retriever"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     device: Device = "auto"
     model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
     data: RetrieverDataConfig = field(default_factory=RetrieverDataConfig)
@@ -181,6 +182,10 @@ class TrainRetrieverConfig:
     project_name: str = "judgeloop"
     run_name: str | None = None
     stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+    # keys a resume may change (judgeloop.rundir): they cannot change what the run computes
+    RUN_FREE_KEYS: ClassVar[tuple[str, ...]] = (
+        "log_with", "project_name", "run_name", "stop_signals", "train.resume", "train.keep_checkpoints",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.output_dir:

@@ -36,6 +36,7 @@ from judgeloop.devices import on_cpu
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.rundir import check_not_in_use
 
 logger = get_logger(__name__)
 
@@ -124,6 +125,7 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         return {"arm": arm, "seed": seed, "status": "skipped", "dir": str(folder)}
     if status == "changed":
         logger.info("ablation: %s:%d config changed (%s); rerunning", arm, seed, "; ".join(changes[:5]))
+    check_not_in_use(folder)  # the same --job running elsewhere now: its folder is neither cleaned nor resumed
     can_resume = status != "changed" and resumable(job_cfg)
     if can_resume:
         logger.info("ablation: %s:%d continues from its newest checkpoint", arm, seed)

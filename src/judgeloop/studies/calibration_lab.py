@@ -65,6 +65,7 @@ class CalibrateConfig:
     num_bins: int = 15
     seed: int = 0
     output_dir: str = "runs/calibrate"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in CALIBRATORS or m == "raw"]

@@ -93,6 +93,7 @@ class ConformalConfig:
     calibration_fraction: float = 0.5
     seed: int = 0
     output_dir: str = "runs/conformal"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "runs/cache"
 
     def __post_init__(self) -> None:

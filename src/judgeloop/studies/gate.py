@@ -86,6 +86,7 @@ class GateConfig:
     calibration_fraction: float = 0.5
     seed: int = 0
     output_dir: str = "runs/gate"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "runs/cache"
 
     def __post_init__(self) -> None:

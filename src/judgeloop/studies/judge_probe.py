@@ -132,6 +132,7 @@ class ProbeConfig:
     confidence: float = 0.95
     bootstrap_samples: int = 2000
     output_dir: str = "runs/probe"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
         check_choices("attacks", self.attacks, ATTACKS)

@@ -85,6 +85,7 @@ class QAStudyConfig:
     retriever: RetrieverSection = field(default_factory=RetrieverSection)
     seed: int = 0
     output_dir: str = "runs/route"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "runs/cache"
 
 
