@@ -125,7 +125,8 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         return {"arm": arm, "seed": seed, "status": "skipped", "dir": str(folder)}
     if status == "changed":
         logger.info("ablation: %s:%d config changed (%s); rerunning", arm, seed, "; ".join(changes[:5]))
-    check_not_in_use(folder)  # the same --job running elsewhere now: its folder is neither cleaned nor resumed
+    # the same --job running elsewhere now: its folder is neither cleaned nor resumed
+    check_not_in_use(folder)
     can_resume = status != "changed" and resumable(job_cfg)
     if can_resume:
         logger.info("ablation: %s:%d continues from its newest checkpoint", arm, seed)
