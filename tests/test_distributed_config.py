@@ -152,3 +152,15 @@ def test_the_fsdp_launch_file_is_fsdp2_and_accelerate_accepts_its_settings():
         cpu_ram_efficient_loading=fsdp["fsdp_cpu_ram_efficient_loading"],
     )
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+
+
+def test_a_run_after_another_in_the_same_process_gets_its_own_precision():
+    """train-retriever at bf16 then train (which passes no mixed_precision for fp32) in one process: the
+    second run's Accelerator must not inherit bf16 from accelerate's process-wide state."""
+    from judgeloop.distributed import new_accelerator
+
+    first = new_accelerator(cpu=True, mixed_precision="bf16")
+    assert first.mixed_precision == "bf16"
+    second = new_accelerator(cpu=True)
+    assert second.mixed_precision == "no"
+    assert new_accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"  # no refusal either

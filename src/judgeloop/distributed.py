@@ -227,6 +227,22 @@ def accelerator_kwargs(cpu: bool) -> dict[str, Any]:
     return {"cpu": cpu, "kwargs_handlers": []}
 
 
+def new_accelerator(**kwargs: Any) -> Any:
+    """A run's ``Accelerator`` with this run's own settings.
+
+    accelerate keeps one process-wide ``AcceleratorState``: a run after another one in the same process
+    (``train-retriever`` then ``train`` in a notebook, a test session, an ablation's lanes) would inherit
+    the first run's mixed precision where it passes none (a launch file's setting applies then). The
+    state is reset first; the process group (``PartialState``) is kept.
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return Accelerator(**kwargs)
+
+
 @contextlib.contextmanager
 def whole_models(accelerator: Any) -> Iterator[None]:
     """Models loaded inside come whole on every process, also under ZeRO-3 with ``zero3_init_flag``

@@ -38,6 +38,7 @@ from judgeloop.distributed import (
     generation_context,
     is_zero3,
     load_trainable_state,
+    new_accelerator,
     prepare_for_inference,
     trainable_state,
     whole_models,
@@ -124,7 +125,7 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
     """
     device = accelerator_kwargs(on_cpu(cfg.device))  # DeepSpeed on a CPU: gloo (judgeloop.distributed)
     precision = mixed_precision_kwargs("bf16" if cfg.policy.dtype == "bfloat16" else cfg.mixed_precision)
-    return Accelerator(
+    return new_accelerator(
         cpu=device["cpu"],
         log_with=make_trackers(cfg.log_with, out_dir),
         project_dir=str(out_dir),
@@ -136,9 +137,8 @@ def make_accelerator(cfg: FeedbackLoopConfig, out_dir: Path) -> Accelerator:
 def mixed_precision_kwargs(mixed_precision: str) -> dict[str, Any]:
     """``Accelerator`` arguments for ``mixed_precision`` ("no" or "bf16").
 
-    mixed_precision is passed only when asked for: accelerate refuses to re-set it once its
-    process-wide state exists (e.g. a second run in the same process, as in the ablation); a launch
-    file's ``mixed_precision`` applies otherwise.
+    mixed_precision is passed only when asked for, so a launch file's ``mixed_precision`` applies
+    otherwise (``new_accelerator`` resets what an earlier run in the process set).
 
     Under bf16 the autocast weight-cast cache is off. The loop runs in one autocast context, across
     optimizer steps, and autocast keeps its bf16 copy of a trainable weight until the outermost context

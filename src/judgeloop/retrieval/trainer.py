@@ -34,6 +34,7 @@ from judgeloop.distributed import (
     accelerator_kwargs,
     configure_deepspeed,
     generation_context,
+    new_accelerator,
     refuse_gradcache_under_deepspeed,
     whole_models,
 )
@@ -436,7 +437,6 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
     """The run's ``Accelerator``, after the checks that need no data: the device, the trackers, GradCache
     under DeepSpeed. One scheduler step per optimizer step: the schedule counts global batches, and
     accelerate's default would step it once per process (``num_processes`` times too fast)."""
-    from accelerate import Accelerator
 
     check_device(cfg.device)  # before any data or weights load
     check_trackers(cfg.log_with)
@@ -461,7 +461,7 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
         cfg.eval.precision, device, native_bf16(device),
     )  # fmt: skip
     out = Path(cfg.output_dir)
-    accelerator = Accelerator(
+    accelerator = new_accelerator(
         log_with=make_trackers(cfg.log_with, out), project_dir=str(out), step_scheduler_with_optimizer=False,
         **accelerator_kwargs(on_cpu(cfg.device)), **amp,
     )  # fmt: skip
