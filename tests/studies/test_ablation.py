@@ -12,7 +12,14 @@ import pytest
 
 from judgeloop.config import ConfigError, load_config
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.stats import MDD_FACTOR, paired_bootstrap, paired_matrix, premise_check
+from judgeloop.loop.stats import (
+    MDD_FACTOR,
+    aligned_differences,
+    paired_bootstrap,
+    paired_matrix,
+    premise_check,
+    recovered_fraction,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "feedback_loop" / "tiny.yaml"
@@ -87,6 +94,38 @@ def test_premise_check_on_planted_drifts(shift, direction, holds):
         assert res["sentence"].startswith("The raw judge moved the policy")
     else:
         assert "cannot show a correction" in res["sentence"]
+
+
+def _cells(values: np.ndarray) -> dict[int, dict[str, float]]:
+    return {s: {f"a{i}": float(v) for i, v in enumerate(row)} for s, row in enumerate(values)}
+
+
+def test_recovered_fraction_finds_a_planted_half_and_is_undefined_without_an_oracle_gain():
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.2, 0.3, size=(3, 60))
+    oracle = base + 0.04 + rng.normal(0, 0.01, size=base.shape)
+    arm = base + 0.02 + rng.normal(0, 0.01, size=base.shape)
+    gain, oracle_gain = aligned_differences(_cells(base), _cells(arm), _cells(oracle))
+    res = recovered_fraction(gain, oracle_gain, 2000, 0)
+    assert res["defined"] and res["fraction"] == pytest.approx(0.5, abs=0.05)
+    lo, hi = res["ci95"]
+    assert lo < 0.5 < hi and hi - lo < 0.3
+    assert res["oracle_gain"]["delta"] == pytest.approx(0.04, abs=0.005)
+    # an oracle no better than the baseline: nothing to recover, the ratio is not reported
+    flat = base + rng.normal(0, 0.01, size=base.shape)
+    gain, oracle_gain = aligned_differences(_cells(base), _cells(arm), _cells(flat))
+    res = recovered_fraction(gain, oracle_gain, 2000, 0)
+    assert not res["defined"] and res["fraction"] is None and res["ci95"] == [None, None]
+    assert res["arm_gain"]["delta"] == pytest.approx(0.02, abs=0.005)
+
+
+def test_aligned_differences_share_one_grid_of_seeds_and_articles():
+    base = {0: {"a": 1.0, "b": 2.0}, 1: {"a": 1.0}}
+    arm = {0: {"a": 2.0, "b": None}, 1: {"a": 3.0}, 2: {"a": 9.0}}
+    oracle = {0: {"a": 1.5, "b": 4.0}, 1: {"a": 2.0}}
+    d_arm, d_oracle = aligned_differences(base, arm, oracle)
+    assert d_arm.shape == d_oracle.shape == (2, 2)  # seeds 0 and 1 (all three have them); articles a, b
+    assert d_arm[0, 0] == 1.0 and np.isnan(d_arm[0, 1]) and d_oracle[0, 1] == 2.0 and np.isnan(d_oracle[1, 1])
 
 
 # --- config validation ------------------------------------------------------------------------------

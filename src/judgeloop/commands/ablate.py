@@ -42,13 +42,18 @@ def run(
             parse_job(job, cfg)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-    # the grid's folder: jobs (--job tasks at once, an --aggregate beside them) share it, each job
-    # folder held by its own run (judgeloop.rundir); only a whole-grid run may clear it (overwrite=true)
-    with run_dir(cfg.output_dir, "ablate", cfg, on_match="keep", shared=job is not None or aggregate_only):
+    if aggregate_only:  # reads the job folders (each checked against this config) and writes results.* only,
+        # so it also rebuilds a grid an older judgeloop ran (a committed study, with no run.json)
+        results = aggregate(cfg, allow_missing)
+        sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
+        return results
+    # the grid's folder: --job tasks at once share it, each job folder held by its own run
+    # (judgeloop.rundir); only a whole-grid run may clear it (overwrite=true)
+    with run_dir(cfg.output_dir, "ablate", cfg, on_match="keep", shared=job is not None):
         if job is not None:
             result = run_ablation(cfg, job=job)
             sys.stdout.write(f"{job}: {result['status']} ({result['dir']})\n")
             return result
-        results = aggregate(cfg, allow_missing) if aggregate_only else run_ablation(cfg)
+        results = run_ablation(cfg)
     sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
     return results

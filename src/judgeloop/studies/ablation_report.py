@@ -19,7 +19,14 @@ import numpy as np
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.stats import PREMISE_METRICS, paired_bootstrap, paired_matrix, premise_check
+from judgeloop.loop.stats import (
+    PREMISE_METRICS,
+    aligned_differences,
+    paired_bootstrap,
+    paired_matrix,
+    premise_check,
+    recovered_fraction,
+)
 from judgeloop.studies.ablation import job_dir, jobs
 
 logger = get_logger(__name__)
@@ -192,6 +199,58 @@ def paired_comparisons(
     return paired, vs_start, premise
 
 
+RECOVERED_METRIC = "rouge_l_neutral"
+
+
+def recovered_fractions(cfg: FeedbackLoopConfig, finals: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
+    """For every arm but the baseline and the oracle: the fraction of the oracle's gain over the baseline on
+    the task's target (neutral ROUGE-L of the kept policy) that it recovers, ``(arm - base) / (oracle -
+    base)``, with its two-level bootstrap interval (:func:`judgeloop.loop.stats.recovered_fraction`); null
+    without an oracle arm."""
+    abl = cfg.ablation
+    base = abl.baseline
+    if "oracle" not in abl.arms or base == "oracle" or not finals.get("oracle") or not finals.get(base):
+        return None
+    out: dict[str, Any] = {"metric": RECOVERED_METRIC, "vs": base, "arms": {}}
+    for arm in abl.arms:
+        if arm in (base, "oracle") or not finals.get(arm):
+            continue
+        gain, oracle = aligned_differences(
+            _values(finals[base], RECOVERED_METRIC),
+            _values(finals[arm], RECOVERED_METRIC),
+            _values(finals["oracle"], RECOVERED_METRIC),
+        )
+        out["arms"][arm] = recovered_fraction(gain, oracle, abl.bootstrap_samples, abl.bootstrap_seed)
+    return out
+
+
+def recovered_lines(results: dict[str, Any]) -> list[str]:
+    """``results.md``'s section on the recovered fractions (nothing without an oracle arm)."""
+    rec = results.get("recovered")
+    if not rec or not rec["arms"]:
+        return []
+    base, m = rec["vs"], rec["metric"]
+    first = next(iter(rec["arms"].values()))
+    lines = [
+        f"## Fraction of the oracle's gain recovered (`{m}`, against `{base}`)",
+        "",
+        f"`(arm - {base}) / (oracle - {base})` on the kept policies, paired on (seed, article), 95% interval "
+        f"from the same bootstrap. The oracle's gain over `{base}`: {_fmt_delta(first['oracle_gain'])}.",
+        "",
+    ]
+    if not first["defined"]:
+        return lines + [
+            f"Not defined: the oracle's gain over `{base}` is not clearly above 0, so there is no gain to "
+            "recover; each arm's own gain is in the paired table above.",
+            "",
+        ]
+    lines += ["| arm | recovered | arm gain |", "|---|---|---|"]
+    for arm, r in rec["arms"].items():
+        lo, hi = r["ci95"]
+        lines.append(f"| {arm} | {r['fraction']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {_fmt_delta(r['arm_gain'])} |")
+    return [*lines, ""]
+
+
 def job_numerics(cfg: FeedbackLoopConfig) -> dict[str, list[dict[str, Any]]]:
     """Each finished job's ``numerics`` (one entry per start or resume; see
     :func:`judgeloop.devices.numerics`), by ``ARM:SEED``; jobs from before they were recorded are left out."""
@@ -317,10 +376,12 @@ def aggregate(cfg: FeedbackLoopConfig, allow_missing: bool = False) -> dict[str,
         arms[arm], finals[arm], starts[arm], gone = summarize_arm(cfg, arm)
         missing += gone
     paired, vs_start, premise = paired_comparisons(cfg, finals, starts)
+    recovered = recovered_fractions(cfg, finals)
     n_articles = sorted({len(v) for arm in finals.values() for v in arm.values()})
     results = {
         "premise": premise,
         "paired": paired,
+        "recovered": recovered,
         "vs_start": vs_start,
         "arms": arms,
         "baseline": abl.baseline,
@@ -458,6 +519,7 @@ def results_table(results: dict[str, Any]) -> str:
             "",
             *_delta_table(results["paired"], paired=True),
         ]
+    lines += recovered_lines(results)
     if results["vs_start"]:
         lines += [
             "## Change from the starting policy (each arm, paired)",
