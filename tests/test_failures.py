@@ -65,6 +65,12 @@ def _beir_queries(p: Path):
     return _read_queries(p)
 
 
+def _label_pairs(p: Path):
+    from judgeloop.label_pairs import PairDataConfig, read_pairs
+
+    return read_pairs(PairDataConfig(path=str(p)))[0]
+
+
 LOADERS = {
     "jsonl": ({"id": "a", "article": "An article.", "summary": "A summary."}, "article", _summ("jsonl")),
     "debian": ({"id": "a", "article": "A package.", "summary": "A synopsis."}, "summary", _summ("debian")),
@@ -113,6 +119,7 @@ LOADERS = {
     ),
     "beir_corpus": ({"_id": "d1", "title": "T", "text": "Text."}, "text", _beir_corpus),
     "beir_queries": ({"_id": "q1", "text": "A query."}, "text", _beir_queries),
+    "label_pairs": ({"prompt": "P?", "chosen": "C.", "rejected": "R."}, "chosen", _label_pairs),
 }
 
 
@@ -129,7 +136,48 @@ def test_a_non_string_field_names_file_line_and_field_in_every_loader(tmp_path, 
     with pytest.raises(DataError) as err:
         read(path)
     assert str(err.value).startswith(f"{path}:2: field '{text_field}' must be a string")
-    assert "got int 42" in str(err.value)
+    assert "got number 42" in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(LOADERS))
+def test_null_where_text_belongs_names_file_line_and_field_in_every_loader(tmp_path, name):
+    """null is refused where a text is required (it was read as the text "None")."""
+    row, text_field, read = LOADERS[name]
+    path = _jsonl(tmp_path / "d.jsonl", [row, {**row, text_field: None}])
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value).startswith(f"{path}:2: field '{text_field}' must be a string")
+    assert ", got null;" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, field, value, expects, got",
+    [
+        ("routing_squad2", "answers", "France", "a list of strings", "string 'France'"),
+        ("routing_squad2", "is_impossible", "no", "true or false", "string 'no'"),
+        ("squad", "answers", [3], "a list of strings or of {'text': string} objects", "list [3]"),
+        ("squad", "answers", [{"text": None}], "a list of strings or of {'text': string}", "list [{'text'"),
+        ("label_pairs", "prompt", 3, "a string or a list of {'role', 'content'} messages", "number 3"),
+        ("label_pairs", "rejected", [{"role": "assistant", "content": 1}], "a string or a list of {'role', 'content'}", "list"),
+    ],
+)  # fmt: skip
+def test_a_field_of_the_wrong_kind_is_refused_before_any_work(tmp_path, name, field, value, expects, got):
+    """An answer given as a string was scored letter by letter; a number prompt reached pyarrow."""
+    row, _, read = LOADERS[name]
+    path = _jsonl(tmp_path / "d.jsonl", [row, {**row, field: value}])
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value).startswith(f"{path}:2: field '{field}' must be {expects}"), err.value
+    assert f", got {got}" in str(err.value)
+
+
+def test_an_optional_field_that_holds_null_reads_as_absent(tmp_path):
+    from judgeloop.raft.readers import read_corpus_jsonl
+
+    path = _jsonl(tmp_path / "c.jsonl", [{"id": "d1", "text": "Text.", "title": None, "topic": None}])
+    doc = read_corpus_jsonl(path)["d1"]
+    assert doc.title == "" and doc.topic is None  # not the text "None"
+    assert read_jsonl(path, kinds={"title": "text"}) == [{"id": "d1", "text": "Text.", "topic": None}]
 
 
 @pytest.mark.parametrize("name", sorted(LOADERS))
