@@ -94,6 +94,13 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
         "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp / 'labeled'}",
     ]  # fmt: skip
     pair = {"prompt": "an article", "chosen": "a summary", "rejected": "another"}
+    squad_row = {
+        "id": "q0",
+        "question": "Who?",
+        "context": "Town 0.",
+        "answers": ["Ann"],
+        "is_impossible": False,
+    }
     vllm = ["train", "--config", TINY, f"output_dir={tmp / 'vllm'}", "generation.backend=vllm",
             "policy.model=judgeloop-tiny/causal-lm-h32"]  # fmt: skip
 
@@ -493,6 +500,35 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "field 'rejected' is empty",
         ),
         (
+            "label-pairs: a number where the prompt belongs",
+            lambda: [
+                *label_pairs,
+                f"judge_path={saved_judge()}",
+                f"data.path={jsonl('numprompt.jsonl', [pair, {**pair, 'prompt': 3}])}",
+            ],  # fmt: skip
+            "field 'prompt' must be a string or a list of {'role', 'content'} messages with string content, got number 3",
+        ),
+        (
+            "label-pairs: null where a completion belongs",
+            lambda: [
+                *label_pairs,
+                f"judge_path={saved_judge()}",
+                f"data.path={jsonl('nullchosen.jsonl', [pair, {**pair, 'chosen': None}])}",
+            ],  # fmt: skip
+            "field 'chosen' must be a string or a list of {'role', 'content'} messages with string content, got null",
+        ),
+        (
+            "route: an answer given as a string, not a list (squad2)",
+            lambda: [
+                "route",
+                "--config",
+                str(ROOT / "configs/routing/squad2.yaml"),
+                f"output_dir={tmp / 'route'}",
+                f"data.path={jsonl('squad_str.jsonl', [{**squad_row, 'answers': 'France'}])}",
+            ],
+            "field 'answers' must be a list of strings, got string 'France'",
+        ),
+        (
             "label-pairs: min_confidence=0.3",
             lambda: [*label_pairs, f"judge_path={tmp}", "data.path=x.jsonl", "min_confidence=0.3"],
             "min_confidence=0.3 must be in [0.5, 1]",
@@ -616,6 +652,11 @@ def serve_cases(
             "JUDGELOOP_PROBE_UNSET_TOKEN is unset or empty",
         ),
         ("serve-judge: server.port already taken", taken_port, "cannot be listened on"),
+        (
+            "serve-judge: server.read_timeout_s=0",
+            lambda: [*serve, "server.read_timeout_s=0"],
+            "server.read_timeout_s=0.0 must be > 0",
+        ),
         (
             "serve-judge: server.max_batch_size=0",
             lambda: [*serve, "server.max_batch_size=0"],
