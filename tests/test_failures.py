@@ -171,6 +171,48 @@ def test_a_field_of_the_wrong_kind_is_refused_before_any_work(tmp_path, name, fi
     assert f", got {got}" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "summary, message",
+    [
+        ({"text": "S.", "expert": {"coherence": None}}, "summaries[0]: field 'expert.coherence' must be a number, got null"),
+        ({"text": "S.", "turker": {"fluency": "high"}}, "summaries[0]: field 'turker.fluency' must be a number, got string 'high'"),
+        ({"text": "S.", "system": 7}, "summaries[0]: field 'system' must be a string, got number 7"),
+        ({"text": None}, "summaries[0]: field 'text' must be a string, got null"),
+        ("S.", "summaries[0]: field 'summaries[]' must be an object, got string 'S.'"),
+    ],
+)  # fmt: skip
+def test_a_summeval_rating_of_the_wrong_kind_names_the_article_and_summary(tmp_path, summary, message):
+    """A null rating was a float(None) traceback; a null system was the text "None"."""
+    row, _, read = LOADERS["summeval"]
+    path = _jsonl(tmp_path / "d.jsonl", [{**row, "summaries": [summary]}])
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value).startswith(f"{path}: article a, {message}"), err.value
+
+
+def test_an_xsumfaith_label_of_1_0_is_faithful_like_1(tmp_path):
+    row, _, read = LOADERS["xsumfaith"]
+    examples = read(_jsonl(tmp_path / "d.jsonl", [row, {**row, "id": "b", "label": 1.0}]))
+    assert [ex.references["neutral"] for ex in examples] == [["A summary."], ["A summary."]]
+
+
+@pytest.mark.parametrize(
+    "negative, message",
+    [
+        ({"doc_id": "d1", "score": "0.5"}, "field 'score' must be a number, got string '0.5'"),
+        ({"doc_id": None, "score": 0.5}, "field 'doc_id' must be a string or an integer, got null"),
+        ({"score": 0.5}, "missing field(s) ['doc_id']"),
+    ],
+)
+def test_a_negative_of_the_wrong_kind_names_the_query(tmp_path, negative, message):
+    from judgeloop.retrieval.mining import load_negatives
+
+    path = _jsonl(tmp_path / "n.jsonl", [{"query_id": "q1", "negatives": [negative]}])
+    with pytest.raises(DataError) as err:
+        load_negatives(path)
+    assert str(err.value).startswith(f"{path}: query q1, negatives[0]: {message}"), err.value
+
+
 def test_an_optional_field_that_holds_null_reads_as_absent(tmp_path):
     from judgeloop.raft.readers import read_corpus_jsonl
 
