@@ -7,8 +7,9 @@ temporary file.
 
 Input is read strictly: every reader goes through :func:`read_lines`, which names the file, the line
 and the byte offset of bytes that are not UTF-8, and :func:`read_jsonl`, which checks that each row is
-an object with the required fields of the required kinds (a ``text`` field that holds a number is an
-error naming the line, not a ``str()`` of it).
+an object with the required fields of the required kinds (a ``text`` field that holds a number or null
+is an error naming the line, not a ``str()`` of it). :func:`check_row` is that check for one row, for
+rows of other sources (a saved Hugging Face dataset) and for objects nested in a row.
 """
 
 from __future__ import annotations
