@@ -213,6 +213,24 @@ def test_a_negative_of_the_wrong_kind_names_the_query(tmp_path, negative, messag
     assert str(err.value).startswith(f"{path}: query q1, negatives[0]: {message}"), err.value
 
 
+def test_a_hub_data_set_is_checked_row_by_row_like_a_file(tmp_path):
+    """A null summary of a data set loaded by name became the reference None (a local folder here)."""
+    from judgeloop.data.summarization import DataConfig, load_examples
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    rows = [
+        {"id": "a", "article": "An article.", "summary": "S."},
+        {"id": "b", "article": "Another.", "summary": None},
+    ]
+    _jsonl(folder / "train.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(format="hf", name=str(folder)))
+    assert str(err.value).startswith(
+        f"hub data set {folder} row 1: field 'summary' must be a string, got null"
+    )
+
+
 def test_an_optional_field_that_holds_null_reads_as_absent(tmp_path):
     from judgeloop.raft.readers import read_corpus_jsonl
 

@@ -276,7 +276,7 @@ _HF_DEFAULT_FIELDS = {
 }
 
 
-def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs network
+def _load_hf(cfg: DataConfig) -> list[SummExample]:
     import datasets
 
     ds = datasets.load_dataset(cfg.name, cfg.hf_config, split=cfg.hf_split)
@@ -292,8 +292,9 @@ def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs 
             )
     n = len(ds) if cfg.max_articles is None else min(len(ds), cfg.max_articles)
     out = []
+    kinds = {f["id"]: "id", f["article"]: "text", f["summary"]: "text"}
     for i in range(n):
-        row = ds[i]
+        row = check_row(ds[i], f"hub data set {cfg.name} row {i}", [f["article"], f["summary"]], kinds)
         out.append(
             SummExample(
                 id=str(row.get(f["id"], i)),
