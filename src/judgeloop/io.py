@@ -286,8 +286,9 @@ def check_row(
     """Check one input row (from any file format): the ``required`` fields present, each field of
     ``kinds`` of its kind; returns the row without the optional fields of ``kinds`` that hold null, so a
     null optional field reads as absent (never as the text ``"None"``). A required field that holds null
-    is an error. Every reader of user data goes through here (:func:`read_jsonl` for JSONL; the
-    Hugging Face dataset reader of ``label-pairs`` row by row).
+    is an error. Every reader of user data goes through here: :func:`read_jsonl` for JSONL, the readers
+    of Hugging Face datasets (``label-pairs``' saved ones, ``data.format=hf``) row by row, and the readers
+    of objects nested in a row (SummEval's summaries, mined negatives) with ``where`` naming them.
 
     Raises:
         DataError: naming ``where`` (file and line), the field, what it holds and what it must hold.
