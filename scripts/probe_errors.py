@@ -5,7 +5,8 @@
 Each case runs one ``judgeloop`` command in this process (``judgeloop.cli.main``) on inputs built in a
 temporary folder, and records its exit status, the seconds until it stopped, and the first line it
 wrote to stderr. A case passes when the exit status is 2 and that line names the value (the check
-column). Needs no shared data and no model downloads; the one real run (a tiny-config checkpoint to
+column). Then a real ``judgeloop serve-judge`` gets the bad requests of :func:`http_cases`; each must
+be a 4xx with a one-line ``{"error"}`` body, the server staying up (the second table). Needs no shared data and no model downloads; the one real run (a tiny-config checkpoint to
 resume from) takes about 20 s on 2 CPU cores.
 """
 
@@ -94,6 +95,13 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
         "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp / 'labeled'}",
     ]  # fmt: skip
     pair = {"prompt": "an article", "chosen": "a summary", "rejected": "another"}
+    squad_row = {
+        "id": "q0",
+        "question": "Who?",
+        "context": "Town 0.",
+        "answers": ["Ann"],
+        "is_impossible": False,
+    }
     vllm = ["train", "--config", TINY, f"output_dir={tmp / 'vllm'}", "generation.backend=vllm",
             "policy.model=judgeloop-tiny/causal-lm-h32"]  # fmt: skip
 
@@ -493,6 +501,35 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
             "field 'rejected' is empty",
         ),
         (
+            "label-pairs: a number where the prompt belongs",
+            lambda: [
+                *label_pairs,
+                f"judge_path={saved_judge()}",
+                f"data.path={jsonl('numprompt.jsonl', [pair, {**pair, 'prompt': 3}])}",
+            ],  # fmt: skip
+            "field 'prompt' must be a string or a list of {'role', 'content'} messages with string content, got number 3",
+        ),
+        (
+            "label-pairs: null where a completion belongs",
+            lambda: [
+                *label_pairs,
+                f"judge_path={saved_judge()}",
+                f"data.path={jsonl('nullchosen.jsonl', [pair, {**pair, 'chosen': None}])}",
+            ],  # fmt: skip
+            "field 'chosen' must be a string or a list of {'role', 'content'} messages with string content, got null",
+        ),
+        (
+            "route: an answer given as a string, not a list (squad2)",
+            lambda: [
+                "route",
+                "--config",
+                str(ROOT / "configs/routing/squad2.yaml"),
+                f"output_dir={tmp / 'route'}",
+                f"data.path={jsonl('squad_str.jsonl', [{**squad_row, 'answers': 'France'}])}",
+            ],
+            "field 'answers' must be a list of strings, got string 'France'",
+        ),
+        (
             "label-pairs: min_confidence=0.3",
             lambda: [*label_pairs, f"judge_path={tmp}", "data.path=x.jsonl", "min_confidence=0.3"],
             "min_confidence=0.3 must be in [0.5, 1]",
@@ -617,6 +654,11 @@ def serve_cases(
         ),
         ("serve-judge: server.port already taken", taken_port, "cannot be listened on"),
         (
+            "serve-judge: server.read_timeout_s=0",
+            lambda: [*serve, "server.read_timeout_s=0"],
+            "server.read_timeout_s=0.0 must be > 0",
+        ),
+        (
             "serve-judge: server.max_batch_size=0",
             lambda: [*serve, "server.max_batch_size=0"],
             "server.max_batch_size=0",
@@ -635,6 +677,102 @@ def serve_cases(
     ]
 
 
+SURROGATE = b'"p\\ud800"'  # valid JSON, but no Unicode text
+
+
+def http_cases() -> list[tuple[str, str, str, bytes | None, str]]:
+    """The bad requests a client sends a running judge server: (case, method, route, body or None, text
+    the ``{"error"}`` must hold). The server runs with ``server.max_chars_per_text=50`` and
+    ``server.read_timeout_s=1``; a body of ``b"HALF"`` declares 100 bytes, sends 8 and stops."""
+    long = json.dumps("r" * 51)
+    return [
+        ("an unknown route", "GET", "/no/such/route", None, "Not Found"),
+        ("a GET of a POST route", "GET", "/v1/compare", None, "Method Not Allowed"),
+        ("a body that is not UTF-8", "POST", "/v1/compare",
+         b'{"items": [{"prompt": "p", "a": "\xff", "b": "x"}]}', "request body is not UTF-8: byte 0xff"),
+        ("a lone surrogate in a text", "POST", "/v1/compare",
+         b'{"items": [{"prompt": ' + SURROGATE + b', "a": "a", "b": "bb"}]}', "items[0].prompt holds \\ud800"),
+        ("a lone surrogate in a query", "POST", "/openrlhf/get_reward",
+         b'{"query": [' + SURROGATE + b'], "prompts": ["p"]}', "query[0] holds \\ud800"),
+        ("a reference over max_chars_per_text", "POST", "/v1/compare",
+         b'{"items": [{"prompt": "p", "a": "a", "b": "bb", "references": [' + long.encode() + b"]}]}",
+         "items[0].references[0] has 51 characters"),
+        ("a reference over max_chars_per_text", "POST", "/v1/rewards",
+         b'{"groups": [{"prompt": "p", "completions": ["a", "bb"], "references": [' + long.encode() + b"]}]}",
+         "groups[0].references[0] has 51 characters"),
+        ("half a body, then nothing", "POST", "/v1/compare", b"HALF", "did not arrive within server.read_timeout_s=1"),
+    ]  # fmt: skip
+
+
+def _http(port: int, method: str, route: str, body: bytes | None) -> tuple[int, str]:
+    """One request on a raw socket (a half-sent body included): the status and the body, read until the
+    server closes the connection (``Connection: close`` asked for, so it does)."""
+    import socket
+
+    half = body == b"HALF"
+    length = 100 if half else len(body or b"")
+    head = f"{method} {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    head += (
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n" if body is not None else "\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + (b'{"items"' if half else body or b""))
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    status_line, _, rest = got.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2].decode()
+
+
+def probe_server(tmp: Path) -> list[tuple[str, int, float, str, bool]]:
+    """Run :func:`http_cases` against a real ``judgeloop serve-judge`` (a length judge, no model); a case
+    passes when the status is a 4xx, the body is ``{"error": "<one line>"}`` holding the expected text,
+    and ``/health`` still answers after it."""
+    import socket
+    import subprocess
+
+    from judgeloop.calibration import IdentityCalibrator
+    from judgeloop.judges import JudgeConfig
+    from judgeloop.judges.calibrated import CalibratedJudge
+
+    judge = tmp / "http_judge"
+    CalibratedJudge(JudgeConfig(type="objective", signal="length"), IdentityCalibrator()).save_pretrained(
+        judge
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "judgeloop.cli", "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"),
+           f"judge_path={judge}", f"server.port={port}", "server.max_chars_per_text=50", "server.read_timeout_s=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if _http(port, "GET", "/health", None)[0] == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the judge server did not start ({' '.join(cmd)})")
+            time.sleep(0.2)
+        for name, method, route, body, expect in http_cases():
+            t0 = time.perf_counter()
+            status, text = _http(port, method, route, body)
+            secs = time.perf_counter() - t0
+            try:
+                error = json.loads(text)
+                ok = list(error) == ["error"] and expect in error["error"] and "\n" not in error["error"]
+            except ValueError:
+                ok = False
+            ok = ok and 400 <= status < 500 and _http(port, "GET", "/health", None)[0] == 200
+            rows.append((f"{name}: {method} {route}", status, secs, text, ok))
+            print(f"{'ok ' if ok else 'BAD'} {name}: {status} {secs:.1f}s {text[:160]}", file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table to this markdown file")
@@ -649,11 +787,25 @@ def main() -> int:
             ok = rc == 2 and (expect in line or expect in line.replace(str(tmp), "TMP"))
             rows.append((name, rc, secs, line.replace(str(tmp), "TMP"), ok))
             print(f"{'ok ' if ok else 'BAD'} {name}: rc={rc} {secs:.1f}s {line[:160]}", file=sys.stderr)
+        http_rows = probe_server(tmp)
     table = ["| case | exit | seconds | first line of stderr | check |", "|---|---|---|---|---|"]
     table += [
         f"| {n} | {rc} | {s:.1f} | `{line.replace('|', '/')}` | {'ok' if ok else 'FAILED'} |"
         for n, rc, s, line, ok in rows
     ]
+    table += [
+        "",
+        "Requests to a running `judgeloop serve-judge` (a length judge; `server.max_chars_per_text=50`,",
+        '`server.read_timeout_s=1`); each must get a 4xx and `{"error": "<one line>"}`, the server staying up:',
+        "",
+        "| request | status | seconds | body | check |",
+        "|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {n} | {status} | {s:.1f} | `{body.replace('|', '/')}` | {'ok' if ok else 'FAILED'} |"
+        for n, status, s, body, ok in http_rows
+    ]
+    rows += [(n, 2, s, b, ok) for n, _, s, b, ok in http_rows]  # for the exit status
     text = "\n".join(table) + "\n"
     sys.stdout.write(text)
     if args.out:

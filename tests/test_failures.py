@@ -65,6 +65,12 @@ def _beir_queries(p: Path):
     return _read_queries(p)
 
 
+def _label_pairs(p: Path):
+    from judgeloop.label_pairs import PairDataConfig, read_pairs
+
+    return read_pairs(PairDataConfig(path=str(p)))[0]
+
+
 LOADERS = {
     "jsonl": ({"id": "a", "article": "An article.", "summary": "A summary."}, "article", _summ("jsonl")),
     "debian": ({"id": "a", "article": "A package.", "summary": "A synopsis."}, "summary", _summ("debian")),
@@ -113,6 +119,7 @@ LOADERS = {
     ),
     "beir_corpus": ({"_id": "d1", "title": "T", "text": "Text."}, "text", _beir_corpus),
     "beir_queries": ({"_id": "q1", "text": "A query."}, "text", _beir_queries),
+    "label_pairs": ({"prompt": "P?", "chosen": "C.", "rejected": "R."}, "chosen", _label_pairs),
 }
 
 
@@ -129,7 +136,108 @@ def test_a_non_string_field_names_file_line_and_field_in_every_loader(tmp_path, 
     with pytest.raises(DataError) as err:
         read(path)
     assert str(err.value).startswith(f"{path}:2: field '{text_field}' must be a string")
-    assert "got int 42" in str(err.value)
+    assert "got number 42" in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(LOADERS))
+def test_null_where_text_belongs_names_file_line_and_field_in_every_loader(tmp_path, name):
+    """null is refused where a text is required (it was read as the text "None")."""
+    row, text_field, read = LOADERS[name]
+    path = _jsonl(tmp_path / "d.jsonl", [row, {**row, text_field: None}])
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value).startswith(f"{path}:2: field '{text_field}' must be a string")
+    assert ", got null;" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, field, value, expects, got",
+    [
+        ("routing_squad2", "answers", "France", "a list of strings", "string 'France'"),
+        ("routing_squad2", "is_impossible", "no", "true or false", "string 'no'"),
+        ("squad", "answers", [3], "a list of strings or of {'text': string} objects", "list [3]"),
+        ("squad", "answers", [{"text": None}], "a list of strings or of {'text': string}", "list [{'text'"),
+        ("label_pairs", "prompt", 3, "a string or a list of {'role', 'content'} messages", "number 3"),
+        ("label_pairs", "rejected", [{"role": "assistant", "content": 1}], "a string or a list of {'role', 'content'}", "list"),
+    ],
+)  # fmt: skip
+def test_a_field_of_the_wrong_kind_is_refused_before_any_work(tmp_path, name, field, value, expects, got):
+    """An answer given as a string was scored letter by letter; a number prompt reached pyarrow."""
+    row, _, read = LOADERS[name]
+    path = _jsonl(tmp_path / "d.jsonl", [row, {**row, field: value}])
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value).startswith(f"{path}:2: field '{field}' must be {expects}"), err.value
+    assert f", got {got}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "summary, message",
+    [
+        ({"text": "S.", "expert": {"coherence": None}}, "summaries[0]: field 'expert.coherence' must be a number, got null"),
+        ({"text": "S.", "turker": {"fluency": "high"}}, "summaries[0]: field 'turker.fluency' must be a number, got string 'high'"),
+        ({"text": "S.", "system": 7}, "summaries[0]: field 'system' must be a string, got number 7"),
+        ({"text": None}, "summaries[0]: field 'text' must be a string, got null"),
+        ("S.", "summaries[0]: field 'summaries[]' must be an object, got string 'S.'"),
+    ],
+)  # fmt: skip
+def test_a_summeval_rating_of_the_wrong_kind_names_the_article_and_summary(tmp_path, summary, message):
+    """A null rating was a float(None) traceback; a null system was the text "None"."""
+    row, _, read = LOADERS["summeval"]
+    path = _jsonl(tmp_path / "d.jsonl", [{**row, "summaries": [summary]}])
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value).startswith(f"{path}: article a, {message}"), err.value
+
+
+def test_an_xsumfaith_label_of_1_0_is_faithful_like_1(tmp_path):
+    row, _, read = LOADERS["xsumfaith"]
+    examples = read(_jsonl(tmp_path / "d.jsonl", [row, {**row, "id": "b", "label": 1.0}]))
+    assert [ex.references["neutral"] for ex in examples] == [["A summary."], ["A summary."]]
+
+
+@pytest.mark.parametrize(
+    "negative, message",
+    [
+        ({"doc_id": "d1", "score": "0.5"}, "field 'score' must be a number, got string '0.5'"),
+        ({"doc_id": None, "score": 0.5}, "field 'doc_id' must be a string or an integer, got null"),
+        ({"score": 0.5}, "missing field(s) ['doc_id']"),
+    ],
+)
+def test_a_negative_of_the_wrong_kind_names_the_query(tmp_path, negative, message):
+    from judgeloop.retrieval.mining import load_negatives
+
+    path = _jsonl(tmp_path / "n.jsonl", [{"query_id": "q1", "negatives": [negative]}])
+    with pytest.raises(DataError) as err:
+        load_negatives(path)
+    assert str(err.value).startswith(f"{path}: query q1, negatives[0]: {message}"), err.value
+
+
+def test_a_hub_data_set_is_checked_row_by_row_like_a_file(tmp_path):
+    """A null summary of a data set loaded by name became the reference None (a local folder here)."""
+    from judgeloop.data.summarization import DataConfig, load_examples
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    rows = [
+        {"id": "a", "article": "An article.", "summary": "S."},
+        {"id": "b", "article": "Another.", "summary": None},
+    ]
+    _jsonl(folder / "train.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(format="hf", name=str(folder)))
+    assert str(err.value).startswith(
+        f"hub data set {folder} row 1: field 'summary' must be a string, got null"
+    )
+
+
+def test_an_optional_field_that_holds_null_reads_as_absent(tmp_path):
+    from judgeloop.raft.readers import read_corpus_jsonl
+
+    path = _jsonl(tmp_path / "c.jsonl", [{"id": "d1", "text": "Text.", "title": None, "topic": None}])
+    doc = read_corpus_jsonl(path)["d1"]
+    assert doc.title == "" and doc.topic is None  # not the text "None"
+    assert read_jsonl(path, kinds={"title": "text"}) == [{"id": "d1", "text": "Text.", "topic": None}]
 
 
 @pytest.mark.parametrize("name", sorted(LOADERS))

@@ -30,15 +30,15 @@ def _sorted_by_prompt(path: Path, prompts: int = 4, per_prompt: int = 12) -> Pat
 
 def test_max_pairs_spreads_over_the_prompts_deterministically(tmp_path):
     data = _sorted_by_prompt(tmp_path / "pairs.jsonl")
-    pairs, in_data = read_pairs(PairDataConfig(path=str(data), max_pairs=10, seed=0))
+    pairs, in_data, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=10, seed=0))
     assert in_data == 4 and len(pairs) == 10
     per_prompt = Counter(p.prompt for p in pairs)
     assert len(per_prompt) == 4 and sorted(per_prompt.values()) == [2, 2, 3, 3]  # not the head's one prompt
-    again, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=10, seed=0))
+    again, _, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=10, seed=0))
     assert [(p.prompt, p.first) for p in again] == [(p.prompt, p.first) for p in pairs]
-    other, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=10, seed=1))
+    other, _, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=10, seed=1))
     assert [(p.prompt, p.first) for p in other] != [(p.prompt, p.first) for p in pairs]
-    everything, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=1000))
+    everything, _, _ = read_pairs(PairDataConfig(path=str(data), max_pairs=1000))
     assert len(everything) == 48
 
 
@@ -116,3 +116,66 @@ def test_summeval_pairs_writes_an_instruction_prompt(shared_data, tmp_path, chat
             assert r["prompt"][0]["role"] == "user" and r["chosen"][0]["role"] == "assistant"
         else:
             assert isinstance(r["chosen"], str) and isinstance(r["rejected"], str)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt": 3}, ":2: field 'prompt' must be a string or a list of {'role', 'content'} messages"
+                        " with string content, got number 3;"),
+        ({"chosen": None}, ":2: field 'chosen' must be a string or a list of {'role', 'content'} messages"
+                           " with string content, got null;"),
+    ],
+)  # fmt: skip
+def test_a_field_of_the_wrong_kind_stops_label_pairs_before_anything_is_written(
+    tiny_calibration, tmp_path, capsys, bad, message
+):
+    """A number prompt was a pyarrow traceback after labeled.jsonl was written; a null was judged as "None"."""
+    good = {"prompt": "p", "chosen": "a longer completion", "rejected": "short"}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(good) + "\n" + json.dumps({**good, **bad}) + "\n")
+    out = tmp_path / "out"
+    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
+              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
+              "data.fields.source=null", "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{data}{message}" in err[0], err
+    assert not out.exists()
+
+
+def test_pairs_with_equal_completions_are_dropped_and_counted(tiny_calibration, tmp_path, caplog):
+    """Two equal completions have no better side: judging them counted as the judge agreeing (or not)."""
+    rows = [
+        {"prompt": f"p{i}", "chosen": f"the council voted on day {i}", "rejected": f"day {i}"}
+        for i in range(4)
+    ]
+    rows[1]["rejected"] = rows[1]["chosen"] + " "  # equal but for whitespace
+    rows[3]["rejected"] = rows[3]["chosen"]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs, in_data, equal = read_pairs(PairDataConfig(path=str(data)))
+    assert [p.prompt for p in pairs] == ["p0", "p2"] and in_data == 4 and equal == 2
+    assert f"dropped 2 pair(s) whose two completions are the same text (the first: {data}:2)" in caplog.text
+    out = tmp_path / "out"
+    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
+              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
+              "data.fields.source=null", "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["pairs"] == 2 and report["dropped"]["equal_completions"] == 2
+    assert report["agreement_with_dataset"]["n"] == 2
+    assert "'equal_completions': 2" in (out / "report.md").read_text()
+    data.write_text(json.dumps(rows[3]) + "\n")
+    with pytest.raises(DataError, match="every pair's two completions are the same text; nothing to judge"):
+        read_pairs(PairDataConfig(path=str(data)))
+
+
+def test_a_saved_dataset_is_checked_row_by_row_like_a_file(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": 1, "chosen": "a", "rejected": "b"}]).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(
+        DataError, match=r"ds row 0: field 'prompt' must be a string or a list .* got number 1;"
+    ):
+        read_pairs(PairDataConfig(path=str(tmp_path / "ds"), format="hf"))

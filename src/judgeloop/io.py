@@ -7,8 +7,9 @@ temporary file.
 
 Input is read strictly: every reader goes through :func:`read_lines`, which names the file, the line
 and the byte offset of bytes that are not UTF-8, and :func:`read_jsonl`, which checks that each row is
-an object with the required fields of the required kinds (a ``text`` field that holds a number is an
-error naming the line, not a ``str()`` of it).
+an object with the required fields of the required kinds (a ``text`` field that holds a number or null
+is an error naming the line, not a ``str()`` of it). :func:`check_row` is that check for one row, for
+rows of other sources (a saved Hugging Face dataset) and for objects nested in a row.
 """
 
 from __future__ import annotations
@@ -226,6 +227,33 @@ _KINDS: dict[str, tuple[str, Any]] = {
         "a number",
         lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     ),
+    "strings": (
+        "a list of strings",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    ),
+    "spans": (
+        "a list of strings or of {'text': string} objects",
+        lambda v: (
+            isinstance(v, list)
+            and all(isinstance(x, str) or (isinstance(x, dict) and isinstance(x.get("text"), str)) for x in v)
+        ),
+    ),
+    "chat": (
+        "a string or a list of {'role', 'content'} messages with string content",
+        lambda v: (
+            isinstance(v, str)
+            or (
+                isinstance(v, list)
+                and all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("content"), str)
+                    and isinstance(m.get("role", ""), str)
+                    for m in v
+                )
+            )
+        ),
+    ),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
     "list": ("a list", lambda v: isinstance(v, list)),
     "mapping": ("an object", lambda v: isinstance(v, dict)),
 }
@@ -235,13 +263,52 @@ def check_kind(value: Any, kind: str, where: str, name: str) -> Any:
     """``value`` if it is of ``kind`` (a key of the table above); else a DataError naming ``where``/``name``."""
     desc, ok = _KINDS[kind]
     if not ok(value):
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise DataError(
-            f"{where}: field '{name}' must be {desc}, got {type(value).__name__} {shown}; "
+            f"{where}: field '{name}' must be {desc}, got {_shown(value)}; "
             "fix the row or map another field (data.fields.*)"
         )
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value as its JSON kind and a short JSON text: ``null``, ``number 3``, ``string 'abc'``."""
+    if value is None:
+        return "null"
+    kind = {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{kind.get(type(value), type(value).__name__)} {shown}"
+
+
+def check_row(
+    row: dict[str, Any], where: str, required: Iterable[str] = (), kinds: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Check one input row (from any file format): the ``required`` fields present, each field of
+    ``kinds`` of its kind; returns the row without the optional fields of ``kinds`` that hold null, so a
+    null optional field reads as absent (never as the text ``"None"``). A required field that holds null
+    is an error. Every reader of user data goes through here: :func:`read_jsonl` for JSONL, the readers
+    of Hugging Face datasets (``label-pairs``' saved ones, ``data.format=hf``) row by row, and the readers
+    of objects nested in a row (SummEval's summaries, mined negatives) with ``where`` naming them.
+
+    Raises:
+        DataError: naming ``where`` (file and line), the field, what it holds and what it must hold.
+    """
+    required = list(required)
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise DataError(
+            f"{where}: missing field(s) {missing}; present: {sorted(row)}. "
+            "Map your field names in the config (e.g. data.fields.article=text)"
+        )
+    kinds = kinds or {}
+    unknown = set(kinds.values()) - set(_KINDS)
+    if unknown:  # a programming error, not a data error
+        raise ValueError(f"unknown field kind(s) {sorted(unknown)}; valid: {sorted(_KINDS)}")
+    nulls = [name for name in kinds if name in row and row[name] is None and name not in required]
+    for name, kind in kinds.items():
+        if name in row and name not in nulls:
+            check_kind(row[name], kind, where, name)
+    return {k: v for k, v in row.items() if k not in nulls} if nulls else row
 
 
 def read_jsonl(
@@ -252,18 +319,19 @@ def read_jsonl(
     """Read a JSONL file strictly: every non-blank line an object holding the ``required`` fields.
 
     ``kinds`` maps a field to what it must hold when present: ``text`` (a string), ``texts`` (a string or
-    a list of strings), ``id`` (a string or an integer), ``number``, ``list`` or ``mapping``. A mismatch,
-    bytes that are not UTF-8, or a line that is not a JSON object is a :class:`DataError` naming the
-    file and line.
+    a list of strings), ``strings`` (a list of strings; a bare string is refused, not read letter by
+    letter), ``spans`` (a list of strings or of ``{"text": ...}`` objects), ``chat`` (a string or a list
+    of ``{"role", "content"}`` messages), ``id`` (a string or an integer), ``number``, ``bool``, ``list``
+    or ``mapping``; an optional field that holds null is dropped from the row (:func:`check_row`). A
+    mismatch, bytes that are not UTF-8, or a line that is not a JSON object is a :class:`DataError`
+    naming the file and line.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist; check the path (data.path=...)")
     required = list(required)
     kinds = dict(kinds or {})
-    unknown = set(kinds.values()) - set(_KINDS)
-    if unknown:  # a programming error, not a data error
-        raise ValueError(f"unknown field kind(s) {sorted(unknown)}; valid: {sorted(_KINDS)}")
+    check_row({}, str(path), (), kinds)  # an unknown kind fails before the file is read
     rows: list[dict[str, Any]] = []
     for lineno, line in read_lines(path):
         if not line.strip():
@@ -276,16 +344,7 @@ def read_jsonl(
             ) from err
         if not isinstance(row, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        missing = [k for k in required if k not in row]
-        if missing:
-            raise DataError(
-                f"{path}:{lineno}: missing field(s) {missing}; present: {sorted(row)}. "
-                "Map your field names in the config (e.g. data.fields.article=text)"
-            )
-        for name, kind in kinds.items():
-            if name in row and not (row[name] is None and name not in required):
-                check_kind(row[name], kind, f"{path}:{lineno}", name)
-        rows.append(row)
+        rows.append(check_row(row, f"{path}:{lineno}", required, kinds))
     if not rows:
         raise DataError(f"data file '{path}' holds no rows")
     return rows

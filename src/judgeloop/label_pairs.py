@@ -10,7 +10,8 @@ standard format), as lists of ``{"role", "content"}`` messages when they came as
 conversational format: a string completion of a chat prompt becomes one assistant message), ``p_chosen`` (calibrated P(chosen better)), ``logit`` (the raw logit, chosen vs
 rejected), ``orders_agree`` (whether the judge's two orders preferred the same completion; null when
 it scored one order), ``judge_agrees`` (with the dataset's own order, when it has one) and ``status``.
-Pairs the judge failed on are kept out of the dataset and counted; ``min_confidence`` drops pairs whose
+Pairs whose two completions are the same text, and pairs the judge failed on, are kept out of the
+dataset and counted (``dropped``); every field's kind is checked before any judging; ``min_confidence`` drops pairs whose
 ``max(p, 1 - p)`` is below it. ``data.max_pairs`` samples that many pairs spread over the prompts
 (round-robin over the prompts in an order drawn with ``data.seed``), not the file's head, which in a
 dataset sorted by prompt is one prompt's pairs. The report gives the agreement with the dataset's labels (Wilson 95%
@@ -29,7 +30,7 @@ import numpy as np
 
 from judgeloop.config import ConfigError, check_at_least, check_range
 from judgeloop.intervals import wilson_interval
-from judgeloop.io import DataError, atomic_dir, atomic_write_jsonl, read_jsonl
+from judgeloop.io import DataError, atomic_dir, atomic_write_jsonl, check_row, read_jsonl
 from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.logging import get_logger
 
@@ -115,11 +116,10 @@ def _is_messages(value: Any) -> bool:
 
 
 def _text(value: Any, where: str, name: str) -> str:
-    """A completion's text: a string, or a conversational completion (the assistant messages' content)."""
+    """A completion's text: a string, or a conversational completion (the assistant messages' content);
+    its kind was checked by :func:`read_pairs` (``chat``)."""
     if _is_messages(value):
-        value = "".join(str(m.get("content", "")) for m in value if m.get("role", "assistant") == "assistant")
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field '{name}' must be text or chat messages, got {type(value).__name__}")
+        value = "".join(m["content"] for m in value if m.get("role", "assistant") == "assistant")
     if not value.strip():
         raise DataError(
             f"{where}: field '{name}' is empty; drop the row or fix it (an empty completion cannot be judged)"
@@ -129,20 +129,26 @@ def _text(value: Any, where: str, name: str) -> str:
 
 def _prompt_text(value: Any) -> str:
     if _is_messages(value):
-        return "\n".join(str(m.get("content", "")) for m in value)
-    return str(value)
+        return "\n".join(m["content"] for m in value)
+    return value
 
 
-def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int]:
-    """The input pairs (``data.max_pairs`` of them sampled across the prompts) and how many distinct
-    prompts the data has; every field checked (a missing field, an empty completion, a row in another
-    format than the first is a one-line :class:`DataError` naming the row) before any judging."""
+def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int, int]:
+    """The input pairs (``data.max_pairs`` of them sampled across the prompts), how many distinct
+    prompts the data has, and how many pairs were dropped because their two completions are the same
+    text (ignoring surrounding whitespace: no side is better, and judging one would count as the judge
+    agreeing or not by the order of a tie). Every field is checked first (a missing field, a field of
+    the wrong kind, null where a text belongs, an empty completion, a row in another format than the
+    first is a one-line :class:`DataError` naming the file, the row and the field) before any judging."""
     f = data.fields
     first, second = (f.a, f.b) if f.a is not None else (f.chosen, f.rejected)
     assert first is not None and second is not None
     need = [f.prompt, first, second] + [x for x in (f.source, f.references) if x]
+    kinds = {f.prompt: "chat", first: "chat", second: "chat"}
+    kinds.update({f.source: "text"} if f.source else {})
+    kinds.update({f.references: "texts"} if f.references else {})
     if data.format == "jsonl":
-        rows = read_jsonl(data.path, required=need)
+        rows = read_jsonl(data.path, required=need, kinds=kinds)
         where = [f"{data.path}:{i + 1}" for i in range(len(rows))]
     else:
         if (
@@ -160,25 +166,38 @@ def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int]:
             raise DataError(
                 f"{data.path}: no column(s) {missing}; columns: {ds.column_names}. Map yours with data.fields.*"
             )
-        rows = list(ds)
-        where = [f"{data.path} row {i}" for i in range(len(rows))]
+        where = [f"{data.path} row {i}" for i in range(len(ds))]
+        rows = [check_row(r, w, need, kinds) for r, w in zip(ds, where)]
+    texts = [(_text(r[first], w, first), _text(r[second], w, second)) for r, w in zip(rows, where)]
     keys = [prompt_key(r[f.prompt]) for r in rows]
     prompts_in_data = len(set(keys))
+    same = [a.strip() == b.strip() for a, b in texts]
+    differ = [i for i, s in enumerate(same) if not s]
+    equal = len(rows) - len(differ)
+    if equal:
+        logger.warning(
+            "%s: dropped %d pair(s) whose two completions are the same text (the first: %s)",
+            data.path, equal, where[same.index(True)],
+        )  # fmt: skip
+    if not differ:
+        raise DataError(f"{data.path}: every pair's two completions are the same text; nothing to judge")
+    rows, where, keys = [rows[i] for i in differ], [where[i] for i in differ], [keys[i] for i in differ]
+    texts = [texts[i] for i in differ]
     if data.max_pairs is not None:
         keep = sample_across_prompts(keys, data.max_pairs, data.seed)
-        rows, where = [rows[i] for i in keep], [where[i] for i in keep]
+        rows, where, texts = [rows[i] for i in keep], [where[i] for i in keep], [texts[i] for i in keep]
     conversational = _format_of(rows, where, f.prompt, first, second)
     pairs = []
-    for row, w in zip(rows, where):
+    for row, (first_text, second_text) in zip(rows, texts):
         refs = row.get(f.references) if f.references else ()
         refs = (refs,) if isinstance(refs, str) else tuple(refs or ())
         source = row[f.source] if f.source else _prompt_text(row[f.prompt])
         pairs.append(
             InputPair(
                 row[f.prompt],
-                str(source),
-                _text(row[first], w, first),
-                _text(row[second], w, second),
+                source,
+                first_text,
+                second_text,
                 ordered=f.a is None,
                 references=refs,
                 first_value=_as_format(row[first], conversational),
@@ -187,7 +206,7 @@ def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int]:
         )
         if conversational and not _is_messages(row[f.prompt]):
             pairs[-1].prompt = [{"role": "user", "content": str(row[f.prompt])}]
-    return pairs, prompts_in_data
+    return pairs, prompts_in_data, equal
 
 
 def prompt_key(prompt: Any) -> str:
@@ -251,7 +270,7 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "not set; set data.fields.references=FIELD, the field with each row's reference summaries, or "
             f"label with a judge calibrated with {needs.alternative}"
         )
-    pairs, prompts_in_data = read_pairs(cfg.data)  # every row checked before the judge model loads
+    pairs, prompts_in_data, equal = read_pairs(cfg.data)  # every row checked before the judge model loads
     try:
         check_references(
             needs, [x.references for x in pairs], len(pairs),
@@ -282,7 +301,7 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             ]
     seconds = time.perf_counter() - t0
     rows: list[dict[str, Any]] = []
-    dropped = {"failed": 0, "low_confidence": 0}
+    dropped = {"equal_completions": equal, "failed": 0, "low_confidence": 0}
     agreements: list[bool] = []
     kept_agree: list[bool] = []  # on the pairs min_confidence keeps
     for x, pi, li, st, ag in zip(pairs, p, logit, status, agree):
@@ -426,9 +445,10 @@ def write_dataset(out_dir: Path, rows: list[dict[str, Any]]) -> None:
     """``labeled.jsonl`` and the same rows as a Hugging Face dataset (``dataset/``, ``load_from_disk``)."""
     from datasets import Dataset
 
+    dataset = Dataset.from_list(rows)  # first: a row arrow cannot hold fails before any file is written
     atomic_write_jsonl(out_dir / "labeled.jsonl", rows)
     with atomic_dir(out_dir / "dataset") as tmp:
-        Dataset.from_list(rows).save_to_disk(str(tmp))
+        dataset.save_to_disk(str(tmp))
 
 
 __all__ = ["LabelPairsConfig", "label", "render_label_report", "write_dataset"]

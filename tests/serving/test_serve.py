@@ -690,3 +690,94 @@ def test_a_references_judge_is_served_without_the_trainer_routes(rouge_judge_pat
 
 def group_rewards_of(judge: CalibratedJudge, prompt: str, completions: list[str], refs: list[str]) -> list:
     return score_groups(judge, [Group(prompt, completions, references=tuple(refs))]).rewards[0]
+
+
+# --- client errors (issue 40): every one is {"error": "<one line>"}, a 4xx, and the server stays up ----
+@pytest.fixture(scope="module")
+def strict_server(length_judge_path: Path) -> Iterator[str]:
+    with serve(length_judge_path, "server.max_chars_per_text=50", "server.read_timeout_s=1") as (url, _):
+        yield url
+
+
+LONG = "r" * 51
+SURROGATE = b'"p\\ud800"'  # valid JSON, no Unicode text: it was a 500 from the judge
+
+
+@pytest.mark.parametrize(
+    "method, route, body, status, reason",
+    [
+        ("GET", "/no/such/route", None, 404, "Not Found"),
+        ("GET", "/v1/compare", None, 405, "Method Not Allowed"),
+        ("DELETE", "/health", None, 405, "Method Not Allowed"),
+        ("POST", "/v1/compare", b'{"items": [{"prompt": "p", "a": "\xff", "b": "x"}]}', 400,
+         "request body is not UTF-8: byte 0xff at offset 33; send UTF-8 JSON"),
+        ("POST", "/v1/compare", b'{"items": [{"prompt": ' + SURROGATE + b', "a": "a", "b": "bb"}]}', 400,
+         "items[0].prompt holds \\ud800 at character 1, a lone surrogate, which is no Unicode character"),
+        ("POST", "/v1/rewards", b'{"groups": [{"prompt": "p", "completions": ["a", ' + SURROGATE + b"]}]}", 400,
+         "groups[0].completions[1] holds \\ud800"),
+        ("POST", "/openrlhf/get_reward", b'{"query": [' + SURROGATE + b'], "prompts": ["p"]}', 400,
+         "query[0] holds \\ud800"),
+        ("POST", "/verl/reward", b'{"prompt": ' + SURROGATE + b', "completion": "a", "group_size": 2}', 400,
+         "prompt holds \\ud800"),
+        ("POST", "/v1/compare", {"items": [{"prompt": "p", "a": "a", "b": "bb", "references": ["r", LONG]}]}, 413,
+         "items[0].references[1] has 51 characters; the limit is server.max_chars_per_text=50"),
+        ("POST", "/v1/rewards", {"groups": [{"prompt": "p", "completions": ["a", "bb"], "references": [LONG]}]},
+         413, "groups[0].references[0] has 51 characters"),
+        ("POST", "/openrlhf/get_reward", {"query": ["p a"], "prompts": ["p"], "labels": [LONG]}, 413,
+         "labels[0] has 51 characters"),
+        ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "anchor": LONG, "group_size": 2}, 413,
+         "anchor has 51 characters"),
+    ],
+)  # fmt: skip
+def test_every_client_error_has_the_documented_body(
+    strict_server: str, method: str, route: str, body: object, status: int, reason: str
+) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {} if body is None else {"json": body}
+    got = httpx.request(method, strict_server + route, timeout=60, **kwargs)  # type: ignore[arg-type]
+    assert got.status_code == status, got.text
+    assert list(got.json()) == ["error"] and reason in got.json()["error"], got.text
+    assert "\n" not in got.json()["error"]
+    if status == 405:
+        assert got.headers["allow"]  # what Starlette sends with it, kept
+    assert httpx.get(strict_server + "/health").status_code == 200  # still up
+
+
+def _raw_request(url: str, head: bytes, body: bytes) -> tuple[bytes, float]:
+    """Send ``head`` and ``body`` on a raw socket, then stop: everything the server sends until it
+    closes the connection (read for at most 20 s), and the seconds that took."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(head + body)
+        s.settimeout(20)
+        t0, got = time.monotonic(), b""
+        while chunk := s.recv(65536):  # b"": the server closed the connection
+            got += chunk
+        return got, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_half_sent_body_is_answered_408_and_closed(strict_server: str, chunked: bool) -> None:
+    """A client that declares a body and sends part of it held the connection open with no timeout."""
+    if chunked:
+        head = b"POST /v1/compare HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        part = b'8\r\n{"items"\r\n'  # one chunk, never the last
+    else:
+        head = b"POST /v1/compare HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+        part = b'{"items"'
+    got, seconds = _raw_request(strict_server, head, part)
+    status_line, _, rest = got.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 408 Request Timeout", got
+    assert b"connection: close" in rest.lower()
+    assert b'{"error": "the request body did not arrive within server.read_timeout_s=1 (8 bytes came)' in rest
+    assert 0.9 < seconds < 10  # answered at the timeout, then closed (the loop above ended)
+    assert httpx.get(strict_server + "/health").status_code == 200  # still up
+    good = {"items": [{"prompt": "p", "a": "a", "b": "bb"}]}
+    assert httpx.post(strict_server + "/v1/compare", json=good, timeout=60).status_code == 200
+
+
+def test_read_timeout_s_is_range_checked(length_judge_path: Path) -> None:
+    done = subprocess.run(
+        [JUDGELOOP, "serve-judge", "--config", CONFIG, f"judge_path={length_judge_path}", "server.read_timeout_s=0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "server.read_timeout_s=0.0 must be > 0" in done.stderr, done.stderr

@@ -192,3 +192,21 @@ def test_gate_escalation_model_missing_is_one_line_before_any_work(tmp_path, cap
     assert rc == 2 and len(err) == 1
     assert "escalation.rewrite_model='no-such-org/no-such-model' is not in the Hugging Face cache" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_group_field_of_the_wrong_kind_stops_before_any_encoding(tmp_path):
+    """A list as a query's group was str()-ed into a group name ("['qa']") after the encoder had run."""
+    from judgeloop.commands.conformal import ConformalConfig
+    from judgeloop.io import DataError
+    from judgeloop.retrieval.dense import load_retrieval_data
+
+    paths = _beir(tmp_path, n_queries=12, n_docs=30)
+    lines = Path(paths["queries"]).read_text().splitlines()
+    lines[3] = json.dumps({**json.loads(lines[3]), "task": ["qa"]})
+    Path(paths["queries"]).write_text("\n".join(lines) + "\n")
+    cfg = load_config(ConformalConfig, None, _data_overrides(paths) + ["data.group_field=task"])
+    with pytest.raises(DataError) as err:
+        load_retrieval_data(cfg.data)
+    assert str(err.value).startswith(
+        f"{paths['queries']}:4: field 'task' must be a string or an integer, got list ['qa']"
+    )

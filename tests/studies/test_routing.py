@@ -223,3 +223,23 @@ def test_route_command_end_to_end_tiny(tmp_path):
     assert saved["test"]["always"]["retrieval_rate"] == 1.0
     assert (tmp_path / "out" / "report.md").read_text().startswith("# Confidence routing report")
     assert len((tmp_path / "out" / "predictions.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.parametrize("command, config", [("route", "squad2.yaml"), ("answer", "squad2_abstain.yaml")])
+def test_an_answer_given_as_a_string_stops_the_command_before_any_work(tmp_path, capsys, command, config):
+    """A string answer was scored letter by letter (each character one gold answer)."""
+    from judgeloop.cli import main
+
+    row = {"id": "q0", "question": "Who?", "context": "Town 0.", "answers": "Ann", "is_impossible": False}
+    data = tmp_path / "squad.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    root = Path(__file__).resolve().parents[2]
+    argv = [command, "--config", str(root / "configs/routing" / config), f"data.path={data}",
+            f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"judgeloop {command}: error: {data}:1: field 'answers' must be a list of strings, got string 'Ann'; "
+        "fix the row or map another field (data.fields.*)"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from judgeloop.io import DataError, check_kind, first_of_each_id, read_jsonl
+from judgeloop.io import DataError, check_kind, check_row, first_of_each_id, read_jsonl
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -234,13 +234,17 @@ def _fixed_fields(
 def _summeval_example(row: dict[str, Any], path: str) -> SummExample:
     """A SummEval article with its system summaries as candidates, rated by experts and turkers."""
     cands = []
-    for s in row["summaries"]:
-        if not isinstance(s, dict) or "text" not in s:
-            raise DataError(f"{path}: article {row['id']} has a summary without 'text'")
-        check_kind(s["text"], "text", f"{path}: article {row['id']}", "summaries[].text")
-        ratings = {f"expert_{k}": float(v) for k, v in (s.get("expert") or {}).items()}
-        ratings.update({f"turker_{k}": float(v) for k, v in (s.get("turker") or {}).items()})
-        cands.append(Candidate(text=s["text"], system=str(s.get("system", "")), ratings=ratings))
+    for j, s in enumerate(row["summaries"]):
+        where = f"{path}: article {row['id']}, summaries[{j}]"
+        check_kind(s, "mapping", where, "summaries[]")
+        kinds = {"text": "text", "system": "text", "expert": "mapping", "turker": "mapping"}
+        s = check_row(s, where, ["text"], kinds)
+        ratings = {
+            f"{who}_{k}": float(check_kind(v, "number", where, f"{who}.{k}"))
+            for who in ("expert", "turker")
+            for k, v in s.get(who, {}).items()
+        }
+        cands.append(Candidate(text=s["text"], system=s.get("system", ""), ratings=ratings))
     references = {"neutral": _as_list(row["references"])}
     return SummExample(id=str(row["id"]), article=row["article"], references=references, candidates=cands)
 
@@ -260,7 +264,7 @@ def _xsumfaith_example(row: dict[str, Any], path: str) -> SummExample:
     # XSumFaith has no reference summary: the faithful system summary is the best stand-in we have, and the
     # faithfulness label rides along as a rating of that candidate.
     cand = Candidate(text=row["summary"], system="xsum", ratings={"faithful": float(row["label"])})
-    references = {"neutral": [row["summary"]] if str(row["label"]) == "1" else []}
+    references = {"neutral": [row["summary"]] if row["label"] == 1 else []}  # 1 and 1.0 alike
     return SummExample(id=str(row["id"]), article=row["article"], references=references, candidates=[cand])
 
 
@@ -272,7 +276,7 @@ _HF_DEFAULT_FIELDS = {
 }
 
 
-def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs network
+def _load_hf(cfg: DataConfig) -> list[SummExample]:
     import datasets
 
     ds = datasets.load_dataset(cfg.name, cfg.hf_config, split=cfg.hf_split)
@@ -288,8 +292,9 @@ def _load_hf(cfg: DataConfig) -> list[SummExample]:  # pragma: no cover - needs 
             )
     n = len(ds) if cfg.max_articles is None else min(len(ds), cfg.max_articles)
     out = []
+    kinds = {f["id"]: "id", f["article"]: "text", f["summary"]: "text"}
     for i in range(n):
-        row = ds[i]
+        row = check_row(ds[i], f"hub data set {cfg.name} row {i}", [f["article"], f["summary"]], kinds)
         out.append(
             SummExample(
                 id=str(row.get(f["id"], i)),

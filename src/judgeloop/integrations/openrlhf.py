@@ -132,6 +132,8 @@ def openrlhf_router(cfg: ServeConfig, prompt_groups: Any, check_texts: Any, api_
         if anchored:
             texts += [(f"labels[{i}] (the anchor)", lab or "") for i, lab in enumerate(labels)]
         check_texts(cfg, n, texts)
+        # the limits cover every text sent, a label the judge does not read too
+        check_texts(cfg, n, [(f"labels[{i}]", lab) for i, lab in enumerate(labels) if lab is not None], True)
         empty = [float(c == "") for c in completions]
         prompt_groups.empty_completions += int(sum(empty))
         anchors: list[str | None] = list(labels) if anchored else [None] * n

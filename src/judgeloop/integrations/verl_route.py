@@ -101,7 +101,9 @@ def verl_router(cfg: Any, verl_groups: VerlGroups, check_texts: Any, api_error: 
     async def reward(body: VerlRequest) -> dict[str, Any]:
         check_request(body, anchored, api_error)
         completion = "" if is_empty(body.completion) else body.completion  # empties tie exactly
-        check_texts(cfg, 1, [("completion", completion)], True)
+        check_texts(
+            cfg, 1, [("completion", completion)] + ([("anchor", body.anchor)] if body.anchor else []), True
+        )
         check_texts(cfg, 1, [("prompt", body.prompt)] + ([("anchor", body.anchor or "")] if anchored else []))
         verl_groups.posts += 1
         verl_groups.empty_completions += int(completion == "")

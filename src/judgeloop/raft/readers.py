@@ -107,7 +107,8 @@ def read_squad(path: str | Path) -> ReadResult:
             "paragraph_index": "id",
             "context": "text",
             "question": "text",
-            "answers": "list",
+            "answers": "spans",
+            "is_impossible": "bool",
         },
     )
     res = ReadResult(skipped={"unanswerable": 0, "answer_not_in_context": 0, "empty_oracle": 0})
@@ -120,7 +121,7 @@ def read_squad(path: str | Path) -> ReadResult:
             doc_id,
             RaftDoc(id=doc_id, text=str(row["context"]), title=str(row["title"]), topic=str(row["title"])),
         )
-        answers = [a["text"] if isinstance(a, Mapping) else str(a) for a in row["answers"]]
+        answers = [a["text"] if isinstance(a, Mapping) else a for a in row["answers"]]
         if row.get("is_impossible") or not answers:
             res.skipped["unanswerable"] += 1
             continue

@@ -110,7 +110,8 @@ def load_retrieval_data(data: RetrievalDataConfig) -> tuple[Any, dict[str, dict[
     """The BEIR data (qrels positives only) and the raw query rows (for ``group_field``)."""
 
     beir = load_beir(data.corpus_path, data.queries_path, data.qrels_path)
-    rows = {str(r["_id"]): r for r in read_jsonl(data.queries_path, required=["_id"], kinds={"_id": "id"})}
+    kinds = {"_id": "id", **({data.group_field: "id"} if data.group_field else {})}
+    rows = {str(r["_id"]): r for r in read_jsonl(data.queries_path, required=["_id"], kinds=kinds)}
     positives = beir.positives()
     qids = sorted(q for q in beir.queries if q in positives)
     if data.max_queries is not None:

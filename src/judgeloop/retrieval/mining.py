@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from judgeloop.config import check_at_least, check_range
-from judgeloop.io import DataError, atomic_write_jsonl, read_jsonl
+from judgeloop.io import atomic_write_jsonl, check_kind, check_row, read_jsonl
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
@@ -206,16 +206,17 @@ def save_negatives(path: str | Path, negatives: Mapping[str, Sequence[tuple[str,
 
 
 def load_negatives(path: str | Path) -> Negatives:
-    """Read a file written by :func:`save_negatives`."""
+    """Read a file written by :func:`save_negatives`; every negative checked to be ``{"doc_id": str or
+    int, "score": number}`` (a :class:`~judgeloop.io.DataError` names the query and the negative)."""
     out: Negatives = {}
-    for i, row in enumerate(
-        read_jsonl(path, required=["query_id", "negatives"], kinds={"query_id": "id", "negatives": "list"}),
-        start=1,
+    kinds = {"doc_id": "id", "score": "number"}
+    for row in read_jsonl(
+        path, required=["query_id", "negatives"], kinds={"query_id": "id", "negatives": "list"}
     ):
-        try:
-            out[str(row["query_id"])] = [(str(n["doc_id"]), float(n["score"])) for n in row["negatives"]]
-        except (KeyError, TypeError, ValueError) as err:
-            raise DataError(
-                f"{path}:{i}: each negative must be {{'doc_id': str, 'score': float}} ({err!r})"
-            ) from err
+        negatives = []
+        for j, n in enumerate(row["negatives"]):
+            where = f"{path}: query {row['query_id']}, negatives[{j}]"
+            n = check_row(check_kind(n, "mapping", where, "negatives[]"), where, list(kinds), kinds)
+            negatives.append((str(n["doc_id"]), float(n["score"])))
+        out[str(row["query_id"])] = negatives
     return out

@@ -34,13 +34,19 @@ def read_squad2(path: str | Path, answerable_only: bool = True) -> list[QAExampl
     rows = read_jsonl(
         path,
         required=["id", "question", "context", "answers", "is_impossible"],
-        kinds={"id": "id", "question": "text", "context": "text", "answers": "texts"},
+        kinds={
+            "id": "id",
+            "question": "text",
+            "context": "text",
+            "answers": "strings",
+            "is_impossible": "bool",
+        },
     )
     out = []
     for r in rows:
         if answerable_only and r["is_impossible"]:
             continue
-        answers = [str(a) for a in r["answers"]] if not r["is_impossible"] else []
+        answers = list(r["answers"]) if not r["is_impossible"] else []
         if not r["is_impossible"] and not answers:
             raise DataError(f"{path}: answerable question '{r['id']}' has no answers; fix the file")
         out.append(QAExample(str(r["id"]), str(r["question"]), answers, [str(r["context"])]))

@@ -9,18 +9,23 @@ SIGTERM, and both are widely used and maintained. LitServe would batch requests 
 matters (comparisons from many requests in one judge call, never splitting a request) lives in
 :mod:`judgeloop.serving.batcher`, a few dozen lines under judgeloop's own tests.
 
-Every error answers ``{"error": "<one line>"}``: 400 malformed JSON, 401 a missing or wrong token, 413
-a body, request or text over its limit, 422 a missing field, a wrong type, an empty text or (for a judge
-that reads references, :attr:`~judgeloop.judges.calibrated.CalibratedJudge.needs`) an item without
-references, 500 a judge failure (the server stays up). The server logs each one (route, status, reason) as a warning: the access
-log is off, and OpenRLHF's client shows the status code only.
+Every error answers ``{"error": "<one line>"}``: 400 malformed JSON or a body that is not Unicode text
+(bytes that are not UTF-8, a lone surrogate escape such as ``"\\ud800"``), 401 a missing or wrong token,
+404 / 405 an unknown route or method, 408 a body that did not arrive within ``server.read_timeout_s``
+(the connection is closed), 413 a body, request or text (references included) over its limit, 422 a
+missing field, a wrong type, an empty text or (for a judge that reads references,
+:attr:`~judgeloop.judges.calibrated.CalibratedJudge.needs`) an item without references, 500 a judge
+failure or any other fault (the server stays up). The server logs each one (route, status, reason) as a
+warning: the access log is off, and OpenRLHF's client shows the status code only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from judgeloop.config import ConfigError, to_dict
 from judgeloop.judges.calibrated import CalibratedJudge, MissingReferences, check_references
@@ -115,14 +121,67 @@ def check_texts(
             raise ApiError(422, f"{name} is empty; every prompt and completion needs text")
 
 
-class BodyLimit:
-    """ASGI middleware: a body over ``max_bytes`` is answered 413 before the app reads it (a declared
-    Content-Length at once; a chunked body as soon as it passes the limit). A POST body is read as JSON
-    whatever Content-Type it declares, as OpenRLHF's own ``serve_rm.py`` reads it (``curl -d`` declares a
-    form; the routes take JSON only)."""
+def reference_texts(field: str, references: list[list[str]]) -> list[tuple[str, str]]:
+    """``(field[i].references[j], text)`` of every reference, for :func:`check_texts`'s limits."""
+    return [
+        (f"{field}[{i}].references[{j}]", r) for i, refs in enumerate(references) for j, r in enumerate(refs)
+    ]
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(obj: Any, path: str = "body") -> str | None:
+    """The first string (or key) of a parsed JSON body holding a lone surrogate, as ``path: where``
+    (``json.loads`` joins a valid pair into one character, so any surrogate left is unpaired)."""
+    if isinstance(obj, str):
+        m = _SURROGATE.search(obj)
+        return f"{path} holds \\u{ord(m.group(0)):04x} at character {m.start()}" if m else None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _lone_surrogate(k, f"{path} (a key)") or _lone_surrogate(
+                v, f"{path}.{k}".removeprefix("body.")
+            )
+            if found:
+                return found
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _lone_surrogate(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def body_problem(body: bytes) -> str | None:
+    """Why a request body is no Unicode text (None when it is): bytes that are not UTF-8, or a JSON string
+    escape of a lone surrogate (``"\\ud800"``: valid JSON, but no character, so no judge can read it)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (
+            f"request body is not UTF-8: byte 0x{body[err.start]:02x} at offset {err.start}; send UTF-8 JSON"
+        )
+    if b"\\ud" not in body and b"\\uD" not in body:  # the cheap test: no surrogate escape at all
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None  # malformed JSON: the route's own 400
+    found = _lone_surrogate(parsed)
+    return f"{found}, a lone surrogate, which is no Unicode character; send valid text" if found else None
+
+
+class BodyLimit:
+    """ASGI middleware reading the whole body before the app does: a body over ``max_bytes`` is answered
+    413 before the app reads it (a declared Content-Length at once; a chunked body as soon as it passes
+    the limit); a body that has not all arrived ``read_timeout_s`` after the request began is answered
+    408 and its connection closed (a client that sends half a body and stops would hold it open for
+    ever: uvicorn has no read timeout); a body that is no Unicode text (:func:`body_problem`) is a 400.
+    A POST body is read as JSON whatever Content-Type it declares, as OpenRLHF's own ``serve_rm.py``
+    reads it (``curl -d`` declares a form; the routes take JSON only)."""
+
+    def __init__(self, app: Any, max_bytes: int, read_timeout_s: float = 60.0):
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -136,9 +195,19 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send, int(declared))
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout_s
         chunks, total, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                reason = (
+                    f"the request body did not arrive within server.read_timeout_s={self.read_timeout_s:g} "
+                    f"({total} bytes came); send the whole body at once"
+                )
+                await _answer(scope, send, 408, reason, close=True)
+                return
             if message["type"] != "http.request":
                 break
             chunks.append(message.get("body", b""))
@@ -148,6 +217,10 @@ class BodyLimit:
                 return
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        problem = body_problem(body) if body else None
+        if problem:
+            await _answer(scope, send, 400, problem)
+            return
         sent = False
 
         async def replay() -> Message:
@@ -160,20 +233,25 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send, size: int) -> None:
-        body = json.dumps(
-            {"error": f"request body of {size} bytes; the limit is server.max_body_bytes={self.max_bytes}"}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        message = f"request body of {size} bytes; the limit is server.max_body_bytes={self.max_bytes}"
+        await _answer(None, send, 413, message)
+
+
+async def _answer(scope: Scope | None, send: Send, status: int, message: str, close: bool = False) -> None:
+    """Send ``{"error": message}`` from a middleware (logged as the app's handlers log theirs);
+    ``close``: and close the connection after it (``Connection: close``)."""
+    if scope is not None:
+        logger.warning("%s %s -> %d: %s", scope.get("method"), scope.get("path"), status, message)
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": headers + ([(b"connection", b"close")] if close else []),
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass
@@ -252,6 +330,7 @@ def check_reward_texts(cfg: ServeConfig, body: RewardsRequest) -> None:
     lose = body.empty_completions == "lose"
     check_texts(cfg, len(completions), completions, allow_empty=lose)
     check_texts(cfg, len(completions), texts)
+    check_texts(cfg, len(completions), reference_texts("groups", [g.references for g in body.groups]), True)
 
 
 def check_request_references(judge: CalibratedJudge, refs: list[list[str]], field: str) -> None:
@@ -290,6 +369,17 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
         return answer(request, err.status, err.message)
+
+    @app.exception_handler(HTTPException)  # Starlette's own: 404, 405 (with its Allow header), 400
+    async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+        response = answer(request, err.status_code, str(err.detail))
+        response.headers.update(err.headers or {})
+        return response
+
+    @app.exception_handler(Exception)  # anything else: still one line, still JSON; the server stays up
+    async def _fault(request: Request, err: Exception) -> JSONResponse:
+        logger.exception("%s %s raised", request.method, request.url.path)
+        return answer(request, 500, f"internal error: {type(err).__name__}: {err}")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -437,6 +527,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
             (f"items[{i}].{k}", getattr(it, k)) for i, it in enumerate(items) for k in ("prompt", "a", "b")
         ]
         check_texts(cfg, len(items), texts)
+        check_texts(cfg, len(items), reference_texts("items", [it.references for it in items]), True)
         if not items:
             return {"p": [], "logit": [], "status": []}
         check_request_references(judge, [it.references for it in items], "items")
@@ -471,7 +562,9 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
         app.include_router(
             verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
         )
-    app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=cfg.server.max_body_bytes, read_timeout_s=cfg.server.read_timeout_s
+    )
     app.add_middleware(RequestCounter, stats=app.state.posts)  # outermost: refused posts count too
     return app
 

@@ -21,7 +21,9 @@ class ServerConfig:
     no token. ``max_batch_size`` / ``max_wait_ms``: concurrent requests are merged into one judge call of
     up to ``max_batch_size`` comparisons, waiting at most ``max_wait_ms`` after the first for others
     (1 / 0: every request is its own judge call). ``drain_timeout_s``: on SIGTERM, how long in-flight
-    requests may take to finish. ``num_threads``: torch's intra-op threads for the judge (0: torch's
+    requests may take to finish. ``read_timeout_s``: a request's whole body must arrive within this many
+    seconds of its headers, else it is answered 408 and its connection closed (a client that sends half
+    a body and stops holds no connection open). ``num_threads``: torch's intra-op threads for the judge (0: torch's
     default, one per physical core); on a machine whose cores other jobs share, set 1: with more
     threads than free cores every parallel op waits for a descheduled thread (4x slower for SmolLM2 on
     the shared 2-core machine, ``docs/serving.md``)."""
@@ -35,6 +37,7 @@ class ServerConfig:
     max_chars_per_text: int = 50_000
     max_body_bytes: int = 32 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    read_timeout_s: float = 60.0
     num_threads: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -46,6 +49,7 @@ class ServerConfig:
         check_at_least("server", self, "max_chars_per_text", 1)
         check_at_least("server", self, "max_body_bytes", 1024)
         check_at_least("server", self, "drain_timeout_s", 0)
+        check_at_least("server", self, "read_timeout_s", 0, strict=True)
         check_at_least("server", self, "num_threads", 0, " (0: torch's default)")
 
 
