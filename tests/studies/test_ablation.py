@@ -597,3 +597,16 @@ def test_results_open_with_a_reversed_judge(one_process, tmp_path):
     assert md[2].startswith("**The judge (`embedding` on `judgeloop-tiny/encoder`) is reversed**")
     assert "AUC 0.37 < 0.5 on average; raw:0 0.37, raw:1 0.37, platt:0 0.37, platt:1 0.37" in md[2]
     assert md[4].startswith("**Premise.**")
+
+
+@pytest.mark.parametrize(("lo", "learns"), [(-0.003, False), (0.004, True)])
+def test_the_report_says_what_its_length_can_show_from_the_oracle_arms_gain(lo, learns):
+    from judgeloop.studies.ablation_report import scope_lines
+
+    gain = {"delta": 0.014, "ci95": [lo, 0.031], "mdd": 0.024}
+    line = scope_lines({"num_steps": 8, "vs_start": {"oracle": {"rouge_l_neutral": gain}}})[0]
+    assert line.startswith("**What 8 steps can show.** The `oracle` arm")
+    assert f"+0.014 [{lo:+.3f}, +0.031]" in line
+    assert ("the policy learns the task at this length" in line) is learns
+    assert ("not whether calibration trains a better summarizer" in line) is not learns
+    assert scope_lines({"num_steps": 8, "vs_start": {"raw": {}}}) == []  # no oracle arm: nothing claimed

@@ -454,6 +454,30 @@ def _delta_table(by_arm: dict[str, Any], paired: bool) -> list[str]:
     return [*lines, ""]
 
 
+def scope_lines(results: dict[str, Any]) -> list[str]:
+    """One line on what this run's length can show, from the oracle arm's own gain on the task's target
+    (neutral ROUGE-L from its start): a run whose perfect judge does not clearly improve the policy can
+    show whether an arm corrects the judge's bias, not whether it trains a better summarizer."""
+    gain = (results.get("vs_start", {}).get("oracle") or {}).get("rouge_l_neutral")
+    if not gain or gain["delta"] is None:
+        return []
+    head = (
+        f"**What {results['num_steps']} steps can show.** The `oracle` arm (the neutral ROUGE labeler as the "
+        f"judge: a perfect judge of the target) moved neutral ROUGE-L from its start by {_fmt_delta(gain)}"
+    )
+    if gain["ci95"][0] is not None and gain["ci95"][0] > 0:
+        return [
+            head + ": the policy learns the task at this length, so gains on the target are measurable.",
+            "",
+        ]
+    return [
+        head + ": at this length even a perfect judge does not clearly teach the task, so this run can show "
+        "whether an arm corrects the judge's bias (the style columns), not whether calibration trains a better "
+        "summarizer; docs/study.md reports the loop at longer lengths.",
+        "",
+    ]
+
+
 def opening_lines(results: dict[str, Any]) -> list[str]:
     """What ``results.md`` says before the premise: a reversed judge, then the jobs the grid lacks."""
     lines: list[str] = []
@@ -467,6 +491,7 @@ def opening_lines(results: dict[str, Any]) -> list[str]:
             "to it, and the raw arm trains toward what it wrongly prefers.",
             "",
         ]
+    lines += scope_lines(results)
     failed = [f"{f['arm']}:{f['seed']}" for arm in results["arms"].values() for f in arm["failed"]]
     if results["missing_jobs"] or failed:
         lines += [
