@@ -79,3 +79,23 @@ def test_bad_curve_settings_are_one_line(overrides, needle):
         load_config(FeedbackLoopConfig, TINY, overrides)
     msg = str(err.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_under_grpo_the_curve_shows_the_advantage_spread(tmp_path):
+    from test_grpo import GRPO
+
+    from judgeloop.recipes import train
+
+    cfg = load_config(
+        FeedbackLoopConfig,
+        TINY,
+        [*GRPO, "curve.every_n_steps=2", "curve.num_articles=2", f"output_dir={tmp_path}"],
+    )
+    report = train(cfg)
+    assert [p["step"] for p in report["curve"]] == [0, 2]
+    want = np.mean([r["advantage_abs_mean"] for r in report["train_log"]])
+    assert report["curve"][1]["signal"] == {
+        "key": "advantage_abs_mean",
+        "mean": pytest.approx(want),
+        "steps": 2,
+    }
