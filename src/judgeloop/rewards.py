@@ -27,17 +27,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from scipy.special import expit
 
 from judgeloop.judges.calibrated import Comparison
 
-SCHEMES = ("all_pairs", "round_robin", "anchor")
-AGGREGATES = ("win_rate", "bradley_terry")
 Scheme = Literal["all_pairs", "round_robin", "anchor"]
 Aggregate = Literal["win_rate", "bradley_terry"]
+SCHEMES: tuple[str, ...] = get_args(Scheme)
+AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 ANCHOR = -1  # the anchor's index in a group's comparisons
 
 

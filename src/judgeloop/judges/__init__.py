@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from judgeloop.judges.base import (
     VALID_STATUSES,
@@ -37,7 +37,8 @@ from judgeloop.judges.prompts import PROMPTS, JudgePrompt, get_prompt
 from judgeloop.judges.served_client import ServerConfig
 from judgeloop.judges.styled import STYLE_FEATURES, StyledJudge, style_feature
 
-JUDGE_TYPES = ("choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served")
+JudgeType = Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"]
+JUDGE_TYPES: tuple[str, ...] = get_args(JudgeType)
 PANEL_CALIBRATIONS = ("platt", "isotonic", "temperature", "feature_platt")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
 
@@ -131,9 +132,7 @@ class JudgeConfig:
             calibrator fitted on ROUGE labels would turn a length penalty into a length reward.
     """
 
-    type: Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"] = (
-        "choice"
-    )
+    type: JudgeType = "choice"
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     prompt: str = "neutral"
     position_debias: bool | None = None

@@ -7,16 +7,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from judgeloop.config import check_at_least, check_range
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
+from judgeloop.rewards import Aggregate, Scheme
 from judgeloop.signals import DEFAULT_STOP_SIGNALS, check_signal_names
 from judgeloop.tracking import TRACKERS
 
-ARMS = ("raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle")
+Arm = Literal["raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle"]
+ARMS: tuple[str, ...] = get_args(Arm)
 
 
 @dataclass
@@ -167,8 +169,8 @@ class LossConfig:
 
     type: Literal["dpo", "grpo"] = "dpo"
     scale_rewards: Literal["group", "none"] = "group"
-    reward_scheme: Literal["all_pairs", "round_robin", "anchor"] = "round_robin"
-    reward_aggregate: Literal["win_rate", "bradley_terry"] = "win_rate"
+    reward_scheme: Scheme = "round_robin"
+    reward_aggregate: Aggregate = "win_rate"
     epsilon: float = 0.2
     beta: float = 0.1
     target: Literal["soft", "hard"] = "soft"
@@ -268,9 +270,7 @@ class LoopCalibrationConfig:
     (the log and the refit record say so); ``always`` takes every successful refit.
     """
 
-    method: Literal[
-        "raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle"
-    ] = "platt"
+    method: Arm = "platt"
     panel: PanelConfig = field(default_factory=PanelConfig)
     labels: Literal["rouge"] = "rouge"
     recalibrate_every_n_steps: int = 0
