@@ -500,8 +500,19 @@ def migrate(cls: type, tree: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def default_dict(cls: type) -> dict[str, Any]:
-    """The schema's defaults as the plain dict a saved ``config.yaml`` reads back as."""
-    return yaml.safe_load(to_yaml(cls())) or {}
+    """The schema's defaults as the plain dict a saved ``config.yaml`` reads back as (also for a schema
+    whose defaults alone do not pass its checks, e.g. an empty required ``judge_path``: the defaults are
+    read from its fields, not validated)."""
+    try:
+        return yaml.safe_load(to_yaml(cls())) or {}
+    except (ValueError, TypeError):  # ConfigError is a ValueError
+        inst = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                object.__setattr__(inst, f.name, f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                object.__setattr__(inst, f.name, f.default_factory())
+        return yaml.safe_load(to_yaml(inst)) or {}
 
 
 def replace(cfg: T, overrides: Iterable[str]) -> T:

@@ -93,6 +93,11 @@ def test_the_grpo_recipe_trains_and_trl_logs_judgeloops_rewards(tiny_calibration
         assert row["rewards/judgeloop/mean"] == pytest.approx(np.mean(again), abs=1e-6)
         assert row["rewards/judgeloop/std"] == pytest.approx(np.std(again, ddof=1), rel=1e-5)
         assert row["judge/comparisons_per_group"] == 6  # 4 completions, all pairs
+    # the folder holds this run now: a run with other settings into it is refused before any model loads
+    assert json.loads((tmp_path / "grpo" / "run.json").read_text())["state"] == "finished"
+    with pytest.raises(Exception, match=r"holds another grpo-trl run"):
+        _recipe().main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"), f"judge_path={judge_dir}",
+                        f"output_dir={tmp_path / 'grpo'}", "grpo.learning_rate=1e-4"])  # fmt: skip
 
 
 def _preference_file(tiny_calibration: Path, path: Path, n: int = 24) -> Path:

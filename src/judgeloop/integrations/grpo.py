@@ -75,6 +75,7 @@ class GrpoTrlConfig:
     max_train_articles: int | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "runs/grpo_trl"
+    overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
         check_judge_path(self.judge_path, on_disk=False)
