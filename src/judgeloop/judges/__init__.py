@@ -126,6 +126,10 @@ class JudgeConfig:
         panel: ``panel`` judge: its members and combination rule (:class:`PanelConfig`).
         server: ``served`` judge: the server, its model and how to call it (:class:`ServerConfig`);
             ``model`` then names the served model's tokenizer, which renders the prompts here.
+        extractor: ``served`` judge: ``verdict`` (default: the pairwise verdict logit
+            ``log P(A) - log P(B)``) or ``graded`` (a pointwise rubric prompt per summary, grades 1 to
+            ``grades``, each a single token; the logit is the difference of the two expected grades).
+        grades: ``graded`` extractor: the top grade K (2 to 9).
         calibrate: as a panel member, whether its calibrator is fitted on the labeled pairs; ``None``
             (default) means yes for a judge and no for an objective signal, whose logit then enters as it
             is (``p = sigmoid(s)``): a penalty keeps the direction and the ``scale`` it was given, where a
@@ -151,6 +155,8 @@ class JudgeConfig:
     entailment_label: str = "entailment"
     panel: PanelConfig = field(default_factory=lambda: PanelConfig())
     server: ServerConfig = field(default_factory=lambda: ServerConfig())
+    extractor: Literal["verdict", "graded"] = "verdict"
+    grades: int = 5
     calibrate: bool | None = None
 
     def __post_init__(self) -> None:
@@ -174,6 +180,20 @@ class JudgeConfig:
         if self.type != "served" and self.server.base_url:
             raise ValueError(
                 f"judge.server.base_url is set but judge.type={self.type!r}; set judge.type=served"
+            )
+        if self.extractor != "verdict" and self.type != "served":
+            raise ValueError(
+                f"judge.extractor={self.extractor!r} is read by the served judge only (judge.type={self.type!r}); "
+                "set judge.type=served or drop judge.extractor"
+            )
+        if self.extractor == "graded" and self.position_debias:
+            raise ValueError(
+                "judge.position_debias=true with judge.extractor=graded: each summary is graded alone, there is "
+                "no order to debias; drop judge.position_debias"
+            )
+        if not 2 <= self.grades <= 9:
+            raise ValueError(
+                f"judge.grades={self.grades} must be in [2, 9] (grades 1..K, one digit token each)"
             )
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")
@@ -220,6 +240,8 @@ class JudgeConfig:
     @property
     def debias(self) -> bool:
         """Resolved position debiasing: the explicit setting, else on for ``choice`` and ``served`` only."""
+        if self.type == "served" and self.extractor == "graded":
+            return False  # each summary is graded alone: no order to debias
         return self.type in ("choice", "served") if self.position_debias is None else self.position_debias
 
 
@@ -345,6 +367,13 @@ def _build_base_judge(cfg: JudgeConfig) -> Judge:
         from judgeloop.judges.choice import ChoiceJudge
 
         return ChoiceJudge(cfg.model, prompt=cfg.prompt, verdict_tokens=tuple(cfg.verdict_tokens), **common)
+    if cfg.type == "served" and cfg.extractor == "graded":
+        from judgeloop.judges.served import GradedJudge
+
+        return GradedJudge(
+            cfg.server, cfg.model, prompt=cfg.prompt, grades=cfg.grades, batch_size=cfg.batch_size,
+            max_length=cfg.max_length, cache_size=cfg.cache_size,
+        )  # fmt: skip
     if cfg.type == "served":
         from judgeloop.judges.served import ServedJudge
 

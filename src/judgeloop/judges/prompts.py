@@ -4,6 +4,8 @@ A template states what a good summary is (``criteria``) and is rendered two ways
 
 * ``choice``: the article and two labelled summaries, asking which is better; the model's answer
   position comes right after the chat template's generation prompt (plus ``answer_prefix``);
+* ``grade``: the article and one summary, asking for a grade from 1 to K (the served judge's pointwise
+  ``graded`` extractor: the expected grade from the grade tokens' probabilities);
 * ``summarize``: the article with an instruction to summarize it; the likelihood and reward-model
   judges read the summary as the assistant's reply to this.
 
@@ -33,6 +35,16 @@ Summary {label_b}:
 
 Which summary is better, {label_a} or {label_b}? Answer with the single letter {label_a} or {label_b}."""
 
+GRADE_TEMPLATE = """{criteria}
+
+Article:
+{article}
+
+Summary:
+{summary}
+
+Rate the summary from 1 (worst) to {grades} (best). Answer with the single digit only."""
+
 SUMMARIZE_TEMPLATE = """{criteria}
 
 Summarize the following article.
@@ -58,10 +70,18 @@ class JudgePrompt:
     answer_prefix: str = ""
     choice_template: str = CHOICE_TEMPLATE
     summarize_template: str = SUMMARIZE_TEMPLATE
+    grade_template: str = GRADE_TEMPLATE
 
     def choice_text(self, article: str, a: str, b: str, labels: tuple[str, str]) -> str:
         return self.choice_template.format(
             criteria=self.criteria, article=article, a=a, b=b, label_a=labels[0], label_b=labels[1]
+        )
+
+    def grade_text(self, article: str, summary: str, grades: int) -> str:
+        """The pointwise rubric prompt: one summary, a grade from 1 to ``grades`` (the served judge's
+        ``graded`` extractor)."""
+        return self.grade_template.format(
+            criteria=self.criteria, article=article, summary=summary, grades=grades
         )
 
     def summarize_text(self, article: str) -> str:

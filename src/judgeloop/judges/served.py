@@ -16,6 +16,13 @@ Statuses beyond the base ones (``base.STATUSES``):
 * ``unparsed`` (masked): neither verdict token can be read (both outside the top k, or another text);
 * ``failed`` (masked): the call failed after its retries (``judge.server.on_failure``: ``mask`` counts
   and logs it, ``stop`` raises).
+
+``judge.extractor: graded`` (:class:`GradedJudge`) is the rubric judge users already run, read the same
+way: each summary alone in a pointwise prompt (``prompts.GRADE_TEMPLATE``), the grade tokens ``1`` to
+``K`` (``judge.grades``) read from the server, the expected grade ``sum_k k p_k`` over their renormalized
+probabilities, and the pair's logit the difference of the two expected grades (no order, so no
+debiasing). On the ``top_logprobs`` route grades outside the top k count as 0 (status ``outside_topk``);
+a text-only reply that is a grade scores as that grade (``text_only``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from judgeloop.judges.base import Judge, Pair
+from judgeloop.judges.base import Judge, Pair, PointwiseJudge, merge_status
 from judgeloop.judges.choice import verdict_token_ids
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
 from judgeloop.judges.served_client import Reply, ServedClient, ServerConfig, read_api_key
@@ -55,7 +62,100 @@ def verdict_score(reply: Reply, verdict_ids: tuple[int, int], labels: tuple[str,
     return math.nan, "unparsed"
 
 
-class ServedJudge(Judge):
+def expected_grade(reply: Reply, grade_ids: Sequence[int]) -> tuple[float, str]:
+    """``(expected grade, status)`` of one graded reply: ``sum_k k p_k`` over grades ``1..K`` (``grade_ids``
+    in order), their probabilities renormalized over the grades the reply returned."""
+    if reply.error:
+        return math.nan, "failed"
+    if reply.logprobs is None:
+        text = reply.text.strip()
+        if text.isdigit() and 1 <= int(text) <= len(grade_ids):
+            return float(text), "text_only"
+        return math.nan, "unparsed"
+    got = [(k, reply.logprobs[t]) for k, t in enumerate(grade_ids, start=1) if t in reply.logprobs]
+    if not got:
+        return math.nan, "unparsed"
+    top = max(lp for _, lp in got)
+    weights = [(k, math.exp(lp - top)) for k, lp in got]
+    total = sum(w for _, w in weights)
+    return sum(k * w for k, w in weights) / total, ("ok" if len(got) == len(grade_ids) else "outside_topk")
+
+
+def single_token_ids(tokenizer: Any, labels: Sequence[str], key: str) -> tuple[int, ...]:
+    """Ids of ``labels``, each exactly one token of ``tokenizer``; one line naming ``key`` otherwise."""
+    ids = []
+    for label in labels:
+        enc = tokenizer.encode(label, add_special_tokens=False)
+        if len(enc) != 1:
+            raise ValueError(
+                f"{key}: {label!r} is {len(enc)} tokens {tokenizer.convert_ids_to_tokens(enc)} for this "
+                "tokenizer; each must be a single token"
+            )
+        ids.append(enc[0])
+    return tuple(ids)
+
+
+def _check_server(server: ServerConfig) -> None:
+    if not server.base_url or not server.model:
+        raise ValueError(
+            f"judge.type=served needs judge.server.base_url and judge.server.model (got "
+            f"{server.base_url!r}, {server.model!r}); e.g. base_url=http://localhost:8000"
+        )
+
+
+class _ServedParts:
+    """What both served extractors share: the client, its route, the record a saved judge keeps of its
+    server, and failed calls (masked, never cached, counted in one warning or raised)."""
+
+    client: ServedClient
+    tokenizer: Any
+    extractor: str = "verdict"
+
+    def _connect(self, server: ServerConfig, token_ids: tuple[int, ...]) -> None:
+        self.client = ServedClient(server, token_ids, read_api_key(server))  # type: ignore[arg-type]
+        self.client.connect()
+        self._token_ids = {self.tokenizer.convert_ids_to_tokens(t): t for t in token_ids}
+        self._token_ids.update({self.tokenizer.decode([t]): t for t in token_ids})
+        self.failures: list[str] = []
+
+    @property
+    def route(self) -> str:
+        """The route in use (empty until the first call when ``route: auto``)."""
+        return self.client.route
+
+    def describe(self) -> dict[str, Any]:
+        """What a saved judge records of its server: model id, what the server reports, route, token ids
+        (the verdict's, or the grades' under the ``graded`` extractor)."""
+        return {
+            **self.client.info,
+            "route": self.route,
+            "top_logprobs": self.client.cfg.top_logprobs,
+            "extractor": self.extractor,
+            "verdict_token_ids": list(self.client.verdict_ids),
+        }
+
+    def _forget_failures(self, judge: Any, pairs: Sequence[Pair]) -> None:
+        """A failed call is tried again next time, never remembered as a judgement."""
+        for p in pairs:
+            key = judge._key(p)
+            if judge._cache.get(key, (0.0, ""))[1] == "failed":
+                del judge._cache[key]
+
+    def _report_failures(self, status: list[str]) -> None:
+        failed = status.count("failed")
+        if not failed:
+            return
+        first = self.failures[0] if self.failures else "?"
+        message = (
+            f"served judge: {failed} of {len(status)} pairs failed at {self.client.cfg.base_url} (first error: "
+            f"{first}); they are masked (no score, no reward)"
+        )
+        if self.client.cfg.on_failure == "stop":
+            raise RuntimeError(message.replace("they are masked", "judge.server.on_failure=stop"))
+        logger.warning(message)
+
+
+class ServedJudge(_ServedParts, Judge):
     """Pairwise judge reading verdict-token log-probabilities from a vLLM / SGLang / OpenAI-style server.
 
     Args:
@@ -82,39 +182,17 @@ class ServedJudge(Judge):
     ):
         from judgeloop.models import load_tokenizer
 
-        if not server.base_url or not server.model:
-            raise ValueError(
-                f"judge.type=served needs judge.server.base_url and judge.server.model (got "
-                f"{server.base_url!r}, {server.model!r}); e.g. base_url=http://localhost:8000"
-            )
+        _check_server(server)
         self.prompt = get_prompt(prompt)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.verdict_ids = verdict_token_ids(self.tokenizer, verdict_tokens)
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
         self.max_length = max_length
         self._chat = has_chat_template(self.tokenizer)
-        self.client = ServedClient(server, self.verdict_ids, read_api_key(server))
-        self.client.connect()
-        self._token_ids = {self.tokenizer.convert_ids_to_tokens(t): t for t in self.verdict_ids}
-        self._token_ids.update({self.tokenizer.decode([t]): t for t in self.verdict_ids})
+        self._connect(server, self.verdict_ids)
         self._replies: dict[tuple[int, ...], Reply] = {}
-        self.failures: list[str] = []
         name = f"served|{server.base_url}|{server.model}|{prompt}|{verdict_tokens[0]}|{verdict_tokens[1]}|{max_length}"
         super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
-
-    @property
-    def route(self) -> str:
-        """The route in use (empty until the first call when ``route: auto``)."""
-        return self.client.route
-
-    def describe(self) -> dict[str, Any]:
-        """What a saved judge records of its server: model id, what the server reports, route, token ids."""
-        return {
-            **self.client.info,
-            "route": self.route,
-            "top_logprobs": self.client.cfg.top_logprobs,
-            "verdict_token_ids": list(self.verdict_ids),
-        }
 
     def render(self, article: str, a: str, b: str) -> str:
         """The full judge prompt text for one order, up to the answer position (as the choice judge's)."""
@@ -147,25 +225,9 @@ class ServedJudge(Judge):
             out = super()._score(pairs)
         finally:
             self._replies.clear()
-        for p in orders:  # a failed call is tried again next time, never remembered as a judgement
-            key = self._key(p)
-            if self._cache.get(key, (0.0, ""))[1] == "failed":
-                del self._cache[key]
+        self._forget_failures(self, orders)
         self._report_failures(out.status)
         return out
-
-    def _report_failures(self, status: list[str]) -> None:
-        failed = status.count("failed")
-        if not failed:
-            return
-        first = self.failures[0] if self.failures else "?"
-        message = (
-            f"served judge: {failed} of {len(status)} pairs failed at {self.client.cfg.base_url} (first error: "
-            f"{first}); they are masked (no score, no reward)"
-        )
-        if self.client.cfg.on_failure == "stop":
-            raise RuntimeError(message.replace("they are masked", "judge.server.on_failure=stop"))
-        logger.warning(message)
 
     def _score_ordered(self, pairs: Sequence[Pair]) -> tuple[list[float], list[str]]:
         scores, statuses = [], []
@@ -186,4 +248,99 @@ class ServedJudge(Judge):
         return scores, statuses
 
 
-__all__ = ["SERVED_STATUSES", "ServedJudge", "verdict_score"]
+class GradedJudge(_ServedParts, PointwiseJudge):
+    """Pointwise rubric judge on a server (``judge.extractor: graded``): each summary graded 1..K alone,
+    the expected grade from the grade tokens' probabilities, a pair's logit the difference of its two.
+
+    Args:
+        server: the ``judge.server`` settings.
+        tokenizer: the served model's tokenizer (hub id or path; the prompts are tokenized here).
+        prompt: the template whose ``criteria`` the rubric states (``judge.prompt``).
+        grades: the top grade K; the digits ``1``..``K`` must each be one token.
+        batch_size, max_length, cache_size: as for the ``choice`` judge (``batch_size`` summaries are in
+            flight together).
+    """
+
+    extractor = "graded"
+
+    def __init__(
+        self,
+        server: ServerConfig,
+        tokenizer: str | Any,
+        prompt: str = "neutral",
+        grades: int = 5,
+        batch_size: int = 8,
+        max_length: int = 2048,
+        cache_size: int = 100_000,
+    ):
+        from judgeloop.models import load_tokenizer
+
+        _check_server(server)
+        self.prompt = get_prompt(prompt)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.grades = grades
+        self.grade_ids = single_token_ids(
+            self.tokenizer, [str(k) for k in range(1, grades + 1)], "judge.grades"
+        )
+        self.max_length = max_length
+        self._chat = has_chat_template(self.tokenizer)
+        self._connect(server, self.grade_ids)
+        name = f"served_graded|{server.base_url}|{server.model}|{prompt}|{grades}|{max_length}"
+        super().__init__(name, position_debias=False, batch_size=batch_size, cache_size=cache_size)
+
+    def render(self, article: str, summary: str) -> str:
+        """The full rubric prompt for one summary, up to the answer position."""
+        user = self.prompt.grade_text(article, summary, self.grades)
+        return render_chat(self.tokenizer, self.prompt.system, user) + self.prompt.answer_prefix
+
+    def prompt_ids(self, article: str, summary: str) -> tuple[list[int] | None, str]:
+        """Token ids of the rubric prompt of one summary (article cut to fit ``max_length``), its status."""
+
+        def render_ids(text: str) -> list[int]:
+            return self.tokenizer.encode(self.render(text, summary), add_special_tokens=not self._chat)
+
+        ids, status, _ = fit_article(render_ids, self.tokenizer, article, self.max_length)
+        return ids, status
+
+    def _value_points(
+        self, points: Sequence[tuple[str, str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[str]]:
+        """Every summary of the chunk in flight together; its expected grade and status."""
+        built = [self.prompt_ids(article, summary) for article, summary, _ in points]
+        sendable = [ids for ids, _ in built if ids is not None]
+        replies = iter(self.client.replies(sendable, self._token_ids) if sendable else [])
+        values, statuses = [], []
+        for ids, fit in built:
+            if ids is None:
+                values.append(math.nan)
+                statuses.append(fit)
+                continue
+            reply = next(replies)
+            if reply.error:
+                self.failures.append(reply.error)
+            value, status = expected_grade(reply, self.grade_ids)
+            values.append(value)
+            statuses.append(
+                merge_status(fit, status) if status in ("ok", "outside_topk", "text_only") else status
+            )
+        return values, statuses
+
+    def _score(self, pairs: list[Pair]) -> Any:
+        try:
+            out = super()._score(pairs)
+        finally:  # a failed grade is asked again next time, never remembered
+            for key in [k for k, (_, st) in self._values.items() if st == "failed"]:
+                del self._values[key]
+        self._forget_failures(self, pairs)
+        self._report_failures(out.status)
+        return out
+
+
+__all__ = [
+    "SERVED_STATUSES",
+    "GradedJudge",
+    "ServedJudge",
+    "expected_grade",
+    "single_token_ids",
+    "verdict_score",
+]
