@@ -34,6 +34,35 @@ def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[
     return (low, high)
 
 
+def bootstrap_intervals(
+    statistics: Callable[[np.ndarray], Sequence[float]],
+    n: int,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> list[tuple[float, float]]:
+    """:func:`bootstrap_interval` of several statistics on the same resamples: each replicate passes
+    ``idx`` once and ``statistics(idx)`` returns one value per statistic (a difference of two of them on
+    the same replicates is then a paired interval too). One interval per statistic, in order."""
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples={num_resamples} must be >= 1")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be in (0, 1); e.g. 0.95")
+    if n < 1:
+        return [(math.nan, math.nan)] * len(statistics(np.zeros(0, dtype=np.int64)))
+    rng = np.random.default_rng(seed)
+    reps = np.asarray([statistics(rng.integers(0, n, n)) for _ in range(num_resamples)], dtype=np.float64)
+    out = []
+    for column in reps.T:
+        column = column[np.isfinite(column)]
+        if column.size == 0:
+            out.append((math.nan, math.nan))
+            continue
+        lo, hi = np.quantile(column, [(1 - confidence) / 2, (1 + confidence) / 2])
+        out.append((float(lo), float(hi)))
+    return out
+
+
 def bootstrap_interval(
     statistic: Callable[[np.ndarray], float],
     n: int,
@@ -47,19 +76,10 @@ def bootstrap_interval(
 
     Non-finite replicates are dropped; ``(nan, nan)`` when none is left. Deterministic for a given ``seed``.
     """
-    if num_resamples < 1:
-        raise ValueError(f"num_resamples={num_resamples} must be >= 1")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence={confidence} must be in (0, 1); e.g. 0.95")
     if n < 1:
+        bootstrap_intervals(lambda idx: [0.0], 1, num_resamples, confidence, seed)  # the settings' checks
         return (math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    reps = np.asarray([statistic(rng.integers(0, n, n)) for _ in range(num_resamples)], dtype=np.float64)
-    reps = reps[np.isfinite(reps)]
-    if reps.size == 0:
-        return (math.nan, math.nan)
-    lo, hi = np.quantile(reps, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return (float(lo), float(hi))
+    return bootstrap_intervals(lambda idx: [statistic(idx)], n, num_resamples, confidence, seed)[0]
 
 
 def bootstrap_mean_interval(

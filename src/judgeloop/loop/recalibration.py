@@ -31,6 +31,7 @@ from judgeloop.config import ConfigError
 from judgeloop.data import LeakageError, SummExample, check_disjoint
 from judgeloop.distributed import generation_context, real_part, shard
 from judgeloop.hashing import derive_seed
+from judgeloop.intervals import bootstrap_intervals
 from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, Pair, build_panel, references_for
 from judgeloop.logging import get_logger
@@ -239,22 +240,20 @@ def ece_intervals(
         return none
     pa, ya = _oriented(after, pairs)
     pb = _oriented(before, pairs)[0] if before is not None else None
-    rng = np.random.default_rng(seed)
-    aft, bef = np.empty(n_boot), np.empty(n_boot)
-    for b in range(n_boot):
-        idx = rng.integers(0, len(pairs), len(pairs))
+
+    def eces(idx: np.ndarray) -> list[float]:
         y = ya[idx].ravel()
-        aft[b] = ece(pa[idx].ravel(), y, n_bins=n_bins)
-        bef[b] = ece(pb[idx].ravel(), y, n_bins=n_bins) if pb is not None else np.nan
+        a = ece(pa[idx].ravel(), y, n_bins=n_bins)
+        if pb is None:
+            return [a]
+        b = ece(pb[idx].ravel(), y, n_bins=n_bins)
+        return [a, b, a - b]
 
-    def q(x: np.ndarray) -> list[float | None]:
-        return [float(v) for v in np.percentile(x, [2.5, 97.5])]
-
+    intervals = [list(ci) for ci in bootstrap_intervals(eces, len(pairs), n_boot, seed=seed)]
     out = dict(none)
-    out["ece_after_ci95"] = q(aft)
+    out["ece_after_ci95"] = intervals[0]
     if pb is not None:
-        out["ece_before_ci95"] = q(bef)
-        out["ece_delta_ci95"] = q(aft - bef)
+        out["ece_before_ci95"], out["ece_delta_ci95"] = intervals[1], intervals[2]
     return out
 
 

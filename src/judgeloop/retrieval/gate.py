@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from judgeloop.intervals import bootstrap_interval
 from judgeloop.text import STOPWORDS
 
 __all__ = [
@@ -195,20 +196,11 @@ def bootstrap_auc(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap CI for :func:`auc` (resampling queries with replacement)."""
-    rng = np.random.default_rng(seed)
+    """Percentile bootstrap CI for :func:`auc` (resampling queries with replacement;
+    :func:`judgeloop.intervals.bootstrap_interval`)."""
     s = np.asarray(score, dtype=np.float64)
     y = np.asarray(positive, dtype=bool)
-    vals = []
-    for _ in range(num_resamples):
-        idx = rng.integers(0, s.size, s.size)
-        a = auc(s[idx], y[idx])
-        if not math.isnan(a):
-            vals.append(a)
-    if not vals:
-        return (math.nan, math.nan)
-    lo, hi = np.quantile(vals, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return (float(lo), float(hi))
+    return bootstrap_interval(lambda idx: auc(s[idx], y[idx]), s.size, num_resamples, confidence, seed)
 
 
 def roc_points(signal: np.ndarray, weak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
