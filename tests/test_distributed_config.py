@@ -128,6 +128,18 @@ def test_the_inference_config_of_a_zero3_judge():
     assert train["zero_optimization"].get("stage3_param_persistence_threshold") != 15360  # not mutated
 
 
+def test_the_inference_config_of_a_flags_only_zero3_launch():
+    """``--use_deepspeed --zero_stage 3`` with no launch file: accelerate leaves the accumulation (and
+    the batch sizes) ``auto``, and the reference and judge engines are built before ``configure_deepspeed``
+    fills them; DeepSpeed multiplied the string into its batch size (a TypeError) until it was set to 1."""
+    plugin = DeepSpeedPlugin(zero_stage=3)  # what the launcher's flags alone give
+    train = plugin.deepspeed_config
+    assert train["gradient_accumulation_steps"] == "auto" and train["train_batch_size"] == "auto"
+    cfg = inference_ds_config(train, hidden_size=None)
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["train_micro_batch_size_per_gpu"] == 1
+    assert "train_batch_size" not in cfg and train["gradient_accumulation_steps"] == "auto"  # not mutated
+
+
 def test_pruning_keeps_the_newest_checkpoints(tmp_path):
     for step in (2, 10, 4, 8):
         (tmp_path / f"step_{step}").mkdir()

@@ -301,6 +301,9 @@ def inference_ds_config(train_config: dict[str, Any], hidden_size: int | None) -
     cfg["zero_optimization"] = dict(train_config.get("zero_optimization", {}))
     if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         cfg["train_micro_batch_size_per_gpu"] = 1
+    # a flags-only launch leaves accumulation "auto" (DeepSpeed would multiply the string into its batch)
+    if cfg.get("gradient_accumulation_steps", "auto") == "auto":
+        cfg["gradient_accumulation_steps"] = 1
     cfg.pop("train_batch_size", None)
     if cfg.get("gradient_clipping") == "auto":
         cfg.pop("gradient_clipping")
