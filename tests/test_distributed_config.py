@@ -95,6 +95,19 @@ def test_a_bare_deepspeed_launch_takes_max_grad_norm(monkeypatch):
     assert plugin.deepspeed_config["gradient_clipping"] == 0.25
 
 
+def test_a_second_run_in_the_same_process_fills_from_the_launch_not_from_the_first_run(monkeypatch):
+    """The ablation's jobs (and the test workers) share accelerate's plugin: the first run's fill is not
+    the launch's value (a second max_grad_norm was refused as differing from the first's)."""
+    monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING", raising=False)
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
+    configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=1.0, key="optim.max_grad_norm")
+    configure_deepspeed(acc, micro_batch_size=3, max_grad_norm=0.3, key="optim.max_grad_norm")
+    ds = plugin.deepspeed_config
+    assert ds["gradient_clipping"] == 0.3 and ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["train_batch_size"] == 6
+
+
 def test_on_a_cpu_a_deepspeed_launch_gets_gloo(monkeypatch):
     from judgeloop.distributed import accelerator_kwargs
 

@@ -327,20 +327,36 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     config has none), so an ``"auto"`` or missing one is set to ``max_grad_norm`` (0: off, written out)
     and a different explicit one, a launch's ``--gradient_clipping`` included, is an error naming both
     (``key`` is the config key of ``max_grad_norm``). Does nothing outside DeepSpeed.
+
+    The launch's own values are kept on the plugin at the first call and filled from at every call: a
+    second run in the same process (the ablation's jobs, the test workers) shares accelerate's plugin,
+    and the first run's fill would otherwise read as explicit values (a second ``max_grad_norm`` was
+    refused as differing from the first's).
     """
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
     ds = plugin.deepspeed_config
+    if not hasattr(plugin, "_judgeloop_launch"):
+        # accelerate leaves a launch's `--gradient_clipping 0` out of some configs (DeepSpeed would then
+        # clip at its default 1.0); the plugin still holds it
+        plugin._judgeloop_launch = {
+            "train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu", "auto"),
+            "train_batch_size": ds.get("train_batch_size", "auto"),
+            "gradient_clipping": ds.get("gradient_clipping", plugin.gradient_clipping),
+        }
+    launch = plugin._judgeloop_launch
     accum = ds.get("gradient_accumulation_steps", 1)
     accum = 1 if accum == "auto" else int(accum)
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if ds.get("train_batch_size", "auto") == "auto":
-        ds["train_batch_size"] = int(ds["train_micro_batch_size_per_gpu"]) * accum * accelerator.num_processes
-    # accelerate leaves a launch's `--gradient_clipping 0` out of the config (DeepSpeed would then clip at
-    # its default 1.0); the plugin still holds it
-    clip = ds.get("gradient_clipping", plugin.gradient_clipping)
+    micro = launch["train_micro_batch_size_per_gpu"]
+    ds["train_micro_batch_size_per_gpu"] = micro_batch_size if micro == "auto" else micro
+    total = launch["train_batch_size"]
+    ds["train_batch_size"] = (
+        int(ds["train_micro_batch_size_per_gpu"]) * accum * accelerator.num_processes
+        if total == "auto"
+        else total
+    )
+    clip = launch["gradient_clipping"]
     if clip is None or clip == "auto":
         clip = max_grad_norm
     elif float(clip) != float(max_grad_norm):
