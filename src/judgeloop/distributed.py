@@ -329,9 +329,9 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     (``key`` is the config key of ``max_grad_norm``). Does nothing outside DeepSpeed.
 
     The launch's own values are kept on the plugin at the first call and filled from at every call: a
-    second run in the same process (the ablation's jobs, the test workers) shares accelerate's plugin,
-    and the first run's fill would otherwise read as explicit values (a second ``max_grad_norm`` was
-    refused as differing from the first's).
+    second run in the same process (the test workers run several) shares accelerate's plugin, and the
+    first run's fill would otherwise read as explicit values (a second ``max_grad_norm`` was refused as
+    differing from the first's).
     """
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
