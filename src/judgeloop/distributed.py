@@ -253,25 +253,25 @@ def whole_models(accelerator: Any) -> Iterator[None]:
 
 def check_launch(max_grad_norm: float, key: str) -> None:
     """What ``accelerate launch`` asked for (its flags, its launch file, a DeepSpeed config file), checked
-    before any work against what makes the loop equal one process: a :class:`ConfigError` names the
-    setting and what to launch with instead. Read from the variables the launcher sets and with
-    accelerate's own ``DeepSpeedPlugin``, before any ``Accelerator`` exists.
+    before any work against what makes a run (the loop's, the retriever's) equal one process: a
+    :class:`ConfigError` names the setting and what to launch with instead. Read from the variables the
+    launcher sets and with accelerate's own ``DeepSpeedPlugin``, before any ``Accelerator`` exists.
 
-    Refused: ``fp16`` (the loop trains in ``no`` or ``bf16``: a loss scaler skips steps one process
-    takes), a gradient accumulation other than 1 (the loop steps its optimizer once per batch, and
-    accelerate / DeepSpeed divide every gradient by the accumulation steps: 2 halved it, measured), and
-    under DeepSpeed a ``gradient_clipping`` other than ``max_grad_norm`` (``key``) and ZeRO offload (its
+    Refused: ``fp16`` (both train in ``no`` or ``bf16``: a loss scaler skips steps one process takes),
+    a gradient accumulation other than 1 (judgeloop steps its optimizer once per batch, and accelerate /
+    DeepSpeed divide every gradient by the accumulation steps: 2 halved it, measured), and under
+    DeepSpeed a ``gradient_clipping`` other than ``max_grad_norm`` (``key``) and ZeRO offload (its
     updates equal one process but its checkpoint resumed 1.7e-3 off, measured on 2 CPU processes)."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp16":
         raise ConfigError(
-            "the launch asks for --mixed_precision fp16, which the loop does not train in (its loss scaler "
+            "the launch asks for --mixed_precision fp16, which judgeloop does not train in (its loss scaler "
             "skips steps one process takes); launch with --mixed_precision no or bf16"
         )
     if not launched_with_deepspeed():
         accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
         if accum != "1":
             raise ConfigError(
-                f"the launch asks for --gradient_accumulation_steps {accum}; the loop steps its optimizer "
+                f"the launch asks for --gradient_accumulation_steps {accum}; judgeloop steps its optimizer "
                 "once per batch (accelerate would divide each gradient by it): launch with "
                 "--gradient_accumulation_steps 1 or leave it out"
             )
@@ -290,7 +290,7 @@ def check_launch(max_grad_norm: float, key: str) -> None:
             else "launch with --gradient_accumulation_steps 1"
         )
         raise ConfigError(
-            f"the launch asks for gradient_accumulation_steps={accum}{where}; the loop steps its optimizer "
+            f"the launch asks for gradient_accumulation_steps={accum}{where}; judgeloop steps its optimizer "
             f"once per batch (DeepSpeed would divide each gradient by it): {fix} (or leave it out)"
         )
     zero = ds.get("zero_optimization", {})
@@ -303,7 +303,7 @@ def check_launch(max_grad_norm: float, key: str) -> None:
                 else f"launch without --{part}_device"
             )
             raise ConfigError(
-                f"the launch asks for ZeRO {part.replace('_', ' ')} to {device}{where}, which the loop does "
+                f"the launch asks for ZeRO {part.replace('_', ' ')} to {device}{where}, which judgeloop does "
                 f"not support (a checkpoint resumed under it does not continue the run exactly): {fix}"
             )
     clip = ds.get("gradient_clipping", plugin.gradient_clipping)
