@@ -542,6 +542,13 @@ def launch_cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
         return lambda: (env, ["train", "--config", TINY, f"output_dir={tmp / name}"])
 
     zero2 = {"USE_DEEPSPEED": "true", "DEEPSPEED_ZERO_STAGE": "2"}
+
+    def ds_file() -> Argv:
+        path = tmp / "ds_config.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8}))
+        env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
+        return env, ["train", "--config", TINY, f"output_dir={tmp / 'ds_file'}"]
+
     return [
         (
             "accelerate launch --use_deepspeed --gradient_clipping 0.5 (optim.max_grad_norm=1.0)",
@@ -557,6 +564,11 @@ def launch_cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
             "accelerate launch --use_deepspeed --offload_optimizer_device cpu",
             launched({**zero2, "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, "ds_offload"),
             "launch without --offload_optimizer_device",
+        ),
+        (
+            "accelerate launch --deepspeed_config_file with train_micro_batch_size_per_gpu: 8 (batch_size=4)",
+            ds_file,
+            "set it to auto there, or set batch_size=8",
         ),
         (
             "accelerate launch --mixed_precision fp16",

@@ -254,6 +254,8 @@ def test_launches_that_cannot_equal_one_process_refuse_in_one_line(tmp_path):
     """A launch whose settings the loop cannot follow (DeepSpeed clipping at another value than
     optim.max_grad_norm, gradient accumulation, ZeRO offload, fp16) stops before any work: one line from
     the recipe (rank 0) naming the flag to change, exit status 2 on the ranks, nothing written."""
+    import json
+
     cases = [
         (["--use_deepspeed", "--zero_stage", "2", "--gradient_clipping", "0.5"], "no",
          "the launch's gradient_clipping=0.5 differs from optim.max_grad_norm=1.0; DeepSpeed clips with its own "
@@ -263,7 +265,11 @@ def test_launches_that_cannot_equal_one_process_refuse_in_one_line(tmp_path):
         (["--use_deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu"], "no",
          "launch without --offload_optimizer_device"),
         (["--use_deepspeed", "--zero_stage", "2"], "fp16", "launch with --mixed_precision no or bf16"),
+        (["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")], "no",
+         "train_micro_batch_size_per_gpu=8 (in the DeepSpeed config file"),
     ]  # fmt: skip
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
     recipe = ROOT / "recipes" / "feedback_loop.py"
     for i, (flags, precision, expect) in enumerate(cases):
         out = tmp_path / f"run{i}"

@@ -170,19 +170,19 @@ def _launched(monkeypatch, **env: str) -> None:
 def test_a_flags_only_launch_passes_the_check_and_a_differing_one_is_refused_naming_the_flag(monkeypatch):
     """``check_launch`` reads the launch before any work (the real runs: tests/test_deepspeed.py)."""
     _launched(monkeypatch, USE_DEEPSPEED="true", DEEPSPEED_ZERO_STAGE="3", MIXED_PRECISION="no")
-    check_launch(1.0, "optim.max_grad_norm")  # gradient_clipping auto: max_grad_norm
+    check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")  # gradient_clipping auto: max_grad_norm
     _launched(monkeypatch, USE_DEEPSPEED="true", DEEPSPEED_ZERO_STAGE="2", GRADIENT_CLIPPING="0.5")
     with pytest.raises(ConfigError) as err:
-        check_launch(1.0, "optim.max_grad_norm")
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
     assert str(err.value) == (
         "the launch's gradient_clipping=0.5 differs from optim.max_grad_norm=1.0; DeepSpeed clips with its "
         "own value: launch with --gradient_clipping 1.0 (or leave it out), or set optim.max_grad_norm=0.5"
     )
-    check_launch(0.5, "optim.max_grad_norm")
+    check_launch(2, "batch_size", 0.5, "optim.max_grad_norm")
     _launched(monkeypatch, USE_DEEPSPEED="true", GRADIENT_CLIPPING="0")  # 0 is a value, not "unset"
     with pytest.raises(ConfigError, match="gradient_clipping=0.0 differs"):
-        check_launch(1.0, "optim.max_grad_norm")
-    check_launch(0.0, "optim.max_grad_norm")
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    check_launch(2, "batch_size", 0.0, "optim.max_grad_norm")
 
 
 @pytest.mark.parametrize(
@@ -198,7 +198,7 @@ def test_a_flags_only_launch_passes_the_check_and_a_differing_one_is_refused_nam
 def test_launches_that_cannot_equal_one_process_are_refused(monkeypatch, env, expect):
     _launched(monkeypatch, **env)
     with pytest.raises(ConfigError, match=re.escape(expect)):
-        check_launch(1.0, "optim.max_grad_norm")
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
 
 
 def test_a_deepspeed_config_file_is_named_in_the_refusal(monkeypatch, tmp_path):
@@ -211,12 +211,19 @@ def test_a_deepspeed_config_file_is_named_in_the_refusal(monkeypatch, tmp_path):
     path.write_text(json.dumps(ds))
     _launched(monkeypatch, USE_DEEPSPEED="true", DEEPSPEED_CONFIG_FILE=str(path))
     with pytest.raises(ConfigError, match=f"in the DeepSpeed config file {re.escape(str(path))}.*auto there"):
-        check_launch(1.0, "optim.max_grad_norm")
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
     path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "gradient_accumulation_steps": 3}))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps: 1 there"):
-        check_launch(1.0, "optim.max_grad_norm")
-    path.write_text(json.dumps({**ds, "gradient_clipping": "auto"}))
-    check_launch(1.0, "optim.max_grad_norm")
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": 8}))
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=8 .* differs from batch_size=2"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "train_batch_size": 8}))
+    with pytest.raises(ConfigError, match=r"train_batch_size=8 .* is not batch_size=2 x 2 process\(es\) = 4"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "train_batch_size": 4}))
+    check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
 
 
 def test_pruning_keeps_the_newest_checkpoints(tmp_path):

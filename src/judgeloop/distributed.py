@@ -251,7 +251,7 @@ def whole_models(accelerator: Any) -> Iterator[None]:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
-def check_launch(max_grad_norm: float, key: str) -> None:
+def check_launch(batch_size: int, batch_key: str, max_grad_norm: float, key: str) -> None:
     """What ``accelerate launch`` asked for (its flags, its launch file, a DeepSpeed config file), checked
     before any work against what makes a run (the loop's, the retriever's) equal one process: a
     :class:`ConfigError` names the setting and what to launch with instead. Read from the variables the
@@ -261,7 +261,9 @@ def check_launch(max_grad_norm: float, key: str) -> None:
     a gradient accumulation other than 1 (judgeloop steps its optimizer once per batch, and accelerate /
     DeepSpeed divide every gradient by the accumulation steps: 2 halved it, measured), and under
     DeepSpeed a ``gradient_clipping`` other than ``max_grad_norm`` (``key``) and ZeRO offload (its
-    updates equal one process but its checkpoint resumed 1.7e-3 off, measured on 2 CPU processes)."""
+    updates equal one process but its checkpoint resumed 1.7e-3 off, measured on 2 CPU processes), and
+    a DeepSpeed config file's batch sizes other than ``batch_size`` (``batch_key``, per process) and
+    ``batch_size`` x the processes (DeepSpeed would derive an accumulation from them, or stop)."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp16":
         raise ConfigError(
             "the launch asks for --mixed_precision fp16, which judgeloop does not train in (its loss scaler "
@@ -292,6 +294,18 @@ def check_launch(max_grad_norm: float, key: str) -> None:
         raise ConfigError(
             f"the launch asks for gradient_accumulation_steps={accum}{where}; judgeloop steps its optimizer "
             f"once per batch (DeepSpeed would divide each gradient by it): {fix} (or leave it out)"
+        )
+    micro = ds.get("train_micro_batch_size_per_gpu", "auto")
+    if micro != "auto" and int(micro) != batch_size:
+        raise ConfigError(
+            f"the launch's train_micro_batch_size_per_gpu={micro}{where} differs from {batch_key}={batch_size} "
+            f"(the batch of each process); set it to auto there, or set {batch_key}={micro}"
+        )
+    total, world = ds.get("train_batch_size", "auto"), int(os.environ.get("WORLD_SIZE", "1"))
+    if total != "auto" and int(total) != batch_size * world:
+        raise ConfigError(
+            f"the launch's train_batch_size={total}{where} is not {batch_key}={batch_size} x {world} "
+            f"process(es) = {batch_size * world}; set it to auto there"
         )
     zero = ds.get("zero_optimization", {})
     for part in ("offload_optimizer", "offload_param"):

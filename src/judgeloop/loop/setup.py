@@ -180,7 +180,8 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     optimizer state stay fp32."""
     out_dir = Path(cfg.output_dir)
     check_output_places(cfg)
-    check_launch(cfg.optim.max_grad_norm, "optim.max_grad_norm")  # accelerate launch's settings
+    # accelerate launch's settings
+    check_launch(cfg.batch_size, "batch_size", cfg.optim.max_grad_norm, "optim.max_grad_norm")
     check_models(cfg)
     # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
     with (

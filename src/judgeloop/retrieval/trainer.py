@@ -441,7 +441,8 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
 
     check_device(cfg.device)  # before any data or weights load
     check_trackers(cfg.log_with)
-    check_launch(cfg.train.max_grad_norm, "train.max_grad_norm")  # accelerate launch's settings
+    # accelerate launch's settings
+    check_launch(cfg.train.batch_size, "train.batch_size", cfg.train.max_grad_norm, "train.max_grad_norm")
     # mixed precision only when asked: accelerate refuses to change it once its process-wide state exists
     device = "cpu" if on_cpu(cfg.device) else "cuda"
     train_precision = resolve_precision(cfg.train.mixed_precision, device)
