@@ -435,8 +435,9 @@ def count_steps(examples: list[Example], cfg: TrainRetrieverConfig, num_processe
 
 def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
     """The run's ``Accelerator``, after the checks that need no data: the device, the trackers, the launch
-    (:func:`judgeloop.distributed.check_launch`), GradCache under DeepSpeed. One scheduler step per optimizer step: the schedule counts global batches, and
-    accelerate's default would step it once per process (``num_processes`` times too fast)."""
+    (:func:`judgeloop.distributed.check_launch`), GradCache under DeepSpeed. One scheduler step per
+    optimizer step: the schedule counts global batches, and accelerate's default would step it once per
+    process (``num_processes`` times too fast)."""
     from accelerate import Accelerator
 
     check_device(cfg.device)  # before any data or weights load
