@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from judgeloop.config import load_config
+from judgeloop.config import ConfigError, load_config
 from judgeloop.distributed import generation_context
 from judgeloop.logging import setup_logging
 from judgeloop.loop.alarms import watch_divergence
@@ -105,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. calibration.method=isotonic")
     args = parser.parse_args(argv)
     setup_logging()
-    cfg = load_config(FeedbackLoopConfig, args.config, args.overrides)
     try:
-        report = train(cfg)
+        report = train(load_config(FeedbackLoopConfig, args.config, args.overrides))
     except Stopped as err:  # a stop signal: its checkpoint is written; how to continue
         sys.stderr.write(f"feedback_loop: {err}\n")
         return err.exit_status
+    except ConfigError as err:  # a setting (the config's or the launch's) refused: one line, from one rank
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"feedback_loop: error: {err}\n")
+        return 2
     keys = ("arm", "seed", "kept_step", "kept_reason", "num_refits", "final", "interrupted", "checkpoint")
     print(json.dumps({k: report[k] for k in keys if k in report}, indent=2))
     return 0

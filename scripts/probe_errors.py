@@ -17,10 +17,11 @@ import contextlib
 import io
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,26 @@ def _set(path: str, value: object) -> Callable[[str], str]:
     return damage
 
 
-def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
+# a case's arguments, or (the environment to run them in, the arguments)
+Argv = list[str] | tuple[dict[str, str], list[str]]
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set for the block, the variables as they were after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
     """(case, argv builder, text the first error line must hold)."""
     label_pairs = [
         "label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
@@ -546,6 +566,52 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], list[str]], str]]:
         ),
         *serve_cases(tmp, write),
         *run_dir_cases(tmp, resume_changed),
+        *launch_cases(tmp),
+    ]
+
+
+def launch_cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
+    """Launches the loop cannot follow (judgeloop.distributed.check_launch): the variables ``accelerate
+    launch`` sets for the flags, set around the run here; refused before any work."""
+
+    def launched(flags: dict[str, str], name: str) -> Callable[[], Argv]:
+        env = {f"ACCELERATE_{k}": v for k, v in flags.items()}
+        return lambda: (env, ["train", "--config", TINY, f"output_dir={tmp / name}"])
+
+    zero2 = {"USE_DEEPSPEED": "true", "DEEPSPEED_ZERO_STAGE": "2"}
+
+    def ds_file() -> Argv:
+        path = tmp / "ds_config.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8}))
+        env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
+        return env, ["train", "--config", TINY, f"output_dir={tmp / 'ds_file'}"]
+
+    return [
+        (
+            "accelerate launch --use_deepspeed --gradient_clipping 0.5 (optim.max_grad_norm=1.0)",
+            launched({**zero2, "GRADIENT_CLIPPING": "0.5"}, "ds_clip"),
+            "launch with --gradient_clipping 1.0",
+        ),
+        (
+            "accelerate launch --use_deepspeed --gradient_accumulation_steps 2",
+            launched({**zero2, "GRADIENT_ACCUMULATION_STEPS": "2"}, "ds_accum"),
+            "launch with --gradient_accumulation_steps 1",
+        ),
+        (
+            "accelerate launch --use_deepspeed --offload_optimizer_device cpu",
+            launched({**zero2, "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, "ds_offload"),
+            "launch without --offload_optimizer_device",
+        ),
+        (
+            "accelerate launch --deepspeed_config_file with train_micro_batch_size_per_gpu: 8 (batch_size=4)",
+            ds_file,
+            "set it to auto there, or set batch_size=8",
+        ),
+        (
+            "accelerate launch --mixed_precision fp16",
+            launched({"MIXED_PRECISION": "fp16"}, "fp16"),
+            "launch with --mixed_precision no or bf16",
+        ),
     ]
 
 
@@ -782,8 +848,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name, build, expect in cases(tmp):
-            argv = build()
-            rc, secs, line = run_cli(argv)
+            built = build()
+            env, argv = built if isinstance(built, tuple) else ({}, built)
+            with environment(env):
+                rc, secs, line = run_cli(argv)
             ok = rc == 2 and (expect in line or expect in line.replace(str(tmp), "TMP"))
             rows.append((name, rc, secs, line.replace(str(tmp), "TMP"), ok))
             print(f"{'ok ' if ok else 'BAD'} {name}: rc={rc} {secs:.1f}s {line[:160]}", file=sys.stderr)

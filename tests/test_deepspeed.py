@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch_lines import launch_lines
 from loop_common import same_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,12 @@ def _env() -> dict[str, str]:
 
 
 def _launch(
-    launch: list[str], script: Path, args: list[str], timeout: int = 400, check: bool = True
+    launch: list[str],
+    script: Path,
+    args: list[str],
+    timeout: int = 400,
+    check: bool = True,
+    mixed_precision: str = "no",
 ) -> subprocess.CompletedProcess:
     """``accelerate launch`` on 2 CPU processes with ``launch``'s DeepSpeed flags (``check``: it must
     exit 0)."""
@@ -58,7 +64,7 @@ def _launch(
         pytest.skip("the accelerate launcher is not installed")
     port = str(random.randint(20000, 40000))
     cmd = [accelerate, "launch", *launch, "--num_processes", "2", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
+    cmd += ["--mixed_precision", mixed_precision, "--dynamo_backend", "no", "--main_process_port", port]
     res = subprocess.run(
         [*cmd, str(script), *args], env=_env(), timeout=timeout, capture_output=True, text=True, cwd=ROOT
     )
@@ -148,6 +154,134 @@ def test_the_loop_under_zero2_and_zero3_equals_one_process(tmp_path):
         _check_export(d[one] / "policy", d[two] / "policy", lora=two.endswith("_l"))
     # the clipping-off run is unclipped: it equals the unclipped one-process run, not the clipped one
     assert _max_diff(r["one_f3"]["after"], r["z2_f"]["after"]) > 1e-3
+
+
+def _flags_only_lines() -> dict[int, tuple[list[str], list[str]]]:
+    """The flags-only DeepSpeed launch lines of docs/distributed.md, {ZeRO stage: (the launcher's flags,
+    the script and its arguments)}: no launch file, no DeepSpeed config file, no --gradient_clipping."""
+    found = {}
+    for args in launch_lines("distributed.md", "accelerate launch --use_deepspeed"):
+        i = next(k for k, a in enumerate(args) if a.endswith(".py"))
+        flags = ["--use_deepspeed", *args[:i]]
+        assert not {"--config_file", "--deepspeed_config_file", "--gradient_clipping"} & set(flags), flags
+        found[int(flags[flags.index("--zero_stage") + 1])] = (flags, args[i:])
+    assert sorted(found) == [2, 3]
+    return found
+
+
+def test_the_flags_only_launches_equal_one_process(tmp_path):
+    """The documented ``--use_deepspeed --zero_stage 2`` and ``--zero_stage 3`` lines, nothing else (issue
+    40: ZeRO-3 crashed building the reference engine, its accumulation left "auto"): the loop's set-up,
+    rollouts, four updates clipped at optim.max_grad_norm (the default 1.0, and 0.3 where every norm is
+    clipped; accelerate leaves the clipping "auto"), the resume and the export equal one process at twice
+    the batch, within this file's tolerances."""
+    script = ROOT / "tests" / "ds_loop_worker.py"
+    names = ("one_1", "one_3", "z2_1", "z2_3", "z3_1", "z3_3")
+    d = {n: tmp_path / n for n in names}
+    clip = {"1": 1.0, "3": 0.3}
+
+    def job(name: str) -> str:
+        return f"{d[name]},full" + ("" if name.endswith("_1") else ",optim.max_grad_norm=0.3")
+
+    subprocess.run(
+        [sys.executable, str(script), str(ROOT), job("one_1"), job("one_3")],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
+    for stage, (flags, _) in _flags_only_lines().items():
+        _launch(flags, script, [str(ROOT), job(f"z{stage}_1"), job(f"z{stage}_3")])
+    r = {k: torch.load(v / "result.pt") for k, v in d.items()}
+    assert min(x["grad_norm"] for x in r["one_3"]["log"]) > 0.3  # the clipping at 0.3 acts
+    assert _max_diff(r["one_1"]["after"], r["one_3"]["after"]) > 1e-3
+    for stage in (2, 3):
+        for c in ("1", "3"):
+            one, two = r[f"one_{c}"], r[f"z{stage}_{c}"]
+            ds = two["ds"]
+            assert two["world"] == 2 and ds["zero_optimization"]["stage"] == stage
+            assert ds["gradient_clipping"] == clip[c] and ds["gradient_accumulation_steps"] == 1
+            assert one["roll"] == two["roll"]
+            _same_log(one["log"], two["log"])
+            assert not any(math.isnan(x["grad_norm"]) for x in two["log"])  # DeepSpeed measured them
+            _close(one["after"], two["after"], atol=3e-5)
+            _same_log(two["log"], two["resumed_log"], exact=True)
+            _close(two["after"], two["resumed"], atol=0.0)
+            _check_export(d[f"one_{c}"] / "policy", d[f"z{stage}_{c}"] / "policy", lora=False)
+    assert r["z3_1"]["sharded"] == [True, 0] and r["z3_1"]["info"] == {"ref_zero3": True, "judge_zero3": True}
+    assert r["z2_1"]["sharded"][0] is False
+
+
+def _same_report(a: object, b: object, path: str = "") -> None:
+    """Equal reports: the same keys and values, floats to rel 1e-5 (KLs near 0: abs 1e-5; measured
+    worst 2e-6)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _same_report(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_report(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, (int, float)):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-5) or (math.isnan(a) and math.isnan(b)), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_the_whole_recipe_under_the_flags_only_launches_equals_ddp(tmp_path):
+    """Issue 40's launch lines as typed (the tiny loop, three steps, no launch file, no --gradient_clipping):
+    the whole recipe (set-up, step 0 with the first fit, three steps, the report) under the documented
+    flags-only ZeRO-2 and ZeRO-3 lines equals the DDP launch (--multi_gpu) of the same line. A 2-process
+    run samples with per-process seeds, so one process at twice the batch draws other rollouts; the
+    update on the same rollouts equals one process (test_the_flags_only_launches_equal_one_process)."""
+    import json
+
+    overrides = ["max_steps=3", "eval_every_n_steps=0", "optim.scheduler=linear", "optim.warmup_steps=1",
+                 "save_final_policy=false", "judge.cache_size=0", "batch_size=2"]  # fmt: skip
+    lines = _flags_only_lines()
+    _, rest = lines[2]
+    recipe, args = ROOT / rest[0], [*rest[1:], *overrides]
+    _launch(["--multi_gpu"], recipe, [*args, f"output_dir={tmp_path / 'ddp'}"], timeout=500)
+    ddp = json.loads((tmp_path / "ddp" / "report.json").read_text())
+    assert [r["step"] for r in ddp["train_log"]] == [1, 2, 3]
+    for stage, (flags, rest) in lines.items():
+        out = tmp_path / f"zero{stage}"
+        _launch(flags, ROOT / rest[0], [*rest[1:], *overrides, f"output_dir={out}"], timeout=500)
+        _same_report(ddp, json.loads((out / "report.json").read_text()))
+
+
+def test_launches_that_cannot_equal_one_process_refuse_in_one_line(tmp_path):
+    """A launch whose settings the loop cannot follow (DeepSpeed clipping at another value than
+    optim.max_grad_norm, gradient accumulation, ZeRO offload, fp16) stops before any work: one line from
+    the recipe (rank 0) naming the flag to change, exit status 2 on the ranks, nothing written."""
+    import json
+
+    cases = [
+        (["--use_deepspeed", "--zero_stage", "2", "--gradient_clipping", "0.5"], "no",
+         "the launch's gradient_clipping=0.5 differs from optim.max_grad_norm=1.0; DeepSpeed clips with its own "
+         "value: launch with --gradient_clipping 1.0 (or leave it out), or set optim.max_grad_norm=0.5"),
+        (["--use_deepspeed", "--zero_stage", "3", "--gradient_accumulation_steps", "2"], "no",
+         "launch with --gradient_accumulation_steps 1"),
+        (["--use_deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu"], "no",
+         "launch without --offload_optimizer_device"),
+        (["--use_deepspeed", "--zero_stage", "2"], "fp16", "launch with --mixed_precision no or bf16"),
+        (["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")], "no",
+         "train_micro_batch_size_per_gpu=8 (in the DeepSpeed config file"),
+    ]  # fmt: skip
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    recipe = ROOT / "recipes" / "feedback_loop.py"
+    for i, (flags, precision, expect) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        args = ["--config", str(ROOT / "configs/feedback_loop/tiny.yaml"), f"output_dir={out}"]
+        res = _launch(flags, recipe, args, timeout=200, check=False, mixed_precision=precision)
+        assert res.returncode != 0 and "exitcode: 2" in res.stderr, res.stderr[-2000:]
+        said = [line for line in res.stderr.splitlines() if line.startswith("feedback_loop:")]
+        assert len(said) == 1 and said[0].startswith("feedback_loop: error: the launch"), res.stderr[-2000:]
+        assert expect in said[0], said
+        # no traceback of the recipe's (the launcher's own follows: its ranks exited 2)
+        assert "src/judgeloop" not in res.stderr and 'feedback_loop.py", line' not in res.stderr
+        assert not out.exists()  # nothing written, not even the output folder
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -8,6 +8,8 @@ is what ``accelerate launch`` hands the ``Accelerator``, and check what the libr
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +20,7 @@ from accelerate.utils import DeepSpeedPlugin
 from judgeloop.checkpointing import prune_checkpoints
 from judgeloop.config import ConfigError
 from judgeloop.distributed import (
+    check_launch,
     configure_deepspeed,
     inference_ds_config,
     prepare_for_inference,
@@ -92,6 +95,19 @@ def test_a_bare_deepspeed_launch_takes_max_grad_norm(monkeypatch):
     assert plugin.deepspeed_config["gradient_clipping"] == 0.25
 
 
+def test_a_second_run_in_the_same_process_fills_from_the_launch_not_from_the_first_run(monkeypatch):
+    """The ablation's jobs (and the test workers) share accelerate's plugin: the first run's fill is not
+    the launch's value (a second max_grad_norm was refused as differing from the first's)."""
+    monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING", raising=False)
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
+    configure_deepspeed(acc, micro_batch_size=2, max_grad_norm=1.0, key="optim.max_grad_norm")
+    configure_deepspeed(acc, micro_batch_size=3, max_grad_norm=0.3, key="optim.max_grad_norm")
+    ds = plugin.deepspeed_config
+    assert ds["gradient_clipping"] == 0.3 and ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["train_batch_size"] == 6
+
+
 def test_on_a_cpu_a_deepspeed_launch_gets_gloo(monkeypatch):
     from judgeloop.distributed import accelerator_kwargs
 
@@ -126,6 +142,88 @@ def test_the_inference_config_of_a_zero3_judge():
     assert cfg["zero_optimization"]["stage"] == 3
     assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 15360
     assert train["zero_optimization"].get("stage3_param_persistence_threshold") != 15360  # not mutated
+
+
+def test_the_inference_config_of_a_flags_only_zero3_launch(monkeypatch):
+    """``--use_deepspeed --zero_stage 3`` with no launch file: accelerate leaves the accumulation (and
+    the batch sizes) ``auto``, and the reference and judge engines are built before ``configure_deepspeed``
+    fills them; DeepSpeed multiplied the string into its batch size (a TypeError) until it was set to 1."""
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    plugin = DeepSpeedPlugin(zero_stage=3)  # what the launcher's flags alone give
+    train = plugin.deepspeed_config
+    assert train["gradient_accumulation_steps"] == "auto" and train["train_batch_size"] == "auto"
+    cfg = inference_ds_config(train, hidden_size=None)
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["train_micro_batch_size_per_gpu"] == 1
+    assert "train_batch_size" not in cfg and train["gradient_accumulation_steps"] == "auto"  # not mutated
+
+
+def _launched(monkeypatch, **env: str) -> None:
+    """The variables ``accelerate launch`` sets for these flags (and no others from this shell)."""
+    import os
+
+    for k in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(f"ACCELERATE_{k}", v)
+
+
+def test_a_flags_only_launch_passes_the_check_and_a_differing_one_is_refused_naming_the_flag(monkeypatch):
+    """``check_launch`` reads the launch before any work (the real runs: tests/test_deepspeed.py)."""
+    _launched(monkeypatch, USE_DEEPSPEED="true", DEEPSPEED_ZERO_STAGE="3", MIXED_PRECISION="no")
+    check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")  # gradient_clipping auto: max_grad_norm
+    _launched(monkeypatch, USE_DEEPSPEED="true", DEEPSPEED_ZERO_STAGE="2", GRADIENT_CLIPPING="0.5")
+    with pytest.raises(ConfigError) as err:
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    assert str(err.value) == (
+        "the launch's gradient_clipping=0.5 differs from optim.max_grad_norm=1.0; DeepSpeed clips with its "
+        "own value: launch with --gradient_clipping 1.0 (or leave it out), or set optim.max_grad_norm=0.5"
+    )
+    check_launch(2, "batch_size", 0.5, "optim.max_grad_norm")
+    _launched(monkeypatch, USE_DEEPSPEED="true", GRADIENT_CLIPPING="0")  # 0 is a value, not "unset"
+    with pytest.raises(ConfigError, match="gradient_clipping=0.0 differs"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    check_launch(2, "batch_size", 0.0, "optim.max_grad_norm")
+
+
+@pytest.mark.parametrize(
+    "env, expect",
+    [
+        ({"USE_DEEPSPEED": "true", "GRADIENT_ACCUMULATION_STEPS": "2"}, "--gradient_accumulation_steps 1"),
+        ({"USE_DEEPSPEED": "true", "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, "without --offload_optimizer"),
+        ({"USE_DEEPSPEED": "true", "DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu", "DEEPSPEED_ZERO_STAGE": "3"}, "without --offload_param"),
+        ({"MIXED_PRECISION": "fp16"}, "--mixed_precision no or bf16"),
+        ({"GRADIENT_ACCUMULATION_STEPS": "4"}, "--gradient_accumulation_steps 1"),
+    ],
+)  # fmt: skip
+def test_launches_that_cannot_equal_one_process_are_refused(monkeypatch, env, expect):
+    _launched(monkeypatch, **env)
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+
+
+def test_a_deepspeed_config_file_is_named_in_the_refusal(monkeypatch, tmp_path):
+    ds = {
+        "zero_optimization": {"stage": 2},
+        "gradient_clipping": 2.0,
+        "train_micro_batch_size_per_gpu": "auto",
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    _launched(monkeypatch, USE_DEEPSPEED="true", DEEPSPEED_CONFIG_FILE=str(path))
+    with pytest.raises(ConfigError, match=f"in the DeepSpeed config file {re.escape(str(path))}.*auto there"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "gradient_accumulation_steps": 3}))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps: 1 there"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": 8}))
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=8 .* differs from batch_size=2"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "train_batch_size": 8}))
+    with pytest.raises(ConfigError, match=r"train_batch_size=8 .* is not batch_size=2 x 2 process\(es\) = 4"):
+        check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
+    path.write_text(json.dumps({**ds, "gradient_clipping": "auto", "train_batch_size": 4}))
+    check_launch(2, "batch_size", 1.0, "optim.max_grad_norm")
 
 
 def test_pruning_keeps_the_newest_checkpoints(tmp_path):

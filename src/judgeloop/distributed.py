@@ -267,6 +267,88 @@ def whole_models(accelerator: Any) -> Iterator[None]:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+def check_launch(batch_size: int, batch_key: str, max_grad_norm: float, key: str) -> None:
+    """What ``accelerate launch`` asked for (its flags, its launch file, a DeepSpeed config file), checked
+    before any work against what makes a run (the loop's, the retriever's) equal one process: a
+    :class:`ConfigError` names the setting and what to launch with instead. Read from the variables the
+    launcher sets and with accelerate's own ``DeepSpeedPlugin``, before any ``Accelerator`` exists.
+
+    Refused: ``fp16`` (both train in ``no`` or ``bf16``: a loss scaler skips steps one process takes),
+    a gradient accumulation other than 1 (judgeloop steps its optimizer once per batch, and accelerate /
+    DeepSpeed divide every gradient by the accumulation steps: 2 halved it, measured), and under
+    DeepSpeed a ``gradient_clipping`` other than ``max_grad_norm`` (``key``) and ZeRO offload (its
+    updates equal one process but its checkpoint resumed 1.7e-3 off, measured on 2 CPU processes), and
+    a DeepSpeed config file's batch sizes other than ``batch_size`` (``batch_key``, per process) and
+    ``batch_size`` x the processes (DeepSpeed would derive an accumulation from them, or stop)."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp16":
+        raise ConfigError(
+            "the launch asks for --mixed_precision fp16, which judgeloop does not train in (its loss scaler "
+            "skips steps one process takes); launch with --mixed_precision no or bf16"
+        )
+    if not launched_with_deepspeed():
+        accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+        if accum != "1":
+            raise ConfigError(
+                f"the launch asks for --gradient_accumulation_steps {accum}; judgeloop steps its optimizer "
+                "once per batch (accelerate would divide each gradient by it): launch with "
+                "--gradient_accumulation_steps 1 or leave it out"
+            )
+        return
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin()  # accelerate's reading of the launch (flags, launch file, DeepSpeed file)
+    ds = plugin.deepspeed_config
+    file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    where = f" (in the DeepSpeed config file {file})" if file != "none" else ""
+    accum = ds.get("gradient_accumulation_steps", 1)
+    if accum != "auto" and int(accum) != 1:
+        fix = (
+            "set gradient_accumulation_steps: 1 there"
+            if where
+            else "launch with --gradient_accumulation_steps 1"
+        )
+        raise ConfigError(
+            f"the launch asks for gradient_accumulation_steps={accum}{where}; judgeloop steps its optimizer "
+            f"once per batch (DeepSpeed would divide each gradient by it): {fix} (or leave it out)"
+        )
+    micro = ds.get("train_micro_batch_size_per_gpu", "auto")
+    if micro != "auto" and int(micro) != batch_size:
+        raise ConfigError(
+            f"the launch's train_micro_batch_size_per_gpu={micro}{where} differs from {batch_key}={batch_size} "
+            f"(the batch of each process); set it to auto there, or set {batch_key}={micro}"
+        )
+    total, world = ds.get("train_batch_size", "auto"), int(os.environ.get("WORLD_SIZE", "1"))
+    if total != "auto" and int(total) != batch_size * world:
+        raise ConfigError(
+            f"the launch's train_batch_size={total}{where} is not {batch_key}={batch_size} x {world} "
+            f"process(es) = {batch_size * world}; set it to auto there"
+        )
+    zero = ds.get("zero_optimization", {})
+    for part in ("offload_optimizer", "offload_param"):
+        device = (zero.get(part) or {}).get("device", "none")
+        if device not in (None, "none"):
+            fix = (
+                f"set zero_optimization.{part}.device: none there"
+                if where
+                else f"launch without --{part}_device"
+            )
+            raise ConfigError(
+                f"the launch asks for ZeRO {part.replace('_', ' ')} to {device}{where}, which judgeloop does "
+                f"not support (a checkpoint resumed under it does not continue the run exactly): {fix}"
+            )
+    clip = ds.get("gradient_clipping", plugin.gradient_clipping)
+    if clip is not None and clip != "auto" and float(clip) != float(max_grad_norm):
+        fix = (
+            "set gradient_clipping: auto there"
+            if where
+            else f"launch with --gradient_clipping {max_grad_norm}"
+        )
+        raise ConfigError(
+            f"the launch's gradient_clipping={clip}{where} differs from {key}={max_grad_norm}; DeepSpeed "
+            f"clips with its own value: {fix} (or leave it out), or set {key}={clip}"
+        )
+
+
 def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: float, key: str) -> None:
     """Fill what accelerate would take from a DataLoader (the loop prepares none) before ``prepare``.
 
@@ -275,20 +357,36 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     config has none), so an ``"auto"`` or missing one is set to ``max_grad_norm`` (0: off, written out)
     and a different explicit one, a launch's ``--gradient_clipping`` included, is an error naming both
     (``key`` is the config key of ``max_grad_norm``). Does nothing outside DeepSpeed.
+
+    The launch's own values are kept on the plugin at the first call and filled from at every call: a
+    second run in the same process (the test workers run several) shares accelerate's plugin, and the
+    first run's fill would otherwise read as explicit values (a second ``max_grad_norm`` was refused as
+    differing from the first's).
     """
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
     ds = plugin.deepspeed_config
+    if not hasattr(plugin, "_judgeloop_launch"):
+        # accelerate leaves a launch's `--gradient_clipping 0` out of some configs (DeepSpeed would then
+        # clip at its default 1.0); the plugin still holds it
+        plugin._judgeloop_launch = {
+            "train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu", "auto"),
+            "train_batch_size": ds.get("train_batch_size", "auto"),
+            "gradient_clipping": ds.get("gradient_clipping", plugin.gradient_clipping),
+        }
+    launch = plugin._judgeloop_launch
     accum = ds.get("gradient_accumulation_steps", 1)
     accum = 1 if accum == "auto" else int(accum)
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if ds.get("train_batch_size", "auto") == "auto":
-        ds["train_batch_size"] = int(ds["train_micro_batch_size_per_gpu"]) * accum * accelerator.num_processes
-    # accelerate leaves a launch's `--gradient_clipping 0` out of the config (DeepSpeed would then clip at
-    # its default 1.0); the plugin still holds it
-    clip = ds.get("gradient_clipping", plugin.gradient_clipping)
+    micro = launch["train_micro_batch_size_per_gpu"]
+    ds["train_micro_batch_size_per_gpu"] = micro_batch_size if micro == "auto" else micro
+    total = launch["train_batch_size"]
+    ds["train_batch_size"] = (
+        int(ds["train_micro_batch_size_per_gpu"]) * accum * accelerator.num_processes
+        if total == "auto"
+        else total
+    )
+    clip = launch["gradient_clipping"]
     if clip is None or clip == "auto":
         clip = max_grad_norm
     elif float(clip) != float(max_grad_norm):
@@ -317,6 +415,9 @@ def inference_ds_config(train_config: dict[str, Any], hidden_size: int | None) -
     cfg["zero_optimization"] = dict(train_config.get("zero_optimization", {}))
     if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         cfg["train_micro_batch_size_per_gpu"] = 1
+    # a flags-only launch leaves accumulation "auto" (DeepSpeed would multiply the string into its batch)
+    if cfg.get("gradient_accumulation_steps", "auto") == "auto":
+        cfg["gradient_accumulation_steps"] = 1
     cfg.pop("train_batch_size", None)
     if cfg.get("gradient_clipping") == "auto":
         cfg.pop("gradient_clipping")

@@ -34,6 +34,7 @@ from judgeloop.devices import (
 )
 from judgeloop.distributed import (
     accelerator_kwargs,
+    check_launch,
     configure_deepspeed,
     generation_context,
     is_zero3,
@@ -179,6 +180,8 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     optimizer state stay fp32."""
     out_dir = Path(cfg.output_dir)
     check_output_places(cfg)
+    # accelerate launch's settings
+    check_launch(cfg.batch_size, "batch_size", cfg.optim.max_grad_norm, "optim.max_grad_norm")
     check_models(cfg)
     # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
     with (

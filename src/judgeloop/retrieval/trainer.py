@@ -32,6 +32,7 @@ from judgeloop.config import to_dict
 from judgeloop.devices import check_device, native_bf16, on_cpu, resolve_precision
 from judgeloop.distributed import (
     accelerator_kwargs,
+    check_launch,
     configure_deepspeed,
     generation_context,
     new_accelerator,
@@ -434,12 +435,15 @@ def count_steps(examples: list[Example], cfg: TrainRetrieverConfig, num_processe
 
 
 def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
-    """The run's ``Accelerator``, after the checks that need no data: the device, the trackers, GradCache
-    under DeepSpeed. One scheduler step per optimizer step: the schedule counts global batches, and
-    accelerate's default would step it once per process (``num_processes`` times too fast)."""
+    """The run's ``Accelerator``, after the checks that need no data: the device, the trackers, the launch
+    (:func:`judgeloop.distributed.check_launch`), GradCache under DeepSpeed. One scheduler step per
+    optimizer step: the schedule counts global batches, and accelerate's default would step it once per
+    process (``num_processes`` times too fast)."""
 
     check_device(cfg.device)  # before any data or weights load
     check_trackers(cfg.log_with)
+    # accelerate launch's settings
+    check_launch(cfg.train.batch_size, "train.batch_size", cfg.train.max_grad_norm, "train.max_grad_norm")
     # mixed precision only when asked: accelerate refuses to change it once its process-wide state exists
     device = "cpu" if on_cpu(cfg.device) else "cuda"
     train_precision = resolve_precision(cfg.train.mixed_precision, device)
