@@ -93,7 +93,7 @@ class ServedJudge(Judge):
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
         self.max_length = max_length
         self._chat = has_chat_template(self.tokenizer)
-        self.client = ServedClient(server, self.verdict_ids, read_api_key(server))
+        self.client = ServedClient(server, self.verdict_ids, read_api_key(server), self._detokenize)
         self.client.connect()
         self._token_ids = {self.tokenizer.convert_ids_to_tokens(t): t for t in self.verdict_ids}
         self._token_ids.update({self.tokenizer.decode([t]): t for t in self.verdict_ids})
@@ -101,6 +101,10 @@ class ServedJudge(Judge):
         self.failures: list[str] = []
         name = f"served|{server.base_url}|{server.model}|{prompt}|{verdict_tokens[0]}|{verdict_tokens[1]}|{max_length}"
         super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
+
+    def _detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` with special tokens as written (for a server that takes text prompts)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @property
     def route(self) -> str:
@@ -112,6 +116,7 @@ class ServedJudge(Judge):
         return {
             **self.client.info,
             "route": self.route,
+            "prompt_format": self.client.prompt_format,
             "top_logprobs": self.client.cfg.top_logprobs,
             "verdict_token_ids": list(self.verdict_ids),
         }
