@@ -208,7 +208,7 @@ class ServedClient:
     def __post_init__(self) -> None:
         self.route = "" if self.cfg.route == "auto" else self.cfg.route
         # auto: probed with the route (route: auto); ids with a route asked for, or nothing to decode with
-        fmt = self.cfg.prompt_format
+        fmt: str = self.cfg.prompt_format
         if fmt == "auto":
             fmt = "" if not self.route and self.detokenize is not None else "ids"
         if fmt == "text" and self.detokenize is None:
@@ -410,7 +410,9 @@ class ServedClient:
                 self.cfg.max_retries = saved
             if reply.error or (route != "text" and reply.logprobs is None):
                 continue
-            if route in ("top_logprobs", "text") or all(t in reply.logprobs for t in self.verdict_ids):  # type: ignore[union-attr]
+            if route in ("top_logprobs", "text") or all(
+                t in (reply.logprobs or {}) for t in self.verdict_ids
+            ):
                 return route, form
         return "text", self.prompt_format or "ids"
 
