@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.judgeloop-installed
 
-.PHONY: demo calibration-demo test install lint clean vllm
+.PHONY: demo calibration-demo test install lint clean vllm llamacpp llamacpp-wheel
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,8 +32,39 @@ demo: $(STAMP)
 calibration-demo: $(STAMP)
 	$(VENV)/bin/judgeloop calibrate --config configs/calibrate/embedded_embedding.yaml output_dir=runs/calibration_demo
 
-test: $(STAMP)
+test: $(STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m pytest -q tests
+
+# The real OpenAI-compatible server of tests/judges/test_served_llamacpp.py (docs/served.md):
+# llama-cpp-python[server], which ships an sdist only, built from source without llama.cpp's tools, tests,
+# examples, curl or OpenMP, for any x86-64 with AVX2 (GGML_NATIVE=OFF). The wheel is cached in
+# $(JUDGELOOP_CACHE)/wheels, so only the first set-up pays the build (about 7 minutes on 2 busy cores);
+# later ones install it in seconds.
+JUDGELOOP_CACHE ?= $(HOME)/.cache/judgeloop
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_WHEELS := $(JUDGELOOP_CACHE)/wheels
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF
+LLAMACPP_STAMP := $(VENV)/.judgeloop-llamacpp-$(LLAMACPP_VERSION)-installed
+
+llamacpp-wheel: $(PY)
+	@mkdir -p $(LLAMACPP_WHEELS)
+	@if ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1; then \
+		echo "llama-cpp-python $(LLAMACPP_VERSION): cached wheel in $(LLAMACPP_WHEELS)"; \
+	else \
+		start=$$(date +%s); \
+		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PIP) wheel --no-deps -w $(LLAMACPP_WHEELS) \
+			"llama-cpp-python==$(LLAMACPP_VERSION)" || exit 1; \
+		echo "llama-cpp-python $(LLAMACPP_VERSION) wheel built in $$(( $$(date +%s) - start )) s"; \
+	fi
+
+$(LLAMACPP_STAMP): $(STAMP)
+	$(MAKE) llamacpp-wheel VENV=$(VENV) JUDGELOOP_CACHE=$(JUDGELOOP_CACHE)
+	# the wheel from the cache, the server extra's few dependencies from the index
+	$(PIP) install --find-links $(LLAMACPP_WHEELS) "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
+	touch $(LLAMACPP_STAMP)
+
+llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 
 # generation.backend: vllm (docs/vllm.md): a separate environment with vLLM's CPU build (it needs
 # transformers<5.20; judgeloop's has a newer one), 3.5 GB, about 9 minutes on 2 busy cores. It ends with a

@@ -89,6 +89,37 @@ def test_top_logprobs_route_with_the_whole_vocabulary_is_exact(tiny_server, tiny
     np.testing.assert_allclose(out.scores, ref.scores, atol=1e-5)
 
 
+@pytest.mark.parametrize("route", ["vllm", "sglang", "top_logprobs"])
+def test_text_prompts_equal_id_prompts(tiny_server, route):
+    ids = _judge(tiny_server, route=route, prompt_format="ids")(ARTICLES, A, B)
+    judge = _judge(tiny_server, route=route, prompt_format="text")
+    text = judge(ARTICLES, A, B)
+    assert judge.client.prompt_format == "text" and text.status == ids.status
+    np.testing.assert_allclose(text.scores, ids.scores, atol=1e-6)
+
+
+class _Retokenizing(Handler):
+    """Counts one token more than it was sent, as a server whose tokenizer differs would."""
+
+    def _completions(self, body):
+        out = super()._completions(body)
+        out["usage"]["prompt_tokens"] += 1
+        return out
+
+
+def test_a_text_prompt_the_server_tokenizes_otherwise_is_failed_never_scored(tiny_lm):
+    srv, url = _start(tiny_lm, handler=_Retokenizing)
+    try:
+        judge = _judge(url, route="vllm", prompt_format="text", max_retries=2)
+        out = judge(ARTICLES, A, B)
+        assert out.status == ["failed"] * 4 and judge.client.retries == 0  # not retried: it would recur
+        assert "not the" in judge.failures[0] and "tokens" in judge.failures[0]
+        # ids are taken as sent: the same server scores them
+        assert _judge(url, route="vllm", prompt_format="ids")(ARTICLES, A, B).status == ["ok"] * 4
+    finally:
+        _stop(srv)
+
+
 def test_verdict_score_statuses_by_hand():
     ids, labels = (5, 7), ("A", "B")
     assert verdict_score(Reply({5: -1.0, 7: -3.0}), ids, labels) == (2.0, "ok")
@@ -185,6 +216,8 @@ def test_served_config_errors():
         JudgeConfig(type="served")
     with pytest.raises(ValueError, match="judge.server.route='fast'"):
         ServerConfig(route="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="judge.server.prompt_format='tokens'"):
+        ServerConfig(prompt_format="tokens")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="set judge.type=served"):
         JudgeConfig(type="choice", server=ServerConfig(base_url="http://x", model="m"))
 

@@ -112,11 +112,15 @@ class _ServedParts:
     extractor: str = "verdict"
 
     def _connect(self, server: ServerConfig, token_ids: tuple[int, ...]) -> None:
-        self.client = ServedClient(server, token_ids, read_api_key(server))  # type: ignore[arg-type]
+        self.client = ServedClient(server, token_ids, read_api_key(server), self._detokenize)  # type: ignore[arg-type]
         self.client.connect()
         self._token_ids = {self.tokenizer.convert_ids_to_tokens(t): t for t in token_ids}
         self._token_ids.update({self.tokenizer.decode([t]): t for t in token_ids})
         self.failures: list[str] = []
+
+    def _detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` with special tokens as written (for a server that takes text prompts)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @property
     def route(self) -> str:
@@ -129,6 +133,7 @@ class _ServedParts:
         return {
             **self.client.info,
             "route": self.route,
+            "prompt_format": self.client.prompt_format,
             "top_logprobs": self.client.cfg.top_logprobs,
             "extractor": self.extractor,
             "verdict_token_ids": list(self.client.verdict_ids),

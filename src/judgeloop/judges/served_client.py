@@ -13,6 +13,11 @@ first (``route: auto`` probes them in this order on the first call):
   missing from the top k is bounded above by the k-th log-probability (:attr:`Reply.bound`);
 * ``text``: the same completion with no log-probabilities: the sampled token as a hard label.
 
+The prompt goes as token ids, or (``prompt_format: text``, or ``auto`` when the server refuses ids, as
+llama.cpp's ``llama-cpp-python`` server does) as those ids decoded back to text; the server's count of
+the prompt's tokens (``usage.prompt_tokens``) is then checked against the ids, and a reply whose count
+differs is an error (status ``failed``), never a score of other tokens.
+
 Calls are async (httpx) with bounded concurrency, requests- and tokens-per-minute limits, retries with
 backoff on 429 (honouring ``Retry-After``), 5xx, timeouts and dropped connections. A call that still
 fails is a :class:`Reply` with ``error`` set, never an exception in the middle of a batch. Successful
@@ -29,11 +34,12 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
+PROMPT_FORMATS = ("ids", "text")
 
 
 @dataclass
@@ -48,6 +54,9 @@ class ServerConfig:
         route: ``auto`` (probe the best route the server answers) or one of ``vllm``, ``sglang``,
             ``top_logprobs``, ``text``.
         top_logprobs: k of the ``top_logprobs`` route (OpenAI allows at most 20).
+        prompt_format: ``ids`` (the prompt's token ids), ``text`` (the ids decoded back to text, for a
+            server that takes strings only, e.g. llama-cpp-python's; its token count is checked) or
+            ``auto`` (with ``route: auto``, probed on the first call, ids before text; else ids).
         timeout_s: per-call timeout, seconds.
         max_retries: retries of one call after a 429, a 5xx, a timeout or a dropped connection.
         backoff_s: first retry delay, doubled on each retry (a 429's ``Retry-After`` wins when given).
@@ -63,6 +72,7 @@ class ServerConfig:
     api_key_env: str = ""
     route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
     top_logprobs: int = 20
+    prompt_format: Literal["auto", "ids", "text"] = "auto"
     timeout_s: float = 60.0
     max_retries: int = 3
     backoff_s: float = 0.5
@@ -77,6 +87,8 @@ class ServerConfig:
             raise ValueError(f"judge.server.route={self.route!r}; use auto or one of {list(ROUTES)}")
         if self.on_failure not in ("mask", "stop"):
             raise ValueError(f"judge.server.on_failure={self.on_failure!r}; use mask or stop")
+        if self.prompt_format not in ("auto", *PROMPT_FORMATS):
+            raise ValueError(f"judge.server.prompt_format={self.prompt_format!r}; use auto, ids or text")
         for name, low in (("top_logprobs", 1), ("concurrency", 1), ("max_retries", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"judge.server.{name}={getattr(self, name)} must be >= {low}")
@@ -101,12 +113,14 @@ class Reply:
             of any id missing from ``logprobs``; ``None`` on the exact-id routes.
         text: the sampled next token's text.
         error: why the call failed after its retries (empty: it did not).
+        n_prompt: the server's count of the prompt's tokens (``usage.prompt_tokens``), when it says.
     """
 
     logprobs: dict[int, float] | None = None
     bound: float | None = None
     text: str = ""
     error: str = ""
+    n_prompt: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({"logprobs": self.logprobs, "bound": self.bound, "text": self.text})
@@ -177,12 +191,15 @@ class ServedClient:
         cfg: the ``judge.server`` settings.
         verdict_ids: the two verdict token ids (of the model's tokenizer).
         api_key: the key read from ``cfg.api_key_env`` (kept in memory only).
+        detokenize: token ids -> text, for ``prompt_format`` ``text`` (the served model's tokenizer).
     """
 
     cfg: ServerConfig
     verdict_ids: tuple[int, int]
     api_key: str = ""
+    detokenize: Callable[[Sequence[int]], str] | None = None
     route: str = ""
+    prompt_format: str = ""
     info: dict[str, Any] = field(default_factory=dict)
     calls: int = 0
     retries: int = 0
@@ -190,6 +207,13 @@ class ServedClient:
 
     def __post_init__(self) -> None:
         self.route = "" if self.cfg.route == "auto" else self.cfg.route
+        # auto: probed with the route (route: auto); ids with a route asked for, or nothing to decode with
+        fmt: str = self.cfg.prompt_format
+        if fmt == "auto":
+            fmt = "" if not self.route and self.detokenize is not None else "ids"
+        if fmt == "text" and self.detokenize is None:
+            raise ValueError("judge.server.prompt_format=text needs the served model's tokenizer to decode")
+        self.prompt_format = fmt
         self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
 
     @property
@@ -242,11 +266,12 @@ class ServedClient:
         return self.info
 
     # --- requests ------------------------------------------------------------------------------
-    def _request(self, route: str, ids: Sequence[int]) -> tuple[str, dict[str, Any]]:
-        """(path, JSON body) of one greedy next-token request on ``route``."""
+    def _request(self, route: str, ids: Sequence[int], form: str = "ids") -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of one greedy next-token request on ``route``, the prompt sent as ``form``."""
+        prompt: Any = list(ids) if form == "ids" else self.detokenize(ids)  # type: ignore[misc]
         if route == "sglang":
             return "/generate", {
-                "input_ids": list(ids),
+                ("input_ids" if form == "ids" else "text"): prompt,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True,
                 "token_ids_logprob": list(self.verdict_ids),
@@ -254,7 +279,7 @@ class ServedClient:
             }
         body: dict[str, Any] = {
             "model": self.cfg.model,
-            "prompt": list(ids),
+            "prompt": prompt,
             "max_tokens": 1,
             "temperature": 0.0,
         }
@@ -269,26 +294,30 @@ class ServedClient:
         if route == "sglang":
             meta = data["meta_info"]
             entries = (meta.get("output_token_ids_logprobs") or [None])[0]
+            n = meta.get("prompt_tokens")
             if not entries:
-                return Reply(None, None, data.get("text", ""))
-            return Reply({int(e[1]): float(e[0]) for e in entries}, None, data.get("text", ""))
+                return Reply(None, None, data.get("text", ""), n_prompt=n)
+            return Reply({int(e[1]): float(e[0]) for e in entries}, None, data.get("text", ""), n_prompt=n)
         choice = data["choices"][0]
         text = choice.get("text", "")
+        n = (data.get("usage") or {}).get("prompt_tokens")
         tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
         if route == "text" or not tops or not tops[0]:
-            return Reply(None, None, text)
+            return Reply(None, None, text, n_prompt=n)
         out: dict[int, float] = {}
         for key, value in tops[0].items():
             tid = int(key[9:]) if key.startswith("token_id:") else token_ids.get(key)
             if tid is not None:
                 out[tid] = float(value)
         bound = min(float(v) for v in tops[0].values()) if route == "top_logprobs" else None
-        return Reply(out, bound, text)
+        return Reply(out, bound, text, n_prompt=n)
 
-    async def _post_once(self, http: Any, route: str, ids: Sequence[int], token_ids: dict[str, int]) -> Reply:
+    async def _post_once(
+        self, http: Any, route: str, ids: Sequence[int], token_ids: dict[str, int], form: str
+    ) -> Reply:
         import httpx
 
-        path, body = self._request(route, ids)
+        path, body = self._request(route, ids, form)
         try:
             r = await http.post(
                 self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s
@@ -303,9 +332,15 @@ class ServedClient:
         if r.status_code != 200:
             return Reply(error=f"HTTP {r.status_code}: {r.text[:200]}")
         try:
-            return self._parse(route, r.json(), token_ids)
+            reply = self._parse(route, r.json(), token_ids)
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise _Retryable(f"malformed reply ({type(err).__name__}: {err})") from None
+        if form == "text" and reply.n_prompt is not None and reply.n_prompt != len(ids):
+            # the server tokenized the text otherwise: its log-probabilities are of another prompt
+            return Reply(
+                error=f"the server read the prompt text as {reply.n_prompt} tokens, not the {len(ids)} sent"
+            )
+        return reply
 
     async def _post(
         self,
@@ -315,6 +350,7 @@ class ServedClient:
         route: str,
         ids: Sequence[int],
         token_ids: dict[str, int],
+        form: str = "",
     ) -> Reply:
         """One request with its retries; a reply whose ``error`` says why when they run out."""
         error = ""
@@ -323,7 +359,7 @@ class ServedClient:
                 await limiter.wait(len(ids))
                 self.calls += 1
                 try:
-                    return await self._post_once(http, route, ids, token_ids)
+                    return await self._post_once(http, route, ids, token_ids, form or self.prompt_format)
                 except _Retryable as err:
                     error, wait = str(err), err.wait_s
             if attempt < self.cfg.max_retries:
@@ -332,7 +368,9 @@ class ServedClient:
         return Reply(error=f"{error} (after {self.cfg.max_retries} retries)")
 
     def _key(self, route: str, ids: Sequence[int]) -> str:
-        raw = json.dumps([self.root, self.cfg.model, route, list(self.verdict_ids), list(ids)])
+        # a text prompt is tokenized by the server: kept apart from the same ids sent as ids
+        tag = route if self.prompt_format != "text" else f"{route}+text"
+        raw = json.dumps([self.root, self.cfg.model, tag, list(self.verdict_ids), list(ids)])
         return hashlib.sha256(raw.encode()).hexdigest()
 
     async def _many(self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int]) -> list[Reply]:
@@ -343,7 +381,7 @@ class ServedClient:
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
         async with httpx.AsyncClient(limits=limits) as http:
             if not self.route:
-                self.route = await self._probe(http, gate, limiter, prompts[0], token_ids)
+                self.route, self.prompt_format = await self._probe(http, gate, limiter, prompts[0], token_ids)
             return list(
                 await asyncio.gather(
                     *(self._post(http, gate, limiter, self.route, p, token_ids) for p in prompts)
@@ -357,20 +395,26 @@ class ServedClient:
         limiter: _RateLimiter,
         ids: Sequence[int],
         token_ids: dict[str, int],
-    ) -> str:
-        """The best route this server answers for ``ids`` (``text`` when none returns log-probabilities)."""
-        for route in ROUTES[:-1]:
+    ) -> tuple[str, str]:
+        """``(route, prompt format)``: the best this server answers for ``ids``, the route ``text`` when none
+        returns log-probabilities, ids before text."""
+        tries = [(r, f) for f in PROMPT_FORMATS for r in ROUTES[:-1]] + [("text", f) for f in PROMPT_FORMATS]
+        for route, form in tries:
+            if self.prompt_format and form != self.prompt_format:
+                continue
             saved = self.cfg.max_retries
             self.cfg.max_retries = 0  # a route the server lacks answers 4xx/5xx at once
             try:
-                reply = await self._post(http, gate, limiter, route, ids, token_ids)
+                reply = await self._post(http, gate, limiter, route, ids, token_ids, form)
             finally:
                 self.cfg.max_retries = saved
-            if reply.error or reply.logprobs is None:
+            if reply.error or (route != "text" and reply.logprobs is None):
                 continue
-            if route == "top_logprobs" or all(t in reply.logprobs for t in self.verdict_ids):
-                return route
-        return "text"
+            if route in ("top_logprobs", "text") or all(
+                t in (reply.logprobs or {}) for t in self.verdict_ids
+            ):
+                return route, form
+        return "text", self.prompt_format or "ids"
 
     def replies(self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int]) -> list[Reply]:
         """Replies to ``prompts`` (token id lists), all in flight together, in order; cached ones are

@@ -85,6 +85,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        with self.server.count_lock:  # the requests answered, for tests and benchmarks
+            self.server.requests += 1
         if self.fault():
             return
         route = {"/v1/completions": "completions", "/generate": "sglang"}.get(self.path)
@@ -106,7 +108,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _completions(self, body: dict[str, Any]) -> dict[str, Any]:
         lm = self.server.lm
-        out, first = lm.greedy(self._ids(body["prompt"]), max(1, int(body.get("max_tokens", 16))))
+        ids = self._ids(body["prompt"])
+        out, first = lm.greedy(ids, max(1, int(body.get("max_tokens", 16))))
         choice: dict[str, Any] = {"index": 0, "text": lm.tokenizer.decode(out), "finish_reason": "length"}
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         if self.server.logprobs and (body.get("logprobs") or body.get("logprob_token_ids")):
@@ -123,13 +126,15 @@ class Handler(BaseHTTPRequestHandler):
             }
         else:
             choice["logprobs"] = None
-        return {"object": "text_completion", "model": lm.name, "choices": [choice]}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(out)}
+        return {"object": "text_completion", "model": lm.name, "choices": [choice], "usage": usage}
 
     def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
         lm = self.server.lm
         params = body.get("sampling_params", {})
-        out, first = lm.greedy(self._ids(body["input_ids"]), max(1, int(params.get("max_new_tokens", 16))))
-        meta: dict[str, Any] = {"completion_tokens": len(out)}
+        ids = self._ids(body["input_ids"] if "input_ids" in body else body["text"])
+        out, first = lm.greedy(ids, max(1, int(params.get("max_new_tokens", 16))))
+        meta: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": len(out)}
         if self.server.logprobs and body.get("return_logprob") and body.get("token_ids_logprob"):
             meta["output_token_ids_logprobs"] = [
                 [[float(first[int(t)]), int(t), None] for t in body["token_ids_logprob"]]
@@ -149,6 +154,7 @@ def make_server(
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     server.lm, server.routes, server.logprobs = lm, set(routes), logprobs  # type: ignore[attr-defined]
+    server.requests, server.count_lock = 0, threading.Lock()  # type: ignore[attr-defined]
     return server
 
 

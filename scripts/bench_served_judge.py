@@ -1,0 +1,150 @@
+"""Throughput and latency of the served judge against llama.cpp's server (``make llamacpp``) on loopback.
+
+    .venv/bin/python scripts/bench_served_judge.py [--pairs 8] [--concurrency 1 4 16] \
+        [--max-length 512] [--out runs/bench_served.json]
+
+It starts ``python -m llama_cpp.server`` over SmolLM2-135M-Instruct's GGUF (one thread), then judges
+``--pairs`` SummEval pairs (distinct prompts per run, so no run is served by another's judgements) at
+1, 4 and 16 pairs in flight, in four arms:
+
+* ``logprobs/batched``: the served judge's ``top_logprobs`` route, both orders of a pair sent together;
+* ``logprobs/sequential``: the same, the second order sent once the first has answered;
+* ``text/batched`` and ``text/sequential``: a text-parsing judge of TRL's old kind, the same prompt with
+  ``max_tokens=1`` and no log-probabilities, the sampled token read as the verdict.
+
+A comparison is both orders of one pair; its latency runs from its first request to its last answer.
+The table gives comparisons/s over the wall time and p50 / p99 latency; the arms alternate order between
+concurrency levels so a change of the machine's load falls on all. ``--out`` writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMEVAL = ROOT.parent / "shared" / "data" / "summeval" / "summeval_dev.jsonl"
+
+
+def summeval_pairs(n: int, offset: int) -> list[tuple[str, str, str]]:
+    """``n`` distinct (article, a, b) pairs: 12 systems per article make 66 pairs of each."""
+    rows = [json.loads(line) for line in SUMMEVAL.read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda r: len(r["article"]))
+    out = []
+    for row in rows:
+        s = row["summaries"]
+        out += [
+            (row["article"], s[i]["text"], s[j]["text"]) for i in range(len(s)) for j in range(i + 1, len(s))
+        ]
+    return out[offset : offset + n]
+
+
+async def run_arm(judge, pairs, route: str, concurrency: int, batched: bool) -> dict:
+    """Judge ``pairs`` on ``route`` with ``concurrency`` pairs in flight; latencies of each comparison."""
+    from judgeloop.judges.base import Pair
+    from judgeloop.judges.served import verdict_score
+
+    client = judge.client
+    prompts = []
+    for article, a, b in pairs:
+        p = Pair(article, a, b)
+        prompts.append((judge.prompt_ids(p)[0], judge.prompt_ids(p.swapped())[0]))
+    gate = asyncio.Semaphore(concurrency)
+    from judgeloop.judges.served_client import _RateLimiter
+
+    limiter = _RateLimiter(0, 0)
+    wide = asyncio.Semaphore(2 * concurrency)  # the client's own gate: never the bottleneck here
+    latencies, statuses = [], []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=2 * concurrency)) as http:
+
+        async def one(fwd, bwd):
+            async with gate:
+                t0 = time.perf_counter()
+                post = lambda ids: client._post(http, wide, limiter, route, ids, judge._token_ids, "text")  # noqa: E731
+                if batched:
+                    replies = await asyncio.gather(post(fwd), post(bwd))
+                else:
+                    replies = [await post(fwd), await post(bwd)]
+                latencies.append(time.perf_counter() - t0)
+                statuses.extend(verdict_score(r, judge.verdict_ids, judge.labels)[1] for r in replies)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(f, b) for f, b in prompts))
+        wall = time.perf_counter() - t0
+    lat = np.array(latencies)
+    return {
+        "comparisons": len(pairs),
+        "wall_s": round(wall, 3),
+        "comparisons_per_s": round(len(pairs) / wall, 3),
+        "p50_s": round(float(np.quantile(lat, 0.5)), 3),
+        "p99_s": round(float(np.quantile(lat, 0.99)), 3),
+        "statuses": {s: statuses.count(s) for s in sorted(set(statuses))},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=8, help="comparisons per run")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument(
+        "--max-length", type=int, default=512, help="judge.max_length (the article is cut to fit)"
+    )
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp's threads")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+
+    from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
+    from judgeloop.serving import llamacpp
+
+    if not llamacpp.available():
+        sys.exit("llama-cpp-python[server] is not installed: run `make llamacpp`")
+    log = Path(args.out or "runs/bench_served.json").with_suffix(".server.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc, url = llamacpp.start_server(log=log, threads=args.threads)
+    load = [os.getloadavg()[0]]
+    results: dict[str, dict] = {}
+    try:
+        server = ServerConfig(base_url=url, model=llamacpp.SMOLLM2, route="top_logprobs", prompt_format="text",
+                              timeout_s=600, max_retries=0)  # fmt: skip
+        judge = build_judge(JudgeConfig(type="served", model=llamacpp.SMOLLM2, max_length=args.max_length,
+                                        server=server))  # fmt: skip
+        arms = [("top_logprobs", True), ("top_logprobs", False), ("text", True), ("text", False)]
+        offset = 0
+        for k, c in enumerate(args.concurrency):
+            for route, batched in arms if k % 2 == 0 else arms[::-1]:
+                pairs = summeval_pairs(args.pairs, offset)
+                offset += args.pairs
+                name = f"{'logprobs' if route == 'top_logprobs' else 'text'}/{'batched' if batched else 'sequential'}"
+                results[f"{name}@{c}"] = r = asyncio.run(run_arm(judge, pairs, route, c, batched))
+                print(f"{name:22s} c={c:2d}  {r['comparisons_per_s']:6.3f} cmp/s  p50 {r['p50_s']:6.2f} s  "
+                      f"p99 {r['p99_s']:6.2f} s  {r['statuses']}", flush=True)  # fmt: skip
+    finally:
+        llamacpp.stop_server(proc)
+    load.append(os.getloadavg()[0])
+    report = {
+        "server": "llama-cpp-python[server] (llama.cpp), SmolLM2-135M-Instruct Q4_1 GGUF",
+        "threads": args.threads,
+        "pairs": args.pairs,
+        "max_length": args.max_length,
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "load_average_start_end": load,
+        "results": results,
+    }
+    print(f"load average {load[0]:.2f} -> {load[1]:.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
