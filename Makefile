@@ -32,9 +32,6 @@ demo: $(STAMP)
 calibration-demo: $(STAMP)
 	$(VENV)/bin/judgeloop calibrate --config configs/calibrate/embedded_embedding.yaml output_dir=runs/calibration_demo
 
-test: $(STAMP) $(LLAMACPP_STAMP)
-	$(PY) -m pytest -q tests
-
 # The real OpenAI-compatible server of tests/judges/test_served_llamacpp.py (docs/served.md):
 # llama-cpp-python[server], which ships an sdist only, built from source without llama.cpp's tools, tests,
 # examples, curl or OpenMP, for any x86-64 with AVX2 (GGML_NATIVE=OFF). The wheel is cached in
@@ -46,6 +43,10 @@ LLAMACPP_WHEELS := $(JUDGELOOP_CACHE)/wheels
 LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF
 LLAMACPP_STAMP := $(VENV)/.judgeloop-llamacpp-$(LLAMACPP_VERSION)-installed
+
+# (after the variables: make expands a rule's prerequisites when it reads the rule)
+test: $(STAMP) $(LLAMACPP_STAMP)
+	$(PY) -m pytest -q tests
 
 llamacpp-wheel: $(PY)
 	@mkdir -p $(LLAMACPP_WHEELS)
