@@ -20,7 +20,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -37,17 +37,7 @@ Status = Literal[
     "unparsed",
     "failed",
 ]
-STATUSES = (
-    "ok",
-    "truncated",
-    "empty_summary",
-    "nonfinite",
-    "too_long",
-    "outside_topk",
-    "text_only",
-    "unparsed",
-    "failed",
-)
+STATUSES: tuple[str, ...] = get_args(Status)
 # scored statuses; the served judge's ``outside_topk`` (a bound) and ``text_only`` (a hard label) are scored
 # too, so calibration sees and counts them (judges/served.py)
 VALID_STATUSES = ("ok", "truncated", "outside_topk", "text_only")

@@ -52,16 +52,7 @@ def paired_matrix(
 ) -> np.ndarray:
     """``D[s, i] = a[s][i] - b[s][i]`` over the seeds both have, articles in sorted id order; NaN where
     either side is missing or non-finite. ``rows_x[seed][article_id] = value``."""
-    seeds = sorted(set(rows_a) & set(rows_b))
-    ids = sorted({i for s in seeds for i in set(rows_a[s]) | set(rows_b[s])})
-    out = np.full((len(seeds), len(ids)), np.nan)
-    for r, s in enumerate(seeds):
-        for c, i in enumerate(ids):
-            x, y = rows_a[s].get(i), rows_b[s].get(i)
-            if x is not None and y is not None:
-                out[r, c] = float(x) - float(y)
-    out[~np.isfinite(out)] = np.nan
-    return out
+    return aligned_differences(rows_b, rows_a)[0]
 
 
 def paired_bootstrap(diffs: np.ndarray, n_boot: int = 4000, seed: int = 0) -> PairedDelta:
