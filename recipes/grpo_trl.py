@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from judgeloop.config import ConfigError, load_config
+from judgeloop.distributed import release_process_group_at_exit
 from judgeloop.integrations.grpo import GrpoTrlConfig, prompt_rows
 from judgeloop.io import atomic_write_json
 from judgeloop.rundir import run_dir
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             peft_config=peft_config,
         )
 
+        release_process_group_at_exit()  # under accelerate launch: the trainer's group, released at exit
         # 5. Train, then the report: seconds per step, the judge's share, the rewards TRL logged.
         t0 = time.perf_counter()
         trainer.train()

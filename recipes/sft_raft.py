@@ -18,6 +18,7 @@ from trl import SFTConfig, SFTTrainer
 
 from judgeloop.config import load_config, to_dict
 from judgeloop.devices import check_device, on_cpu
+from judgeloop.distributed import release_process_group_at_exit
 from judgeloop.io import atomic_write_json, replace_dir
 from judgeloop.logging import get_logger, setup_logging
 from judgeloop.models import load_causal_lm, load_tokenizer
@@ -91,6 +92,7 @@ trainer = SFTTrainer(
     model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config,
     callbacks=callbacks,
 )  # fmt: skip
+release_process_group_at_exit()  # under accelerate launch: the trainer's group, released at exit
 if len(trainer.train_dataset) == 0:
     raise ValueError(
         f"max_length={cfg.max_length} leaves no training example with a completion token (prompts are longer); "

@@ -262,3 +262,26 @@ def test_a_run_after_another_in_the_same_process_gets_its_own_precision():
     second = new_accelerator(cpu=True)
     assert second.mixed_precision == "no"
     assert new_accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"  # no refusal either
+
+
+def test_a_run_releases_its_process_group_at_exit(tmp_path):
+    """The process group is destroyed at interpreter exit, before finalization (a gloo group left alive
+    aborted one rank of a 2-process DeepSpeed run in CI: "terminate called without an active exception").
+    A real gloo group and a real accelerator in a fresh process; the exit hook registered first runs last
+    and sees the group already gone."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('group alive at exit:', dist.is_initialized(), flush=True))\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "from judgeloop.distributed import new_accelerator\n"
+        "acc = new_accelerator(cpu=True)\n"
+        "print('group alive after the run:', dist.is_initialized(), flush=True)\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "group alive after the run: True" in res.stdout
+    assert "group alive at exit: False" in res.stdout

@@ -240,7 +240,34 @@ def new_accelerator(**kwargs: Any) -> Any:
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    release_process_group_at_exit()
+    return accelerator
+
+
+_RELEASE_REGISTERED = False
+
+
+def _release_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def release_process_group_at_exit() -> None:
+    """Destroy the process group at interpreter exit, while Python is still whole (once per process).
+
+    A process that exits with its gloo group alive can abort in the interpreter's finalization
+    ("terminate called without an active exception", SIGABRT): gloo's worker threads still hold work
+    whose tensors need the GIL. It happened to one rank of a 2-process DeepSpeed run after its report
+    was written. accelerate never destroys the group, so every judgeloop run that makes an accelerator
+    (and the TRL recipes, whose trainers make theirs) registers this; a run in one process is unchanged.
+    """
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        import atexit
+
+        atexit.register(_release_process_group)
+        _RELEASE_REGISTERED = True
 
 
 @contextlib.contextmanager
