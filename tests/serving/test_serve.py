@@ -730,6 +730,8 @@ SURROGATE = b'"p\\ud800"'  # valid JSON, no Unicode text: it was a 500 from the 
          "labels[0] has 51 characters"),
         ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "anchor": LONG, "group_size": 2}, 413,
          "anchor has 51 characters"),
+        ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "group_size": 1}, 422,
+         "group_size=1 (validation with val_kwargs.n=1): a response alone is judged against its anchor"),
     ],
 )  # fmt: skip
 def test_every_client_error_has_the_documented_body(
