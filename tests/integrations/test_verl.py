@@ -82,9 +82,17 @@ def server(length_judge: Path) -> Iterator[str]:
         yield url
 
 
+VERL_COMMAND = "python -m verl.trainer.main_ppo"
+
+
+def test_the_verl_launch_line_is_the_same_on_both_pages() -> None:
+    """docs/integrations.md and docs/serving.md both give it; the reward-path test runs the first."""
+    assert launch_lines("integrations.md", VERL_COMMAND) == launch_lines("serving.md", VERL_COMMAND)
+
+
 def documented_overrides(url: str) -> list[str]:
     """The verl launch line of docs/integrations.md, its server address pointed at the test server."""
-    (line,) = launch_lines("integrations.md", "python -m verl.trainer.main_ppo")
+    (line,) = launch_lines("integrations.md", VERL_COMMAND)
     return [a.replace("http://127.0.0.1:8000", url) for a in line]
 
 
@@ -254,3 +262,17 @@ def test_a_row_the_reward_cannot_score_is_refused_before_posting(
             fn(data_source="summeval", solution_str="s", ground_truth=ground_truth, extra_info=extra_info)
         )
     assert "\n" not in str(err.value) and "reward_kwargs" in str(err.value)
+
+
+@pytest.mark.parametrize("version", ["0.6.1", "0.10.0"])
+def test_an_unsupported_verl_is_refused_naming_the_version_and_the_fix(version: str) -> None:
+    from judgeloop.integrations.verl import SUPPORTED_VERL, check_verl_version
+
+    with pytest.raises(RuntimeError) as err:
+        check_verl_version(version)
+    low, high = SUPPORTED_VERL
+    assert str(err.value) == (
+        f"verl {version} is not supported by judgeloop.integrations.verl (supported: verl>={low},<{high}, "
+        "whose reward loop awaits compute_score once per response); install verl==0.9.1"
+    )
+    assert check_verl_version() == verl.__version__  # the installed one is supported
