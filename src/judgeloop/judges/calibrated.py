@@ -342,6 +342,7 @@ MEANING_KEYS = (
     "panel",
     "server.model",
     "server.route",
+    "extractor",
 )
 
 
