@@ -342,6 +342,7 @@ MEANING_KEYS = (
     "panel",
     "server.model",
     "server.route",
+    "extractor",
 )
 
 
@@ -431,9 +432,12 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
         )
     served = card.get("served")
     if served:
+        extractor = served.get("extractor", "verdict")
+        ids = served.get("verdict_token_ids")  # the grades' under the graded extractor, none for likelihood
+        tokens = f", {'verdict' if extractor == 'verdict' else 'grade'} token ids {ids}" if ids else ""
         lines.append(
             f"- Served: model `{served.get('model')}` at `{config.server.base_url}`, route `{served.get('route')}`"
-            f", verdict token ids {served.get('verdict_token_ids')}."
+            f", extractor `{extractor}`{tokens}."
         )
     if card.get("statuses"):
         lines.append(f"- Judge statuses seen: {card['statuses']}.")
