@@ -230,6 +230,62 @@ def test_every_command_checks_its_numbers(command, override, key):
         load_config(schema, None, [override])
 
 
+def _schemas() -> dict[str, type]:
+    """Every schema a command or recipe loads: the CLI's commands (sft and train-retriever are also their
+    recipes' schemas) and the TRL GRPO recipe's."""
+    from judgeloop.cli import COMMANDS, resolve_command
+    from judgeloop.integrations.grpo import GrpoTrlConfig
+
+    return {**{name: resolve_command(name)[0] for name in COMMANDS}, "recipes/grpo_trl.py": GrpoTrlConfig}
+
+
+def _numeric_fields(cls: type, prefix: str = ""):
+    """(the dataclass, its field name, the dotted key) of every int / float setting under ``cls``."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from judgeloop.config import _is_optional
+
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _is_optional(hints[f.name])[1]
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_fields(tp, f"{prefix}{f.name}.")
+        elif f.init and tp in (int, float):
+            yield cls, f.name, prefix + f.name
+
+
+def test_every_numeric_setting_of_every_command_refuses_nonsense():
+    """-1 and 1e300 in any number of any command's schema are refused in one line naming the key, unless
+    the field's range (the schema's RANGES, else NAME_RANGES by name) explicitly admits the value."""
+    from judgeloop.config import _in_range, _range_of
+
+    # the settings a schema requires, so that each number is checked on a config that otherwise loads
+    required = {"judge_path": "some/judge"}
+    bases = {"label-pairs": {**required, "data": {"path": "pairs.jsonl"}}, "serve-judge": required}
+    bases.update({"recipes/grpo_trl.py": required, "build-raft": {"data": {"path": "questions.jsonl"}}})
+    loose, unclear = [], []
+    checked = 0
+    for command, schema in _schemas().items():
+        base = bases.get(command)
+        load_config(schema, None, base=base)  # the defaults load
+        for cls, name, key in _numeric_fields(schema):
+            rng = _range_of(cls, name)
+            for value in ("-1", "1e300"):
+                checked += 1
+                try:
+                    load_config(schema, None, [f"{key}={value}"], base=base)
+                except ConfigError as err:
+                    if name not in str(err) or "\n" in str(err):
+                        unclear.append(f"{command} {key}={value}: {err}")
+                    continue
+                if rng is None or not _in_range(float(value), rng):
+                    loose.append(f"{command} {key}={value}")
+    assert not loose, f"accepted without a range that admits it: {loose}"
+    assert not unclear, f"refused without naming the setting in one line: {unclear}"
+    assert checked > 400
+
+
 def test_a_truncated_yaml_file_is_one_line(tmp_path):
     path = tmp_path / "cut.yaml"
     path.write_text("judge:\n  scale: [1, 2\n")

@@ -20,6 +20,7 @@ Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import fnmatch
@@ -65,7 +66,22 @@ NAME_RANGES: tuple[tuple[str, Range], ...] = (
     ("num_*", (0, None, "[", "")),
     ("*batch_size", (0, None, "[", "")),
     ("max_*", (0, None, "[", "")),
+    ("min_*", (0, None, "[", "")),
+    ("*_steps", (0, None, "[", "")),
+    ("temperature", (0, None, "(", " (a sampling / softmax temperature)")),
+    ("top_k", (0, None, "[", "")),
+    ("lora_r", (1, None, "[", " (the LoRA rank)")),
+    ("lora_alpha", (0, None, "(", " (the LoRA scaling numerator)")),
+    ("*_max_length", (1, None, "[", " (tokens)")),
+    ("*_max_tokens", (1, None, "[", " (tokens)")),
+    ("*_eps", (0, None, "[", "")),
+    ("*_l2", (0, None, "[", " (an L2 penalty)")),
+    ("*_scale", (0, None, "(", "")),
 )
+
+# a range that admits every finite number: a schema's RANGES gives it to a field where any sign means
+# something (a style weight, a logit offset), so the field is checked on purpose, not forgotten
+ANY_FINITE: Range = (None, None, "()", "")
 
 
 def infinite_ok(default: float, **kwargs: Any) -> Any:
@@ -90,6 +106,8 @@ def _in_range(value: float, rng: Range) -> bool:
 
 def _range_text(rng: Range) -> str:
     low, high, interval, _ = rng
+    if low is None and high is None:
+        return "a finite number"
     if high is None:
         return f"{'>=' if interval[0] == '[' else '>'} {_bound(low or 0)}"
     if low is None:
@@ -396,7 +414,7 @@ def load_config(
     Raises:
         ConfigError: unknown key (with the closest valid one), wrong type, invalid value, missing file.
     """
-    tree: dict[str, Any] = dict(base or {})
+    tree: dict[str, Any] = copy.deepcopy(dict(base or {}))  # an override never edits the caller's base
     if path is not None:
         tree.update(_read_yaml(path, allow_empty))
     for text in overrides:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.devices import Device
 
 
@@ -17,6 +17,7 @@ class LoraSettings:
 
     r: int = 8
     alpha: int = 16
+    RANGES: ClassVar[dict[str, Range]] = {"alpha": (0, None, "(", " (the LoRA scaling numerator)")}
     dropout: float = 0.05
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
