@@ -52,6 +52,9 @@ OLD_RUN_MARKS = (
     "checkpoints", "calibrated_judge", "model", "policy", "dataset",
 )  # fmt: skip
 FIX = "choose a new output_dir, or set overwrite=true to clear it"
+# a command that holds a run folder and launches a recipe writing into it names the folder here, so the
+# recipe's own run_dir does not take the lock a second time (judgeloop sft -> recipes/sft_raft.py)
+HELD_ENV = "JUDGELOOP_HELD_RUN_DIR"
 
 OnMatch = Literal["keep", "clean", "refuse"]
 
@@ -310,6 +313,27 @@ def _decide(
     rd.clean()
 
 
+def held_by_launcher(out_dir: str | Path) -> bool:
+    """Whether the command that launched this process holds ``out_dir`` (see :func:`lent_to_child`)."""
+    held = os.environ.get(HELD_ENV)
+    return bool(held) and Path(held) == Path(out_dir).resolve()
+
+
+@contextlib.contextmanager
+def lent_to_child(out_dir: str | Path) -> Iterator[dict[str, str]]:
+    """While the block runs, a recipe started from it (a subprocess given the yielded environment, or run
+    in this process) finds ``out_dir`` held by its launcher: the launcher keeps the lock and the manifest."""
+    before = os.environ.get(HELD_ENV)
+    os.environ[HELD_ENV] = str(Path(out_dir).resolve())
+    try:
+        yield dict(os.environ)
+    finally:
+        if before is None:
+            os.environ.pop(HELD_ENV, None)
+        else:
+            os.environ[HELD_ENV] = before
+
+
 @contextlib.contextmanager
 def run_dir(
     out_dir: str | Path,
@@ -323,7 +347,7 @@ def run_dir(
 ) -> Iterator[RunDir | None]:
     """:func:`open_run_dir` for the ``with`` block, on the main process only (``None`` on the others); the
     run is marked finished when the block ends without an error, and the lock released however it ends."""
-    if not (is_main_process() if main_process is None else main_process):
+    if not (is_main_process() if main_process is None else main_process) or held_by_launcher(out_dir):
         yield None
         return
     created = not Path(out_dir).exists()

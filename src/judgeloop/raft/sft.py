@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.devices import Device
+from judgeloop.io import DataError
 
 
 @dataclass
@@ -134,7 +135,7 @@ def to_prompt_completion(row: dict[str, Any]) -> dict[str, Any]:
     """A ``messages`` row as TRL's conversational prompt/completion pair (loss on the completion only)."""
     msgs = row["messages"]
     if not msgs or msgs[-1]["role"] != "assistant":
-        raise ValueError(
+        raise DataError(
             "a RAFT row must end with the assistant turn; rebuild the data with judgeloop build-raft"
         )
     return {"prompt": msgs[:-1], "completion": msgs[-1:]}
@@ -146,7 +147,7 @@ def load_sft_dataset(cfg: SftConfig) -> Any:
 
     path = Path(cfg.data_dir) / "dataset"
     if not path.is_dir():
-        raise ValueError(
+        raise DataError(
             f"data_dir={cfg.data_dir} has no dataset/ folder; build it first with "
             "`judgeloop build-raft --config configs/raft/pubmedqa.yaml output_dir=...`"
         )
