@@ -204,6 +204,47 @@ def _take_lock(folder: Path, shared: bool) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def held_folder(out_dir: str | Path, shared: bool = False) -> Iterator[None]:
+    """Hold ``out_dir``'s lock (no manifest decision) while the block runs: for a step that only adds to a
+    run folder opened before (``ablate --aggregate`` writing ``results.*`` beside its jobs)."""
+    fd = _take_lock(Path(out_dir), shared)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def output_file(path: str | Path, command: str, cfg: Any) -> Iterator[dict[str, str]]:
+    """Hold ``PATH.lock`` while a command writes the file ``path`` (and its companions): a second run
+    writing the same file is refused in one line, naming the holder's pid. Yields what the file's summary
+    records to say which run wrote it: the command and its config digest."""
+    path = Path(path)
+    lock = path.with_name(path.name + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise RunDirError(
+            f"output_path={path} is being written by another run, pid {holder}; wait for it to end, or "
+            "choose another output_path"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        yield {"command": command, "config_digest": config_digest(cfg)}
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def check_not_in_use(out_dir: str | Path) -> None:
     """Raise :class:`RunDirError` (naming the holder's pid) when a run holds ``out_dir`` now: call it
     before removing or replacing a run folder by other means than :func:`open_run_dir`."""
