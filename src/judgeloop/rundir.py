@@ -207,7 +207,11 @@ def _take_lock(folder: Path, shared: bool) -> int:
 @contextlib.contextmanager
 def held_folder(out_dir: str | Path, shared: bool = False) -> Iterator[None]:
     """Hold ``out_dir``'s lock (no manifest decision) while the block runs: for a step that only adds to a
-    run folder opened before (``ablate --aggregate`` writing ``results.*`` beside its jobs)."""
+    run folder opened before (``ablate --aggregate`` writing ``results.*`` beside its jobs). A folder that
+    does not exist holds no run and is not created: the block runs unlocked (and says there is nothing)."""
+    if not Path(out_dir).is_dir():
+        yield
+        return
     fd = _take_lock(Path(out_dir), shared)
     try:
         yield
