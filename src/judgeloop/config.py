@@ -445,6 +445,11 @@ def check_output_places(cfg: Any, prefix: str = "") -> None:
         if not isinstance(value, str) or not value or f.name not in OUTPUT_DIR_KEYS + OUTPUT_FILE_KEYS:
             continue
         path = Path(value)
+        if f.name == "cache_dir" and value == "auto":  # the judgeloop cache, not ./auto
+            from judgeloop.models.loading import cache_dir
+
+            path = cache_dir()
+            value = f"auto ({path})"
         if f.name in OUTPUT_DIR_KEYS and path.exists() and not path.is_dir():
             raise ConfigError(f"{key}={value} is a file; point {key} at a folder")
         if f.name in OUTPUT_FILE_KEYS and path.is_dir():

@@ -99,7 +99,7 @@ class ConformalConfig:
     seed: int = 0
     output_dir: str = "runs/conformal"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    cache_dir: str | None = "runs/cache"
+    cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
     def __post_init__(self) -> None:
         check_at_least("", self, "num_trials", 1)

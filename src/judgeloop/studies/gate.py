@@ -92,7 +92,7 @@ class GateConfig:
     seed: int = 0
     output_dir: str = "runs/gate"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    cache_dir: str | None = "runs/cache"
+    cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
     def __post_init__(self) -> None:
         check_range("", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")
