@@ -44,6 +44,10 @@ Range = tuple[float | None, float | None, str, str]
 
 INT64 = (-(2**63), 2**63 - 1)
 
+# the longest wait a setting in seconds or milliseconds may ask for: past it a value is a typo (1e300
+# would overflow the waits it reaches: threading, asyncio and socket timeouts raise OverflowError)
+WEEK_S = 7 * 24 * 3600
+
 # ranges by naming convention (fnmatch patterns, first match wins); a schema's own RANGES table wins
 # over these. Only the values a config sets are checked here (the defaults are the schema's own).
 NAME_RANGES: tuple[tuple[str, Range], ...] = (
@@ -59,8 +63,8 @@ NAME_RANGES: tuple[tuple[str, Range], ...] = (
     ("*_fraction", (0, 1, "[]", "")),
     ("*_ratio", (0, 1, "[]", "")),
     ("*_rate", (0, 1, "[]", "")),
-    ("*_s", (0, None, "[", " (seconds)")),
-    ("*_ms", (0, None, "[", " (milliseconds)")),
+    ("*_s", (0, WEEK_S, "[]", " (seconds; at most a week)")),
+    ("*_ms", (0, WEEK_S * 1000, "[]", " (milliseconds; at most a week)")),
     ("*_every_n_steps", (0, None, "[", " (0 = off)")),
     ("*_every_n_epochs", (0, None, "[", " (0 = off)")),
     ("num_*", (0, None, "[", "")),
@@ -116,9 +120,14 @@ def _range_text(rng: Range) -> str:
 
 
 def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str) -> None:
-    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`)."""
+    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`); ``inf``, where the
+    field is marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is
+    checked like any value: a timeout of -inf is still refused)."""
+    unbounded = {f.name for f in dataclasses.fields(cls) if f.metadata.get("infinite_ok")}  # type: ignore[arg-type]
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if name in unbounded and value == math.inf:
             continue
         rng = _range_of(cls, name)
         if rng is not None and not _in_range(value, rng):
