@@ -360,7 +360,7 @@ def _decide(
 
 def held_by_launcher(out_dir: str | Path) -> bool:
     """Whether the command that launched this process holds ``out_dir`` (see :func:`lent_to_child`)."""
-    held = os.environ.get(HELD_ENV)
+    held = os.environ.get(HELD_ENV, "")
     return bool(held) and Path(held) == Path(out_dir).resolve()
 
 
