@@ -16,17 +16,20 @@ Same as ``judgeloop train-retriever``. The steps (src/judgeloop/retrieval/traine
     after, _ = evaluate_retriever(encoder, eval_data, ...)          # then the model is saved in the
                                                                     # sentence-transformers layout
 
-with atomic checkpoints every ``train.save_every_n_steps`` and exact resume from the latest one.
+with atomic checkpoints every ``train.save_every_n_steps`` and exact resume from the latest one. A config,
+data or output-folder error is one line from the main process and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from judgeloop.commands.train_retriever import TrainRetrieverConfig, run
-from judgeloop.config import load_config
+from judgeloop.config import ConfigError, load_config
+from judgeloop.io import DataError
 from judgeloop.logging import setup_logging
 
 
@@ -36,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.batch_size=64")
     args = parser.parse_args(argv)
     setup_logging()
-    report = run(load_config(TrainRetrieverConfig, args.config, args.overrides))
+    try:
+        report = run(load_config(TrainRetrieverConfig, args.config, args.overrides))
+    except (ConfigError, DataError) as err:  # a setting, the data or the folder refused (RunDirError is a
+        if os.environ.get("RANK", "0") == "0":  # ConfigError): one line, from one rank
+            sys.stderr.write(f"train_retriever: error: {err}\n")
+        return 2
     if report:
         print(json.dumps({k: report[k] for k in ("before", "after", "delta") if k in report}, indent=2))
     return 0

@@ -1,6 +1,11 @@
 """Try the bad inputs a hostile but fair new user tries, and print what each one gets.
 
     .venv/bin/python scripts/probe_errors.py [--out docs/errors.md]
+    .venv/bin/python scripts/probe_errors.py --only "kl_coef=nan" --only "truncated YAML" --out docs/errors.md
+
+``--only TEXT`` (repeatable) runs the command cases whose name holds TEXT and no server probe; with
+``--out`` it replaces (or adds) just those rows of the file's first table, leaving the other rows as
+they were measured.
 
 Each case runs one ``judgeloop`` command in this process (``judgeloop.cli.main``) on inputs built in a
 temporary folder, and records its exit status, the seconds until it stopped, and the first line it
@@ -564,6 +569,48 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
             lambda: ["calibrate", "--config", str(write("empty.yaml", "# to do\n"))],
             "is empty",
         ),
+        (
+            "loss.kl_coef=nan (train)",
+            lambda: ["train", "--config", TINY, f"output_dir={tmp / 'nan'}", "loss.kl_coef=nan"],
+            "'loss.kl_coef'=nan is not a finite number",
+        ),
+        (
+            "optim.learning_rate=inf (train)",
+            lambda: ["train", "--config", TINY, f"output_dir={tmp / 'inf'}", "optim.learning_rate=inf"],
+            "'optim.learning_rate'=inf is not a finite number",
+        ),
+        (
+            "loss.tau=nan (train-retriever)",
+            lambda: [
+                "train-retriever",
+                "--config",
+                str(ROOT / "configs/retriever/scifact.yaml"),
+                f"output_dir={tmp / 'tau'}",
+                "loss.tau=nan",
+            ],  # fmt: skip
+            "'loss.tau'=nan is not a finite number",
+        ),
+        (
+            "server.port=70000 (serve-judge)",
+            lambda: ["serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"), "server.port=70000"],
+            "'server.port'=70000 must be in [0, 65535]",
+        ),
+        (
+            "a truncated YAML config file",
+            lambda: ["calibrate", "--config", str(write("cut.yaml", "judge:\n  scale: [1, 2\n"))],
+            "is not valid YAML",
+        ),
+        (
+            "gate.min_separation=-1 (gate): out of range",
+            lambda: [
+                "gate",
+                "--config",
+                str(ROOT / "configs/gate/scifact.yaml"),
+                f"output_dir={tmp / 'gate'}",
+                "gate.min_separation=-1",
+            ],  # fmt: skip
+            "'gate.min_separation'=-1.0 must be in [0.5, 1]",
+        ),
         *serve_cases(tmp, write),
         *run_dir_cases(tmp, resume_changed),
         *launch_cases(tmp),
@@ -839,15 +886,48 @@ def probe_server(tmp: Path) -> list[tuple[str, int, float, str, bool]]:
     return rows
 
 
+def _row(name: str, rc: int, secs: float, line: str, ok: bool) -> str:
+    return f"| {name} | {rc} | {secs:.1f} | `{line.replace('|', '/')}` | {'ok' if ok else 'FAILED'} |"
+
+
+def _update_rows(rows: list[tuple[str, int, float, str, bool]], out: str | None) -> int:
+    """Print ``rows``; with ``out``, replace those rows of its first table (by case name) or add them at its
+    end, keeping every other row as measured before."""
+    text = "\n".join(_row(*r) for r in rows) + "\n"
+    sys.stdout.write(text)
+    if out:
+        from judgeloop.io import atomic_write_text
+
+        lines = Path(out).read_text().splitlines()
+        end = next(i for i, line in enumerate(lines) if i > 1 and not line.startswith("|"))
+        for r in rows:
+            at = [i for i in range(end) if lines[i].startswith(f"| {r[0]} |")]
+            if at:
+                lines[at[0]] = _row(*r)
+            else:
+                lines.insert(end, _row(*r))
+                end += 1
+        atomic_write_text(out, "\n".join(lines) + "\n")
+    return 0 if all(r[-1] for r in rows) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="run only the cases whose name holds TEXT (repeatable)",
+    )
     args = parser.parse_args()
     logging.getLogger("judgeloop").setLevel(logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name, build, expect in cases(tmp):
+            if args.only and not any(text in name for text in args.only):
+                continue
             built = build()
             env, argv = built if isinstance(built, tuple) else ({}, built)
             with environment(env):
@@ -855,12 +935,11 @@ def main() -> int:
             ok = rc == 2 and (expect in line or expect in line.replace(str(tmp), "TMP"))
             rows.append((name, rc, secs, line.replace(str(tmp), "TMP"), ok))
             print(f"{'ok ' if ok else 'BAD'} {name}: rc={rc} {secs:.1f}s {line[:160]}", file=sys.stderr)
+        if args.only:
+            return _update_rows(rows, args.out)
         http_rows = probe_server(tmp)
     table = ["| case | exit | seconds | first line of stderr | check |", "|---|---|---|---|---|"]
-    table += [
-        f"| {n} | {rc} | {s:.1f} | `{line.replace('|', '/')}` | {'ok' if ok else 'FAILED'} |"
-        for n, rc, s, line, ok in rows
-    ]
+    table += [_row(*r) for r in rows]
     table += [
         "",
         "Requests to a running `judgeloop serve-judge` (a length judge; `server.max_chars_per_text=50`,",

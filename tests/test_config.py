@@ -194,6 +194,8 @@ class Numbers:
         ("miss_rate=1e400", "'miss_rate'=inf is not a finite number"),
         ("width=" + "9" * 400, "is too large for a number"),
         ("port=70000", "'port'=70000 must be in [0, 65535] (0: any free port)"),
+        ("timeout_s=1e300", "'timeout_s'=1e+300 must be in [0, 604800] (seconds; at most a week)"),
+        ("timeout_s=-inf", "'timeout_s'=-inf must be in [0, 604800]"),
         ("kl_coef=-0.5", "'kl_coef'=-0.5 must be >= 0"),
         ("miss_rate=1.5", "'miss_rate'=1.5 must be in [0, 1]"),
         ("width=0.5", "'width'=0.5 must be in [1, 4] (a width)"),
@@ -208,6 +210,7 @@ def test_non_finite_and_out_of_range_numbers_are_one_line(override, message):
 def test_infinity_where_it_means_something_and_ranges_at_their_ends():
     cfg = load_config(Numbers, None, ["timeout_s=inf", "port=0", "miss_rate=1", "kl_coef=0", "width=4"])
     assert cfg.timeout_s == math.inf and cfg.port == 0 and cfg.miss_rate == 1.0 and cfg.width == 4.0
+    assert load_config(Numbers, None, ["timeout_s=604800"]).timeout_s == 604800  # a week: the longest wait
 
 
 @pytest.mark.parametrize(
@@ -228,6 +231,69 @@ def test_every_command_checks_its_numbers(command, override, key):
     schema, _ = resolve_command(command)
     with pytest.raises(ConfigError, match=re.escape(key) + "'?="):
         load_config(schema, None, [override])
+
+
+def _schemas() -> dict[str, type]:
+    """Every schema a command or recipe loads: the CLI's commands (sft and train-retriever are also their
+    recipes' schemas) and the TRL GRPO recipe's."""
+    from judgeloop.cli import COMMANDS, resolve_command
+    from judgeloop.integrations.grpo import GrpoTrlConfig
+
+    return {**{name: resolve_command(name)[0] for name in COMMANDS}, "recipes/grpo_trl.py": GrpoTrlConfig}
+
+
+def _numeric_fields(cls: type, prefix: str = ""):
+    """(the dataclass, its field name, the dotted key) of every int / float setting under ``cls``."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from judgeloop.config import _is_optional
+
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _is_optional(hints[f.name])[1]
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_fields(tp, f"{prefix}{f.name}.")
+        elif f.init and tp in (int, float):
+            yield cls, f.name, prefix + f.name
+
+
+def test_every_numeric_setting_of_every_command_refuses_nonsense():
+    """-1 and 1e300 in any number of any command's schema are refused in one line naming the key, unless
+    the field's range (the schema's RANGES, else NAME_RANGES by name) explicitly admits the value; a
+    setting in seconds or milliseconds (``*_s``, ``*_ms``) never admits 1e300 (the waits it reaches raise
+    OverflowError)."""
+    from judgeloop.config import _in_range, _range_of
+
+    # the settings a schema requires, so that each number is checked on a config that otherwise loads
+    required = {"judge_path": "some/judge"}
+    bases = {"label-pairs": {**required, "data": {"path": "pairs.jsonl"}}, "serve-judge": required}
+    bases.update({"recipes/grpo_trl.py": required, "build-raft": {"data": {"path": "questions.jsonl"}}})
+    loose, unclear, waits = [], [], []
+    checked = 0
+    for command, schema in _schemas().items():
+        base = bases.get(command)
+        load_config(schema, None, base=base)  # the defaults load
+        for cls, name, key in _numeric_fields(schema):
+            rng = _range_of(cls, name)
+            wait = name.endswith(("_s", "_ms"))
+            waits += [key] if wait else []
+            for value in ("-1", "1e300"):
+                checked += 1
+                try:
+                    load_config(schema, None, [f"{key}={value}"], base=base)
+                except ConfigError as err:
+                    if name not in str(err) or "\n" in str(err):
+                        unclear.append(f"{command} {key}={value}: {err}")
+                    continue
+                if rng is None or not _in_range(float(value), rng) or (wait and value == "1e300"):
+                    loose.append(f"{command} {key}={value}")
+    assert not loose, f"accepted without a range that admits it: {loose}"
+    assert len(set(waits)) >= 6, (
+        waits
+    )  # the server's, the client's, the loop's and verl's timeouts are walked
+    assert not unclear, f"refused without naming the setting in one line: {unclear}"
+    assert checked > 400
 
 
 def test_a_truncated_yaml_file_is_one_line(tmp_path):

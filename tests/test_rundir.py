@@ -294,3 +294,32 @@ def test_an_ablation_job_held_by_another_run_is_neither_cleaned_nor_resumed(tmp_
     finally:
         held.release()
         grid.release()
+
+
+def test_mine_negatives_is_refused_while_another_run_writes_its_output(tmp_path, capsys):
+    from judgeloop.cli import main
+    from judgeloop.commands.mine_negatives import MineNegativesConfig
+    from judgeloop.rundir import output_file
+
+    out = tmp_path / "negatives.jsonl"
+    config = str(ROOT / "configs" / "retriever" / "mine_scifact.yaml")
+    with output_file(out, "mine-negatives", MineNegativesConfig(output_path=str(out))) as run_id:
+        assert run_id["command"] == "mine-negatives" and len(run_id["config_digest"]) > 8
+        capsys.readouterr()
+        assert main(["mine-negatives", "--config", config, f"output_path={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"output_path={out} is being written by another run, pid {os.getpid()}" in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_ablate_aggregate_waits_for_no_grid_run_holding_the_folder(tmp_path):
+    from judgeloop.commands.ablate import run
+    from judgeloop.config import load_config
+    from judgeloop.loop.config import FeedbackLoopConfig
+    from judgeloop.rundir import RunDirError
+
+    cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={tmp_path / 'grid'}"])
+    grid_run = run_dir(cfg.output_dir, "ablate", cfg, on_match="keep")  # a whole grid, writing results.*
+    with grid_run, pytest.raises(RunDirError, match="is in use by another run"):
+        run(cfg, aggregate_only=True)
+    assert not (tmp_path / "grid" / "results.json").exists()

@@ -20,6 +20,7 @@ Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import fnmatch
@@ -43,6 +44,10 @@ Range = tuple[float | None, float | None, str, str]
 
 INT64 = (-(2**63), 2**63 - 1)
 
+# the longest wait a setting in seconds or milliseconds may ask for: past it a value is a typo (1e300
+# would overflow the waits it reaches: threading, asyncio and socket timeouts raise OverflowError)
+WEEK_S = 7 * 24 * 3600
+
 # ranges by naming convention (fnmatch patterns, first match wins); a schema's own RANGES table wins
 # over these. Only the values a config sets are checked here (the defaults are the schema's own).
 NAME_RANGES: tuple[tuple[str, Range], ...] = (
@@ -58,14 +63,29 @@ NAME_RANGES: tuple[tuple[str, Range], ...] = (
     ("*_fraction", (0, 1, "[]", "")),
     ("*_ratio", (0, 1, "[]", "")),
     ("*_rate", (0, 1, "[]", "")),
-    ("*_s", (0, None, "[", " (seconds)")),
-    ("*_ms", (0, None, "[", " (milliseconds)")),
+    ("*_s", (0, WEEK_S, "[]", " (seconds; at most a week)")),
+    ("*_ms", (0, WEEK_S * 1000, "[]", " (milliseconds; at most a week)")),
     ("*_every_n_steps", (0, None, "[", " (0 = off)")),
     ("*_every_n_epochs", (0, None, "[", " (0 = off)")),
     ("num_*", (0, None, "[", "")),
     ("*batch_size", (0, None, "[", "")),
     ("max_*", (0, None, "[", "")),
+    ("min_*", (0, None, "[", "")),
+    ("*_steps", (0, None, "[", "")),
+    ("temperature", (0, None, "(", " (a sampling / softmax temperature)")),
+    ("top_k", (0, None, "[", "")),
+    ("lora_r", (1, None, "[", " (the LoRA rank)")),
+    ("lora_alpha", (0, None, "(", " (the LoRA scaling numerator)")),
+    ("*_max_length", (1, None, "[", " (tokens)")),
+    ("*_max_tokens", (1, None, "[", " (tokens)")),
+    ("*_eps", (0, None, "[", "")),
+    ("*_l2", (0, None, "[", " (an L2 penalty)")),
+    ("*_scale", (0, None, "(", "")),
 )
+
+# a range that admits every finite number: a schema's RANGES gives it to a field where any sign means
+# something (a style weight, a logit offset), so the field is checked on purpose, not forgotten
+ANY_FINITE: Range = (None, None, "()", "")
 
 
 def infinite_ok(default: float, **kwargs: Any) -> Any:
@@ -90,6 +110,8 @@ def _in_range(value: float, rng: Range) -> bool:
 
 def _range_text(rng: Range) -> str:
     low, high, interval, _ = rng
+    if low is None and high is None:
+        return "a finite number"
     if high is None:
         return f"{'>=' if interval[0] == '[' else '>'} {_bound(low or 0)}"
     if low is None:
@@ -98,9 +120,14 @@ def _range_text(rng: Range) -> str:
 
 
 def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str) -> None:
-    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`)."""
+    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`); ``inf``, where the
+    field is marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is
+    checked like any value: a timeout of -inf is still refused)."""
+    unbounded = {f.name for f in dataclasses.fields(cls) if f.metadata.get("infinite_ok")}  # type: ignore[arg-type]
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if name in unbounded and value == math.inf:
             continue
         rng = _range_of(cls, name)
         if rng is not None and not _in_range(value, rng):
@@ -396,7 +423,7 @@ def load_config(
     Raises:
         ConfigError: unknown key (with the closest valid one), wrong type, invalid value, missing file.
     """
-    tree: dict[str, Any] = dict(base or {})
+    tree: dict[str, Any] = copy.deepcopy(dict(base or {}))  # an override never edits the caller's base
     if path is not None:
         tree.update(_read_yaml(path, allow_empty))
     for text in overrides:
@@ -427,6 +454,11 @@ def check_output_places(cfg: Any, prefix: str = "") -> None:
         if not isinstance(value, str) or not value or f.name not in OUTPUT_DIR_KEYS + OUTPUT_FILE_KEYS:
             continue
         path = Path(value)
+        if f.name == "cache_dir" and value == "auto":  # the judgeloop cache, not ./auto
+            from judgeloop.models.loading import cache_dir
+
+            path = cache_dir()
+            value = f"auto ({path})"
         if f.name in OUTPUT_DIR_KEYS and path.exists() and not path.is_dir():
             raise ConfigError(f"{key}={value} is a file; point {key} at a folder")
         if f.name in OUTPUT_FILE_KEYS and path.is_dir():

@@ -27,11 +27,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 from scipy.special import expit
 
+from judgeloop.config import Range
 from judgeloop.judges.calibrated import Comparison
 
 Scheme = Literal["all_pairs", "round_robin", "anchor"]
@@ -91,6 +92,7 @@ class RewardConfig:
     aggregate: Aggregate = "win_rate"
     m: int = 2
     prior: float = 0.1
+    RANGES: ClassVar[dict[str, Range]] = {"prior": (0, None, "(", " (the Bradley-Terry prior precision)")}
     probability: Literal["calibrated", "raw"] = "calibrated"
 
     def __post_init__(self) -> None:

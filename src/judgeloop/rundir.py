@@ -52,6 +52,9 @@ OLD_RUN_MARKS = (
     "checkpoints", "calibrated_judge", "model", "policy", "dataset",
 )  # fmt: skip
 FIX = "choose a new output_dir, or set overwrite=true to clear it"
+# a command that holds a run folder and launches a recipe writing into it names the folder here, so the
+# recipe's own run_dir does not take the lock a second time (judgeloop sft -> recipes/sft_raft.py)
+HELD_ENV = "JUDGELOOP_HELD_RUN_DIR"
 
 OnMatch = Literal["keep", "clean", "refuse"]
 
@@ -201,6 +204,51 @@ def _take_lock(folder: Path, shared: bool) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def held_folder(out_dir: str | Path, shared: bool = False) -> Iterator[None]:
+    """Hold ``out_dir``'s lock (no manifest decision) while the block runs: for a step that only adds to a
+    run folder opened before (``ablate --aggregate`` writing ``results.*`` beside its jobs). A folder that
+    does not exist holds no run and is not created: the block runs unlocked (and says there is nothing)."""
+    if not Path(out_dir).is_dir():
+        yield
+        return
+    fd = _take_lock(Path(out_dir), shared)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def output_file(path: str | Path, command: str, cfg: Any) -> Iterator[dict[str, str]]:
+    """Hold ``PATH.lock`` while a command writes the file ``path`` (and its companions): a second run
+    writing the same file is refused in one line, naming the holder's pid. Yields what the file's summary
+    records to say which run wrote it: the command and its config digest."""
+    path = Path(path)
+    lock = path.with_name(path.name + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise RunDirError(
+            f"output_path={path} is being written by another run, pid {holder}; wait for it to end, or "
+            "choose another output_path"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        yield {"command": command, "config_digest": config_digest(cfg)}
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def check_not_in_use(out_dir: str | Path) -> None:
     """Raise :class:`RunDirError` (naming the holder's pid) when a run holds ``out_dir`` now: call it
     before removing or replacing a run folder by other means than :func:`open_run_dir`."""
@@ -310,6 +358,27 @@ def _decide(
     rd.clean()
 
 
+def held_by_launcher(out_dir: str | Path) -> bool:
+    """Whether the command that launched this process holds ``out_dir`` (see :func:`lent_to_child`)."""
+    held = os.environ.get(HELD_ENV, "")
+    return bool(held) and Path(held) == Path(out_dir).resolve()
+
+
+@contextlib.contextmanager
+def lent_to_child(out_dir: str | Path) -> Iterator[dict[str, str]]:
+    """While the block runs, a recipe started from it (a subprocess given the yielded environment, or run
+    in this process) finds ``out_dir`` held by its launcher: the launcher keeps the lock and the manifest."""
+    before = os.environ.get(HELD_ENV)
+    os.environ[HELD_ENV] = str(Path(out_dir).resolve())
+    try:
+        yield dict(os.environ)
+    finally:
+        if before is None:
+            os.environ.pop(HELD_ENV, None)
+        else:
+            os.environ[HELD_ENV] = before
+
+
 @contextlib.contextmanager
 def run_dir(
     out_dir: str | Path,
@@ -323,7 +392,7 @@ def run_dir(
 ) -> Iterator[RunDir | None]:
     """:func:`open_run_dir` for the ``with`` block, on the main process only (``None`` on the others); the
     run is marked finished when the block ends without an error, and the lock released however it ends."""
-    if not (is_main_process() if main_process is None else main_process):
+    if not (is_main_process() if main_process is None else main_process) or held_by_launcher(out_dir):
         yield None
         return
     created = not Path(out_dir).exists()

@@ -408,3 +408,40 @@ def test_resuming_a_checkpoint_past_max_steps_is_refused_naming_both(tmp_path):
             )
         )
     assert not (out / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        ("state.json", '{"step": 3, "cursor"', "not valid JSON (Expecting ':' delimiter: line 1 column 21"),
+        ("state.json", '{"step": NaN}', "NaN is not strict JSON"),
+        ("state.json", '{"step": "three"}', "step='three' is not a step number"),
+        ("state.json", "[3]", "expected a JSON object, got list"),
+        ("calibrator.json", '{"method": "platt", "a_": 1.0, "b', "not valid JSON (Unterminated string"),
+        ("calibrator.json", None, "does not exist"),
+    ],
+)
+def test_a_damaged_checkpoint_file_is_one_line_naming_it(tmp_path, name, text, says):
+    """calibrator.json and state.json were read with plain json.loads: a truncated file was a
+    JSONDecodeError traceback (and NaN passed). Now one line names the file, checked on resume before any
+    weights load (the accelerator is never touched: None here)."""
+    from judgeloop.io import DataError
+    from judgeloop.loop.checkpoint import checked_resume, load_checkpoint
+
+    ckpt = tmp_path / "checkpoints" / "step_3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text('{"step": 3}')
+    (ckpt / "calibrator.json").write_text('{"method": "platt"}')
+    if text is None:
+        (ckpt / name).unlink()
+    else:
+        (ckpt / name).write_text(text)
+    what = "checkpoint state" if name == "state.json" else "checkpoint calibrator"
+    for read in (lambda: checked_resume("", ckpt, ()), lambda: load_checkpoint(None, ckpt)):
+        with pytest.raises(DataError) as err:
+            read()
+        msg = str(err.value)
+        assert msg.startswith(f"{what} {ckpt / name}") and says in msg and "\n" not in msg, msg
+        assert msg.endswith(
+            "; resume from another checkpoint under OUTPUT_DIR/checkpoints/, or start a new run"
+        )

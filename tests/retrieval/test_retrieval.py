@@ -19,6 +19,7 @@ from judgeloop.retrieval.beir import (
     check_query_split,
     load_beir,
     load_pairs,
+    load_qrels,
     split_queries,
 )
 from judgeloop.retrieval.gradcache import grad_cache_step, split_features
@@ -324,6 +325,17 @@ def test_load_beir_rejects_unknown_doc(tmp_path):
 def test_load_beir_rejects_unknown_query(tmp_path):
     with pytest.raises(DataError, match="not in"):
         load_beir(*_write_beir(tmp_path, ["q7\td0\t1"]))
+
+
+@pytest.mark.parametrize("score", ["inf", "-inf", "nan", "1e999", "high"])
+def test_a_qrels_score_that_is_not_a_finite_number_is_one_line_naming_the_line(tmp_path, score):
+    """``inf`` was an OverflowError traceback from int(float(...)); every non-finite score is a DataError."""
+    qrels = _write_beir(tmp_path, ["q0\td0\t1", f"q1\td1\t{score}"])[2]
+    with pytest.raises(DataError) as err:
+        load_qrels(qrels)
+    assert str(err.value) == (
+        f"{qrels}:3: score '{score}' is not a finite number; a qrels score is a relevance grade (e.g. 0, 1, 2)"
+    )
 
 
 def test_load_pairs(tmp_path):

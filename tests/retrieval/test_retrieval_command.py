@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from judgeloop.config import ConfigError, load_config
+from judgeloop.config import ConfigError, check_output_places, load_config
 from judgeloop.retrieval.encoder import BiEncoder
 from judgeloop.retrieval.mining import load_negatives
 
@@ -482,17 +483,31 @@ def test_the_shipped_embedding_cache_lives_in_the_judgeloop_cache_not_the_workin
     tmp_path, monkeypatch
 ):
     """The retriever configs wrote the embedding cache to ./outputs/ of whatever folder the command ran
-    in; ``auto`` (what they ship) is ``embeddings/`` under $JUDGELOOP_CACHE."""
+    in, and the conformal, gate, route and answer studies to ./runs/cache/; ``auto`` (what they all ship,
+    and the studies' default) is ``embeddings/`` (the reader's answers: ``answers/``) under $JUDGELOOP_CACHE."""
     from judgeloop.commands.mine_negatives import MineNegativesConfig
-    from judgeloop.retrieval.embedding_cache import encode_texts
+    from judgeloop.retrieval.embedding_cache import encode_texts, resolve_cache_dir
     from judgeloop.retrieval.trainer_config import TrainRetrieverConfig
+    from judgeloop.studies.answer import AnswerConfig
+    from judgeloop.studies.conformal import ConformalConfig
+    from judgeloop.studies.gate import GateConfig
+    from judgeloop.studies.routing import RouteConfig
 
-    root = Path(__file__).resolve().parents[2] / "configs" / "retriever"
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    root = configs / "retriever"
     shipped = [
         load_config(TrainRetrieverConfig, root / "scifact.yaml").eval.embedding_cache_dir,
         load_config(MineNegativesConfig, root / "mine_scifact.yaml").embedding_cache_dir,
     ]
-    assert shipped == ["auto", "auto"]
+    studies = {
+        ConformalConfig: ["conformal/scifact.yaml"],
+        GateConfig: ["gate/scifact.yaml", "gate/scifact_escalate.yaml"],
+        RouteConfig: ["routing/squad2.yaml", "routing/pubmedqa.yaml"],
+        AnswerConfig: ["routing/squad2_abstain.yaml"],
+    }
+    for schema, files in studies.items():
+        shipped += [schema().cache_dir] + [load_config(schema, configs / f).cache_dir for f in files]
+    assert shipped == ["auto"] * len(shipped)
     work, cache = tmp_path / "work", tmp_path / "jl-cache"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -500,4 +515,12 @@ def test_the_shipped_embedding_cache_lives_in_the_judgeloop_cache_not_the_workin
     enc = BiEncoder.from_pretrained("judgeloop-tiny/encoder", max_length=32)
     encode_texts(enc, DOCS, 4, False, cache_dir="auto")
     assert len(list((cache / "embeddings").glob("*.pt"))) == 1
+    assert resolve_cache_dir("auto", "answers") == cache / "answers"  # where the answer study's reader caches
+    # checked before any work where it resolves, not as a folder ./auto
+    monkeypatch.setenv("JUDGELOOP_CACHE", str(not_a_folder := tmp_path / "a-file"))
+    not_a_folder.write_text("")
+    with pytest.raises(
+        ConfigError, match=re.escape(f"cache_dir=auto ({not_a_folder}) is a file; point cache_dir at")
+    ):
+        check_output_places(GateConfig())
     assert list(work.iterdir()) == []

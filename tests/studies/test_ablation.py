@@ -498,7 +498,7 @@ def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, c
         f"judgeloop ablate: error: --aggregate: no job has finished under {empty} (0 of 4 have a report.json); "
         "run them first, one per line of --list-jobs (judgeloop ablate ... --job ARM:SEED), or check output_dir"
     )
-    assert not (empty / "results.md").exists()
+    assert not empty.exists()  # a mistyped output_dir: nothing created, not even the folder's lock
 
     some = tmp_path / "some"
     shutil.copytree(one_process, some)

@@ -13,7 +13,7 @@ from typing import Any
 
 from judgeloop.config import ConfigError
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.rundir import run_dir
+from judgeloop.rundir import held_folder, run_dir
 from judgeloop.studies.ablation import jobs, parse_job, run_ablation
 from judgeloop.studies.ablation_report import aggregate
 
@@ -44,7 +44,8 @@ def run(
             raise ConfigError(str(err)) from err
     if aggregate_only:  # reads the job folders (each checked against this config) and writes results.* only,
         # so it also rebuilds a grid an older judgeloop ran (a committed study, with no run.json)
-        results = aggregate(cfg, allow_missing)
+        with held_folder(cfg.output_dir, shared=True):  # not while a whole-grid run (exclusive) writes it
+            results = aggregate(cfg, allow_missing)
         sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
         return results
     # the grid's folder: --job tasks at once share it, each job folder held by its own run

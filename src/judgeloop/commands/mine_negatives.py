@@ -14,6 +14,7 @@ from judgeloop.retrieval.mining import MiningConfig, save_negatives
 from judgeloop.retrieval.trainer import mine_negatives
 from judgeloop.retrieval.trainer_config import NegativesConfig as _Negatives
 from judgeloop.retrieval.trainer_config import RetrievalDataPaths, RetrieverModelConfig
+from judgeloop.rundir import output_file
 
 logger = get_logger(__name__)
 
@@ -43,7 +44,13 @@ class MineNegativesConfig:
 
 
 def run(cfg: MineNegativesConfig) -> dict[str, Any]:
-    """Mine and save negatives; returns (and writes next to the output) a small summary."""
+    """Mine and save negatives; returns (and writes next to the output) a small summary, which names the
+    command and config digest of the run that wrote them. The output is locked while the run writes it."""
+    with output_file(cfg.output_path, "mine-negatives", cfg) as run_id:
+        return _mine(cfg, run_id)
+
+
+def _mine(cfg: MineNegativesConfig, run_id: dict[str, str]) -> dict[str, Any]:
     data = cfg.data.load()
     encoder = BiEncoder.from_pretrained(
         cfg.model.name,
@@ -63,6 +70,7 @@ def run(cfg: MineNegativesConfig) -> dict[str, Any]:
     save_negatives(cfg.output_path, negatives)
     counts = [len(v) for v in negatives.values()]
     summary = {
+        **run_id,
         "output_path": cfg.output_path,
         "num_queries": len(negatives),
         "mean_negatives": sum(counts) / len(counts) if counts else 0.0,

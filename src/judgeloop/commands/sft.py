@@ -16,7 +16,7 @@ from judgeloop.devices import check_device
 from judgeloop.logging import get_logger
 from judgeloop.raft.sft import SftConfig
 from judgeloop.recipes import recipe_path
-from judgeloop.rundir import run_dir
+from judgeloop.rundir import lent_to_child, run_dir
 from judgeloop.tracking import check_trackers
 
 logger = get_logger(__name__)
@@ -34,7 +34,6 @@ def run(cfg: SftConfig) -> dict[str, Any]:
 
 def _launch(cfg: SftConfig) -> dict[str, Any]:
     import json
-    import runpy
 
     from judgeloop.config import to_yaml
     from judgeloop.io import atomic_write_text
@@ -43,29 +42,39 @@ def _launch(cfg: SftConfig) -> dict[str, Any]:
     cfg_path = out / "sft_config.yaml"
     atomic_write_text(cfg_path, to_yaml(cfg))
     recipe = recipe_path("sft_raft.py")
-    if cfg.launch == "inline":
-        argv = sys.argv
-        try:
-            sys.argv = [str(recipe), "--config", str(cfg_path)]
-            runpy.run_path(str(recipe), run_name="__main__")
-        finally:
-            sys.argv = argv
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-        if cfg.accelerate_config:
-            cmd += ["--config_file", cfg.accelerate_config]
+    with lent_to_child(out) as env:  # the recipe writes into the folder this run holds
+        if cfg.launch == "inline":
+            _inline(recipe, cfg_path)
         else:
-            cmd += [
-                "--num_processes",
-                "1",
-                "--num_machines",
-                "1",
-                "--mixed_precision",
-                "no",
-                "--dynamo_backend",
-                "no",
-            ]
-        cmd += [str(recipe), "--config", str(cfg_path)]
-        logger.info("launching: %s", " ".join(cmd))
-        subprocess.run(cmd, check=True)
+            _accelerate_launch(cfg, recipe, cfg_path, env)
     return json.loads((out / "train_report.json").read_text())
+
+
+def _inline(recipe: Path, cfg_path: Path) -> None:
+    import runpy
+
+    status = runpy.run_path(str(recipe), run_name="sft_raft")["main"](["--config", str(cfg_path)])
+    if status:  # the recipe has said why in one line
+        raise SystemExit(status)
+
+
+def _accelerate_launch(cfg: SftConfig, recipe: Path, cfg_path: Path, env: dict[str, str]) -> None:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if cfg.accelerate_config:
+        cmd += ["--config_file", cfg.accelerate_config]
+    else:
+        cmd += [
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+        ]
+    cmd += [str(recipe), "--config", str(cfg_path)]
+    logger.info("launching: %s", " ".join(cmd))
+    status = subprocess.run(cmd, env=env).returncode
+    if status:  # the recipe has said why (one line for a refused setting, else its traceback)
+        raise SystemExit(status)

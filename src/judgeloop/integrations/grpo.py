@@ -9,9 +9,9 @@ article), the ``article`` the judge reads the completions against and the ``refe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from judgeloop.config import check_at_least
+from judgeloop.config import Range, check_at_least
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
@@ -51,6 +51,10 @@ class GrpoTrainConfig:
     max_steps: int = 10
     logging_steps: int = 1
     seed: int = 0
+    RANGES: ClassVar[dict[str, Range]] = {
+        "beta": (0, None, "[", " (TRL's KL weight; 0: no reference model)"),
+        "logging_steps": (1, None, "[", ""),
+    }
 
     def __post_init__(self) -> None:
         check_at_least("grpo", self, "num_generations", 2, " (a group needs two completions to compare)")

@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
+from judgeloop.config import ANY_FINITE, Range
 from judgeloop.judges.base import (
     VALID_STATUSES,
     Judge,
@@ -152,6 +153,11 @@ class JudgeConfig:
     device: str = "auto"
     cache_size: int = 100_000
     style_weight: float = 0.0
+    # a style bias either way is an experiment (negative: the judge leans against the style)
+    RANGES: ClassVar[dict[str, Range]] = {
+        "style_weight": ANY_FINITE,
+        "scale": (0, None, "(", " (the embedding judge's logit per unit of cosine difference)"),
+    }
     style_feature: str = "copy_rate"
     name: str = ""
     signal: Literal["rouge", "length", "copy_rate", "factual"] = "rouge"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
 from judgeloop.distributed import gathered_state_dict, is_fsdp, load_trainable_state, trainable_state
-from judgeloop.io import atomic_dir, atomic_write_json
+from judgeloop.io import DataError, atomic_dir, atomic_write_json, read_json
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -187,7 +187,7 @@ def checked_resume(
             f"resume_from={path} is not a checkpoint directory (no state.json); "
             "pass a directory written under OUTPUT_DIR/checkpoints/"
         )
-    step = int(json.loads((path / "state.json").read_text()).get("step", 0))
+    step = _read_state(path)[1].get("step", 0)
     if not (path / "config.yaml").is_file():
         return step  # a checkpoint from before configs were stored in it: nothing to compare
     saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
@@ -217,6 +217,7 @@ def load_checkpoint(accelerator: Any, path: str | Path) -> tuple[dict[str, Any],
             f"resume_from={path} is not a checkpoint directory (no state.json); "
             "pass a directory written under OUTPUT_DIR/checkpoints/"
         )
+    calibrator, state = _read_state(path)  # a damaged file fails here, before any weights are loaded
     if (path / "optimizer.pt").is_file():  # the earlier layout
         load_policy_weights(path, accelerator, accelerator._models[0])
 
@@ -228,4 +229,16 @@ def load_checkpoint(accelerator: Any, path: str | Path) -> tuple[dict[str, Any],
         set_rng_state(load("rng.pt"))
     else:
         load_training_checkpoint(accelerator, path)
-    return json.loads((path / "calibrator.json").read_text()), json.loads((path / "state.json").read_text())
+    return calibrator, state
+
+
+def _read_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint's ``calibrator.json`` and ``state.json``, read strictly: a missing, truncated or
+    damaged file, or a step that is not a whole number, is a :class:`DataError` in one line naming it."""
+    fix = "resume from another checkpoint under OUTPUT_DIR/checkpoints/, or start a new run"
+    state = read_json(path / "state.json", "checkpoint state", fix)
+    step = state.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise DataError(f"checkpoint state {path / 'state.json'}: step={step!r} is not a step number; {fix}")
+    calibrator = read_json(path / "calibrator.json", "checkpoint calibrator", fix)
+    return calibrator, state

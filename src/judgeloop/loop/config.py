@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
@@ -136,6 +136,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     autocast: bool = False
+    RANGES: ClassVar[dict[str, Range]] = {"top_k": (0, None, "[", " (0: off)")}
     num_samples_per_article: int = 2
     backend: Literal["hf", "vllm"] = "hf"
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -182,6 +183,10 @@ class LossConfig:
     kl_adaptive: bool = False
     kl_target: float = 1.0
     kl_horizon: int = 100
+    RANGES: ClassVar[dict[str, Range]] = {
+        "beta": (0, None, "(", " (the DPO temperature)"),
+        "kl_target": (0, None, "(", " (the adaptive KL controller's target, in nats)"),
+    }
 
     def __post_init__(self) -> None:
         check_at_least("loss", self, "beta", 0, strict=True)
@@ -284,6 +289,10 @@ class LoopCalibrationConfig:
     RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
     num_bins: int = 10
     oracle_scale: float = 20.0
+    RANGES: ClassVar[dict[str, Range]] = {
+        "ece_threshold": (0, 1, "[]", " (an ECE is a probability gap)"),
+        "min_points": (1, None, "[", " (pairs a calibrator needs to be fitted)"),
+    }
     refit_accept: Literal["better", "always"] = "better"
     ece_bootstrap: int = 1000
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.devices import Device
+from judgeloop.io import DataError
 
 
 @dataclass
@@ -17,6 +18,7 @@ class LoraSettings:
 
     r: int = 8
     alpha: int = 16
+    RANGES: ClassVar[dict[str, Range]] = {"alpha": (0, None, "(", " (the LoRA scaling numerator)")}
     dropout: float = 0.05
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -133,7 +135,7 @@ def to_prompt_completion(row: dict[str, Any]) -> dict[str, Any]:
     """A ``messages`` row as TRL's conversational prompt/completion pair (loss on the completion only)."""
     msgs = row["messages"]
     if not msgs or msgs[-1]["role"] != "assistant":
-        raise ValueError(
+        raise DataError(
             "a RAFT row must end with the assistant turn; rebuild the data with judgeloop build-raft"
         )
     return {"prompt": msgs[:-1], "completion": msgs[-1:]}
@@ -145,7 +147,7 @@ def load_sft_dataset(cfg: SftConfig) -> Any:
 
     path = Path(cfg.data_dir) / "dataset"
     if not path.is_dir():
-        raise ValueError(
+        raise DataError(
             f"data_dir={cfg.data_dir} has no dataset/ folder; build it first with "
             "`judgeloop build-raft --config configs/raft/pubmedqa.yaml output_dir=...`"
         )

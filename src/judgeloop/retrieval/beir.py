@@ -110,8 +110,11 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
             )
         try:
             grade = int(float(row[2]))
-        except ValueError as err:
-            raise DataError(f"{path}:{lineno}: score {row[2]!r} is not a number") from err
+        except (ValueError, OverflowError):  # not a number, nan (ValueError) or inf (OverflowError)
+            raise DataError(
+                f"{path}:{lineno}: score {row[2]!r} is not a finite number; a qrels score is a relevance grade "
+                "(e.g. 0, 1, 2)"
+            ) from None
         qrels.setdefault(row[0].strip(), {})[row[1].strip()] = grade
     if not qrels:
         raise DataError(f"qrels file '{path}' holds no judgements")

@@ -27,15 +27,20 @@ from judgeloop.retrieval.encoder import BiEncoder
 logger = get_logger(__name__)
 
 
-def resolve_cache_dir(cache_dir: str | Path | None) -> Path | None:
-    """The folder a ``cache_dir`` setting names: ``auto`` is ``embeddings/`` under the judgeloop cache
-    (shared by every run, whatever its working directory); None or empty: no cache."""
+def resolve_cache_dir(cache_dir: str | Path | None, kind: str = "embeddings") -> Path | None:
+    """The folder a ``cache_dir`` setting names: ``auto`` is ``kind/`` under the judgeloop cache (shared by
+    every run, whatever its working directory); None or empty: no cache; any other value: that folder.
+
+    Args:
+        cache_dir: the setting (``auto``, a folder, or None / empty).
+        kind: the subfolder ``auto`` resolves to (``embeddings``; ``answers`` for the reader's answers).
+    """
     if not cache_dir:
         return None
     if str(cache_dir) == "auto":
         from judgeloop.models.loading import cache_dir as judgeloop_cache
 
-        return judgeloop_cache() / "embeddings"
+        return judgeloop_cache() / kind
     return Path(cache_dir)
 
 

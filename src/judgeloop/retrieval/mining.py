@@ -21,11 +21,11 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.io import atomic_write_jsonl, check_kind, check_row, read_jsonl
 from judgeloop.logging import get_logger
 
@@ -56,6 +56,7 @@ class MiningConfig:
     range_max: int = 30
     margin: float | None = None
     relative_margin: float | None = 0.95
+    RANGES: ClassVar[dict[str, Range]] = {"margin": (0, None, "[", " (an absolute score margin; null: off)")}
     sampling: Literal["top", "random"] = "top"
     seed: int = 0
     chunk_size: int = 1024

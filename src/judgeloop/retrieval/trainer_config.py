@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.devices import Device
 from judgeloop.io import DataError
 from judgeloop.retrieval import beir
@@ -146,6 +146,7 @@ class RetrieverEvalConfig:
 
     batch_size: int = 64
     top_k: int = 100
+    RANGES: ClassVar[dict[str, Range]] = {"top_k": (1, None, "[", " (documents retrieved per query)")}
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     embedding_cache_dir: str | None = None
     # bf16 weights (a copy) when encoding for evaluation and mining (2-2.6x on MiniLM on a 2-core CPU with

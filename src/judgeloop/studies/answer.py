@@ -211,12 +211,14 @@ def read_answers(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any]
 
     from judgeloop.hashing import json_digest, texts_digest
     from judgeloop.io import atomic_write_json
+    from judgeloop.retrieval.embedding_cache import resolve_cache_dir
     from judgeloop.routing.llm import EXTRACT_ANSWER
 
     m = cfg.model
     key = json_digest([m.name, m.max_new_tokens, EXTRACT_ANSWER, texts_digest(
         x for ex, ps in zip(examples, shown) for x in [ex.question, *ps])])  # fmt: skip
-    path = Path(cfg.cache_dir) / f"reader-{key}.json" if cfg.cache_dir else None
+    folder = resolve_cache_dir(cfg.cache_dir, "answers")  # auto: the judgeloop cache, not the working dir
+    path = folder / f"reader-{key}.json" if folder is not None else None
     if path is not None and path.is_file():
         logger.info("reusing the reader's answers from %s", path)
         got = json.loads(path.read_text())

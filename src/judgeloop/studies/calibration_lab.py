@@ -28,6 +28,7 @@ from judgeloop.calibration.labels import (
     pair_feature_matrix,
 )
 from judgeloop.calibration.metrics import all_metrics
+from judgeloop.config import Range
 from judgeloop.data import DataConfig, load_examples, split_examples
 from judgeloop.io import DataError
 from judgeloop.judges import VALID_STATUSES, JudgeConfig, build_judge
@@ -47,6 +48,11 @@ class CalibratorOptions:
     isotonic_min_points_warn: int = 200
     isotonic_eps: float = 1e-3
     feature_l2: float = 1e-3
+    RANGES: ClassVar[dict[str, Range]] = {
+        "min_points": (1, None, "[", " (points a calibrator needs to be fitted)"),
+        "isotonic_min_points_warn": (0, None, "[", " (0: never warn)"),
+        "isotonic_eps": (0, 0.5, "[)", " (isotonic probabilities are clipped to [eps, 1 - eps])"),
+    }
 
 
 @dataclass

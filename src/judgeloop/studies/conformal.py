@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.conformal import (
     AdaptiveConformal,
@@ -51,6 +51,10 @@ class ConformalSection:
     base_rate_k: int = 10  # base rate = P(a relevant document in the top base_rate_k)
     confidence: float = 0.95
     interval: Literal["wilson", "clopper_pearson"] = "wilson"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "min_group_size": (1, None, "[", " (queries a group needs for its own threshold)"),
+        "base_rate_k": (1, None, "[", " (the depth of the base rate's top-k)"),
+    }
 
     def __post_init__(self) -> None:
         bad = [a for a in self.alphas if not 0.0 < a < 1.0]
@@ -71,6 +75,7 @@ class OnlineConfig:
     warmup: int = 50
     monitor_window: int = 100
     tolerance: float = 0.05
+    RANGES: ClassVar[dict[str, Range]] = {"gamma": (0, 1, "[]", " (the ACI step size; 0 = window only)")}
 
     def __post_init__(self) -> None:
         check_range("online", self, "alpha", 0.0, 1.0, hint="; e.g. online.alpha=0.1")
@@ -94,7 +99,7 @@ class ConformalConfig:
     seed: int = 0
     output_dir: str = "runs/conformal"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    cache_dir: str | None = "runs/cache"
+    cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
     def __post_init__(self) -> None:
         check_at_least("", self, "num_trials", 1)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from judgeloop.config import check_at_least
+from judgeloop.config import Range, check_at_least
 from judgeloop.intervals import bootstrap_mean_interval
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.escalation import (
@@ -48,6 +48,7 @@ class EscalationSection:
     rewrite_max_new_tokens: int = 32
     rewrite_batch_size: int = 8
     num_bootstrap: int = 1000
+    RANGES: ClassVar[dict[str, Range]] = {"rrf_k": (0, None, "[", " (60 in Cormack et al. 2009)")}
 
     def __post_init__(self) -> None:
         check_at_least("escalation", self, "depth", 1)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from judgeloop.config import check_at_least, check_choices, check_range
+from judgeloop.config import Range, check_at_least, check_choices, check_range
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, RetrievalDataConfig, load_retrieval_data, retrieve_dense
@@ -66,6 +66,11 @@ class GateSection:
     target_recall: float = 0.8
     combine: Literal["single", "or"] = "single"
     num_bootstrap: int = 1000
+    RANGES: ClassVar[dict[str, Range]] = {
+        "min_separation": (0.5, 1, "[]", " (a signal's max(AUC, 1 - AUC); 0.5 keeps every signal)"),
+        "max_correlation": (0, 1, "[]", " (an absolute Spearman correlation; 1 drops none)"),
+        "target_recall": (0, 1, "(]", " (the share of weak retrievals the gate must flag)"),
+    }
 
     def __post_init__(self) -> None:
         from judgeloop.retrieval.gate import SIGNALS
@@ -87,7 +92,7 @@ class GateConfig:
     seed: int = 0
     output_dir: str = "runs/gate"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    cache_dir: str | None = "runs/cache"
+    cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
     def __post_init__(self) -> None:
         check_range("", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")

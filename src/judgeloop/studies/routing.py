@@ -86,7 +86,7 @@ class QAStudyConfig:
     seed: int = 0
     output_dir: str = "runs/route"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    cache_dir: str | None = "runs/cache"
+    cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
 
 @dataclass
