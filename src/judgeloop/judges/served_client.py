@@ -132,6 +132,11 @@ class Reply:
         return cls(lp, d["bound"], d["text"])
 
 
+class ServedJudgeFailed(RuntimeError):
+    """Calls to the server failed after their retries under ``judge.server.on_failure: stop``; the message
+    is one line (the count, the server, the first error) that the command line prints as it is."""
+
+
 class _RateLimiter:
     """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit)."""
 
@@ -467,4 +472,4 @@ def read_api_key(cfg: ServerConfig) -> str:
     return key
 
 
-__all__ = ["ROUTES", "Reply", "ServedClient", "ServerConfig", "read_api_key"]
+__all__ = ["ROUTES", "Reply", "ServedClient", "ServedJudgeFailed", "ServerConfig", "read_api_key"]
