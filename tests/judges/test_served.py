@@ -238,21 +238,32 @@ def served_calibration(tiny_server, tmp_path_factory):
 def test_calibrate_writes_a_served_judge_that_loads_and_refuses_another_model(
     served_calibration, tiny_server
 ):
+    from judgeloop.judges.calibrated import CARD_FILE
+
     report = json.loads((served_calibration / "report.json").read_text())
     assert report["judge"]["served"]["route"] == "vllm" and report["judge"]["served"]["model"] == TINY
     assert report["judge"]["status"]["test"] == {"ok": report["n_eval"] // 2}
+    assert "route `vllm`" in (served_calibration / "report.md").read_text()
     folder = served_calibration / "calibrated_judge" / "platt"
-    card = (
-        json.loads((folder / "judge_card.json").read_text())
-        if (folder / "judge_card.json").is_file()
-        else None
-    )
+    card = json.loads((folder / CARD_FILE).read_text())
     judge = CalibratedJudge.from_pretrained(folder)
     assert isinstance(judge.judge, ServedJudge)
     comp = judge.compare(ARTICLES, A, B)
     assert comp.status == ["ok"] * 4 and np.isfinite(comp.p).all()
-    assert "Served: model `judgeloop-tiny/causal-lm`" in (folder / "README.md").read_text()
-    assert card is None or card["served"]["verdict_token_ids"] == list(judge.judge.verdict_ids)
+    # the card: the route and each status the fit saw, per split; what the server reported of itself
+    served = card["served"]
+    assert served["route"] == "vllm" and served["model"] == TINY and served["extractor"] == "verdict"
+    assert served["verdict_token_ids"] == list(judge.judge.verdict_ids)
+    assert served["version"]["version"] == "judgeloop-openai-compat"
+    assert served["max_logprobs"] == len(judge.judge.tokenizer)  # the loopback server's own figure
+    assert "api_key" not in json.dumps(card).lower().replace("api_key_env", "")
+    assert card["statuses"] == report["judge"]["status"]
+    assert set(card["statuses"]) == {"calibration", "test"}
+    assert card["statuses"]["calibration"] == {"ok": report["n_fit"]}  # every pair judged, none masked
+    readme = (folder / "README.md").read_text()
+    assert "Served: model `judgeloop-tiny/causal-lm`" in readme and "route `vllm`" in readme
+    assert f"max logprobs {served['max_logprobs']}" in readme
+    assert f"Judge statuses seen: {card['statuses']}" in readme
     with pytest.raises(ValueError, match=r"changes? \['server.model'\]|overrides change \['server.model'\]"):
         CalibratedJudge.from_pretrained(folder, ["server.model=other/model"])
 

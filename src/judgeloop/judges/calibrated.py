@@ -433,7 +433,9 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
     if served:
         lines.append(
             f"- Served: model `{served.get('model')}` at `{config.server.base_url}`, route `{served.get('route')}`"
-            f", verdict token ids {served.get('verdict_token_ids')}."
+            f", verdict token ids {served.get('verdict_token_ids')}; the server reports version "
+            f"{served.get('version', 'not reported')}, max logprobs {served.get('max_logprobs') or 'not reported'}"
+            f" (top_logprobs asked: {served.get('top_logprobs')})."
         )
     if card.get("statuses"):
         lines.append(f"- Judge statuses seen: {card['statuses']}.")

@@ -259,6 +259,7 @@ class ServedClient:
                 f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
                 f"{served}); set judge.server.model to one of them"
             )
+        entry = next(m for m in r.json()["data"] if m.get("id") == self.cfg.model)
         self.info = {"model": self.cfg.model, "served_models": served}
         for path in ("/version", "/get_server_info"):
             try:
@@ -268,6 +269,12 @@ class ServedClient:
                     break
             except (httpx.HTTPError, ValueError):
                 continue
+        # what the server says of the model and its limits, where it says it (vLLM's model card has
+        # max_model_len; no server names its log-probability limit in one place: None is "not reported")
+        version = self.info.get("version")
+        sources = [entry, version if isinstance(version, dict) else {}]
+        for key in ("max_model_len", "max_logprobs"):
+            self.info[key] = next((d[key] for d in sources if d.get(key) is not None), None)
         return self.info
 
     # --- requests ------------------------------------------------------------------------------

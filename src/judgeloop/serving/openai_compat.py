@@ -79,7 +79,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.server.lm.name, "object": "model"}]})
         elif self.path == "/version":
-            self._send(200, {"version": "judgeloop-openai-compat", "routes": sorted(self.server.routes)})
+            info = {"version": "judgeloop-openai-compat", "routes": sorted(self.server.routes)}
+            info["max_logprobs"] = len(self.server.lm.tokenizer)  # top_logprobs may ask for every token
+            self._send(200, info)
         else:
             self._send(404, {"error": f"no route {self.path}"})
 
