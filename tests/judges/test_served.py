@@ -211,6 +211,17 @@ def test_bad_settings_fail_in_one_line_before_any_judging(tiny_server, settings,
     assert "\n" not in str(err.value)
 
 
+def test_every_judgeloop_line_of_the_served_docs_loads(monkeypatch, capsys):
+    from launch_lines import launch_lines  # tests/ is on pytest's pythonpath
+
+    monkeypatch.chdir(ROOT)
+    lines = launch_lines("served.md", ".venv/bin/judgeloop")
+    assert len(lines) >= 5  # the lab, graded, vLLM, SGLang, hosted API, on_failure=stop
+    for args in lines:
+        assert cli([*args, "--print-config"]) == 0, args
+    capsys.readouterr()
+
+
 def test_served_config_errors():
     with pytest.raises(ValueError, match="judge.type=served needs judge.server.base_url"):
         JudgeConfig(type="served")
