@@ -20,6 +20,11 @@ $(STAMP): $(PY) pyproject.toml
 	# verl for the reward-path test (tests/integrations/test_verl.py): without its dependencies, which
 	# pin vLLM and another torch; the few its reward path imports are in the dev extras
 	$(PIP) install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
+	# OpenRLHF for its own client (SingleTurnAgentExecutor) and launch-line parser in the tests: likewise
+	# without its dependencies (they pin flash-attn, which builds against CUDA, and other versions of ray,
+	# deepspeed and transformers); the few its client path imports are in the dev extras. (Its wheel also
+	# ships a top-level `tests` package; ours is no package, so nothing clashes.)
+	$(PIP) install --no-deps openrlhf==0.11.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import openrlhf  # Makefile: openrlhf --no-deps; its client path's imports in the dev extras
 import pytest
 
 from judgeloop.config import load_config
@@ -32,9 +33,6 @@ def openrlhf_main(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
     would train with. An argument it does not know exits 2, as on the command line."""
     from importlib.metadata import version
 
-    openrlhf = pytest.importorskip(
-        "openrlhf", reason="OpenRLHF is not installed by make install (pip install openrlhf==0.11.2)"
-    )
     from packaging.version import Version
 
     assert Version(version("openrlhf")) >= Version("0.11.2"), version("openrlhf")

@@ -368,7 +368,11 @@ def test_an_empty_completion_gets_its_groups_lowest_reward_unjudged(aggregate, k
     assert "" not in judge.seen and all(r is not None for r in out)
     assert out[0] < min(out[1:])
     assert logged["judge/empty"] == 1 and logged["judge/reward_std"] > 0
-    assert 0 < logged["judge/mean_margin"] <= 0.5 if k > 2 else np.isnan(logged["judge/mean_margin"])
+    if k > 2:
+        assert 0 < logged["judge/mean_margin"] <= 0.5
+    else:  # the one comparison was the empty completion's, unjudged: nothing to average, so not logged
+        assert "judge/mean_margin" not in logged
+    assert all(np.isfinite(v) for v in logged.values())
     # empty="judge" keeps the old behaviour: the judge reads the empty text
     JudgeReward(judge, aggregate=aggregate, num_generations=k, empty="judge")(
         prompts=["p"] * k, completions=texts, article=["art"] * k
@@ -417,6 +421,39 @@ def _grpo(tmp_path: Path, reward: JudgeReward, rows: list[dict]):
     return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
                        processing_class=tok,
                        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+
+
+def test_trl_prints_nothing_for_an_empty_completion(tmp_path, capfd, caplog):
+    """TRL's own reward step (``GRPOTrainer._calculate_rewards``) on a group with an empty completion: a
+    finite reward, the group's lowest, and nothing printed or logged (a ``None`` reward made TRL log the
+    row's whole kwargs, ~5 KB with an article and its references; shown by the control below)."""
+    import logging
+
+    import torch
+
+    rows = [{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
+             "article": f"the dog ran {i} miles"} for i in range(8)]  # fmt: skip
+    trainer = _grpo(tmp_path, JudgeReward(_length_judge(), num_generations=4), rows)
+    inputs = [rows[0]] * 4
+    prompts = [r["prompt"] for r in inputs]
+    completions = [
+        [{"role": "assistant", "content": t}] for t in ["", "the dog ran", "a dog", "the dog ran far"]
+    ]
+    ids = [[1]] * 4
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        got = trainer._calculate_rewards(inputs, prompts, completions, ids)[:, 0]
+    assert torch.isfinite(got).all() and got[0] < got[1:].min()
+    printed = capfd.readouterr()
+    assert (printed.out, printed.err) == ("", "") and not caplog.records
+
+    def none_for_empty(prompts, completions, **kwargs):  # the old behaviour, through the same TRL code
+        return [None if not c[0]["content"] else 1.0 for c in completions]
+
+    trainer.reward_funcs = [none_for_empty]
+    with caplog.at_level(logging.WARNING):
+        trainer._calculate_rewards(inputs, prompts, completions, ids)
+    assert "All reward functions returned None" in caplog.text and rows[0]["article"] in caplog.text
 
 
 def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(tmp_path):

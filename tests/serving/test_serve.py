@@ -295,9 +295,6 @@ def test_a_short_group_is_answered_after_group_idle_s(length_judge_path: Path) -
     """Two samples of a prompt when the server expects four (an eval run with fewer samples per prompt):
     OpenRLHF's own client (``SingleTurnAgentExecutor._fetch_rewards_via_http``) gets both rewards about
     ``group_idle_s`` after the second post, not after ``group_wait_s``; the group is counted partial."""
-    pytest.importorskip(
-        "openrlhf", reason="OpenRLHF is not installed by make install (pip install openrlhf==0.11.2)"
-    )
     from openrlhf.utils.agent import SingleTurnAgentExecutor
 
     judge = CalibratedJudge.from_pretrained(length_judge_path)
@@ -730,6 +727,8 @@ SURROGATE = b'"p\\ud800"'  # valid JSON, no Unicode text: it was a 500 from the 
          "labels[0] has 51 characters"),
         ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "anchor": LONG, "group_size": 2}, 413,
          "anchor has 51 characters"),
+        ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "group_size": 1}, 422,
+         "group_size=1 (validation with val_kwargs.n=1): a response alone is judged against its anchor"),
     ],
 )  # fmt: skip
 def test_every_client_error_has_the_documented_body(

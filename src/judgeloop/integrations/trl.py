@@ -39,9 +39,6 @@ def completion_text(completion: Any) -> str:
     )
 
 
-_OMIT_NAN = ("judge/order_agreement", "judge/position_bias")
-
-
 class JudgeReward:
     """A TRL reward function backed by a calibrated judge.
 
@@ -65,7 +62,9 @@ class JudgeReward:
     ``judge/empty`` (empty completions), and the ones that show the judge's signal:
     ``judge/reward_std`` (mean spread of the rewards within a group), ``judge/mean_margin`` (mean
     |p - 0.5|) and ``judge/order_agreement`` (both orders name the same winner); that one and
-    ``judge/position_bias`` are logged only when both orders were scored (a pairwise judge). ``history`` keeps the last calls' inputs and rewards (``keep_history``).
+    ``judge/position_bias`` are logged only when both orders were scored (a pairwise judge), and no metric
+    is logged for a call that judged nothing it needs (e.g. ``judge/mean_margin`` with k = 2 and one
+    completion empty): never NaN. ``history`` keeps the last calls' inputs and rewards (``keep_history``).
     """
 
     def __init__(
@@ -174,7 +173,9 @@ class JudgeReward:
             "judge/position_bias": scores.position_bias,
         }
         for key, value in values.items():
-            if key not in _OMIT_NAN or np.isfinite(value):  # NaN: no comparison was judged in both orders
+            # NaN: nothing was judged for it (no comparison in both orders; with k = 2 and one completion
+            # empty, no comparison at all): omitted, as TRL averages each metric over the values it got
+            if np.isfinite(value):
                 log(key, value)
 
     def __call__(

@@ -22,6 +22,18 @@ reads the responses against comes from ``extra_info[source_key]`` (put the artic
 the parquet). With the server's ``rewards.scheme=anchor`` each response is judged against its
 ``ground_truth``.
 
+Validation: verl validates before training by default (``trainer.val_before_train=True``), with
+``actor_rollout_ref.rollout.val_kwargs.n`` responses per prompt (default 1), through the same function,
+and tells it nothing of the phase (``_validate`` in ``verl/trainer/ppo/ray_trainer.py``; the
+``validate`` flag stays in the agent loop). What tells a validation row apart is the row itself:
+verl's example preparers (``examples/data_preprocess/gsm8k.py``) write ``extra_info["split"]``, "train"
+in the training parquet and "test" in the validation one. So every row needs ``extra_info[split_key]``:
+a "train" row is grouped by ``group_size``, any other by ``val_group_size`` (set it to ``val_kwargs.n``;
+default 1, verl's default). A group of one has no other response to compare with, so it is judged
+against its ``ground_truth`` (the reference summary; the server scores it with the ``anchor`` scheme):
+its score is the calibrated probability that it beats the reference (with ``win_rate``). A group of
+one without a ``ground_truth`` raises before anything is posted, naming the fix.
+
 Launch::
 
     judgeloop serve-judge --config configs/serve/judge.yaml judge_path=DIR
@@ -30,6 +42,9 @@ Launch::
         reward.custom_reward_function.name=compute_score \\
         +reward.custom_reward_function.reward_kwargs.server_url=http://127.0.0.1:8000 \\
         +reward.custom_reward_function.reward_kwargs.group_size=8
+
+(``val_group_size`` defaults to 1, verl's ``val_kwargs.n``; add
+``+reward.custom_reward_function.reward_kwargs.val_group_size=N`` with ``val_kwargs.n=N``.)
 
 An empty response (the policy wrote nothing) is not judged: it loses each comparison with a non-empty
 response of its group, so it gets the group's lowest reward (0.0 with ``win_rate``), and its
@@ -122,6 +137,34 @@ async def post_json_async(url: str, body: dict[str, Any], api_key: str | None, t
         ) from None
 
 
+def row_group_size(
+    extra_info: dict[str, Any] | None, split_key: str, group_size: int, val_group_size: int
+) -> int:
+    """The responses per prompt of this row's phase: ``group_size`` for a training row
+    (``extra_info[split_key] == "train"``), ``val_group_size`` for any other (a validation row).
+
+    Raises:
+        ValueError: a size below 1, or ``extra_info`` lacks ``split_key``.
+    """
+    for name, size, setting in (
+        ("group_size", group_size, "actor_rollout_ref.rollout.n"),
+        ("val_group_size", val_group_size, "actor_rollout_ref.rollout.val_kwargs.n"),
+    ):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                f"reward_kwargs.{name}={size!r}; set +reward.custom_reward_function.reward_kwargs.{name} to "
+                f"{setting} (the responses per prompt)"
+            )
+    if not extra_info or split_key not in extra_info:
+        raise ValueError(
+            f"extra_info has no {split_key!r} (keys: {sorted(extra_info or {})}); verl validates through the "
+            f"same reward function, so write extra_info[{split_key!r}] when preparing the data, as verl's "
+            "examples do ('train' in the training parquet, 'test' in the validation one), or set "
+            "+reward.custom_reward_function.reward_kwargs.split_key=KEY"
+        )
+    return group_size if extra_info[split_key] == "train" else val_group_size
+
+
 def reward_request(
     solution_str: str,
     ground_truth: Any,
@@ -133,7 +176,8 @@ def reward_request(
     """The body of ``POST /verl/reward`` for one response (checked before anything is sent).
 
     Raises:
-        ValueError: ``extra_info`` lacks ``source_key``, or ``group_size`` is below 1.
+        ValueError: ``extra_info`` lacks ``source_key``, ``group_size`` is below 1, or a group of one
+            has no ``ground_truth`` to be judged against.
     """
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(
@@ -145,6 +189,13 @@ def reward_request(
             f"extra_info has no {source_key!r} (keys: {sorted(extra_info or {})}); put the text the judge reads "
             "(the article) in extra_info when preparing the data, or set "
             "+reward.custom_reward_function.reward_kwargs.source_key=KEY"
+        )
+    if group_size == 1 and ground_truth is None:
+        raise ValueError(
+            "a group of one response (validation with actor_rollout_ref.rollout.val_kwargs.n=1) is judged "
+            "against its reward_model.ground_truth, and this row has none; put the reference in "
+            "reward_model.ground_truth, or validate with val_kwargs.n=N > 1 and "
+            "+reward.custom_reward_function.reward_kwargs.val_group_size=N, or trainer.val_before_train=False"
         )
     anchor = None if ground_truth is None else str(ground_truth)
     return {
@@ -163,8 +214,10 @@ async def compute_score(
     extra_info: dict[str, Any] | None = None,
     server_url: str = "http://127.0.0.1:8000",
     group_size: int = 0,
+    val_group_size: int = 1,
     group_wait_s: float = 30.0,
     source_key: str = "article",
+    split_key: str = "split",
     api_key_env: str = "",
     timeout: float = 600.0,
     **kwargs: Any,
@@ -175,9 +228,12 @@ async def compute_score(
     Args:
         data_source, solution_str, ground_truth, extra_info: what verl's reward manager passes.
         server_url: the judge server's address.
-        group_size: the responses per prompt (``actor_rollout_ref.rollout.n``).
+        group_size: the responses per prompt in training (``actor_rollout_ref.rollout.n``).
+        val_group_size: the responses per prompt in validation (``rollout.val_kwargs.n``); a group of
+            one is judged against its ``ground_truth``.
         group_wait_s: how long the server waits for a group's missing responses, from the first.
         source_key: the ``extra_info`` key holding the text the judge reads the response against.
+        split_key: the ``extra_info`` key holding the row's split ("train" for a training row).
         api_key_env: the environment variable holding the server's bearer token (empty: none).
         kwargs: what else verl passes (``reward_router_address`` with a reward model), ignored.
 
@@ -186,10 +242,12 @@ async def compute_score(
 
     Raises:
         RuntimeError: an unsupported verl; the server refused the response or gave it no reward.
-        ValueError: ``extra_info`` lacks ``source_key``, or ``group_size`` is unset.
+        ValueError: ``extra_info`` lacks ``source_key`` or ``split_key``, ``group_size`` is unset, or a
+            group of one has no ``ground_truth``.
     """
     check_verl_version()
-    body = reward_request(solution_str, ground_truth, extra_info, source_key, group_size, group_wait_s)
+    size = row_group_size(extra_info, split_key, group_size, val_group_size)
+    body = reward_request(solution_str, ground_truth, extra_info, source_key, size, group_wait_s)
     api_key = os.environ.get(api_key_env, "") if api_key_env else None
     answer = await post_json_async(server_url.rstrip("/") + "/verl/reward", body, api_key, timeout)
     return {
@@ -199,4 +257,11 @@ async def compute_score(
     }
 
 
-__all__ = ["SUPPORTED_VERL", "check_verl_version", "compute_score", "post_json", "reward_request"]
+__all__ = [
+    "SUPPORTED_VERL",
+    "check_verl_version",
+    "compute_score",
+    "post_json",
+    "reward_request",
+    "row_group_size",
+]

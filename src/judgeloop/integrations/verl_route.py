@@ -13,8 +13,10 @@ another ``n``, is scored as it is instead of stalling), scores them as one group
 ``rewards.*`` (one judge call, merged with other requests') and answers each post with its own
 response's reward. The group size travels with each request, so a training run and an eval run with
 different ``n`` share one server. An empty completion loses to every non-empty one, unjudged
-(:mod:`judgeloop.serving.groups`). A response with no valid comparison (a group of one, a failed
-judgement) is a 422 with the reason.
+(:mod:`judgeloop.serving.groups`). A group of one (verl's validation with ``val_kwargs.n=1``) has no
+other response to compare with, so it is judged against its anchor (the ``anchor`` scheme, whatever
+``rewards.scheme`` is), and answered at once; without an anchor it is a 422 before any wait. A response
+with no valid comparison (alone in a group closed short, a failed judgement) is a 422 with the reason.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ class VerlGroups:
         self.empty_completions = 0
 
     def groups_for(self, group_size: int, wait_s: float) -> PromptGroups:
+        """A group of one is scored with the ``anchor`` scheme (its only comparison is the anchor)."""
         key = (group_size, wait_s)
         if key not in self.by_shape:
-            self.by_shape[key] = PromptGroups(
-                self.batcher, self.settings, group_size, wait_s, empty_loses=True
-            )
+            settings = {**self.settings, "scheme": "anchor"} if group_size == 1 else self.settings
+            self.by_shape[key] = PromptGroups(self.batcher, settings, group_size, wait_s, empty_loses=True)
         return self.by_shape[key]
 
     def stats(self) -> dict[str, int]:
@@ -76,7 +78,8 @@ class VerlGroups:
 
 
 def check_request(body: VerlRequest, anchored: bool, api_error: Any) -> None:
-    """422 for a group size below 1, a wait that is not positive, or a missing anchor."""
+    """422 for a group size below 1, a wait that is not positive, or a missing anchor (with the
+    ``anchor`` scheme, or in a group of one)."""
     if body.group_size < 1:
         raise api_error(
             422,
@@ -84,6 +87,13 @@ def check_request(body: VerlRequest, anchored: bool, api_error: Any) -> None:
         )
     if not body.group_wait_s > 0:
         raise api_error(422, f"group_wait_s={body.group_wait_s}; give a positive number of seconds")
+    if body.group_size == 1 and body.anchor is None:
+        raise api_error(
+            422,
+            "group_size=1 (validation with val_kwargs.n=1): a response alone is judged against its anchor, "
+            "and it has none; put the reference in the row's reward_model.ground_truth, or set "
+            "reward_kwargs.val_group_size to val_kwargs.n > 1",
+        )
     if anchored and body.anchor is None:
         raise api_error(
             422,
@@ -100,20 +110,23 @@ def verl_router(cfg: Any, verl_groups: VerlGroups, check_texts: Any, api_error: 
     @router.post(ROUTE)
     async def reward(body: VerlRequest) -> dict[str, Any]:
         check_request(body, anchored, api_error)
+        by_anchor = anchored or body.group_size == 1
         completion = "" if is_empty(body.completion) else body.completion  # empties tie exactly
         check_texts(
             cfg, 1, [("completion", completion)] + ([("anchor", body.anchor)] if body.anchor else []), True
         )
-        check_texts(cfg, 1, [("prompt", body.prompt)] + ([("anchor", body.anchor or "")] if anchored else []))
+        check_texts(
+            cfg, 1, [("prompt", body.prompt)] + ([("anchor", body.anchor or "")] if by_anchor else [])
+        )
         verl_groups.posts += 1
         verl_groups.empty_completions += int(completion == "")
         groups = verl_groups.groups_for(body.group_size, body.group_wait_s)
-        value = await groups.reward(body.prompt, completion, body.anchor if anchored else None)
+        value = await groups.reward(body.prompt, completion, body.anchor if by_anchor else None)
         if value is None:
             raise api_error(
                 422,
-                "the response has no valid comparison (a group of one, or the judge failed on it); set "
-                "reward_kwargs.group_size to actor_rollout_ref.rollout.n > 1, or rewards.scheme=anchor",
+                "the response has no valid comparison (its group closed with it alone after group_wait_s, or "
+                "the judge failed on it); set reward_kwargs.group_size to actor_rollout_ref.rollout.n",
             )
         return {"reward": float(value), "empty": completion == "", "group_size": body.group_size}
 

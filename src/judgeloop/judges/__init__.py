@@ -8,7 +8,8 @@ is generated or parsed):
 * ``reward_model``: difference of a scalar sequence-classification head (Bradley-Terry);
 * ``embedding``: difference of cosine similarities to the article or references, times ``scale``;
 
-or ``served``: the ``choice`` judge's verdict logit read from a vLLM / SGLang / OpenAI-compatible server
+or ``served``: the ``choice`` judge's verdict logit (or, by ``judge.extractor``, a graded rubric or the
+``likelihood`` judge's log-likelihoods) read from a vLLM / SGLang / OpenAI-compatible server
 (:mod:`judgeloop.judges.served`, settings under ``judge.server``), or an objective signal (``objective``: ROUGE, a length or copy penalty, an NLI factual-consistency
 score; :mod:`judgeloop.judges.objective`), or a ``panel`` of any of these, each member calibrated on
 its own and combined (:mod:`judgeloop.judges.panel`).
@@ -127,8 +128,10 @@ class JudgeConfig:
         server: ``served`` judge: the server, its model and how to call it (:class:`ServerConfig`);
             ``model`` then names the served model's tokenizer, which renders the prompts here.
         extractor: ``served`` judge: ``verdict`` (default: the pairwise verdict logit
-            ``log P(A) - log P(B)``) or ``graded`` (a pointwise rubric prompt per summary, grades 1 to
-            ``grades``, each a single token; the logit is the difference of the two expected grades).
+            ``log P(A) - log P(B)``), ``graded`` (a pointwise rubric prompt per summary, grades 1 to
+            ``grades``, each a single token; the logit is the difference of the two expected grades) or
+            ``likelihood`` (the ``likelihood`` judge's length-normalized log-likelihood difference, from the
+            server's prompt log-probabilities: ``server.route`` ``auto``, ``vllm`` or ``sglang``).
         grades: ``graded`` extractor: the top grade K (2 to 9).
         calibrate: as a panel member, whether its calibrator is fitted on the labeled pairs; ``None``
             (default) means yes for a judge and no for an objective signal, whose logit then enters as it
@@ -155,7 +158,7 @@ class JudgeConfig:
     entailment_label: str = "entailment"
     panel: PanelConfig = field(default_factory=lambda: PanelConfig())
     server: ServerConfig = field(default_factory=lambda: ServerConfig())
-    extractor: Literal["verdict", "graded"] = "verdict"
+    extractor: Literal["verdict", "graded", "likelihood"] = "verdict"
     grades: int = 5
     calibrate: bool | None = None
 
@@ -186,10 +189,15 @@ class JudgeConfig:
                 f"judge.extractor={self.extractor!r} is read by the served judge only (judge.type={self.type!r}); "
                 "set judge.type=served or drop judge.extractor"
             )
-        if self.extractor == "graded" and self.position_debias:
+        if self.extractor in ("graded", "likelihood") and self.position_debias:
             raise ValueError(
-                "judge.position_debias=true with judge.extractor=graded: each summary is graded alone, there is "
-                "no order to debias; drop judge.position_debias"
+                f"judge.position_debias=true with judge.extractor={self.extractor}: each summary is scored alone, "
+                "there is no order to debias; drop judge.position_debias"
+            )
+        if self.extractor == "likelihood" and self.server.route not in ("auto", "vllm", "sglang"):
+            raise ValueError(
+                f"judge.server.route={self.server.route!r} with judge.extractor=likelihood: only the vllm and sglang "
+                "routes return prompt log-probabilities; set judge.server.route to auto, vllm or sglang"
             )
         if not 2 <= self.grades <= 9:
             raise ValueError(
@@ -240,8 +248,8 @@ class JudgeConfig:
     @property
     def debias(self) -> bool:
         """Resolved position debiasing: the explicit setting, else on for ``choice`` and ``served`` only."""
-        if self.type == "served" and self.extractor == "graded":
-            return False  # each summary is graded alone: no order to debias
+        if self.type == "served" and self.extractor in ("graded", "likelihood"):
+            return False  # each summary is scored alone: no order to debias
         return self.type in ("choice", "served") if self.position_debias is None else self.position_debias
 
 
@@ -373,6 +381,13 @@ def _build_base_judge(cfg: JudgeConfig) -> Judge:
         return GradedJudge(
             cfg.server, cfg.model, prompt=cfg.prompt, grades=cfg.grades, batch_size=cfg.batch_size,
             max_length=cfg.max_length, cache_size=cfg.cache_size,
+        )  # fmt: skip
+    if cfg.type == "served" and cfg.extractor == "likelihood":
+        from judgeloop.judges.served import ServedLikelihoodJudge
+
+        return ServedLikelihoodJudge(
+            cfg.server, cfg.model, prompt=cfg.prompt, batch_size=cfg.batch_size, max_length=cfg.max_length,
+            cache_size=cfg.cache_size,
         )  # fmt: skip
     if cfg.type == "served":
         from judgeloop.judges.served import ServedJudge

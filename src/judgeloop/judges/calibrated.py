@@ -342,6 +342,7 @@ MEANING_KEYS = (
     "panel",
     "server.model",
     "server.route",
+    "extractor",
 )
 
 
@@ -431,9 +432,12 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
         )
     served = card.get("served")
     if served:
+        extractor = served.get("extractor", "verdict")
+        ids = served.get("verdict_token_ids")  # the grades' under the graded extractor, none for likelihood
+        tokens = f", {'verdict' if extractor == 'verdict' else 'grade'} token ids {ids}" if ids else ""
         lines.append(
             f"- Served: model `{served.get('model')}` at `{config.server.base_url}`, route `{served.get('route')}`"
-            f", verdict token ids {served.get('verdict_token_ids')}; the server reports version "
+            f", extractor `{extractor}`{tokens}; the server reports version "
             f"{served.get('version', 'not reported')}, max logprobs {served.get('max_logprobs') or 'not reported'}"
             f" (top_logprobs asked: {served.get('top_logprobs')})."
         )

@@ -2,6 +2,10 @@
 
 ``v(x) = (1/|x|) sum_t log P(x_t | prompt(article), x_<t)`` (length-normalized log-likelihood, so
 longer summaries are not penalized just for having more tokens) and ``s = v(a) - v(b)``.
+
+:func:`likelihood_ids` builds the scored sequence (context, then the summary's tokens); the served judge's
+``likelihood`` extractor (:mod:`judgeloop.judges.served`) sends the very same ids to a server that
+returns prompt log-probabilities.
 """
 
 from __future__ import annotations
@@ -13,9 +17,36 @@ import torch
 
 from judgeloop.judges.choice import DEFAULT_MODEL
 from judgeloop.judges.prompted import PromptedModelJudge
-from judgeloop.judges.prompts import render_chat
+from judgeloop.judges.prompts import JudgePrompt, render_chat
 from judgeloop.judges.tokens import fit_article, forward_accepts, pad_batch
 from judgeloop.models import load_causal_lm
+
+
+def likelihood_context(tokenizer: Any, prompt: JudgePrompt, article: str) -> str:
+    """The text a summary continues: the summarize prompt of ``article`` up to the assistant's reply."""
+    return render_chat(tokenizer, prompt.system, prompt.summarize_text(article), marker="Summary:\n")
+
+
+def likelihood_ids(
+    tokenizer: Any, prompt: JudgePrompt, chat: bool, article: str, summary: str, max_length: int
+) -> tuple[list[int] | None, int, str]:
+    """The sequence whose summary tokens the likelihood judge scores: ``(ids, n_summary, status)``.
+
+    ``ids`` is the context's tokens (special tokens added when there is no chat template) followed by the
+    summary's ``n_summary`` tokens, the article cut to fit ``max_length``; status ``ok``, ``truncated``,
+    ``too_long`` (``ids`` is ``None``) or ``empty_summary`` (``ids`` is ``None``, ``n_summary`` 0).
+    """
+    target = tokenizer.encode(summary, add_special_tokens=False)
+    if not target:
+        return None, 0, "empty_summary"
+
+    def render_ids(art: str) -> list[int]:
+        return (
+            tokenizer.encode(likelihood_context(tokenizer, prompt, art), add_special_tokens=not chat) + target
+        )
+
+    ids, status, _ = fit_article(render_ids, tokenizer, article, max_length)
+    return ids, len(target), status
 
 
 class LikelihoodJudge(PromptedModelJudge):
@@ -38,9 +69,7 @@ class LikelihoodJudge(PromptedModelJudge):
 
     def context(self, article: str) -> str:
         """The text the summary continues: the summarize prompt up to the assistant's reply."""
-        return render_chat(
-            self.tokenizer, self.prompt.system, self.prompt.summarize_text(article), marker="Summary:\n"
-        )
+        return likelihood_context(self.tokenizer, self.prompt, article)
 
     def _value_points(
         self, points: Sequence[tuple[str, str, tuple[str, ...]]]
@@ -49,19 +78,12 @@ class LikelihoodJudge(PromptedModelJudge):
         statuses: list[str] = [""] * len(points)
         seqs, lengths, rows = [], [], []
         for i, (article, summary, _) in enumerate(points):
-            target = self.tokenizer.encode(summary, add_special_tokens=False)
-            if not target:
-                statuses[i] = "empty_summary"
-                continue
-
-            def render_ids(art: str, target: list[int] = target) -> list[int]:
-                ctx = self.tokenizer.encode(self.context(art), add_special_tokens=not self._chat)
-                return ctx + target
-
-            ids, statuses[i], _ = fit_article(render_ids, self.tokenizer, article, self.max_length)
+            ids, n_summary, statuses[i] = likelihood_ids(
+                self.tokenizer, self.prompt, self._chat, article, summary, self.max_length
+            )
             if ids is not None:
                 seqs.append(ids)
-                lengths.append(len(target))
+                lengths.append(n_summary)
                 rows.append(i)
         if not seqs:
             return values, statuses

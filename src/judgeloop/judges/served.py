@@ -23,6 +23,13 @@ way: each summary alone in a pointwise prompt (``prompts.GRADE_TEMPLATE``), the 
 probabilities, and the pair's logit the difference of the two expected grades (no order, so no
 debiasing). On the ``top_logprobs`` route grades outside the top k count as 0 (status ``outside_topk``);
 a text-only reply that is a grade scores as that grade (``text_only``).
+
+``judge.extractor: likelihood`` (:class:`ServedLikelihoodJudge`) is the ``likelihood`` judge read from a
+server: the ids of :func:`~judgeloop.judges.likelihood.likelihood_ids` (the summarize prompt, then the
+summary) sent whole, the summary tokens' log-probabilities read back from the server's prompt
+log-probabilities (vLLM ``prompt_logprobs``, SGLang ``logprob_start_len``), their mean the summary's value
+and a pair's logit the difference of its two values. A server that returns no prompt log-probabilities is
+refused before any judging (no text fallback).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 
 from judgeloop.judges.base import Judge, Pair, PointwiseJudge, merge_status
 from judgeloop.judges.choice import verdict_token_ids
+from judgeloop.judges.likelihood import likelihood_ids
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
 from judgeloop.judges.served_client import Reply, ServedClient, ServedJudgeFailed, ServerConfig, read_api_key
 from judgeloop.judges.tokens import fit_article
@@ -104,7 +112,7 @@ def _check_server(server: ServerConfig) -> None:
 
 
 class _ServedParts:
-    """What both served extractors share: the client, its route, the record a saved judge keeps of its
+    """What every served extractor shares: the client, its route, the record a saved judge keeps of its
     server, and failed calls (masked, never cached, counted in one warning or raised)."""
 
     client: ServedClient
@@ -161,6 +169,21 @@ class _ServedParts:
                 f"{message}; judge.server.on_failure=stop ended the run (on_failure=mask drops them and goes on)"
             )
         logger.warning("%s; they are masked (no score, no reward)", message)
+
+
+class _ServedPointwise(_ServedParts, PointwiseJudge):
+    """A served judge that values each summary alone (the ``graded`` and ``likelihood`` extractors): a
+    failed value is masked, counted and asked again next time, never remembered."""
+
+    def _score(self, pairs: list[Pair]) -> Any:
+        try:
+            out = super()._score(pairs)
+        finally:
+            for key in [k for k, (_, st) in self._values.items() if st == "failed"]:
+                del self._values[key]
+        self._forget_failures(self, pairs)
+        self._report_failures(out.status)
+        return out
 
 
 class ServedJudge(_ServedParts, Judge):
@@ -256,7 +279,7 @@ class ServedJudge(_ServedParts, Judge):
         return scores, statuses
 
 
-class GradedJudge(_ServedParts, PointwiseJudge):
+class GradedJudge(_ServedPointwise):
     """Pointwise rubric judge on a server (``judge.extractor: graded``): each summary graded 1..K alone,
     the expected grade from the grade tokens' probabilities, a pair's logit the difference of its two.
 
@@ -333,21 +356,87 @@ class GradedJudge(_ServedParts, PointwiseJudge):
             )
         return values, statuses
 
-    def _score(self, pairs: list[Pair]) -> Any:
-        try:
-            out = super()._score(pairs)
-        finally:  # a failed grade is asked again next time, never remembered
-            for key in [k for k, (_, st) in self._values.items() if st == "failed"]:
-                del self._values[key]
-        self._forget_failures(self, pairs)
-        self._report_failures(out.status)
-        return out
+
+class ServedLikelihoodJudge(_ServedPointwise):
+    """The ``likelihood`` judge on a server (``judge.extractor: likelihood``): each summary's
+    length-normalized log-likelihood as the reply to the summarize prompt, ``v = (1/n) sum_t log P(x_t |
+    prompt, x_<t)`` over its ``n`` tokens, read from the server's prompt log-probabilities; a pair's logit
+    ``v(a) - v(b)``, exactly the in-process :class:`~judgeloop.judges.likelihood.LikelihoodJudge`'s.
+
+    Args:
+        server: the ``judge.server`` settings (``route``: ``auto``, ``vllm`` or ``sglang``).
+        tokenizer: the served model's tokenizer (hub id or path; the prompts are tokenized here).
+        prompt: template name; its ``summarize`` form is the context the summary continues.
+        batch_size, max_length, cache_size: as for the ``likelihood`` judge (``batch_size`` summaries are in
+            flight together).
+
+    Raises:
+        ValueError: before any judging, one line each: the base checks of a served judge, and a server that
+            returns no prompt log-probabilities on the routes tried.
+    """
+
+    extractor = "likelihood"
+
+    def __init__(
+        self,
+        server: ServerConfig,
+        tokenizer: str | Any,
+        prompt: str = "neutral",
+        batch_size: int = 8,
+        max_length: int = 2048,
+        cache_size: int = 100_000,
+    ):
+        from judgeloop.models import load_tokenizer
+
+        _check_server(server)
+        self.prompt = get_prompt(prompt)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.max_length = max_length
+        self._chat = has_chat_template(self.tokenizer)
+        self._connect(server, ())
+        probe, n, _ = self.summary_ids("A short article.", "A summary.")
+        self.client.find_prompt_route(probe, len(probe) - n)  # type: ignore[arg-type]
+        name = f"served_likelihood|{server.base_url}|{server.model}|{prompt}|{max_length}"
+        super().__init__(name, position_debias=False, batch_size=batch_size, cache_size=cache_size)
+
+    def summary_ids(self, article: str, summary: str) -> tuple[list[int] | None, int, str]:
+        """``(ids, n_summary, status)`` of one summary, as the in-process likelihood judge builds them."""
+        return likelihood_ids(self.tokenizer, self.prompt, self._chat, article, summary, self.max_length)
+
+    def _value_points(
+        self, points: Sequence[tuple[str, str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[str]]:
+        """Every summary of the chunk in flight together; its mean log-probability and status."""
+        built = [self.summary_ids(article, summary) for article, summary, _ in points]
+        sendable = [(ids, len(ids) - n) for ids, n, _ in built if ids is not None]
+        replies = iter(
+            self.client.replies([i for i, _ in sendable], {}, [s for _, s in sendable]) if sendable else []
+        )
+        values, statuses = [], []
+        for ids, _, fit in built:
+            if ids is None:
+                values.append(math.nan)
+                statuses.append(fit)
+                continue
+            reply = next(replies)
+            if reply.error:
+                self.failures.append(reply.error)
+                values.append(math.nan)
+                statuses.append("failed")
+            elif not reply.prompt_logprobs:
+                values.append(math.nan)
+                statuses.append("unparsed")
+            else:
+                values.append(math.fsum(reply.prompt_logprobs) / len(reply.prompt_logprobs))
+                statuses.append(fit)
+        return values, statuses
 
 
 __all__ = [
     "SERVED_STATUSES",
     "GradedJudge",
     "ServedJudge",
+    "ServedLikelihoodJudge",
     "expected_grade",
     "single_token_ids",
     "verdict_score",

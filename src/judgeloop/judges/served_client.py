@@ -13,6 +13,19 @@ first (``route: auto`` probes them in this order on the first call):
   missing from the top k is bounded above by the k-th log-probability (:attr:`Reply.bound`);
 * ``text``: the same completion with no log-probabilities: the sampled token as a hard label.
 
+A request may instead ask the log-probabilities of the prompt's own tokens from position ``start`` on (the
+``likelihood`` extractor; :meth:`ServedClient.replies` with ``starts``), read into
+:attr:`Reply.prompt_logprobs`, on the two routes that return them (:meth:`ServedClient.find_prompt_route`
+finds or checks one before any judging; there is no text fallback):
+
+* ``vllm``: ``POST /v1/completions`` with ``prompt_logprobs: 0``; read from ``choices[0].prompt_logprobs``
+  (``None`` for the first token, then ``{"<id>": {"logprob", "rank", "decoded_token"}}``);
+* ``sglang``: ``POST /generate`` with ``return_logprob`` and ``logprob_start_len: start - 1``; read from
+  ``meta_info.input_token_logprobs`` (``[logprob, id, text]`` from ``start - 1``, its first logprob ``None``).
+
+Each returned id is checked against the id sent, so a server that tokenized the prompt otherwise is an
+error (status ``failed``), never a likelihood of other tokens.
+
 The prompt goes as token ids, or (``prompt_format: text``, or ``auto`` when the server refuses ids, as
 llama.cpp's ``llama-cpp-python`` server does) as those ids decoded back to text; the server's count of
 the prompt's tokens (``usage.prompt_tokens``) is then checked against the ids, and a reply whose count
@@ -39,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
+PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
 PROMPT_FORMATS = ("ids", "text")
 
 
@@ -114,6 +128,8 @@ class Reply:
         text: the sampled next token's text.
         error: why the call failed after its retries (empty: it did not).
         n_prompt: the server's count of the prompt's tokens (``usage.prompt_tokens``), when it says.
+        prompt_logprobs: a prompt-log-probability request's answer: ``log P(ids[t] | ids[:t])`` for
+            ``t`` from its ``start`` to the prompt's end; ``None`` when the server returned none.
     """
 
     logprobs: dict[int, float] | None = None
@@ -121,15 +137,23 @@ class Reply:
     text: str = ""
     error: str = ""
     n_prompt: int | None = None
+    prompt_logprobs: list[float] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"logprobs": self.logprobs, "bound": self.bound, "text": self.text})
+        return json.dumps(
+            {
+                "logprobs": self.logprobs,
+                "bound": self.bound,
+                "text": self.text,
+                "prompt_logprobs": self.prompt_logprobs,
+            }
+        )
 
     @classmethod
     def from_json(cls, raw: str) -> Reply:
         d = json.loads(raw)
         lp = None if d["logprobs"] is None else {int(k): float(v) for k, v in d["logprobs"].items()}
-        return cls(lp, d["bound"], d["text"])
+        return cls(lp, d["bound"], d["text"], prompt_logprobs=d.get("prompt_logprobs"))
 
 
 class ServedJudgeFailed(RuntimeError):
@@ -278,9 +302,34 @@ class ServedClient:
         return self.info
 
     # --- requests ------------------------------------------------------------------------------
-    def _request(self, route: str, ids: Sequence[int], form: str = "ids") -> tuple[str, dict[str, Any]]:
-        """(path, JSON body) of one greedy next-token request on ``route``, the prompt sent as ``form``."""
+    def _request(
+        self, route: str, ids: Sequence[int], form: str = "ids", start: int | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of one greedy next-token request on ``route``, the prompt sent as ``form``; with
+        ``start``, a request of the prompt tokens' log-probabilities from ``start`` on."""
         prompt: Any = list(ids) if form == "ids" else self.detokenize(ids)  # type: ignore[misc]
+        if start is not None:
+            if route not in PROMPT_ROUTES:
+                raise ValueError(
+                    f"route {route!r} returns no prompt log-probabilities; use {list(PROMPT_ROUTES)}"
+                )
+            if route == "sglang":
+                return "/generate", {
+                    ("input_ids" if form == "ids" else "text"): prompt,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                    "return_logprob": True,
+                    # SGLang pads the first returned entry with None: start one token early; the prefix
+                    # before it stays eligible for the radix cache
+                    "logprob_start_len": start - 1,
+                }
+            # prompt_logprobs: 0 returns each prompt token's own log-probability (no top-k beside it)
+            return "/v1/completions", {
+                "model": self.cfg.model,
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+            }
         if route == "sglang":
             return "/generate", {
                 ("input_ids" if form == "ids" else "text"): prompt,
@@ -301,8 +350,18 @@ class ServedClient:
             body.update(logprobs=self.cfg.top_logprobs, return_tokens_as_token_ids=True)
         return "/v1/completions", body
 
-    def _parse(self, route: str, data: dict[str, Any], token_ids: dict[str, int]) -> Reply:
-        """The :class:`Reply` in a server's JSON answer on ``route`` (``KeyError``/``TypeError`` if malformed)."""
+    def _parse(
+        self,
+        route: str,
+        data: dict[str, Any],
+        token_ids: dict[str, int],
+        ids: Sequence[int] = (),
+        start: int | None = None,
+    ) -> Reply:
+        """The :class:`Reply` in a server's JSON answer on ``route`` (``KeyError``/``TypeError`` if malformed);
+        with ``start``, the prompt log-probabilities of ``ids[start:]``."""
+        if start is not None:
+            return _parse_prompt_logprobs(route, data, ids, start)
         if route == "sglang":
             meta = data["meta_info"]
             entries = (meta.get("output_token_ids_logprobs") or [None])[0]
@@ -325,11 +384,17 @@ class ServedClient:
         return Reply(out, bound, text, n_prompt=n)
 
     async def _post_once(
-        self, http: Any, route: str, ids: Sequence[int], token_ids: dict[str, int], form: str
+        self,
+        http: Any,
+        route: str,
+        ids: Sequence[int],
+        token_ids: dict[str, int],
+        form: str,
+        start: int | None = None,
     ) -> Reply:
         import httpx
 
-        path, body = self._request(route, ids, form)
+        path, body = self._request(route, ids, form, start)
         try:
             r = await http.post(
                 self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s
@@ -344,7 +409,7 @@ class ServedClient:
         if r.status_code != 200:
             return Reply(error=f"HTTP {r.status_code}: {r.text[:200]}")
         try:
-            reply = self._parse(route, r.json(), token_ids)
+            reply = self._parse(route, r.json(), token_ids, ids, start)
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise _Retryable(f"malformed reply ({type(err).__name__}: {err})") from None
         if form == "text" and reply.n_prompt is not None and reply.n_prompt != len(ids):
@@ -363,6 +428,7 @@ class ServedClient:
         ids: Sequence[int],
         token_ids: dict[str, int],
         form: str = "",
+        start: int | None = None,
     ) -> Reply:
         """One request with its retries; a reply whose ``error`` says why when they run out."""
         error = ""
@@ -371,7 +437,9 @@ class ServedClient:
                 await limiter.wait(len(ids))
                 self.calls += 1
                 try:
-                    return await self._post_once(http, route, ids, token_ids, form or self.prompt_format)
+                    return await self._post_once(
+                        http, route, ids, token_ids, form or self.prompt_format, start
+                    )
                 except _Retryable as err:
                     error, wait = str(err), err.wait_s
             if attempt < self.cfg.max_retries:
@@ -379,13 +447,19 @@ class ServedClient:
                 await asyncio.sleep(wait if wait is not None else self.cfg.backoff_s * 2**attempt)
         return Reply(error=f"{error} (after {self.cfg.max_retries} retries)")
 
-    def _key(self, route: str, ids: Sequence[int]) -> str:
+    def _key(self, route: str, ids: Sequence[int], start: int | None = None) -> str:
         # a text prompt is tokenized by the server: kept apart from the same ids sent as ids
         tag = route if self.prompt_format != "text" else f"{route}+text"
-        raw = json.dumps([self.root, self.cfg.model, tag, list(self.verdict_ids), list(ids)])
+        what: list[Any] = list(self.verdict_ids) if start is None else ["prompt_logprobs", start]
+        raw = json.dumps([self.root, self.cfg.model, tag, what, list(ids)])
         return hashlib.sha256(raw.encode()).hexdigest()
 
-    async def _many(self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int]) -> list[Reply]:
+    async def _many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        token_ids: dict[str, int],
+        starts: Sequence[int | None] | None = None,
+    ) -> list[Reply]:
         import httpx
 
         gate = asyncio.Semaphore(self.cfg.concurrency)
@@ -396,9 +470,55 @@ class ServedClient:
                 self.route, self.prompt_format = await self._probe(http, gate, limiter, prompts[0], token_ids)
             return list(
                 await asyncio.gather(
-                    *(self._post(http, gate, limiter, self.route, p, token_ids) for p in prompts)
+                    *(
+                        self._post(http, gate, limiter, self.route, p, token_ids, "", s)
+                        for p, s in zip(prompts, starts or [None] * len(prompts))
+                    )
                 )
             )
+
+    def find_prompt_route(self, ids: Sequence[int], start: int) -> None:
+        """Find (``route: auto``) or check (a named route) the route and prompt format on which this server
+        returns the log-probabilities of ``ids[start:]``, before any judging.
+
+        Raises:
+            ValueError: one line naming the routes tried, the last answer and the fix, when none returns
+                them (a server that returns no prompt log-probabilities: the likelihood has no text fallback).
+        """
+        route, form, last = _run(self._probe_prompt(ids, start))
+        if not route:
+            tried = [self.cfg.route] if self.cfg.route != "auto" else list(PROMPT_ROUTES)
+            raise ValueError(
+                f"judge.extractor=likelihood needs prompt log-probabilities, and {self.cfg.base_url} returned none "
+                f"on route {tried} ({last}); serve the model with vLLM (/v1/completions with prompt_logprobs) or "
+                "SGLang (/generate with logprob_start_len) and set judge.server.route to auto, vllm or sglang"
+            )
+        self.route, self.prompt_format = route, form
+
+    async def _probe_prompt(self, ids: Sequence[int], start: int) -> tuple[str, str, str]:
+        """``(route, prompt format, '')`` of the first route returning prompt log-probabilities (ids before
+        text), or ``('', '', what the last try answered)``."""
+        import httpx
+
+        gate, limiter = asyncio.Semaphore(1), _RateLimiter(0, 0)
+        routes = [self.cfg.route] if self.cfg.route != "auto" else list(PROMPT_ROUTES)
+        forms = [self.prompt_format] if self.prompt_format else list(PROMPT_FORMATS)
+        last = "nothing tried"
+        saved, self.cfg.max_retries = self.cfg.max_retries, 0  # a route the server lacks answers at once
+        try:
+            async with httpx.AsyncClient() as http:
+                for form in forms:
+                    for route in routes:
+                        if route not in PROMPT_ROUTES:
+                            last = f"route {route!r} has no prompt log-probabilities"
+                            continue
+                        reply = await self._post(http, gate, limiter, route, ids, {}, form, start)
+                        if not reply.error and reply.prompt_logprobs is not None:
+                            return route, form, ""
+                        last = reply.error or f"{route}: a reply without prompt log-probabilities"
+        finally:
+            self.cfg.max_retries = saved
+        return "", "", " ".join(last.split())[:160]
 
     async def _probe(
         self,
@@ -428,15 +548,25 @@ class ServedClient:
                 return route, form
         return "text", self.prompt_format or "ids"
 
-    def replies(self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int]) -> list[Reply]:
+    def replies(
+        self,
+        prompts: Sequence[Sequence[int]],
+        token_ids: dict[str, int],
+        starts: Sequence[int] | None = None,
+    ) -> list[Reply]:
         """Replies to ``prompts`` (token id lists), all in flight together, in order; cached ones are
         read from the cache, successful new ones written to it. ``token_ids``: token string -> id, for
-        servers that key ``top_logprobs`` by token text."""
+        servers that key ``top_logprobs`` by token text. ``starts``: ask each prompt's own tokens'
+        log-probabilities from ``starts[i]`` on (:attr:`Reply.prompt_logprobs`) instead of the next
+        token's (call :meth:`find_prompt_route` first)."""
+        at: list[int | None] = list(starts) if starts is not None else [None] * len(prompts)
         out: list[Reply | None] = [None] * len(prompts)
         todo = []
         for i, p in enumerate(prompts):
             hit = (
-                self._cache.get(self._key(self.route, p)) if self._cache is not None and self.route else None
+                self._cache.get(self._key(self.route, p, at[i]))
+                if self._cache is not None and self.route
+                else None
             )
             if hit is not None:
                 out[i] = hit
@@ -444,12 +574,47 @@ class ServedClient:
             else:
                 todo.append(i)
         if todo:
-            new = _run(self._many([prompts[i] for i in todo], token_ids))
+            new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo]))
             for i, reply in zip(todo, new):
                 out[i] = reply
                 if self._cache is not None and not reply.error:
-                    self._cache.put(self._key(self.route, prompts[i]), reply)
+                    self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
         return [r for r in out if r is not None]
+
+
+def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int], start: int) -> Reply:
+    """The log-probabilities of ``ids[start:]`` in a ``vllm`` or ``sglang`` answer (see the module
+    docstring); a reply with ``error`` set when the server's prompt tokens are not ``ids``."""
+    if route == "sglang":
+        meta = data["meta_info"]
+        n = meta.get("prompt_tokens")
+        entries = meta.get("input_token_logprobs")
+        if not entries:
+            return Reply(None, None, data.get("text", ""), n_prompt=n)
+        got = [int(e[1]) for e in entries]
+        values = [e[0] for e in entries[1:]]  # entries[0] is ids[start - 1], its logprob None
+        want = list(ids[start - 1 :])
+    else:
+        choice = data["choices"][0]
+        n = (data.get("usage") or {}).get("prompt_tokens")
+        rows = choice.get("prompt_logprobs")
+        if not rows:
+            return Reply(None, None, choice.get("text", ""), n_prompt=n)
+        want = list(ids[start:])
+        got, values = [], []
+        for tid, row in zip(want, rows[start:]):
+            entry = (row or {}).get(str(tid))
+            got.append(tid if entry is not None else -1)
+            values.append(None if entry is None else entry["logprob"])
+        if len(rows) != len(ids):
+            got.append(-1)
+    if got != want or any(v is None for v in values):
+        bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+        return Reply(
+            error=f"the server's prompt tokens differ from the ids sent (from position {bad} of the scored "
+            "span): its tokenizer or prompt handling is not the judge's"
+        )
+    return Reply(None, None, "", n_prompt=n, prompt_logprobs=[float(v) for v in values])
 
 
 def _run(coro: Any) -> Any:
@@ -479,4 +644,12 @@ def read_api_key(cfg: ServerConfig) -> str:
     return key
 
 
-__all__ = ["ROUTES", "Reply", "ServedClient", "ServedJudgeFailed", "ServerConfig", "read_api_key"]
+__all__ = [
+    "PROMPT_ROUTES",
+    "ROUTES",
+    "Reply",
+    "ServedClient",
+    "ServedJudgeFailed",
+    "ServerConfig",
+    "read_api_key",
+]

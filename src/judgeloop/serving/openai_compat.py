@@ -6,9 +6,14 @@ It answers the fields the served judge reads, as the real servers document them:
 * ``POST /v1/completions`` (OpenAI / vLLM): ``prompt`` as text or token ids, ``max_tokens`` greedy
   tokens, ``logprobs: k`` -> ``choices[0].logprobs.top_logprobs[0]`` (the k most likely first tokens),
   vLLM's ``logprob_token_ids`` (those ids' log-probabilities whatever their rank) and
-  ``return_tokens_as_token_ids`` (keys ``token_id:N``);
+  ``return_tokens_as_token_ids`` (keys ``token_id:N``), and vLLM's ``prompt_logprobs: k`` ->
+  ``choices[0].prompt_logprobs``: one entry per prompt token, ``None`` for the first (nothing predicts it),
+  then ``{"<id>": {"logprob", "rank", "decoded_token"}}`` for the prompt token and the k most likely;
 * ``POST /generate`` (SGLang): ``input_ids``, ``sampling_params.max_new_tokens``, ``return_logprob`` with
-  ``token_ids_logprob`` -> ``meta_info.output_token_ids_logprobs[0]`` = ``[[logprob, id, None], ...]``.
+  ``token_ids_logprob`` -> ``meta_info.output_token_ids_logprobs[0]`` = ``[[logprob, id, None], ...]``;
+  ``return_logprob`` with ``logprob_start_len: s`` (-1: the last prompt token) ->
+  ``meta_info.input_token_logprobs`` = ``[[None, ids[s], None], [logprob, ids[s+1], None], ...]`` (SGLang
+  always pads the first entry with ``None``) and ``meta_info.output_token_logprobs``.
 
 ``routes`` limits what it answers (a route it lacks is a 404), and ``logprobs=False`` makes it a server that
 returns text only (as some hosted reasoning models do). Log-probabilities are a float32 log-softmax of the
@@ -42,6 +47,13 @@ class LocalModel:
         """(V,) float32 log-probabilities of the token after ``ids``."""
         with self.lock, torch.inference_mode():
             logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            return logits.float().log_softmax(-1)
+
+    def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """(T - 1, V) float32 log-probabilities of each prompt position's next token: row ``t`` is the
+        distribution of ``ids[t + 1]`` given ``ids[: t + 1]``."""
+        with self.lock, torch.inference_mode():
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0, :-1]  # (T - 1, V)
             return logits.float().log_softmax(-1)
 
     def greedy(self, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -128,6 +140,8 @@ class Handler(BaseHTTPRequestHandler):
             }
         else:
             choice["logprobs"] = None
+        if self.server.logprobs and body.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(ids, int(body["prompt_logprobs"]))
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out)}
         return {"object": "text_completion", "model": lm.name, "choices": [choice], "usage": usage}
 
@@ -141,7 +155,37 @@ class Handler(BaseHTTPRequestHandler):
             meta["output_token_ids_logprobs"] = [
                 [[float(first[int(t)]), int(t), None] for t in body["token_ids_logprob"]]
             ]
+        if self.server.logprobs and body.get("return_logprob"):
+            start = int(body.get("logprob_start_len", -1))
+            start = len(ids) - 1 if start < 0 else min(start, len(ids) - 1)
+            entries: list[list[Any]] = [[None, ids[start], None]]  # SGLang pads the first with None
+            if start < len(ids) - 1:
+                rows = lm.prompt_logprobs(ids)  # (T - 1, V)
+                entries += [[float(rows[t - 1, ids[t]]), ids[t], None] for t in range(start + 1, len(ids))]
+            meta["input_token_logprobs"] = entries
+            meta["output_token_logprobs"] = [[float(first[out[0]]), out[0], None]]
         return {"text": lm.tokenizer.decode(out), "meta_info": meta}
+
+    def _vllm_prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: ``None``, then per prompt token its own entry and the top ``k``."""
+        lm = self.server.lm
+        rows = lm.prompt_logprobs(ids)  # (T - 1, V)
+        out: list[dict[str, Any] | None] = [None]
+        for t in range(1, len(ids)):
+            row = rows[t - 1]
+            # the prompt token, then the top k (k + 1 entries, or k when the prompt token is among them)
+            picks = [ids[t], *(i for i in map(int, row.topk(k).indices) if i != ids[t])]
+            out.append(
+                {
+                    str(i): {
+                        "logprob": float(row[i]),
+                        "rank": int((row > row[i]).sum()) + 1,
+                        "decoded_token": lm.tokenizer.decode([i]),
+                    }
+                    for i in picks
+                }
+            )
+        return out
 
 
 def make_server(
