@@ -162,7 +162,10 @@ class ServedJudgeFailed(RuntimeError):
 
 
 class _RateLimiter:
-    """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit)."""
+    """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit). One per client, so
+    the limits hold across batches, not only within one."""
+
+    window_s = 60.0  # a minute (a test shortens it)
 
     def __init__(self, rpm: int, tpm: int):
         self.rpm, self.tpm = rpm, tpm
@@ -171,7 +174,7 @@ class _RateLimiter:
     async def wait(self, tokens: int) -> None:
         while True:
             now = time.monotonic()
-            while self._sent and now - self._sent[0][0] >= 60.0:
+            while self._sent and now - self._sent[0][0] >= self.window_s:
                 self._sent.popleft()
             used = sum(t for _, t in self._sent)
             rpm_ok = not self.rpm or len(self._sent) < self.rpm
@@ -179,7 +182,7 @@ class _RateLimiter:
             if rpm_ok and tpm_ok:
                 self._sent.append((now, tokens))
                 return
-            await asyncio.sleep(max(0.01, 60.0 - (now - self._sent[0][0])))
+            await asyncio.sleep(max(0.01, self.window_s - (now - self._sent[0][0])))
 
 
 class _ReplyCache:
@@ -243,6 +246,7 @@ class ServedClient:
         if fmt == "text" and self.detokenize is None:
             raise ValueError("judge.server.prompt_format=text needs the served model's tokenizer to decode")
         self.prompt_format = fmt
+        self._limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
         self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
 
     @property
@@ -463,7 +467,7 @@ class ServedClient:
         import httpx
 
         gate = asyncio.Semaphore(self.cfg.concurrency)
-        limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
+        limiter = self._limiter
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
         async with httpx.AsyncClient(limits=limits) as http:
             if not self.route:
