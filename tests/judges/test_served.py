@@ -179,6 +179,43 @@ def test_a_killed_server_masks_every_pair_or_stops_the_run(tiny_lm, caplog):
         stopping(ARTICLES, A, B)
 
 
+def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_server, monkeypatch):
+    from judgeloop.judges import served_client
+
+    window = 1.5  # the limiter's minute, shortened so the test does not wait 60 s
+    monkeypatch.setattr(served_client._RateLimiter, "window_s", window)
+    judge = build_judge(
+        JudgeConfig(type="served", model=TINY, position_debias=False,
+                    server=ServerConfig(base_url=tiny_server, model=TINY, route="vllm", max_requests_per_minute=2))
+    )  # fmt: skip
+    t0 = time.monotonic()
+    assert judge(ARTICLES[:2], A[:2], B[:2]).status == ["ok", "ok"]  # two requests: both at once
+    t_two = time.monotonic() - t0
+    assert t_two < window - 0.3, f"the first two calls took {t_two:.2f} s: the machine is too slow to tell"
+    assert judge(ARTICLES[2:3], A[2:3], B[2:3]).status == ["ok"]  # the third waits for the window
+    t_three = time.monotonic() - t0
+    assert judge.client.calls == 3
+    assert window - 0.05 <= t_three <= window + 1.0, f"third call answered after {t_three:.2f} s"
+
+
+def test_a_server_that_refuses_the_key_fails_in_one_line_before_any_judging(tiny_lm, monkeypatch):
+    srv, url = _start(tiny_lm, api_key="right-key")
+    try:
+        monkeypatch.setenv("JUDGELOOP_TEST_KEY", "wrong-key")
+        with pytest.raises(
+            ValueError, match=r"refused the API key \(HTTP 401\); set the key in \$JUDGELOOP_TEST_KEY"
+        ) as err:
+            _judge(url, route="vllm", api_key_env="JUDGELOOP_TEST_KEY")
+        assert "\n" not in str(err.value) and "wrong-key" not in str(err.value)
+        assert srv.requests == 0  # no completion was asked for
+        monkeypatch.setenv("JUDGELOOP_TEST_KEY", "right-key")  # the control: the right key judges
+        assert (
+            _judge(url, route="vllm", api_key_env="JUDGELOOP_TEST_KEY")(ARTICLES, A, B).status == ["ok"] * 4
+        )
+    finally:
+        _stop(srv)
+
+
 def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):
     db = str(tmp_path / "j.sqlite")
     first = _judge(tiny_server, route="vllm", cache_path=db)
