@@ -5,9 +5,9 @@
     .venv/bin/python scripts/bench_served_judge.py --base-url http://localhost:8000 --model MODEL \
         --route vllm --prompt-format ids    # a server already running (vLLM on a GPU: scripts/gpu_check.sh)
 
-It starts ``python -m llama_cpp.server`` over SmolLM2-135M-Instruct's GGUF (one thread), then judges
-``--pairs`` SummEval pairs (distinct prompts per run, so no run is served by another's judgements) at
-1, 4 and 16 pairs in flight, in four arms:
+It starts ``python -m llama_cpp.server`` over SmolLM2-135M-Instruct's F32 GGUF (one thread,
+``llamacpp.start_server``), then judges ``--pairs`` SummEval pairs (distinct prompts per run, so no run is
+served by another's judgements) at 1, 4 and 16 pairs in flight, in four arms:
 
 * ``logprobs/batched``: the served judge's ``top_logprobs`` route, both orders of a pair sent together;
 * ``logprobs/sequential``: the same, the second order sent once the first has answered;
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         "server": (
             f"{args.base_url} ({judge.client.info.get('version')}), {model}, route {args.route}"
             if args.base_url
-            else "llama-cpp-python[server] (llama.cpp), SmolLM2-135M-Instruct Q4_1 GGUF"
+            else "llama-cpp-python[server] (llama.cpp), SmolLM2-135M-Instruct F32 GGUF (the wheel's Q4_1 "
+            "dequantized), f32 KV cache"
         ),
         "threads": args.threads,
         "pairs": args.pairs,
