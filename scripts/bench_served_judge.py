@@ -2,10 +2,12 @@
 
     .venv/bin/python scripts/bench_served_judge.py [--pairs 8] [--concurrency 1 4 16] \
         [--max-length 512] [--out runs/bench_served.json]
+    .venv/bin/python scripts/bench_served_judge.py --base-url http://localhost:8000 --model MODEL \
+        --route vllm --prompt-format ids    # a server already running (vLLM on a GPU: scripts/gpu_check.sh)
 
-It starts ``python -m llama_cpp.server`` over SmolLM2-135M-Instruct's GGUF (one thread), then judges
-``--pairs`` SummEval pairs (distinct prompts per run, so no run is served by another's judgements) at
-1, 4 and 16 pairs in flight, in four arms:
+It starts ``python -m llama_cpp.server`` over SmolLM2-135M-Instruct's F32 GGUF (one thread,
+``llamacpp.start_server``), then judges ``--pairs`` SummEval pairs (distinct prompts per run, so no run is
+served by another's judgements) at 1, 4 and 16 pairs in flight, in four arms:
 
 * ``logprobs/batched``: the served judge's ``top_logprobs`` route, both orders of a pair sent together;
 * ``logprobs/sequential``: the same, the second order sent once the first has answered;
@@ -36,7 +38,18 @@ SUMMEVAL = ROOT.parent / "shared" / "data" / "summeval" / "summeval_dev.jsonl"
 
 
 def summeval_pairs(n: int, offset: int) -> list[tuple[str, str, str]]:
-    """``n`` distinct (article, a, b) pairs: 12 systems per article make 66 pairs of each."""
+    """``n`` distinct (article, a, b) pairs: 12 systems per article make 66 pairs of each. Without the
+    shared SummEval file (a lent GPU machine), the embedded corpus's articles, each with its first and last
+    sentence as the two summaries."""
+    if not SUMMEVAL.is_file():
+        from judgeloop.data.summarization import DataConfig, load_examples
+
+        out = []
+        for e in load_examples(DataConfig(format="embedded", embedded_size=max(40, n + offset))):
+            sents = [x.strip() + "." for x in e.article.split(". ") if x.strip()]
+            if len(sents) >= 2:
+                out.append((e.article, sents[0], sents[-1]))
+        return out[offset : offset + n]
     rows = [json.loads(line) for line in SUMMEVAL.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: len(r["article"]))
     out = []
@@ -48,7 +61,7 @@ def summeval_pairs(n: int, offset: int) -> list[tuple[str, str, str]]:
     return out[offset : offset + n]
 
 
-async def run_arm(judge, pairs, route: str, concurrency: int, batched: bool) -> dict:
+async def run_arm(judge, pairs, route: str, concurrency: int, batched: bool, form: str = "text") -> dict:
     """Judge ``pairs`` on ``route`` with ``concurrency`` pairs in flight; latencies of each comparison."""
     from judgeloop.judges.base import Pair
     from judgeloop.judges.served import verdict_score
@@ -69,7 +82,7 @@ async def run_arm(judge, pairs, route: str, concurrency: int, batched: bool) -> 
         async def one(fwd, bwd):
             async with gate:
                 t0 = time.perf_counter()
-                post = lambda ids: client._post(http, wide, limiter, route, ids, judge._token_ids, "text")  # noqa: E731
+                post = lambda ids: client._post(http, wide, limiter, route, ids, judge._token_ids, form)  # noqa: E731
                 if batched:
                     replies = await asyncio.gather(post(fwd), post(bwd))
                 else:
@@ -99,39 +112,56 @@ def main(argv: list[str] | None = None) -> dict:
         "--max-length", type=int, default=512, help="judge.max_length (the article is cut to fit)"
     )
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp's threads")
+    ap.add_argument("--base-url", default="", help="a server already running (none is started)")
+    ap.add_argument("--model", default="", help="with --base-url: the id it serves (and the tokenizer)")
+    ap.add_argument("--route", default="top_logprobs", help="the logprob arm's route (vllm, sglang, ...)")
+    ap.add_argument("--prompt-format", default="", help="ids or text (llama.cpp: text; else ids)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
 
     from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
     from judgeloop.serving import llamacpp
 
-    if not llamacpp.available():
-        sys.exit("llama-cpp-python[server] is not installed: run `make llamacpp`")
-    log = Path(args.out or "runs/bench_served.json").with_suffix(".server.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    proc, url = llamacpp.start_server(log=log, threads=args.threads)
+    proc = None
+    if args.base_url:
+        if not args.model:
+            sys.exit("--base-url needs --model: the model id the server serves")
+        url, model, form = args.base_url, args.model, args.prompt_format or "ids"
+    else:
+        if not llamacpp.available():
+            sys.exit("llama-cpp-python[server] is not installed: run `make llamacpp`")
+        log = Path(args.out or "runs/bench_served.json").with_suffix(".server.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        proc, url = llamacpp.start_server(log=log, threads=args.threads)
+        model, form = llamacpp.SMOLLM2, args.prompt_format or "text"
     load = [os.getloadavg()[0]]
     results: dict[str, dict] = {}
     try:
-        server = ServerConfig(base_url=url, model=llamacpp.SMOLLM2, route="top_logprobs", prompt_format="text",
+        server = ServerConfig(base_url=url, model=model, route=args.route, prompt_format=form,  # type: ignore[arg-type]
                               timeout_s=600, max_retries=0)  # fmt: skip
-        judge = build_judge(JudgeConfig(type="served", model=llamacpp.SMOLLM2, max_length=args.max_length,
+        judge = build_judge(JudgeConfig(type="served", model=model, max_length=args.max_length,
                                         server=server))  # fmt: skip
-        arms = [("top_logprobs", True), ("top_logprobs", False), ("text", True), ("text", False)]
+        arms = [(args.route, True), (args.route, False), ("text", True), ("text", False)]
         offset = 0
         for k, c in enumerate(args.concurrency):
             for route, batched in arms if k % 2 == 0 else arms[::-1]:
                 pairs = summeval_pairs(args.pairs, offset)
                 offset += args.pairs
-                name = f"{'logprobs' if route == 'top_logprobs' else 'text'}/{'batched' if batched else 'sequential'}"
-                results[f"{name}@{c}"] = r = asyncio.run(run_arm(judge, pairs, route, c, batched))
+                name = f"{'text' if route == 'text' else 'logprobs'}/{'batched' if batched else 'sequential'}"
+                results[f"{name}@{c}"] = r = asyncio.run(run_arm(judge, pairs, route, c, batched, form))
                 print(f"{name:22s} c={c:2d}  {r['comparisons_per_s']:6.3f} cmp/s  p50 {r['p50_s']:6.2f} s  "
                       f"p99 {r['p99_s']:6.2f} s  {r['statuses']}", flush=True)  # fmt: skip
     finally:
-        llamacpp.stop_server(proc)
+        if proc is not None:
+            llamacpp.stop_server(proc)
     load.append(os.getloadavg()[0])
     report = {
-        "server": "llama-cpp-python[server] (llama.cpp), SmolLM2-135M-Instruct Q4_1 GGUF",
+        "server": (
+            f"{args.base_url} ({judge.client.info.get('version')}), {model}, route {args.route}"
+            if args.base_url
+            else "llama-cpp-python[server] (llama.cpp), SmolLM2-135M-Instruct F32 GGUF (the wheel's Q4_1 "
+            "dequantized), f32 KV cache"
+        ),
         "threads": args.threads,
         "pairs": args.pairs,
         "max_length": args.max_length,

@@ -142,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "aggregate" in extra:
         extra["aggregate_only"] = extra.pop("aggregate")
     from judgeloop.calibration import CalibrationError
+    from judgeloop.judges.served_client import ServedJudgeFailed
     from judgeloop.signals import Stopped
 
     try:
@@ -157,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}; check the path and its permissions\n")
         return 2
+    except ServedJudgeFailed as err:  # judge.server.on_failure=stop: one line, not a traceback
+        if args.debug:
+            raise
+        sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
+        return 1
     except Stopped as err:  # a stop signal: the checkpoint is written; one line on how to continue
         sys.stderr.write(f"judgeloop {args.command}: {err}\n")
         return err.exit_status

@@ -179,6 +179,43 @@ def test_a_killed_server_masks_every_pair_or_stops_the_run(tiny_lm, caplog):
         stopping(ARTICLES, A, B)
 
 
+def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_server, monkeypatch):
+    from judgeloop.judges import served_client
+
+    window = 1.5  # the limiter's minute, shortened so the test does not wait 60 s
+    monkeypatch.setattr(served_client._RateLimiter, "window_s", window)
+    judge = build_judge(
+        JudgeConfig(type="served", model=TINY, position_debias=False,
+                    server=ServerConfig(base_url=tiny_server, model=TINY, route="vllm", max_requests_per_minute=2))
+    )  # fmt: skip
+    t0 = time.monotonic()
+    assert judge(ARTICLES[:2], A[:2], B[:2]).status == ["ok", "ok"]  # two requests: both at once
+    t_two = time.monotonic() - t0
+    assert t_two < window - 0.3, f"the first two calls took {t_two:.2f} s: the machine is too slow to tell"
+    assert judge(ARTICLES[2:3], A[2:3], B[2:3]).status == ["ok"]  # the third waits for the window
+    t_three = time.monotonic() - t0
+    assert judge.client.calls == 3
+    assert window - 0.05 <= t_three <= window + 1.0, f"third call answered after {t_three:.2f} s"
+
+
+def test_a_server_that_refuses_the_key_fails_in_one_line_before_any_judging(tiny_lm, monkeypatch):
+    srv, url = _start(tiny_lm, api_key="right-key")
+    try:
+        monkeypatch.setenv("JUDGELOOP_TEST_KEY", "wrong-key")
+        with pytest.raises(
+            ValueError, match=r"refused the API key \(HTTP 401\); set the key in \$JUDGELOOP_TEST_KEY"
+        ) as err:
+            _judge(url, route="vllm", api_key_env="JUDGELOOP_TEST_KEY")
+        assert "\n" not in str(err.value) and "wrong-key" not in str(err.value)
+        assert srv.requests == 0  # no completion was asked for
+        monkeypatch.setenv("JUDGELOOP_TEST_KEY", "right-key")  # the control: the right key judges
+        assert (
+            _judge(url, route="vllm", api_key_env="JUDGELOOP_TEST_KEY")(ARTICLES, A, B).status == ["ok"] * 4
+        )
+    finally:
+        _stop(srv)
+
+
 def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):
     db = str(tmp_path / "j.sqlite")
     first = _judge(tiny_server, route="vllm", cache_path=db)
@@ -211,6 +248,17 @@ def test_bad_settings_fail_in_one_line_before_any_judging(tiny_server, settings,
     assert "\n" not in str(err.value)
 
 
+def test_every_judgeloop_line_of_the_served_docs_loads(monkeypatch, capsys):
+    from launch_lines import launch_lines  # tests/ is on pytest's pythonpath
+
+    monkeypatch.chdir(ROOT)
+    lines = launch_lines("served.md", ".venv/bin/judgeloop")
+    assert len(lines) >= 5  # the lab, graded, vLLM, SGLang, hosted API, on_failure=stop
+    for args in lines:
+        assert cli([*args, "--print-config"]) == 0, args
+    capsys.readouterr()
+
+
 def test_served_config_errors():
     with pytest.raises(ValueError, match="judge.type=served needs judge.server.base_url"):
         JudgeConfig(type="served")
@@ -238,21 +286,32 @@ def served_calibration(tiny_server, tmp_path_factory):
 def test_calibrate_writes_a_served_judge_that_loads_and_refuses_another_model(
     served_calibration, tiny_server
 ):
+    from judgeloop.judges.calibrated import CARD_FILE
+
     report = json.loads((served_calibration / "report.json").read_text())
     assert report["judge"]["served"]["route"] == "vllm" and report["judge"]["served"]["model"] == TINY
     assert report["judge"]["status"]["test"] == {"ok": report["n_eval"] // 2}
+    assert "route `vllm`" in (served_calibration / "report.md").read_text()
     folder = served_calibration / "calibrated_judge" / "platt"
-    card = (
-        json.loads((folder / "judge_card.json").read_text())
-        if (folder / "judge_card.json").is_file()
-        else None
-    )
+    card = json.loads((folder / CARD_FILE).read_text())
     judge = CalibratedJudge.from_pretrained(folder)
     assert isinstance(judge.judge, ServedJudge)
     comp = judge.compare(ARTICLES, A, B)
     assert comp.status == ["ok"] * 4 and np.isfinite(comp.p).all()
-    assert "Served: model `judgeloop-tiny/causal-lm`" in (folder / "README.md").read_text()
-    assert card is None or card["served"]["verdict_token_ids"] == list(judge.judge.verdict_ids)
+    # the card: the route and each status the fit saw, per split; what the server reported of itself
+    served = card["served"]
+    assert served["route"] == "vllm" and served["model"] == TINY and served["extractor"] == "verdict"
+    assert served["verdict_token_ids"] == list(judge.judge.verdict_ids)
+    assert served["version"]["version"] == "judgeloop-openai-compat"
+    assert served["max_logprobs"] == len(judge.judge.tokenizer)  # the loopback server's own figure
+    assert "api_key" not in json.dumps(card).lower().replace("api_key_env", "")
+    assert card["statuses"] == report["judge"]["status"]
+    assert set(card["statuses"]) == {"calibration", "test"}
+    assert card["statuses"]["calibration"] == {"ok": report["n_fit"]}  # every pair judged, none masked
+    readme = (folder / "README.md").read_text()
+    assert "Served: model `judgeloop-tiny/causal-lm`" in readme and "route `vllm`" in readme
+    assert f"max logprobs {served['max_logprobs']}" in readme
+    assert f"Judge statuses seen: {card['statuses']}" in readme
     with pytest.raises(ValueError, match=r"changes? \['server.model'\]|overrides change \['server.model'\]"):
         CalibratedJudge.from_pretrained(folder, ["server.model=other/model"])
 

@@ -437,7 +437,9 @@ def model_card(card: dict[str, Any], config: JudgeConfig) -> str:
         tokens = f", {'verdict' if extractor == 'verdict' else 'grade'} token ids {ids}" if ids else ""
         lines.append(
             f"- Served: model `{served.get('model')}` at `{config.server.base_url}`, route `{served.get('route')}`"
-            f", extractor `{extractor}`{tokens}."
+            f", extractor `{extractor}`{tokens}; the server reports version "
+            f"{served.get('version', 'not reported')}, max logprobs {served.get('max_logprobs') or 'not reported'}"
+            f" (top_logprobs asked: {served.get('top_logprobs')})."
         )
     if card.get("statuses"):
         lines.append(f"- Judge statuses seen: {card['statuses']}.")

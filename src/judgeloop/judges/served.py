@@ -42,7 +42,7 @@ from judgeloop.judges.base import Judge, Pair, PointwiseJudge, merge_status
 from judgeloop.judges.choice import verdict_token_ids
 from judgeloop.judges.likelihood import likelihood_ids
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.served_client import Reply, ServedClient, ServerConfig, read_api_key
+from judgeloop.judges.served_client import Reply, ServedClient, ServedJudgeFailed, ServerConfig, read_api_key
 from judgeloop.judges.tokens import fit_article
 from judgeloop.logging import get_logger
 
@@ -158,14 +158,17 @@ class _ServedParts:
         failed = status.count("failed")
         if not failed:
             return
-        first = self.failures[0] if self.failures else "?"
+        # one line, though a 5xx page has many
+        first = " ".join((self.failures[0] if self.failures else "?").split())
         message = (
             f"served judge: {failed} of {len(status)} pairs failed at {self.client.cfg.base_url} (first error: "
-            f"{first}); they are masked (no score, no reward)"
+            f"{first})"
         )
         if self.client.cfg.on_failure == "stop":
-            raise RuntimeError(message.replace("they are masked", "judge.server.on_failure=stop"))
-        logger.warning(message)
+            raise ServedJudgeFailed(
+                f"{message}; judge.server.on_failure=stop ended the run (on_failure=mask drops them and goes on)"
+            )
+        logger.warning("%s; they are masked (no score, no reward)", message)
 
 
 class _ServedPointwise(_ServedParts, PointwiseJudge):

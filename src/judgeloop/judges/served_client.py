@@ -156,8 +156,16 @@ class Reply:
         return cls(lp, d["bound"], d["text"], prompt_logprobs=d.get("prompt_logprobs"))
 
 
+class ServedJudgeFailed(RuntimeError):
+    """Calls to the server failed after their retries under ``judge.server.on_failure: stop``; the message
+    is one line (the count, the server, the first error) that the command line prints as it is."""
+
+
 class _RateLimiter:
-    """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit)."""
+    """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit). One per client, so
+    the limits hold across batches, not only within one."""
+
+    window_s = 60.0  # a minute (a test shortens it)
 
     def __init__(self, rpm: int, tpm: int):
         self.rpm, self.tpm = rpm, tpm
@@ -166,7 +174,7 @@ class _RateLimiter:
     async def wait(self, tokens: int) -> None:
         while True:
             now = time.monotonic()
-            while self._sent and now - self._sent[0][0] >= 60.0:
+            while self._sent and now - self._sent[0][0] >= self.window_s:
                 self._sent.popleft()
             used = sum(t for _, t in self._sent)
             rpm_ok = not self.rpm or len(self._sent) < self.rpm
@@ -174,7 +182,7 @@ class _RateLimiter:
             if rpm_ok and tpm_ok:
                 self._sent.append((now, tokens))
                 return
-            await asyncio.sleep(max(0.01, 60.0 - (now - self._sent[0][0])))
+            await asyncio.sleep(max(0.01, self.window_s - (now - self._sent[0][0])))
 
 
 class _ReplyCache:
@@ -238,6 +246,7 @@ class ServedClient:
         if fmt == "text" and self.detokenize is None:
             raise ValueError("judge.server.prompt_format=text needs the served model's tokenizer to decode")
         self.prompt_format = fmt
+        self._limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
         self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
 
     @property
@@ -278,6 +287,7 @@ class ServedClient:
                 f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
                 f"{served}); set judge.server.model to one of them"
             )
+        entry = next(m for m in r.json()["data"] if m.get("id") == self.cfg.model)
         self.info = {"model": self.cfg.model, "served_models": served}
         for path in ("/version", "/get_server_info"):
             try:
@@ -287,6 +297,12 @@ class ServedClient:
                     break
             except (httpx.HTTPError, ValueError):
                 continue
+        # what the server says of the model and its limits, where it says it (vLLM's model card has
+        # max_model_len; no server names its log-probability limit in one place: None is "not reported")
+        version = self.info.get("version")
+        sources = [entry, version if isinstance(version, dict) else {}]
+        for key in ("max_model_len", "max_logprobs"):
+            self.info[key] = next((d[key] for d in sources if d.get(key) is not None), None)
         return self.info
 
     # --- requests ------------------------------------------------------------------------------
@@ -451,7 +467,7 @@ class ServedClient:
         import httpx
 
         gate = asyncio.Semaphore(self.cfg.concurrency)
-        limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
+        limiter = self._limiter
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
         async with httpx.AsyncClient(limits=limits) as http:
             if not self.route:
@@ -632,4 +648,12 @@ def read_api_key(cfg: ServerConfig) -> str:
     return key
 
 
-__all__ = ["PROMPT_ROUTES", "ROUTES", "Reply", "ServedClient", "ServerConfig", "read_api_key"]
+__all__ = [
+    "PROMPT_ROUTES",
+    "ROUTES",
+    "Reply",
+    "ServedClient",
+    "ServedJudgeFailed",
+    "ServerConfig",
+    "read_api_key",
+]

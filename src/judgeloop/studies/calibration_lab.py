@@ -379,7 +379,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             "never scored as a preference.",
             "",
             *(
-                [f"Served judge: model `{j['served']['model']}`, route `{j['served']['route']}`.", ""]
+                [
+                    f"Served judge: model `{j['served']['model']}`, route `{j['served']['route']}`, max logprobs "
+                    f"{j['served'].get('max_logprobs') or 'not reported'} (the server's own figure).",
+                    "",
+                ]
                 if "served" in j
                 else []
             ),
