@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from judgeloop.config import ConfigError, check_output_places, load_config
-from judgeloop.io import DataError
+from judgeloop.errors import UserError
 from judgeloop.logging import setup_logging
 
 # command -> "module:ConfigClass:run_function"
@@ -141,12 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if "aggregate" in extra:
         extra["aggregate_only"] = extra.pop("aggregate")
-    from judgeloop.calibration import CalibrationError
     from judgeloop.signals import Stopped
 
     try:
         run(cfg, **{k: v for k, v in extra.items() if v not in (None, False)})
-    except (ConfigError, DataError, CalibrationError) as err:
+    except UserError as err:  # a config, data or calibration error: one line
         if args.debug:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
