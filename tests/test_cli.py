@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from judgeloop.cli import main
 
 
@@ -29,6 +31,7 @@ def test_print_config(repo, capsys):
     assert "num_bins: 10" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_help():
     out = subprocess.run(
         [sys.executable, "-m", "judgeloop.cli", "--help"], capture_output=True, text=True, check=True

@@ -63,6 +63,7 @@ def test_one_resolver_for_the_run_and_every_judge_names_the_key():
         check_device("cuda")  # the run's device: the same check after the auto/cpu/cuda one
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
 @pytest.mark.parametrize(
     "command,config", [("train-retriever", "retriever/scifact.yaml"), ("sft", "raft/sft_pubmedqa.yaml")]
@@ -148,6 +149,7 @@ with acc.autocast():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env,overrides",
     [

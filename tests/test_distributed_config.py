@@ -264,6 +264,7 @@ def test_a_run_after_another_in_the_same_process_gets_its_own_precision():
     assert new_accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"  # no refusal either
 
 
+@pytest.mark.slow
 def test_a_run_releases_its_process_group_at_exit(tmp_path):
     """The process group is destroyed at interpreter exit, before finalization (a gloo group left alive
     aborted one rank of a 2-process DeepSpeed run in CI: "terminate called without an active exception").

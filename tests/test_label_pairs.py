@@ -93,6 +93,7 @@ def test_label_pairs_refuses_mixed_formats_and_a_bad_max_pairs(
         read_pairs(PairDataConfig(path=str(data), max_pairs=0 if "max_pairs" in message else None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True])
 def test_summeval_pairs_writes_an_instruction_prompt(shared_data, tmp_path, chat):
     """The prompt is the feedback loop's instruction with the article, not the bare article (which the

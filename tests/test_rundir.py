@@ -100,6 +100,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.slow
 def test_two_train_runs_into_one_folder_the_second_refuses_then_a_rerun_is_refused_too(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", "--config", str(TINY), *FAST, "max_steps=2", f"output_dir={out}"]
@@ -209,6 +210,7 @@ def test_label_pairs_refuses_an_older_dataset_folder(tiny_calibration, tmp_path,
 # --- train-retriever -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_retriever_resumes_only_its_own_run(tmp_path, beir_dir, capsys):  # noqa: F811
     out = tmp_path / "ret"
     base = ["train-retriever", "--config", str(ROOT / "configs/retriever/scifact.yaml")]

@@ -42,6 +42,7 @@ def _mlflow_run(uri: str, experiment: str, run_name: str):
     return client, runs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (HAVE_TB and HAVE_MLFLOW), reason="tensorboard and mlflow(-skinny) are dev dependencies"
 )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from judgeloop.config import ConfigError, check_output_places, load_config
-from judgeloop.io import DataError
+from judgeloop.errors import ServiceFailed, UserError
 from judgeloop.logging import setup_logging
 
 # command -> "module:ConfigClass:run_function"
@@ -141,13 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if "aggregate" in extra:
         extra["aggregate_only"] = extra.pop("aggregate")
-    from judgeloop.calibration import CalibrationError
-    from judgeloop.judges.served_client import ServedJudgeFailed
     from judgeloop.signals import Stopped
 
     try:
         run(cfg, **{k: v for k, v in extra.items() if v not in (None, False)})
-    except (ConfigError, DataError, CalibrationError) as err:
+    except UserError as err:  # a config, data or calibration error: one line
         if args.debug:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")
@@ -158,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}; check the path and its permissions\n")
         return 2
-    except ServedJudgeFailed as err:  # judge.server.on_failure=stop: one line, not a traceback
+    except ServiceFailed as err:  # e.g. judge.server.on_failure=stop: one line, not a traceback
         if args.debug:
             raise
         sys.stderr.write(f"judgeloop {args.command}: error: {err}\n")

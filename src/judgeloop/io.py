@@ -24,13 +24,14 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from judgeloop.errors import UserError
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
 T = TypeVar("T")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Input data is missing or malformed; the message names the file, the line and the fix."""
 
 

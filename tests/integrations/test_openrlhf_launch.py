@@ -19,8 +19,8 @@ import openrlhf  # Makefile: openrlhf --no-deps; its client path's imports in th
 import pytest
 
 from judgeloop.config import load_config
-from judgeloop.integrations.openrlhf import ROUTE
 from judgeloop.serving.config import ServeConfig
+from judgeloop.serving.openrlhf import ROUTE
 from launch_lines import launch_lines  # tests/ is on pytest's pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -116,6 +116,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, name, damage, message", [d for d in DAMAGES if d[0] in ("truncated calibrator", "NaN slope (saved as null)",
                                                                     "wrong method", "string slope")],

@@ -115,6 +115,7 @@ FAST = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_train_with_a_served_judge(server, tmp_path):
     srv, url = server
     before = srv.requests
@@ -128,6 +129,7 @@ def test_train_with_a_served_judge(server, tmp_path):
     assert srv.requests > before  # the judge's logits came from the server
 
 
+@pytest.mark.slow
 def test_ablate_an_arm_that_uses_the_served_judge(server, tmp_path):
     srv, url = server
     before = srv.requests
@@ -177,6 +179,7 @@ def test_label_pairs_with_a_served_judge(server, served_judge_path, tmp_path):
     np.testing.assert_allclose([r["p_chosen"] for r in labeled], np.maximum(local.p, 1 - local.p), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_serve_judge_serves_a_saved_served_judge(server, served_judge_path):
     port_sock = __import__("socket").socket()
     port_sock.bind(("127.0.0.1", 0))

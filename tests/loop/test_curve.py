@@ -15,6 +15,7 @@ from loop_common import FAST, TINY, same_row
 CURVE = ["curve.every_n_steps=2", "curve.num_articles=3", "eval_every_n_steps=0"]
 
 
+@pytest.mark.slow
 def test_the_curve_has_a_point_per_interval_on_fixed_articles_and_resumes_exactly(tmp_path):
     from judgeloop.recipes import train
 
@@ -81,6 +82,7 @@ def test_bad_curve_settings_are_one_line(overrides, needle):
     assert needle in msg and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_under_grpo_the_curve_shows_the_advantage_spread(tmp_path):
     from test_grpo import GRPO
 

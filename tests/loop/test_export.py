@@ -14,6 +14,7 @@ from judgeloop.loop.config import FeedbackLoopConfig
 from loop_common import FAST, TINY
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_exported_policy_loads_anywhere_and_says_what_made_it(tmp_path, lora):
     """Full fine-tuning: the weights with the tied embedding stored once as model.embed_tokens.weight (as

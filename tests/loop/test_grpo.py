@@ -279,6 +279,7 @@ def grpo_runs(tmp_path_factory):
     return root, reports
 
 
+@pytest.mark.slow
 def test_judgeloop_train_runs_grpo_for_every_ablation_arm(grpo_runs):
     _, reports = grpo_runs
     assert tuple(reports) == ARMS
@@ -297,6 +298,7 @@ def test_judgeloop_train_runs_grpo_for_every_ablation_arm(grpo_runs):
     assert reports["raw"]["train_log"][0]["p_mean"] != reports["oracle"]["train_log"][0]["p_mean"]
 
 
+@pytest.mark.slow
 def test_a_grpo_run_resumed_from_its_checkpoint_equals_the_uninterrupted_one(grpo_runs):
     from judgeloop.recipes import train
 
@@ -313,6 +315,7 @@ def test_a_grpo_run_resumed_from_its_checkpoint_equals_the_uninterrupted_one(grp
     assert resumed["final"]["rouge_l_neutral"] == pytest.approx(full["final"]["rouge_l_neutral"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_chunked_grpo_update_equals_the_whole_batch_one(grpo_runs):
     """optim.update_chunk_size=1 (one article's group per forward/backward, so the rollout's prompt pass is
     not reused either) gives the run of the whole-batch update that reuses it: the token normalizer and

@@ -12,6 +12,7 @@ from judgeloop.loop.config import FeedbackLoopConfig
 from loop_common import FAST, TINY, same_row
 
 
+@pytest.mark.slow
 def test_exact_resume_after_interruption(tmp_path):
     from judgeloop.recipes import train
 
@@ -68,6 +69,7 @@ def test_exact_resume_after_interruption(tmp_path):
     assert (tmp_path / "cut" / "report.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
     from safetensors.torch import load_file
 
@@ -140,6 +142,7 @@ def uninterrupted(tmp_path_factory):
     return out, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill_in_write", "kill_after", "ctrl_c"])
 def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path, fault, uninterrupted):
     """SIGKILL during a checkpoint write, SIGKILL after one, and Ctrl-C: each resumed from the last
@@ -189,6 +192,7 @@ def test_a_real_kill_or_ctrl_c_then_resume_equals_the_uninterrupted_run(tmp_path
             same_row(r, f)
 
 
+@pytest.mark.slow
 def test_the_loop_saves_its_final_calibrated_judge(uninterrupted):
     """OUTPUT_DIR/calibrated_judge: the configured judge with the run's final calibrator (the last
     checkpoint's, step 4), loadable where users train."""
@@ -228,6 +232,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "status", "resume", "twice"),
     [("SIGTERM", 143, "path", False), ("SIGUSR1", 138, "auto", False), ("SIGTERM", 143, "path", True)],
@@ -283,6 +288,7 @@ def test_a_stop_signal_checkpoints_the_step_then_resume_equals_the_uninterrupted
             same_row(r, f)
 
 
+@pytest.mark.slow
 def test_resume_from_auto_starts_fresh_then_takes_the_newest_checkpoint(tmp_path, caplog):
     import logging
 
@@ -300,6 +306,7 @@ def test_resume_from_auto_starts_fresh_then_takes_the_newest_checkpoint(tmp_path
     assert report["steps_run"] == 2 and [r["step"] for r in report["train_log"]] == [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change",
     [
@@ -337,6 +344,7 @@ def resume_checkpoint(tmp_path_factory):
     return part["checkpoint"]
 
 
+@pytest.mark.slow
 def test_a_resume_at_another_thread_count_says_results_will_differ(tmp_path, resume_checkpoint):
     """The checkpoint records the numerics it ran with; a resume with others continues, says so in one
     log line, and the report keeps both segments."""
@@ -377,6 +385,7 @@ def test_a_resume_at_another_thread_count_says_results_will_differ(tmp_path, res
     ]
 
 
+@pytest.mark.slow
 def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpoint):
     from judgeloop.loop.checkpoint import checked_resume
     from judgeloop.loop.config import RESUME_FREE_KEYS
@@ -391,6 +400,7 @@ def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpo
         checked_resume(to_yaml(cfg), tmp_path, RESUME_FREE_KEYS)
 
 
+@pytest.mark.slow
 def test_resuming_a_checkpoint_past_max_steps_is_refused_naming_both(tmp_path):
     """A checkpoint at step 2 resumed with max_steps=1 ran nothing and exited 0; now one line names the
     checkpoint's step, max_steps and the fix, before any work."""

@@ -55,6 +55,7 @@ def test_keeping_the_best_policy_without_validation_articles_is_refused_before_a
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_judge_prefetch_changes_nothing_but_timing(tmp_path):
     """The next batch's article embeddings computed on a background thread give the same run.
 
@@ -163,6 +164,7 @@ def test_early_stopping_unit(tmp_path):
     assert not (out / "off" / "best_policy").exists()
 
 
+@pytest.mark.slow
 def test_early_stopping_restores_the_best_validation_policy(tmp_path):
     """A learning rate far too high makes validation ROUGE-L fall: the run stops early, keeps the best
     validation step (chosen without the test split), and exports that policy, not the last one."""
@@ -215,6 +217,7 @@ def test_an_unresolvable_model_is_one_config_error_before_any_work(tmp_path, ove
     assert not (tmp_path / "config.yaml").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_judgeloop_train_and_accelerate_launch_of_the_recipe_give_the_same_report(tmp_path):
     """``judgeloop train`` runs recipes/feedback_loop.py (one copy of the loop): the CLI and
     ``accelerate launch recipes/feedback_loop.py`` on the same config write the same report.json and

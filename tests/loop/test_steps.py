@@ -151,6 +151,7 @@ def test_the_kept_prompt_pass_gives_the_fresh_pass_values_and_gradients(lora):
     assert not prefix_reusable(model)
 
 
+@pytest.mark.slow
 def test_a_run_sharing_the_prompt_pass_equals_one_that_does_not(tmp_path, monkeypatch):
     """optim.share_prompt_pass (on by default) takes effect in the loop, and the run's log and final metrics
     are those of a run whose update runs the prompts itself (up to float rounding)."""
@@ -237,6 +238,7 @@ def test_bf16_loop_context_serves_updated_weights():
     torch.testing.assert_close(after, fresh, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_run_trains_and_stays_close(tmp_path):
     """mixed_precision=bf16 (autocast over both passes and the judge) runs end to end with
     finite losses; master weights stay float32."""

@@ -97,6 +97,7 @@ def test_hub_id_offline_fails_fast_with_the_folder_command(monkeypatch):
         check_model("no-such-org/x", "policy.model")  # a config key's check gives the same advice
 
 
+@pytest.mark.slow
 def test_hub_id_without_network_fails_fast():
     """The hub unreachable (a closed port stands for no network) and HF_HUB_OFFLINE unset: the same advice,
     from the loader and from the CLI, without transformers' retries."""

@@ -206,6 +206,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "status"), [("SIGTERM", 143), ("SIGUSR1", 138)])
 def test_a_stop_signal_checkpoints_the_step_then_the_rerun_equals_the_uninterrupted_run(
     tmp_path, beir_dir, sig, status
@@ -423,6 +424,7 @@ def test_loss_masks_mark_known_positives_per_process_and_gathered():
     assert qmask.tolist() == [[True, False, False], [False, True, True], [False, True, True]]
 
 
+@pytest.mark.slow
 def test_recipe_runs_the_library_loop(tmp_path, beir_dir, repo, capsys):
     import importlib.util
     import json

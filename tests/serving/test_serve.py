@@ -443,6 +443,7 @@ def test_num_threads_reaches_the_judge_thread(length_server: str) -> None:
     assert info["judge_threads"] == 3 and info["server"]["num_threads"] == 3
 
 
+@pytest.mark.slow
 def test_not_a_judge_fails_before_binding(tmp_path: Path) -> None:
     port = free_port()
     done = subprocess.run(
@@ -618,6 +619,7 @@ def rouge_judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "routes, named, fix",
     [
@@ -777,6 +779,7 @@ def test_a_half_sent_body_is_answered_408_and_closed(strict_server: str, chunked
     assert httpx.post(strict_server + "/v1/compare", json=good, timeout=60).status_code == 200
 
 
+@pytest.mark.slow
 def test_read_timeout_s_is_range_checked(length_judge_path: Path) -> None:
     done = subprocess.run(
         [JUDGELOOP, "serve-judge", "--config", CONFIG, f"judge_path={length_judge_path}", "server.read_timeout_s=0"],

@@ -185,6 +185,7 @@ def one_process(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_ablation_writes_per_article_rows_paired_deltas_and_the_premise(one_process):
     res = _results(one_process)
     assert set(res["paired"]) == {"platt"} and res["paired"]["platt"]["vs"] == "raw"
@@ -213,6 +214,7 @@ def test_ablation_writes_per_article_rows_paired_deltas_and_the_premise(one_proc
     assert report["start_cache"]["hits"] >= 3
 
 
+@pytest.mark.slow
 def test_finished_jobs_are_skipped_and_a_changed_job_is_rerun(one_process, tmp_path):
     import shutil
 
@@ -230,6 +232,7 @@ def test_finished_jobs_are_skipped_and_a_changed_job_is_rerun(one_process, tmp_p
     assert (out / "platt" / "seed0" / "report.json").read_text() != before
 
 
+@pytest.mark.slow
 def test_jobs_one_by_one_then_aggregate_equal_the_one_process_ablation(one_process, tmp_path):
     from judgeloop.cli import main
 
@@ -263,6 +266,7 @@ def _edit_numerics(out: Path, job: str, **changes) -> None:
     path.write_text(json.dumps(report))
 
 
+@pytest.mark.slow
 def test_aggregate_refuses_jobs_at_other_thread_counts_and_names_other_kernels(one_process, tmp_path):
     import shutil
 
@@ -293,6 +297,7 @@ def test_aggregate_refuses_jobs_at_other_thread_counts_and_names_other_kernels(o
     assert "**Numerics differ between jobs**" in md and "`AVX2 avx2 fp32`: raw:1" in md
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_same_numbers_as_one(one_process, tmp_path):
     from judgeloop.studies.ablation import run_ablation
 
@@ -301,6 +306,7 @@ def test_two_workers_give_the_same_numbers_as_one(one_process, tmp_path):
     assert _results(out) == _results(one_process)
 
 
+@pytest.mark.slow
 def test_shared_start_work_changes_no_number(one_process, tmp_path):
     from judgeloop.recipes import train
 
@@ -334,6 +340,7 @@ sys.exit(main(sys.argv[1:]))
 _SEGMENT_FIELDS = ("numerics", "start_cache")
 
 
+@pytest.mark.slow
 def test_a_killed_job_rerun_with_the_same_job_continues_and_ends_with_the_same_report(tmp_path):
     """SIGKILL of `--job raw:0` mid-step 3 in a child process; the same `--job` again continues from the
     step-2 checkpoint (ablation.save_every_n_steps) and writes the uninterrupted job's report.json."""
@@ -411,6 +418,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_ablation_stops_every_worker_at_a_checkpoint_and_the_rerun_finishes_the_grid(
     one_process, tmp_path
 ):
@@ -483,6 +491,7 @@ def _final_metrics(out: Path) -> dict[str, float]:
     return finals
 
 
+@pytest.mark.slow
 def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, capsys):
     import shutil
 
@@ -555,6 +564,7 @@ def test_absolute_intervals_stay_within_the_metric_range():
     assert summarize([None], None)["interval"] == "none: no finished run"
 
 
+@pytest.mark.slow
 def test_every_absolute_interval_of_the_ablation_lies_within_its_values(one_process):
     res = _results(one_process)
     for arm, summary in res["arms"].items():
@@ -575,6 +585,7 @@ def test_every_absolute_interval_of_the_ablation_lies_within_its_values(one_proc
     assert "t-interval" not in (one_process / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_results_open_with_a_reversed_judge(one_process, tmp_path):
     """Job reports whose step-0 coupling has the judge's AUC below 0.5 (edited by hand): results.md names
     the judge reversed in its first lines, before the premise; the real grid's judge is not."""

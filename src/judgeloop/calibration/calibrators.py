@@ -24,10 +24,11 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.special import expit
 
+from judgeloop.errors import UserError
 from judgeloop.io import atomic_write_json
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """The calibration set cannot support a fit (one class, too small, non-finite scores)."""
 
 

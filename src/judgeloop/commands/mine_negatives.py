@@ -31,7 +31,7 @@ class MineNegativesConfig:
     batch_size: int = 64
     embedding_cache_dir: str | None = None
     precision: Literal["no", "bf16"] = (
-        "no"  # "bf16": encode on a bfloat16 copy of the weights (2-2.6x on MiniLM, 2-core CPU with AMX)
+        "no"  # "bf16": encode on a bfloat16 copy of the weights (faster with AMX: docs/benchmarks.md)
     )
 
     def __post_init__(self) -> None:

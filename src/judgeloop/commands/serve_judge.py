@@ -4,7 +4,7 @@ saved calibrated judge over HTTP (:mod:`judgeloop.serving`).
 Routes: ``GET /health``; ``GET /v1/info`` (judge, calibrator, held-out figures, batching stats);
 ``POST /v1/compare`` (``{"items": [{"prompt", "a", "b"}]}`` -> ``{"p", "logit", "status"}``);
 ``POST /v1/rewards`` (``{"groups": [{"prompt", "completions"}]}`` -> one reward per completion);
-``POST /openrlhf/get_reward`` (OpenRLHF's ``--reward.remote_url``, :mod:`judgeloop.integrations.openrlhf`).
+``POST /openrlhf/get_reward`` (OpenRLHF's ``--reward.remote_url``, :mod:`judgeloop.serving.openrlhf`).
 ``POST /verl/reward`` (one verl response in, its groupwise reward out, :mod:`judgeloop.integrations.verl_route`),
 posted by :func:`judgeloop.integrations.verl.compute_score`.
 

@@ -18,8 +18,6 @@ from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
 
-FORMATS = ("embedded", "jsonl", "summeval", "debian", "xsumfaith", "hf")
-
 
 @dataclass
 class Candidate:

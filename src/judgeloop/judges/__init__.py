@@ -41,7 +41,6 @@ from judgeloop.judges.styled import STYLE_FEATURES, StyledJudge, style_feature
 
 JudgeType = Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"]
 JUDGE_TYPES: tuple[str, ...] = get_args(JudgeType)
-PANEL_CALIBRATIONS = ("platt", "isotonic", "temperature", "feature_platt")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
 
 

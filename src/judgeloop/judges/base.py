@@ -1,8 +1,10 @@
 """The judge interface: a batch of (article, summary_a, summary_b) -> raw preference logits.
 
-``s > 0`` means the judge prefers ``a``. Every item carries a status; only ``ok`` and ``truncated``
-items have a finite score. A failure is never turned into data: an empty summary, a NaN/inf logit
-or an input that cannot fit is reported as such with ``score = nan``, never scored as "b wins".
+``s > 0`` means the judge prefers ``a``. Every item carries a status (``ok``, ``truncated``,
+``empty_summary``, ``nonfinite``, ``too_long``; the served judge adds its own, judges/served.py); only
+items of a valid status (``VALID_STATUSES``) have a finite score. A failure is never turned into data:
+an empty summary, a NaN/inf logit or an input that cannot fit is reported as such with ``score = nan``,
+never scored as "b wins".
 
 Two kinds of judge build on :class:`Judge`:
 
@@ -20,24 +22,12 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
 from judgeloop.hashing import texts_digest
 
-Status = Literal[
-    "ok",
-    "truncated",
-    "empty_summary",
-    "nonfinite",
-    "too_long",
-    "outside_topk",
-    "text_only",
-    "unparsed",
-    "failed",
-]
-STATUSES: tuple[str, ...] = get_args(Status)
 # scored statuses; the served judge's ``outside_topk`` (a bound) and ``text_only`` (a hard label) are scored
 # too, so calibration sees and counts them (judges/served.py)
 VALID_STATUSES = ("ok", "truncated", "outside_topk", "text_only")
@@ -131,9 +121,6 @@ def merge_status(first: str, second: str) -> str:
     return max(first, second, key=VALID_STATUSES.index)
 
 
-_digest = texts_digest
-
-
 class Judge:
     """Base class. Subclasses implement :meth:`_score_ordered` for one order of a batch.
 
@@ -208,7 +195,7 @@ class Judge:
 
     # --- shared machinery ---------------------------------------------------------------------
     def _key(self, p: Pair) -> str:
-        return _digest((self.name, p.article, p.a, p.b, *p.references))
+        return texts_digest((self.name, p.article, p.a, p.b, *p.references))
 
     def _score_with_cache(self, pairs: Sequence[Pair]) -> tuple[np.ndarray, list[str]]:
         scores = np.full(len(pairs), np.nan)
@@ -321,7 +308,7 @@ class PointwiseJudge(Judge):
         raise NotImplementedError
 
     def _values_for(self, points: list[tuple[str, str, tuple[str, ...]]]) -> list[tuple[float, str]]:
-        keys = [_digest((self.name, art, summ, *refs)) for art, summ, refs in points]
+        keys = [texts_digest((self.name, art, summ, *refs)) for art, summ, refs in points]
         todo: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         for key, point in zip(keys, points):
             if key not in self._values and key not in todo:

@@ -6,7 +6,7 @@ scores the very tokens the in-process judge would: ``s = log P(verdict A) - log 
 answer position, both orders by default (``base.combine_orders``). Both orders of every pair of a batch
 are in flight together, so a server with a prefix cache (vLLM, SGLang) computes the shared article once.
 
-Statuses beyond the base ones (``base.STATUSES``):
+Statuses beyond the base ones (listed in :mod:`judgeloop.judges.base`):
 
 * ``outside_topk`` (valid): on the ``top_logprobs`` route one verdict token was not in the returned top
   k; its log-probability is at most the k-th one, so the score is that bound (``s >= bound`` when A is

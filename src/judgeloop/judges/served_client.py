@@ -51,6 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from judgeloop.errors import ServiceFailed
+
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
 PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
 PROMPT_FORMATS = ("ids", "text")
@@ -156,7 +158,7 @@ class Reply:
         return cls(lp, d["bound"], d["text"], prompt_logprobs=d.get("prompt_logprobs"))
 
 
-class ServedJudgeFailed(RuntimeError):
+class ServedJudgeFailed(ServiceFailed):
     """Calls to the server failed after their retries under ``judge.server.on_failure: stop``; the message
     is one line (the count, the server, the first error) that the command line prints as it is."""
 

@@ -118,8 +118,8 @@ class GenerationConfig:
     ``loss.type: grpo``, where it is the group size k); evaluation decodes greedily.
 
     ``autocast``: generate under the run's mixed-precision autocast. Off by default: decoding reads every
-    weight once per token, and autocast would re-cast each float32 weight at each step (measured on 2 CPU
-    cores, quickstart rollout under bf16, alternating, median of 4: 4.43 s with it, 3.10 s without).
+    weight once per token, and autocast would re-cast each float32 weight at each step (measured: slower
+    with it, docs/benchmarks.md "Figures behind config defaults").
     A LoRA base stored in bf16 (``policy.dtype=bfloat16``) decodes in bf16 either way.
 
     ``backend``: ``hf`` (default) samples with the training model's ``generate``; ``vllm`` sends the
@@ -416,11 +416,9 @@ class AblationConfig:
     job keeps the thread count of the process it runs in (not comparable across launches).
     ``save_every_n_steps``: every job keeps its newest checkpoint at this interval and runs with
     ``resume_from: auto``, so a job killed or preempted mid-run and started again with the same ``--job``
-    continues from it (0: no checkpoints, a rerun starts over). Default 1, measured on the tiny config
-    (2 CPU cores, one thread): a 1.75 MB checkpoint takes 11-18 ms against 60-100 ms for a step without
-    refit (2.5% of the six steps' time, refits included); a quickstart job's checkpoint is the LoRA adapters
-    and their two Adam moments (0.92 M parameters x 3 x 4 bytes, about 11 MB, some 0.1 s at that rate)
-    against steps of seconds, well under 1% of the job.
+    continues from it (0: no checkpoints, a rerun starts over). Default 1: a checkpoint costs a few percent
+    of a tiny job's steps and well under 1% of a quickstart job's (measured: docs/benchmarks.md "Figures
+    behind config defaults").
     """
 
     arms: list[str] = field(default_factory=lambda: ["raw", "platt", "isotonic", "oracle"])

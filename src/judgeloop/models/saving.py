@@ -106,13 +106,6 @@ def merged_state_dict(
     return out
 
 
-def lora_target_names(model: Any) -> set[str]:
-    """The base-model weight names a peft model's LoRA adapters change (empty for a plain model)."""
-    if not hasattr(model, "get_base_model"):
-        return set()
-    return {base_name(name + ".base_layer.weight") for name, _ in _lora_layers(model)}
-
-
 def save_weights(path: str | Path, state: dict[str, torch.Tensor]) -> None:
     """``state`` as one safetensors file (``format: pt`` metadata, as transformers writes), atomically."""
     from safetensors.torch import save_file

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from judgeloop.config import ConfigError, check_at_least, check_choices
 from judgeloop.intervals import wilson_interval
@@ -43,7 +43,6 @@ from judgeloop.raft.targets import (
 
 logger = get_logger(__name__)
 
-Setting = Literal["oracle_distractors", "distractors_only", "oracle_only"]
 SETTINGS: tuple[str, ...] = ("oracle_distractors", "distractors_only", "oracle_only")
 YNM = ("yes", "no", "maybe")
 

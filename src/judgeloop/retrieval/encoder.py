@@ -67,7 +67,7 @@ class BiEncoder(nn.Module):
         max_length: truncation length for documents (and queries unless ``query_max_length`` is set).
         query_max_length: truncation length for queries (queries are short; a smaller value is faster).
         encode_precision: ``"bf16"`` runs :meth:`encode` (evaluation, mining) on a bfloat16 copy of the weights,
-            2-2.6x faster on MiniLM on a 2-core CPU with AMX; embeddings are returned in float32 either way.
+            faster on a CPU with AMX (docs/benchmarks.md); embeddings are returned in float32 either way.
     """
 
     def __init__(

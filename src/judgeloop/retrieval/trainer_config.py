@@ -127,7 +127,7 @@ class RetrieverTrainConfig:
     resume: bool = True
     log_every_n_steps: int = 10
     # bf16 autocast for the training forward (weights, gradients and optimizer state stay float32);
-    # 1.25x pairs/s on MiniLM on a 2-core CPU with AMX (scripts/bench_retriever.py). auto: bf16 where it is
+    # faster on a CPU with AMX (docs/benchmarks.md "Figures behind config defaults"). auto: bf16 where it is
     # native (a GPU, or a CPU with avx512_bf16 / amx_bf16, detected at run time), float32 elsewhere
     mixed_precision: Literal["no", "bf16", "auto"] = "auto"
 
@@ -149,8 +149,9 @@ class RetrieverEvalConfig:
     RANGES: ClassVar[dict[str, Range]] = {"top_k": (1, None, "[", " (documents retrieved per query)")}
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     embedding_cache_dir: str | None = None
-    # bf16 weights (a copy) when encoding for evaluation and mining (2-2.6x on MiniLM on a 2-core CPU with
-    # AMX); auto: bf16 where it is native (see train.mixed_precision)
+    # bf16 weights (a copy) when encoding for evaluation and mining (faster on a CPU with AMX:
+    # docs/benchmarks.md "Figures behind config defaults"); auto: bf16 where it is native (see
+    # train.mixed_precision)
     precision: Literal["no", "bf16", "auto"] = "auto"
 
     def __post_init__(self) -> None:

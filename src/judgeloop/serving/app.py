@@ -42,8 +42,10 @@ from judgeloop.judges.calibrated import CalibratedJudge, MissingReferences, chec
 from judgeloop.logging import get_logger
 from judgeloop.rewards import Group, check_scheme, is_empty
 from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
+from judgeloop.serving.checks import ApiError, check_texts
 from judgeloop.serving.config import ServeConfig, check_routes
 from judgeloop.serving.groups import PromptGroups, served_group_scores
+from judgeloop.serving.openrlhf import openrlhf_router
 
 logger = get_logger(__name__)
 
@@ -51,14 +53,6 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-
-
-class ApiError(Exception):
-    """An HTTP error with a one-line reason."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 # --- request bodies ---------------------------------------------------------------------------
@@ -97,30 +91,6 @@ class RewardsRequest(BaseModel):
 
 
 # --- checks -------------------------------------------------------------------------------------
-def check_texts(
-    cfg: ServeConfig, n_items: int, texts: list[tuple[str, str]], allow_empty: bool = False
-) -> None:
-    """Refuse a request over the limits (413) or with an empty text (422, unless ``allow_empty``);
-    ``texts``: (field, text)."""
-    limits = cfg.server
-    if n_items > limits.max_items_per_request:
-        raise ApiError(
-            413,
-            f"{n_items} items in one request; the limit is server.max_items_per_request="
-            f"{limits.max_items_per_request}: split the request",
-        )
-    for name, text in texts:
-        if len(text) > limits.max_chars_per_text:
-            raise ApiError(
-                413,
-                f"{name} has {len(text)} characters; the limit is server.max_chars_per_text="
-                f"{limits.max_chars_per_text}",
-            )
-    for name, text in [] if allow_empty else texts:
-        if not text.strip():
-            raise ApiError(422, f"{name} is empty; every prompt and completion needs text")
-
-
 def reference_texts(field: str, references: list[list[str]]) -> list[tuple[str, str]]:
     """``(field[i].references[j], text)`` of every reference, for :func:`check_texts`'s limits."""
     return [
@@ -477,7 +447,6 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
     :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher``, ``prompt_groups``, ``verl_groups`` and ``drain``."""
     from judgeloop import __version__
-    from judgeloop.integrations.openrlhf import openrlhf_router
     from judgeloop.integrations.verl_route import VerlGroups, verl_router
 
     check_routes(cfg, judge.needs)  # a route that cannot carry what the judge reads is never enabled
@@ -555,9 +524,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
         }
 
     if cfg.routes.openrlhf:
-        app.include_router(
-            openrlhf_router(cfg, prompt_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
-        )
+        app.include_router(openrlhf_router(cfg, prompt_groups), dependencies=[Depends(authorize)])
     if cfg.routes.verl:
         app.include_router(
             verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]

@@ -25,8 +25,8 @@ class ServerConfig:
     seconds of its headers, else it is answered 408 and its connection closed (a client that sends half
     a body and stops holds no connection open). ``num_threads``: torch's intra-op threads for the judge (0: torch's
     default, one per physical core); on a machine whose cores other jobs share, set 1: with more
-    threads than free cores every parallel op waits for a descheduled thread (4x slower for SmolLM2 on
-    the shared 2-core machine, ``docs/serving.md``)."""
+    threads than free cores every parallel op waits for a descheduled thread (measured in
+    ``docs/serving.md``, "Batching and threads")."""
 
     host: str = "127.0.0.1"
     port: int = 8000

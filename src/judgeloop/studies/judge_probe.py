@@ -535,8 +535,3 @@ def probe(cfg: ProbeConfig) -> ProbeResult:
         "runtime_s": round(time.perf_counter() - start, 1),
     }
     return ProbeResult(report, rows)
-
-
-def run_probe(cfg: ProbeConfig) -> dict[str, Any]:
-    """The report of :func:`probe` (without the per-pair rows)."""
-    return probe(cfg).report

@@ -49,8 +49,10 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from judgeloop.rewards import is_empty
+from judgeloop.rewards import Group, is_empty
+from judgeloop.serving.checks import ApiError, check_texts
 from judgeloop.serving.config import ServeConfig
+from judgeloop.serving.groups import PromptGroups, served_group_scores
 
 ROUTE = "/openrlhf/get_reward"
 
@@ -81,13 +83,10 @@ def completion_of(query: str, prompt: str, strip_suffixes: list[str]) -> str:
 
 
 async def request_groups(
-    prompt_groups: Any, sources: list[str], completions: list[str], anchors: list[str | None]
+    prompt_groups: PromptGroups, sources: list[str], completions: list[str], anchors: list[str | None]
 ) -> list[float | None]:
     """Rewards of one request's queries, grouped by (source, anchor) and scored in one judge call (an
     empty completion loses, as in the module docstring)."""
-    from judgeloop.rewards import Group
-    from judgeloop.serving.groups import served_group_scores
-
     index: dict[tuple[str, str | None], int] = {}
     groups: list[Group] = []
     where: list[tuple[int, int]] = []
@@ -106,7 +105,7 @@ def _score(reward: float, aggregate: str) -> float:
     return reward if aggregate == "win_rate" else 1.0 / (1.0 + math.exp(-reward))
 
 
-def openrlhf_router(cfg: ServeConfig, prompt_groups: Any, check_texts: Any, api_error: Any) -> APIRouter:
+def openrlhf_router(cfg: ServeConfig, prompt_groups: PromptGroups) -> APIRouter:
     """The FastAPI router of ``POST /openrlhf/get_reward`` (see the module docstring)."""
     router = APIRouter()
     options = cfg.openrlhf
@@ -117,7 +116,7 @@ def openrlhf_router(cfg: ServeConfig, prompt_groups: Any, check_texts: Any, api_
         n = len(body.query)
         labels = body.labels if body.labels is not None else [None] * n
         if not (len(body.prompts) == n == len(labels)):
-            raise api_error(
+            raise ApiError(
                 422,
                 f"query has {n} entries, prompts {len(body.prompts)}, labels {len(labels)}; they must match",
             )
@@ -145,7 +144,7 @@ def openrlhf_router(cfg: ServeConfig, prompt_groups: Any, check_texts: Any, api_
             )
         missing = [i for i, r in enumerate(rewards) if r is None]
         if missing:
-            raise api_error(
+            raise ApiError(
                 422,
                 f"query[{missing[0]}] has no valid comparison (a group of one completion, or the judge failed on "
                 "it); set openrlhf.n_samples_per_prompt to the trainer's --rollout.n_samples_per_prompt, or "
