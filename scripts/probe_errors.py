@@ -164,6 +164,18 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
             "loss.kl_coef=0.5",
         ]
 
+    INF_QRELS = "query-id\tcorpus-id\tscore\n1\t31715818\tinf\n"  # noqa: N806
+
+    def damaged_checkpoint() -> list[str]:
+        """The checkpoint of a real run, its state.json cut in half."""
+        out = tmp / "damaged_run"
+        if not (out / "checkpoints" / "step_1").is_dir():
+            run_cli(["train", "--config", TINY, *QUICK, f"output_dir={out}"])
+        state = out / "checkpoints" / "step_1" / "state.json"
+        text = state.read_text()
+        state.write_text(text[: len(text) // 2])
+        return ["train", "--config", TINY, *QUICK, f"output_dir={out}", f"resume_from={state.parent}"]
+
     ablate = ["ablate", "--config", TINY, *QUICK, "ablation.arms=[raw,platt]", "ablation.seeds=[0]"]
 
     def aggregate_some() -> list[str]:
@@ -610,6 +622,29 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 "gate.min_separation=-1",
             ],  # fmt: skip
             "'gate.min_separation'=-1.0 must be in [0.5, 1]",
+        ),
+        (
+            "a qrels score of inf (gate)",
+            lambda: [
+                "gate",
+                "--config",
+                str(ROOT / "configs/gate/scifact.yaml"),
+                f"output_dir={tmp / 'gate_qrels'}",
+                "data.qrels_path=" + str(write("qrels.tsv", INF_QRELS)),
+            ],  # fmt: skip
+            "score 'inf' is not a finite number",
+        ),
+        ("a truncated state.json in the checkpoint to resume", damaged_checkpoint, "checkpoint state"),
+        (
+            "judge.server.timeout_s=1e300 (calibrate)",
+            lambda: [
+                "calibrate",
+                "--config",
+                str(ROOT / "configs/calibrate/summeval_served.yaml"),
+                f"output_dir={tmp / 'timeout'}",
+                "judge.server.timeout_s=1e300",
+            ],  # fmt: skip
+            "'judge.server.timeout_s'=1e+300 must be",
         ),
         *serve_cases(tmp, write),
         *run_dir_cases(tmp, resume_changed),
