@@ -26,9 +26,15 @@ from judgeloop.distributed import generation_context
 from judgeloop.logging import setup_logging
 from judgeloop.loop.alarms import watch_divergence
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.evaluation import evaluate_when_due
 from judgeloop.loop.recalibration import maybe_recalibrate
-from judgeloop.loop.run import after_step, close_run, curve_when_due, stepping
+from judgeloop.loop.run import (
+    after_step,
+    close_run,
+    curve_when_due,
+    evaluate_when_due,
+    record_update,
+    stepping,
+)
 from judgeloop.loop.setup import open_run
 from judgeloop.loop.state import next_batch, peek_batch
 from judgeloop.loop.steps import (
@@ -39,7 +45,6 @@ from judgeloop.loop.steps import (
     make_advantages,
     make_pairs,
     policy_update,
-    record_update,
     rollout_step,
 )
 from judgeloop.signals import Stopped

@@ -31,7 +31,7 @@ def test_a_non_finite_replicate_is_dropped_per_statistic():
 
 def test_the_gate_auc_interval_and_the_refit_ece_intervals_are_this_bootstrap():
     from judgeloop.calibration import PlattCalibrator, ece
-    from judgeloop.loop.recalibration import CalibrationPairs, _oriented, ece_intervals
+    from judgeloop.loop.pairs import CalibrationPairs, _oriented, ece_intervals
     from judgeloop.retrieval.gate import auc, bootstrap_auc
 
     rng = np.random.default_rng(2)

@@ -73,3 +73,105 @@ def test_calibration_imports_no_judge():
     for path in sorted((SRC / "calibration").rglob("*.py")):
         bad = [m for m in _imports(path) if m.startswith("judgeloop.judges")]
         assert not bad, f"{path.relative_to(SRC)} imports {bad}; calibration/ sits below judges/"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the judgeloop modules it imports: at top level, inside a function or under
+    ``TYPE_CHECKING`` alike (a type-only import still ties the two modules together for a reader).
+    ``from judgeloop.pkg import mod`` counts as an import of the module ``judgeloop.pkg.mod``."""
+    paths = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for me, path in paths.items():
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in paths and t != me}
+        graph[me] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package(module: str) -> str:
+    """``judgeloop.loop.steps`` -> ``judgeloop.loop``; a top-level module belongs to ``judgeloop``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else "judgeloop"
+
+
+def test_no_package_has_an_import_circle():
+    """Inside a package the modules form layers: none imports, directly or round about, one that imports
+    it (type-only and function-level imports included), so each can be read after those it uses."""
+    graph = _import_graph()
+    circles = []
+    for package in sorted({_package(m) for m in graph}):
+        inside = {m for m in graph if _package(m) == package}
+        circles += _circles({m: graph[m] & inside for m in inside})
+    assert not circles, f"import circles inside a package: {circles}; move what both need below both"
+
+
+def test_nothing_below_the_run_names_loop_run():
+    """``LoopRun`` (loop/setup.py) is the run; the modules setup.py imports, directly or not (the steps,
+    the evaluation, the pairs, the state, ...), take the run's parts instead. Only the run's own rooms
+    (setup, run, alarms) name it."""
+    graph = _import_graph()
+    below, todo = set(), ["judgeloop.loop.setup"]
+    while todo:
+        for m in graph[todo.pop()] - below:
+            below.add(m)
+            todo.append(m)
+    assert {"judgeloop.loop.steps", "judgeloop.loop.evaluation"} <= below
+    naming = []
+    for module in sorted(below):
+        path = SRC.parent.joinpath(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            # a name (LoopRun), an attribute (setup.LoopRun), an imported name
+            if "LoopRun" in {getattr(node, key, None) for key in ("id", "attr", "name")}:
+                naming.append(module)
+                break
+    assert not naming, f"{naming} name LoopRun but sit below loop/setup.py; pass them the run's parts"

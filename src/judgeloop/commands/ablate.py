@@ -14,7 +14,7 @@ from typing import Any
 from judgeloop.config import ConfigError
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.rundir import held_folder, run_dir
-from judgeloop.studies.ablation import jobs, parse_job, run_ablation
+from judgeloop.studies.ablation import jobs, parse_job, run_grid, run_job
 from judgeloop.studies.ablation_report import aggregate
 
 __all__ = ["FeedbackLoopConfig", "run"]
@@ -39,7 +39,7 @@ def run(
         return {}
     if job is not None:
         try:
-            parse_job(job, cfg)
+            arm, seed = parse_job(job, cfg)
         except ValueError as err:
             raise ConfigError(str(err)) from err
     if aggregate_only:  # reads the job folders (each checked against this config) and writes results.* only,
@@ -52,9 +52,10 @@ def run(
     # (judgeloop.rundir); only a whole-grid run may clear it (overwrite=true)
     with run_dir(cfg.output_dir, "ablate", cfg, on_match="keep", shared=job is not None):
         if job is not None:
-            result = run_ablation(cfg, job=job)
+            result = run_job(cfg, arm, seed)
             sys.stdout.write(f"{job}: {result['status']} ({result['dir']})\n")
             return result
-        results = run_ablation(cfg)
+        run_grid(cfg)
+        results = aggregate(cfg, allow_missing=True)  # every job ran; a failed one is listed as failed
     sys.stdout.write((Path(cfg.output_dir) / "results.md").read_text())
     return results

@@ -23,7 +23,8 @@ from judgeloop.judges import Judge
 from judgeloop.judges.objective import signal_value
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import AlarmConfig
-from judgeloop.loop.recalibration import CalibrationPairs, calibrate, maybe_recalibrate, needs_fit
+from judgeloop.loop.pairs import CalibrationPairs, calibrate
+from judgeloop.loop.recalibration import maybe_recalibrate, needs_fit
 
 if TYPE_CHECKING:
     from judgeloop.loop.setup import LoopRun

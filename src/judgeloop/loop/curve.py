@@ -34,7 +34,8 @@ from judgeloop.hashing import derive_seed
 from judgeloop.intervals import bootstrap_mean_interval
 from judgeloop.io import finite_or_none
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.evaluation import eval_mode, greedy_summaries, sampled_kl
+from judgeloop.loop.evaluation import greedy_summaries, sampled_kl
+from judgeloop.loop.policy import eval_mode
 from judgeloop.loop.rollout import PromptBuilder
 from judgeloop.loop.state import LoopState
 from judgeloop.metrics.text import copy_rate, rouge_max, tokens

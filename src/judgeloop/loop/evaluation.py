@@ -8,15 +8,15 @@ sampled summary per article), the share of summaries each reward-hacking detecto
 the judge's win rate of the policy's summary against the reference
 policy's, and the calibrator's ECE on (greedy, sampled) pairs labeled by neutral ROUGE-L.
 
-The loop's glue is here too: :func:`run_evaluation` (one evaluation of a run, sharded over processes),
-:func:`reference_summaries` (the reference policy's, once), :func:`evaluate_when_due` (the scheduled
-evaluation after a step) and :func:`early_stopping` (the best validation policy, and patience).
+The loop's glue is here too, taking the run's parts: :func:`run_evaluation` (one evaluation of a run,
+sharded over processes), :func:`reference_summaries` (the reference policy's, once) and
+:func:`early_stopping` (the best validation policy, and patience); the run schedules them
+(:func:`judgeloop.loop.run.evaluate_when_due`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,29 +36,16 @@ from judgeloop.logging import get_logger
 from judgeloop.loop.checkpoint import save_policy
 from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
-from judgeloop.loop.policy import reference_logprobs
-from judgeloop.loop.recalibration import CalibrationPairs, label_pairs, pair_ece
+from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, label_pairs, pair_ece
+from judgeloop.loop.policy import eval_mode, reference_logprobs
 from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
 from judgeloop.loop.state import LoopState, Splits
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 
 if TYPE_CHECKING:
-    from judgeloop.loop.setup import LoopRun
     from judgeloop.loop.shared import StartWork
 
 logger = get_logger(__name__)
-
-
-@contextlib.contextmanager
-def eval_mode(model: Any) -> Iterator[Any]:
-    """``model`` in eval mode for the block, then back to the mode it was in."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        if was_training:
-            model.train()
 
 
 def greedy_summaries(
@@ -215,18 +202,6 @@ def shard_pairs(
     return label_pairs(exs, [r["summary"] for r in rows], [r["sample"] for r in rows], train_judge)
 
 
-def merge_pairs(parts: Sequence[dict[str, Any]]) -> CalibrationPairs:
-    """One :class:`CalibrationPairs` from the processes' ``as_dict()`` parts, in process order."""
-    out = CalibrationPairs()
-    for part in parts:
-        for name, value in part.items():
-            if isinstance(value, list):
-                getattr(out, name).extend(value)
-            else:
-                setattr(out, name, getattr(out, name) + value)
-    return out
-
-
 def run_evaluation(
     accelerator: Accelerator,
     model: Any,
@@ -292,7 +267,7 @@ def run_evaluation(
         sampled=sampled,
     )
     rows = real_part(rows, len(ids), accelerator)
-    pairs = merge_pairs(gather_object([shard_pairs(rows, {e.id: e for e in exs}, train_judge).as_dict()]))
+    pairs = gather_pairs(shard_pairs(rows, {e.id: e for e in exs}, train_judge))
     rows = gather_object(rows)
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     metrics = evaluation_metrics(rows, pairs, calibrator, cfg.calibration.num_bins)
@@ -361,21 +336,3 @@ def reference_summaries(
     pairs = gather_object(pairs)
     texts = dict(pairs)
     return [texts[i] for i in range(len(test))]
-
-
-def evaluate_when_due(run: LoopRun, step: int) -> None:
-    """Every ``eval_every_n_steps``: the test and validation metrics of the current policy (into the
-    history and the trackers), and the early-stopping check on validation ROUGE-L."""
-    cfg, state, acc = run.cfg, run.state, run.accelerator
-    if not (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0):
-        return
-    metrics = run.evaluate(step)
-    state.history.append(metrics)
-    acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-    if early_stopping(metrics, state, cfg, acc, run.model):
-        state.stopped_early = True
-        logger.info(
-            "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
-            "(best %.4f at step %d)",
-            step, cfg.early_stopping_patience, state.best_val, state.best_step,
-        )  # fmt: skip

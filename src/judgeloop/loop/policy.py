@@ -6,8 +6,9 @@ copy of the model is held. Only trainable parameters (the adapters, or everythin
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,18 @@ from judgeloop.models import load_causal_lm, load_tokenizer
 from judgeloop.models.lean import lean_cpu_forward
 
 logger = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[Any]:
+    """``model`` in eval mode for the block, then back to the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        if was_training:
+            model.train()
 
 
 _SFT_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}

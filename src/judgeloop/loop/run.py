@@ -1,6 +1,7 @@
 """The run around the steps: the step numbers still to run (:func:`stepping`, with the judge's prefetch
-thread and the progress bar), stop signals between steps, the scheduled checkpoint (:func:`after_step`),
-and the end (:func:`close_run`: the kept policy, its final metrics, ``report.json``).
+thread and the progress bar), the run's record of each step (:func:`record_update`), the scheduled
+evaluation (:func:`evaluate_when_due`), stop signals between steps, the scheduled checkpoint
+(:func:`after_step`), and the end (:func:`close_run`: the kept policy, its final metrics, ``report.json``).
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from judgeloop.checkpointing import prune_checkpoints
 from judgeloop.config import to_yaml
-from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, finite_or_none
 from judgeloop.logging import get_logger
 from judgeloop.loop.checkpoint import (
     export_policy,
@@ -19,6 +22,7 @@ from judgeloop.loop.checkpoint import (
     save_checkpoint,
 )
 from judgeloop.loop.curve import curve_articles, curve_due, curve_table, plot_curve
+from judgeloop.loop.evaluation import early_stopping
 from judgeloop.loop.model_card import policy_card
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.setup import LoopRun
@@ -59,6 +63,50 @@ def stepping(run: LoopRun) -> Iterator[Iterator[int]]:
         run.prefetch.close()
         if run.bar is not None:
             run.bar.close()
+
+
+def record_update(run: LoopRun, batch: PairBatch) -> None:
+    """After policy_update: the step's training row (its stats, the KL coefficient, the judge's mean p
+    and failures, the learning rate) into the run state and the trackers; the KL controller adapts."""
+    stats, state = batch.stats, run.state
+    stats.update(
+        kl_coef=run.kl_ctl.coef, **judged_stats(batch), lr=float(run.learner.scheduler.get_last_lr()[0])
+    )
+    run.kl_ctl.update(stats["kl"])
+    state.kl_coef = run.kl_ctl.coef
+    state.step = batch.step
+    state.train_log.append(finite_or_none({"step": batch.step, **stats}))
+    run.accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=batch.step)
+
+
+def judged_stats(batch: PairBatch) -> dict[str, float]:
+    """The step's mean calibrated p and its failed judgements (pairs, or a group's comparisons)."""
+    if batch.advantages is not None:  # grpo: the GroupScores
+        return {"p_mean": batch.judged.mean_p, "judge_failures": float(sum(batch.judged.failed))}
+    p = batch.p
+    assert p is not None
+    return {
+        "p_mean": float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
+        "judge_failures": float((~batch.judged.valid).sum()),
+    }
+
+
+def evaluate_when_due(run: LoopRun, step: int) -> None:
+    """Every ``eval_every_n_steps``: the test and validation metrics of the current policy (into the
+    history and the trackers), and the early-stopping check on validation ROUGE-L."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    if not (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0):
+        return
+    metrics = run.evaluate(step)
+    state.history.append(metrics)
+    acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+    if early_stopping(metrics, state, cfg, acc, run.model):
+        state.stopped_early = True
+        logger.info(
+            "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
+            "(best %.4f at step %d)",
+            step, cfg.early_stopping_patience, state.best_val, state.best_step,
+        )  # fmt: skip
 
 
 def stop_requested(run: LoopRun) -> bool:

@@ -2,8 +2,9 @@
 step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first calibrator fit, the
 step-0 evaluation) or a resume (:func:`resume_run`).
 
-:func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds, and what the
-steps (:mod:`judgeloop.loop.steps`) read from.
+:func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds. Only the run's
+own rooms (this module, :mod:`judgeloop.loop.run`, :mod:`judgeloop.loop.alarms`) take a ``LoopRun``; they
+hand the steps and the evaluation its parts.
 """
 
 from __future__ import annotations
@@ -63,16 +64,18 @@ from judgeloop.loop.evaluation import (
 from judgeloop.loop.losses import (
     AdaptiveKLController,
 )
-from judgeloop.loop.policy import load_policy
-from judgeloop.loop.prefetch import JudgePrefetch
-from judgeloop.loop.recalibration import (
+from judgeloop.loop.pairs import (
     CalibrationPairs,
-    build_calibrator,
-    build_training_judge,
-    check_calibration_budget,
     collect_calibration_pairs,
     initial_calibration_pairs,
     judge_coupling,
+)
+from judgeloop.loop.policy import load_policy
+from judgeloop.loop.prefetch import JudgePrefetch
+from judgeloop.loop.recalibration import (
+    build_calibrator,
+    build_training_judge,
+    check_calibration_budget,
     needs_fit,
     refit,
 )
@@ -262,7 +265,7 @@ def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
 
 @dataclass
 class LoopRun:
-    """Everything one run holds, built by :func:`setup_run`; the step functions read from it."""
+    """Everything one run holds, built by :func:`setup_run`; the recipe hands its parts to the steps."""
 
     cfg: FeedbackLoopConfig
     accelerator: Accelerator
@@ -476,7 +479,7 @@ def start_run(run: LoopRun) -> None:
     if (
         cfg.calibration.method != "oracle"
     ):  # samples of the initial policy: the judge's coupling, the first fit
-        pairs = initial_calibration_pairs(run.start, cfg, run.splits, lambda: run.collect(0))
+        pairs = initial_calibration_pairs(run.start, cfg, run.splits.calibration, lambda: run.collect(0))
         state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
         line = coupling_line(state.coupling[-1])
         (logger.warning if line.startswith("WARNING") else logger.info)("step 0: %s", line)

@@ -37,7 +37,7 @@ from judgeloop.hashing import json_digest
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.evaluation import eval_mode
+from judgeloop.loop.policy import eval_mode
 from judgeloop.loop.rollout import PromptBuilder
 
 logger = get_logger(__name__)

@@ -19,9 +19,7 @@ from judgeloop.data import SummExample, load_examples, split_examples
 from judgeloop.hashing import derive_seed
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.recalibration import (
-    check_calibration_disjoint,
-)
+from judgeloop.loop.pairs import check_calibration_disjoint
 
 logger = get_logger(__name__)
 

@@ -8,8 +8,9 @@ the loop's step numbers everywhere (the code and the docs name the steps, they d
     2. judge_step         the judge (or a panel of judges) gives a raw preference logit per pair
     3. calibrate_step     the arm's calibrator maps it to p = P(a better than b)
     4. make_pairs         p becomes each pair's soft DPO target (and the mask / weights of pairs that count)
-    5. policy_update      soft-target DPO on the targets, plus kl_coef * KL(pi || pi_ref); record_update
-                          logs it and adapts the KL coefficient
+    5. policy_update      soft-target DPO on the targets, plus kl_coef * KL(pi || pi_ref); the run's
+                          record_update (:mod:`judgeloop.loop.run`) logs it and adapts
+                          the KL coefficient
     6. maybe_recalibrate  monitor ECE and refit the calibrator (and a panel's members) on fresh
                           calibration-split samples, when due (in :mod:`judgeloop.loop.recalibration`)
     7. watch_divergence   when due, the judge's agreement with objective signals; alarms act on it
@@ -22,7 +23,8 @@ and step 5's :func:`policy_update` runs :func:`grpo_update`; 6 and 7 are the sam
 
 ``recipes/feedback_loop.py`` calls them in this order, between the set-up (:mod:`judgeloop.loop.setup`:
 the run, step 0, a resume) and the evaluation, checkpoint and report around each step
-(:mod:`judgeloop.loop.evaluation`, :mod:`judgeloop.loop.run`); ``judgeloop train`` runs that recipe.
+(:mod:`judgeloop.loop.run`, over :mod:`judgeloop.loop.evaluation`); ``judgeloop train`` runs that recipe.
+The steps take the run's parts (the model, the judge, the calibrator, a :class:`Learner`), not the run.
 Under ``accelerate launch`` each process runs every step on its share of the batch.
 """
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +44,6 @@ from judgeloop.distributed import (
     generation_context,
 )
 from judgeloop.hashing import derive_seed
-from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, references_for
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
@@ -54,19 +55,14 @@ from judgeloop.loop.losses import (
     soft_dpo_loss,
     targets_from_probs,
 )
+from judgeloop.loop.pairs import calibrate
 from judgeloop.loop.policy import reference_logprobs
-from judgeloop.loop.recalibration import (
-    calibrate,
-)
 from judgeloop.loop.rollout import (
     PromptBuilder,
     Rollout,
     rollout,
     token_logprobs,
 )
-
-if TYPE_CHECKING:
-    from judgeloop.loop.setup import LoopRun
 
 logger = get_logger(__name__)
 
@@ -300,29 +296,3 @@ def _chunk_loss(
         k1 = share(kl_per_sequence(pol_tok.detach(), ref_tok, tok_mask, "k1"))
         agree = (((h.detach() > 0).float() == (t >= 0.5).float()).float() * m).sum()
     return [loss.detach(), dpo.detach(), kl.detach(), k1, agree]
-
-
-def record_update(run: LoopRun, batch: PairBatch) -> None:
-    """After policy_update: the step's training row (its stats, the KL coefficient, the judge's mean p
-    and failures, the learning rate) into the run state and the trackers; the KL controller adapts."""
-    stats, state = batch.stats, run.state
-    stats.update(
-        kl_coef=run.kl_ctl.coef, **judged_stats(batch), lr=float(run.learner.scheduler.get_last_lr()[0])
-    )
-    run.kl_ctl.update(stats["kl"])
-    state.kl_coef = run.kl_ctl.coef
-    state.step = batch.step
-    state.train_log.append(finite_or_none({"step": batch.step, **stats}))
-    run.accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=batch.step)
-
-
-def judged_stats(batch: PairBatch) -> dict[str, float]:
-    """The step's mean calibrated p and its failed judgements (pairs, or a group's comparisons)."""
-    if batch.advantages is not None:  # grpo: the GroupScores
-        return {"p_mean": batch.judged.mean_p, "judge_failures": float(sum(batch.judged.failed))}
-    p = batch.p
-    assert p is not None
-    return {
-        "p_mean": float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
-        "judge_failures": float((~batch.judged.valid).sum()),
-    }

@@ -9,12 +9,14 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from judgeloop.raft.chunking import Chunk
-from judgeloop.raft.distractors import DistractorSampler
+from judgeloop.raft.distractors import DistractorConfig, DistractorSampler
 from judgeloop.raft.readers import RaftQuestion
 from judgeloop.raft.targets import (
+    PromptConfig,
+    TargetConfig,
     absent_reasoning,
     extract_quotes,
     quotes_are_verbatim,
@@ -23,8 +25,16 @@ from judgeloop.raft.targets import (
 )
 from judgeloop.text import text_key
 
-if TYPE_CHECKING:
-    from judgeloop.raft.builder import BuildRaftConfig
+
+class AssemblySettings(Protocol):
+    """The build settings assembly reads (:class:`judgeloop.raft.builder.BuildRaftConfig` has them): named
+    here so that the step sits below the builder that calls it."""
+
+    seed: int
+    p_oracle: float
+    distractors: DistractorConfig
+    target: TargetConfig
+    prompt: PromptConfig
 
 
 @dataclass
@@ -66,7 +76,7 @@ def _example_row(
 
 
 def assemble_split(
-    cfg: BuildRaftConfig, split: str, qs: Sequence[RaftQuestion], pool: list[Chunk],
+    cfg: AssemblySettings, split: str, qs: Sequence[RaftQuestion], pool: list[Chunk],
     chunks: Mapping[str, list[Chunk]], oracle_of: Mapping[str, Chunk], quotes_of: Mapping[str, list[str]],
     topics: Mapping[str, str | None], gen: Any, tally: DistractorTally,
 ) -> list[dict[str, Any]]:  # fmt: skip

@@ -344,15 +344,13 @@ def _duration(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, Any]:
-    """Run every arm x seed (or the one ``job``, ``"ARM:SEED"``) and, for the whole grid, write the summary."""
-    if job is not None:
-        arm, seed = parse_job(job, cfg)
-        return run_job(cfg, arm, seed)
+def run_grid(cfg: FeedbackLoopConfig) -> list[dict[str, Any]]:
+    """Run every arm x seed (checked first, all together); each job's result. The summary is
+    :func:`judgeloop.studies.ablation_report.aggregate`'s, which reads the job folders (``judgeloop ablate``
+    writes it after the grid)."""
     from judgeloop.loop.recalibration import check_calibration_budget
     from judgeloop.loop.setup import check_models
     from judgeloop.loop.state import load_splits
-    from judgeloop.studies.ablation_report import aggregate
 
     check_models(cfg)  # once, before any job starts: models, then data against every arm's fit
     calibration_ids = [e.id for e in load_splits(cfg).calibration]
@@ -361,8 +359,7 @@ def run_ablation(cfg: FeedbackLoopConfig, job: str | None = None) -> dict[str, A
             check_calibration_budget(arm_config(cfg, arm, seed).calibration, calibration_ids, seed)
     grid = jobs(cfg)
     n = cfg.ablation.num_workers or default_workers(cfg, len(grid))
-    run_jobs(cfg, grid, n)
-    return aggregate(cfg, allow_missing=True)  # every job ran; a failed one is listed as failed
+    return run_jobs(cfg, grid, n)
 
 
 # Final metrics with one value per article (the per-article key), whose interval is the two-level bootstrap.
