@@ -5,8 +5,8 @@
         judge_path=runs/cal/calibrated_judge/platt
 
 Each prompt's ``grpo.num_generations`` completions are compared with each other by the calibrated,
-position-debiased judge (``reward.scheme``, one batched judge call per TRL batch) and the comparisons
-become one reward per completion (``reward.aggregate``); TRL's GRPOTrainer does the rest. Writes TRL's
+position-debiased judge (``rewards.scheme``, one batched judge call per TRL batch) and the comparisons
+become one reward per completion (``rewards.aggregate``); TRL's GRPOTrainer does the rest. Writes TRL's
 output under ``output_dir`` and ``grpo_report.json`` (s/step, the judge's share, the logged rewards).
 """
 
@@ -43,14 +43,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)
         reward = JudgeReward(
             judge,
-            scheme=cfg.reward.scheme,
-            aggregate=cfg.reward.aggregate,
-            m=cfg.reward.m,
-            prior=cfg.reward.prior,
-            probability=cfg.reward.probability,
+            cfg.rewards,
             num_generations=cfg.grpo.num_generations,
             source_column="article",
-            anchor_column="reference" if cfg.reward.scheme == "anchor" else None,
+            anchor_column="reference" if cfg.rewards.scheme == "anchor" else None,
             reference_column="reference"
             if judge.reads_references
             else None,  # what judge.needs says it reads

@@ -110,7 +110,7 @@ def _cfg(args: argparse.Namespace):
 def _grpo_overrides(args: argparse.Namespace) -> list[str]:
     # the GRPO objective both sides run; the KL coefficient stays the config's (TRL gets it as beta)
     return ["loss.type=grpo", f"generation.num_samples_per_article={args.num_generations}",
-            "loss.scale_rewards=group", "loss.reward_scheme=round_robin", "loss.reward_aggregate=win_rate"]  # fmt: skip
+            "loss.scale_rewards=group", "rewards.scheme=round_robin", "rewards.aggregate=win_rate"]  # fmt: skip
 
 
 # Qwen2-0.5B's and MiniLM-L6's shapes (real), and toy widths of the same classes (dry)
@@ -363,8 +363,9 @@ def worker_peer_grpo(args: argparse.Namespace) -> dict:
                                  lora_dropout=cfg.policy.lora_dropout,
                                  target_modules=list(cfg.policy.lora_target_modules), task_type="CAUSAL_LM")  # fmt: skip
     judge = CalibratedJudge(config=cfg.judge, calibrator=IdentityCalibrator(), judge=build_judge(cfg.judge))
-    reward = JudgeReward(judge, scheme="round_robin", aggregate="win_rate", m=2,  # the loop's round robin
-                         num_generations=args.num_generations, source_column="article")  # fmt: skip
+    reward = JudgeReward(
+        judge, cfg.rewards, num_generations=args.num_generations, source_column="article"
+    )  # the loop's
     spent = {"generate": 0.0}
     inner_generate = model.generate
 

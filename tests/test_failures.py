@@ -510,6 +510,9 @@ def test_calibrate_refuses_too_few_labeled_pairs_before_judging(tmp_path):
         ("judgeloop.loop.config:FeedbackLoopConfig", "num_steps=3", "max_steps"),
         ("judgeloop.loop.config:FeedbackLoopConfig", "calibration.n_bins=5", "calibration.num_bins"),
         ("judgeloop.loop.config:FeedbackLoopConfig", "policy.sft_lr=0.1", "policy.sft_learning_rate"),
+        ("judgeloop.loop.config:FeedbackLoopConfig", "loss.reward_scheme=all_pairs", "rewards.scheme"),
+        ("judgeloop.loop.config:FeedbackLoopConfig", "loss.reward_aggregate=win_rate", "rewards.aggregate"),
+        ("judgeloop.integrations.grpo:GrpoTrlConfig", "reward={scheme: all_pairs}", "rewards"),
         ("judgeloop.studies.calibration_lab:CalibrateConfig", "n_bins=5", "num_bins"),
         (
             "judgeloop.retrieval.trainer_config:TrainRetrieverConfig",
@@ -530,12 +533,18 @@ def test_a_renamed_key_names_its_new_name(schema, old, new):
 
 
 def test_a_config_saved_under_old_names_migrates_and_compares_equal():
-    from judgeloop.config import config_changes, migrate, to_dict
+    from judgeloop.config import config_changes, default_dict, migrate, to_dict
     from judgeloop.loop.config import FeedbackLoopConfig
 
     new = to_dict(FeedbackLoopConfig())
     old = {k: v for k, v in new.items() if k != "max_steps"} | {"num_steps": new["max_steps"]}
     old["optim"] = {("lr" if k == "learning_rate" else k): v for k, v in new["optim"].items()}
     old["calibration"] = {("n_bins" if k == "num_bins" else k): v for k, v in new["calibration"].items()}
+    # a key that moved to another section: loss.reward_scheme is rewards.scheme
+    old["loss"] = new["loss"] | {"reward_scheme": new["rewards"]["scheme"], "reward_aggregate": "win_rate"}
+    old = {k: v for k, v in old.items() if k != "rewards"}
     assert config_changes(old, new)  # compared as saved, every renamed key is a change
-    assert config_changes(migrate(FeedbackLoopConfig, old), new) == []
+    defaults = default_dict(FeedbackLoopConfig)  # rewards.m and the others came with the section
+    assert config_changes(migrate(FeedbackLoopConfig, old), new, defaults=defaults) == []
+    moved = migrate(FeedbackLoopConfig, old | {"loss": old["loss"] | {"reward_scheme": "all_pairs"}})
+    assert config_changes(moved, new, defaults=defaults) == ["rewards.scheme: 'all_pairs' -> 'round_robin'"]

@@ -321,8 +321,8 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     for name, value in raw.items():
         if name in renamed and name not in fields:
             raise ConfigError(
-                f"config key '{prefix}{name}' is now '{prefix}{renamed[name]}' (one name for one idea across "
-                "judgeloop's configs); rename it in your config"
+                f"config key '{prefix}{name}' is now '{_new_name(prefix, renamed[name])}' (one name for one idea "
+                "across judgeloop's configs); rename it in your config"
             )
         if name in retired and name not in fields:
             raise ConfigError(f"config key '{prefix}{name}' is retired; {retired[name]}")
@@ -342,6 +342,12 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
         raise ConfigError(f"invalid config for '{where}': {err}") from err
     _check_ranges(cls, kwargs, prefix)  # after __post_init__, whose own messages say more
     return built
+
+
+def _new_name(prefix: str, target: str) -> str:
+    """The full new name of a renamed key: ``target`` beside the old key, or, when it is dotted, from the
+    config's root (a key that moved to another section, e.g. ``loss.reward_scheme`` -> ``rewards.scheme``)."""
+    return target if "." in target else f"{prefix}{target}"
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -514,10 +520,14 @@ def config_changes(
     return out
 
 
-def migrate(cls: type, tree: Mapping[str, Any]) -> dict[str, Any]:
+def migrate(
+    cls: type, tree: Mapping[str, Any], _moved: list[tuple[list[str], Any]] | None = None
+) -> dict[str, Any]:
     """A saved config dict with keys renamed since it was saved moved to their new names (each schema
-    lists its renames in a ``RENAMED`` class attribute; keys in ``RETIRED`` are dropped), so an old run
-    or checkpoint still compares."""
+    lists its renames in a ``RENAMED`` class attribute, a dotted new name counting from the config's root;
+    keys in ``RETIRED`` are dropped), so an old run or checkpoint still compares."""
+    root = _moved is None
+    moved: list[tuple[list[str], Any]] = [] if _moved is None else _moved
     renamed: dict[str, str] = getattr(cls, "RENAMED", {})
     retired: dict[str, str] = getattr(cls, "RETIRED", {})
     hints = get_type_hints(cls)
@@ -525,11 +535,20 @@ def migrate(cls: type, tree: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in tree.items():
         if key in retired and key not in hints:
             continue  # a retired key has no new place: the setting that replaced it compares at its default
+        if key not in hints and "." in renamed.get(key, ""):
+            moved.append((renamed[key].split("."), value))  # placed from the root, below
+            continue
         name = renamed.get(key, key)
         tp = _is_optional(hints[name])[1] if name in hints else None
         if isinstance(value, Mapping) and tp is not None and dataclasses.is_dataclass(tp):
-            value = migrate(tp, value)  # type: ignore[arg-type]
+            value = migrate(tp, value, moved)  # type: ignore[arg-type]
         out[name] = value
+    if root:
+        for parts, value in moved:
+            node = out
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node.setdefault(parts[-1], value)  # a value saved under the new name wins
     return out
 
 

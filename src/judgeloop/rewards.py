@@ -3,13 +3,16 @@
 Group-relative RL (GRPO, RLOO) samples k completions per prompt and needs a reward for each. A pairwise
 judge says which of two is better, so a group's rewards come from comparisons inside it:
 
-* ``scheme`` (which comparisons): ``all_pairs`` (every pair, k(k-1)/2), ``round_robin`` (each completion
-  against the next ``m``, in a canonical order, about k*m comparisons, so cost grows with k, not k^2),
-  ``anchor`` (each completion against one reference text: the dataset's reference, the greedy sample);
+* ``scheme`` (which comparisons): ``round_robin`` (default: each completion against the next ``m``, in a
+  canonical order, about k*m comparisons, so cost grows with k, not k^2; with ``m = 2`` and k <= 4 these
+  are every pair), ``all_pairs`` (every pair, k(k-1)/2), ``anchor`` (each completion against one reference text: the dataset's reference, the greedy sample);
 * ``aggregate`` (comparisons -> rewards): ``win_rate`` (mean calibrated p of beating the others, in
   [0, 1]) or ``bradley_terry`` (the maximum a posteriori Bradley-Terry strengths of the soft outcomes
   under a Gaussian prior of precision ``prior``, so a completion that wins everything stays finite;
   strengths sum to 0 over the group, or are relative to the anchor).
+
+These settings are one :class:`RewardConfig`, the ``rewards:`` section of every config that has one
+(``judgeloop train``, ``recipes/grpo_trl.py``, ``judgeloop serve-judge``), passed whole.
 
 Every comparison of every group in a batch goes to the judge in one call (:func:`score_groups`).
 Completions are de-duplicated first: identical completions get identical rewards, and the comparison
@@ -37,8 +40,10 @@ from judgeloop.judges.calibrated import Comparison
 
 Scheme = Literal["all_pairs", "round_robin", "anchor"]
 Aggregate = Literal["win_rate", "bradley_terry"]
+Probability = Literal["calibrated", "raw"]
 SCHEMES: tuple[str, ...] = get_args(Scheme)
 AGGREGATES: tuple[str, ...] = get_args(Aggregate)
+PROBABILITIES: tuple[str, ...] = get_args(Probability)
 ANCHOR = -1  # the anchor's index in a group's comparisons
 
 
@@ -85,30 +90,33 @@ class GroupScores:
 @dataclass
 class RewardConfig:
     """How pairwise judgements become one reward per completion (see the module docstring): the
-    ``reward.*`` block of ``recipes/grpo_trl.py`` and the ``rewards.*`` defaults of ``judgeloop serve-judge``.
-    ``probability: raw`` aggregates sigmoid(raw logit) instead of the calibrated p."""
+    ``rewards:`` section of ``judgeloop train`` (read under ``loss.type: grpo``), of
+    ``recipes/grpo_trl.py`` and of ``judgeloop serve-judge`` (a request may name its own).
+    ``probability: raw`` aggregates sigmoid(raw logit) instead of the calibrated p.
 
-    scheme: Scheme = "all_pairs"
+    Raises:
+        ValueError: a scheme, aggregate, probability, ``m`` or prior that is not one (one line naming
+            the value and the fix).
+    """
+
+    scheme: Scheme = "round_robin"
     aggregate: Aggregate = "win_rate"
     m: int = 2
     prior: float = 0.1
     RANGES: ClassVar[dict[str, Range]] = {"prior": (0, None, "(", " (the Bradley-Terry prior precision)")}
-    probability: Literal["calibrated", "raw"] = "calibrated"
+    probability: Probability = "calibrated"
 
     def __post_init__(self) -> None:
-        check_scheme(self.scheme, self.aggregate, self.m, self.prior)
-
-
-def check_scheme(scheme: str, aggregate: str, m: int, prior: float) -> None:
-    """Refuse a scheme, aggregate, ``m`` or prior that is not one (one line naming the value and the fix)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme={scheme!r}; use one of {list(SCHEMES)}")
-    if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate={aggregate!r}; use one of {list(AGGREGATES)}")
-    if m < 1:
-        raise ValueError(f"m={m}: round_robin compares each completion with the next m; use m >= 1")
-    if not prior > 0:
-        raise ValueError(f"prior={prior}: the Bradley-Terry prior precision must be > 0 (e.g. 0.1)")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme={self.scheme!r}; use one of {list(SCHEMES)}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate={self.aggregate!r}; use one of {list(AGGREGATES)}")
+        if self.probability not in PROBABILITIES:
+            raise ValueError(f"probability={self.probability!r}; use calibrated or raw")
+        if self.m < 1:
+            raise ValueError(f"m={self.m}: round_robin compares each completion with the next m; use m >= 1")
+        if not self.prior > 0:
+            raise ValueError(f"prior={self.prior}: the Bradley-Terry prior precision must be > 0 (e.g. 0.1)")
 
 
 def _canonical(texts: Sequence[str]) -> list[str]:
@@ -226,27 +234,26 @@ class EmptyLoses:
         return Comparison(p=p, logit=logit, status=status, forward=logit.copy())
 
 
-def score_groups(
-    judge: Any,
-    groups: Sequence[Group],
-    scheme: Scheme = "all_pairs",
-    aggregate: Aggregate = "win_rate",
-    m: int = 2,
-    prior: float = 0.1,
-    probability: Literal["calibrated", "raw"] = "calibrated",
-) -> GroupScores:
+def score_groups(judge: Any, groups: Sequence[Group], rewards: RewardConfig | None = None) -> GroupScores:
     """Rewards for every completion of every group, from one batched call of ``judge``'s
     :meth:`~judgeloop.judges.calibrated.CalibratedJudge.compare` (see the module docstring).
 
-    ``probability="raw"`` aggregates sigmoid(raw logit) instead of the calibrated p: the rewards then
-    differ from the calibrated ones only through the calibrator.
+    Args:
+        judge: what compares (``pairwise``, ``debiases``, ``compare``), e.g. a calibrated judge.
+        groups: the prompts' groups of completions.
+        rewards: the scheme, aggregate, ``m``, prior and probability (None: :class:`RewardConfig`'s
+            defaults). ``probability="raw"`` aggregates sigmoid(raw logit) instead of the calibrated p: the
+            rewards then differ from the calibrated ones only through the calibrator.
+
+    Returns:
+        The rewards and what it took to get them (:class:`GroupScores`).
 
     Raises:
-        ValueError: a bad scheme / aggregate / ``m`` / prior, or an ``anchor`` scheme without an anchor.
+        ValueError: an ``anchor`` scheme and a group without an anchor.
     """
-    check_scheme(scheme, aggregate, m, prior)
-    if probability not in ("calibrated", "raw"):
-        raise ValueError(f"probability={probability!r}; use calibrated or raw")
+    rewards = RewardConfig() if rewards is None else rewards
+    scheme, aggregate, m, prior = rewards.scheme, rewards.aggregate, rewards.m, rewards.prior
+    probability = rewards.probability
     plans = []  # per group: distinct texts, their comparisons, the batch rows of each
     sources: list[str] = []
     a: list[str] = []
@@ -337,18 +344,15 @@ def group_rewards(
     judge: Any,
     prompt: str,
     completions: Sequence[str],
-    scheme: Scheme = "all_pairs",
-    aggregate: Aggregate = "win_rate",
-    m: int = 2,
+    rewards: RewardConfig | None = None,
     anchor: str | None = None,
     references: Sequence[str] = (),
-    prior: float = 0.1,
-    probability: Literal["calibrated", "raw"] = "calibrated",
 ) -> list[float | None]:
-    """One reward per completion of one prompt's group (``prompt``: the source text the judge reads);
-    see the module docstring. Several groups at once: :func:`score_groups`."""
+    """One reward per completion of one prompt's group (``prompt``: the source text the judge reads;
+    ``rewards``: the settings, None for the defaults); see the module docstring. Several groups at once:
+    :func:`score_groups`."""
     group = Group(prompt, list(completions), anchor, tuple(references))
-    return score_groups(judge, [group], scheme, aggregate, m, prior, probability).rewards[0]
+    return score_groups(judge, [group], rewards).rewards[0]
 
 
 __all__ = [
@@ -357,6 +361,7 @@ __all__ = [
     "SCHEMES",
     "Group",
     "GroupScores",
+    "PROBABILITIES",
     "RewardConfig",
     "bradley_terry",
     "design",

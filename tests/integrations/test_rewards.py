@@ -10,7 +10,15 @@ from scipy.special import expit
 from judgeloop.calibration import IdentityCalibrator, PlattCalibrator
 from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.rewards import EmptyLoses, Group, bradley_terry, design, group_rewards, score_groups
+from judgeloop.rewards import (
+    EmptyLoses,
+    Group,
+    RewardConfig,
+    bradley_terry,
+    design,
+    group_rewards,
+    score_groups,
+)
 
 ARTICLE = "the council met on monday and voted to expand the city park by ten acres next spring"
 # shorter is better for the length judge: the planted ranking is c1 > c2 > ... > c5
@@ -37,14 +45,16 @@ def test_a_planted_ranking_is_recovered_and_the_order_of_completions_does_not_ma
     length_judge, scheme, aggregate
 ):
     anchor = "the council voted to expand the park"
-    rewards = group_rewards(length_judge, ARTICLE, COMPLETIONS, scheme, aggregate, m=2, anchor=anchor)
+    settings = RewardConfig(scheme, aggregate, m=2)
+    rewards = group_rewards(length_judge, ARTICLE, COMPLETIONS, settings, anchor=anchor)
     assert all(r is not None for r in rewards)
     assert np.argsort(rewards).tolist() == [4, 3, 2, 1, 0]  # shorter wins
     rng = np.random.default_rng(0)
     for _ in range(3):
         perm = rng.permutation(len(COMPLETIONS))
-        shuffled = group_rewards(length_judge, ARTICLE, [COMPLETIONS[i] for i in perm], scheme, aggregate,
-                                 m=2, anchor=anchor)  # fmt: skip
+        shuffled = group_rewards(
+            length_judge, ARTICLE, [COMPLETIONS[i] for i in perm], settings, anchor=anchor
+        )
         assert shuffled == [rewards[i] for i in perm]  # exactly: the design depends on content only
 
 
@@ -58,7 +68,9 @@ def test_identical_completions_tie_exactly_and_need_no_judge_call(length_judge):
     calls = length_judge.calls
     assert group_rewards(length_judge, ARTICLE, ["same text"] * 4) == [0.5] * 4
     assert length_judge.calls == calls  # nothing to judge
-    r = group_rewards(length_judge, ARTICLE, ["a b", "a b c d", "a b"], aggregate="bradley_terry")
+    r = group_rewards(
+        length_judge, ARTICLE, ["a b", "a b c d", "a b"], RewardConfig(aggregate="bradley_terry")
+    )
     assert r[0] == r[2] and r[0] > r[1]
 
 
@@ -93,10 +105,13 @@ def test_a_failed_comparison_is_dropped_and_counted_and_an_unjudged_completion_g
 def test_raw_and_calibrated_rewards_differ_only_through_the_calibrator(length_judge):
     raw_judge = CalibratedJudge(length_judge.config, IdentityCalibrator(), judge=length_judge.judge)
     for aggregate in ("win_rate", "bradley_terry"):
-        as_raw = group_rewards(length_judge, ARTICLE, COMPLETIONS, aggregate=aggregate, probability="raw")
-        identity = group_rewards(raw_judge, ARTICLE, COMPLETIONS, aggregate=aggregate)
+        calibrated = RewardConfig(aggregate=aggregate)
+        as_raw = group_rewards(
+            length_judge, ARTICLE, COMPLETIONS, RewardConfig(aggregate=aggregate, probability="raw")
+        )
+        identity = group_rewards(raw_judge, ARTICLE, COMPLETIONS, calibrated)
         assert as_raw == identity
-        assert group_rewards(length_judge, ARTICLE, COMPLETIONS, aggregate=aggregate) != as_raw
+        assert group_rewards(length_judge, ARTICLE, COMPLETIONS, calibrated) != as_raw
     # win rate by hand: the mean calibrated p of beating the others
     out = length_judge.compare([ARTICLE], [COMPLETIONS[0]], [COMPLETIONS[1]])
     assert out.p[0] == pytest.approx(float(expit(0.7 * out.logit[0])))
@@ -137,9 +152,19 @@ def test_a_pairwise_judge_that_does_not_debias_is_asked_both_orders():
         ({"aggregate": "elo"}, "aggregate='elo'"),
         ({"scheme": "round_robin", "m": 0}, "m=0"),
         ({"aggregate": "bradley_terry", "prior": 0}, "prior=0"),
+        ({"probability": "logit"}, "probability='logit'"),
         ({"scheme": "anchor"}, "scheme=anchor needs an anchor"),
     ],
 )
 def test_bad_settings_are_one_line_errors(length_judge, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        group_rewards(length_judge, ARTICLE, COMPLETIONS, **kwargs)
+        group_rewards(length_judge, ARTICLE, COMPLETIONS, RewardConfig(**kwargs))
+
+
+def test_the_default_round_robin_is_every_pair_up_to_five_completions():
+    """One default (``round_robin``, m = 2) for the loop, the TRL recipe and the server: up to k = 5 it
+    is every pair, in the same order, so a group of that size gets the rewards ``all_pairs`` gives."""
+    assert RewardConfig().scheme == "round_robin" and RewardConfig().m == 2
+    for k in range(2, 6):
+        assert design(k, "round_robin", m=2) == design(k, "all_pairs")
+    assert len(design(6, "round_robin", m=2)) < len(design(6, "all_pairs"))

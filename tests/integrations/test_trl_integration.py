@@ -17,7 +17,7 @@ from judgeloop.data import load_examples
 from judgeloop.integrations.trl import JudgeReward
 from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.rewards import Group, group_rewards, score_groups
+from judgeloop.rewards import Group, RewardConfig, group_rewards, score_groups
 from judgeloop.studies.calibration_lab import CalibrateConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,7 +301,7 @@ def test_trl_online_dpo_accepts_the_anchor_mode_reward(tmp_path, tiny_calibratio
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     judge = CalibratedJudge.from_pretrained(tiny_calibration / "calibrated_judge" / "platt")
-    reward = JudgeReward(judge, scheme="anchor", anchor_column="reference", keep_history=2)
+    reward = JudgeReward(judge, RewardConfig(scheme="anchor"), anchor_column="reference", keep_history=2)
     model, tok = _tiny_policy()
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"summarize: the cat sat on mat {i}"}],
                              "article": f"the cat sat on mat {i}", "reference": "a cat sat"} for i in range(8)])  # fmt: skip
@@ -325,8 +325,8 @@ def test_trl_rloo_trainer_takes_the_reward_with_its_groups(tmp_path, tiny_calibr
     from trl import RLOOConfig, RLOOTrainer
 
     judge = CalibratedJudge.from_pretrained(tiny_calibration / "calibrated_judge" / "platt")
-    reward = JudgeReward(judge, scheme="round_robin", m=1, aggregate="bradley_terry", num_generations=4,
-                         keep_history=1)  # fmt: skip
+    settings = RewardConfig(scheme="round_robin", m=1, aggregate="bradley_terry")
+    reward = JudgeReward(judge, settings, num_generations=4, keep_history=1)
     model, tok = _tiny_policy()
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
                              "article": f"the dog ran {i} miles"} for i in range(8)])  # fmt: skip
@@ -360,7 +360,7 @@ class _CountingJudge:
 @pytest.mark.parametrize("k", [2, 4])
 def test_an_empty_completion_gets_its_groups_lowest_reward_unjudged(aggregate, k):
     judge = _CountingJudge()
-    reward = JudgeReward(judge, aggregate=aggregate, num_generations=k)
+    reward = JudgeReward(judge, RewardConfig(aggregate=aggregate), num_generations=k)
     texts = ["", "a b c", "a", "a b"][:k]
     logged: dict[str, float] = {}
     out = reward(prompts=["p"] * k, completions=texts, article=["art"] * k,
@@ -374,7 +374,7 @@ def test_an_empty_completion_gets_its_groups_lowest_reward_unjudged(aggregate, k
         assert "judge/mean_margin" not in logged
     assert all(np.isfinite(v) for v in logged.values())
     # empty="judge" keeps the old behaviour: the judge reads the empty text
-    JudgeReward(judge, aggregate=aggregate, num_generations=k, empty="judge")(
+    JudgeReward(judge, RewardConfig(aggregate=aggregate), num_generations=k, empty="judge")(
         prompts=["p"] * k, completions=texts, article=["art"] * k
     )
     assert "" in judge.seen

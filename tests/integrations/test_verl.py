@@ -26,7 +26,7 @@ import verl  # noqa: F401  (Makefile: verl --no-deps; its reward path imports in
 from judgeloop.calibration import PlattCalibrator  # noqa: E402
 from judgeloop.judges import JudgeConfig  # noqa: E402
 from judgeloop.judges.calibrated import CalibratedJudge  # noqa: E402
-from judgeloop.rewards import EmptyLoses, Group, score_groups  # noqa: E402
+from judgeloop.rewards import EmptyLoses, Group, RewardConfig, score_groups  # noqa: E402
 from launch_lines import launch_lines  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -207,7 +207,7 @@ def test_verl_runs_the_documented_reward_path(server: str, length_judge: Path) -
     assert got == pytest.approx(want[0] + want[1], abs=1e-6)
     settings = httpx.get(server + "/v1/info", timeout=10).json()["rewards"]
     judge = CalibratedJudge.from_pretrained(length_judge)
-    alone = score_groups(judge, [Group(ARTICLES[0], decoded[:n])], **settings).rewards[0]
+    alone = score_groups(judge, [Group(ARTICLES[0], decoded[:n])], RewardConfig(**settings)).rewards[0]
     assert got[:n] == pytest.approx(alone, abs=1e-6)
     empty = [int(not t) for t in decoded]
     assert (
@@ -225,9 +225,9 @@ def test_verl_runs_the_documented_reward_path(server: str, length_judge: Path) -
     # validation: each response alone, judged against its reference at once (no group_wait_s), the
     # empty one 0.0 unjudged
     val_got = val_out.batch["rm_scores"].sum(1).tolist()
-    anchored = {**settings, "scheme": "anchor"}
+    anchored = RewardConfig(**{**settings, "scheme": "anchor"})
     want_val = [
-        score_groups(EmptyLoses(judge), [Group(a, [t], r)], **anchored).rewards[0][0]
+        score_groups(EmptyLoses(judge), [Group(a, [t], r)], anchored).rewards[0][0]
         for a, t, r in zip(ARTICLES, val_decoded, REFERENCES)
     ]
     assert val_got == pytest.approx(want_val, abs=1e-6) and val_got[1] == 0.0 < val_got[0] < 1.0

@@ -17,7 +17,7 @@ from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.losses import group_advantages, grpo_loss
-from judgeloop.rewards import Group, score_groups
+from judgeloop.rewards import Group, RewardConfig, score_groups
 
 
 def _trl_advantages(rewards: torch.Tensor, k: int, scale_rewards: str) -> torch.Tensor:
@@ -204,7 +204,7 @@ def test_in_a_platt_maps_linear_regime_calibrated_advantages_are_the_raw_logits_
     gaps, exact_gaps = [], []
     for slope in (0.3, 0.1, 0.03, 0.01):
         judge = CalibratedJudge(cfg, _platt(slope), judge=raw_judge.judge)
-        out = score_groups(judge, groups, "round_robin", "win_rate")  # k=4, m=2: every pair
+        out = score_groups(judge, groups, RewardConfig("round_robin", "win_rate"))  # k=4, m=2: every pair
         r = torch.tensor(out.rewards, dtype=torch.float32)
         gaps.append(float((group_advantages(r, valid, "group") - raw_adv).abs().max()))
         exact_gaps.append(float((eps_free(r.double()) - eps_free(m)).abs().max()))

@@ -26,7 +26,7 @@ import pytest
 from judgeloop.calibration import PlattCalibrator
 from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.rewards import Group, score_groups
+from judgeloop.rewards import Group, RewardConfig, score_groups
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "serve" / "judge.yaml")
@@ -239,7 +239,7 @@ def test_rewards_equal_score_groups(tiny_server: str, tiny_judge_path: Path) -> 
     for settings in [{}, {"scheme": "round_robin", "m": 1, "aggregate": "bradley_terry"}]:
         got = httpx.post(tiny_server + "/v1/rewards", json={**body, **settings}, timeout=60)
         assert got.status_code == 200, got.text
-        assert got.json()["rewards"] == score_groups(judge, groups, **settings).rewards  # type: ignore[arg-type]
+        assert got.json()["rewards"] == score_groups(judge, groups, RewardConfig(**settings)).rewards
 
 
 # --- the peers' own protocols --------------------------------------------------------------------

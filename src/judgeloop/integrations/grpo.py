@@ -73,7 +73,8 @@ class GrpoTrlConfig:
     judge_path: str = ""
     judge_overrides: list[str] = field(default_factory=list)
     policy: GrpoPolicyConfig = field(default_factory=GrpoPolicyConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)  # anchor: the article's reference summary
+    RENAMED: ClassVar[dict[str, str]] = {"reward": "rewards"}
+    rewards: RewardConfig = field(default_factory=RewardConfig)  # anchor: the article's reference summary
     grpo: GrpoTrainConfig = field(default_factory=GrpoTrainConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1)))
     max_train_articles: int | None = None

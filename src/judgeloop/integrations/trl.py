@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from judgeloop.rewards import EmptyLoses, Group, check_scheme, is_empty, score_groups
+from judgeloop.rewards import EmptyLoses, Group, RewardConfig, is_empty, score_groups
 
 
 def completion_text(completion: Any) -> str:
@@ -44,7 +44,9 @@ class JudgeReward:
 
     Args:
         judge: a :class:`~judgeloop.judges.calibrated.CalibratedJudge` (or a folder it loads from).
-        scheme, aggregate, m, prior, probability: as in :func:`judgeloop.rewards.score_groups`.
+        rewards: the scheme, aggregate, ``m``, prior and probability
+            (:class:`~judgeloop.rewards.RewardConfig`; None: its defaults), passed whole to
+            :func:`judgeloop.rewards.score_groups`.
         num_generations: completions per prompt in TRL's batch (``GRPOConfig.num_generations``); None
             reads each group as a run of identical consecutive prompts. ``anchor`` mode judges every row
             alone and needs no groups.
@@ -70,11 +72,7 @@ class JudgeReward:
     def __init__(
         self,
         judge: Any,
-        scheme: str = "all_pairs",
-        aggregate: str = "win_rate",
-        m: int = 2,
-        prior: float = 0.1,
-        probability: str = "calibrated",
+        rewards: RewardConfig | None = None,
         num_generations: int | None = None,
         source_column: str = "article",
         anchor_column: str | None = None,
@@ -83,12 +81,17 @@ class JudgeReward:
         name: str = "judgeloop",
         empty: str = "lose",
     ):
-        check_scheme(scheme, aggregate, m, prior)
+        rewards = RewardConfig() if rewards is None else rewards
+        if not isinstance(rewards, RewardConfig):
+            raise TypeError(
+                f"JudgeReward: rewards={rewards!r}; pass a judgeloop.rewards.RewardConfig, e.g. "
+                "RewardConfig(scheme='all_pairs')"
+            )
         if empty not in ("lose", "judge"):
             raise ValueError(
                 f"JudgeReward: empty={empty!r}; use lose (an empty completion ranks last) or judge"
             )
-        if scheme == "anchor" and not anchor_column:
+        if rewards.scheme == "anchor" and not anchor_column:
             raise ValueError("scheme=anchor needs anchor_column: the dataset column with each row's anchor")
         if num_generations is not None and num_generations < 1:
             raise ValueError(f"num_generations={num_generations}; use TRL's num_generations (>= 1) or None")
@@ -104,10 +107,7 @@ class JudgeReward:
                 f"use a judge calibrated with {needs.alternative}"
             )
         self.judge = judge
-        self.scheme: Any = scheme
-        self.aggregate: Any = aggregate
-        self.m, self.prior = m, prior
-        self.probability: Any = probability
+        self.rewards = rewards
         self.num_generations = num_generations
         self.source_column = source_column
         self.anchor_column = anchor_column
@@ -134,7 +134,7 @@ class JudgeReward:
 
     def groups(self, prompts: Sequence[Any], n: int) -> list[tuple[int, int]]:
         """``(start, end)`` of each group in the batch, checked: every row of a group has one prompt."""
-        if self.scheme == "anchor" and self.num_generations is None:
+        if self.rewards.scheme == "anchor" and self.num_generations is None:
             return [(i, i + 1) for i in range(n)]
         if self.num_generations is not None:
             g = self.num_generations
@@ -219,13 +219,7 @@ class JudgeReward:
                 Group(str(sources[s]), texts[s:e], anchors[s], (ref,) if isinstance(ref, str) else tuple(ref))
             )
         scores = score_groups(
-            EmptyLoses(self.judge) if self.empty == "lose" else self.judge,
-            groups,
-            self.scheme,
-            self.aggregate,
-            self.m,
-            self.prior,
-            self.probability,  # type: ignore[arg-type]
+            EmptyLoses(self.judge) if self.empty == "lose" else self.judge, groups, self.rewards
         )
         rewards = [r for group in scores.rewards for r in group]
         self.calls += 1

@@ -21,12 +21,13 @@ with no valid comparison (alone in a group closed short, a failed judgement) is 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from judgeloop.rewards import is_empty
+from judgeloop.rewards import RewardConfig, is_empty
 from judgeloop.serving.groups import PromptGroups
 
 ROUTE = "/verl/reward"
@@ -46,7 +47,7 @@ class VerlRequest(BaseModel):
 class VerlGroups:
     """One :class:`PromptGroups` per (group size, wait), created on first use, sharing the batcher."""
 
-    def __init__(self, batcher: Any, settings: dict[str, Any]):
+    def __init__(self, batcher: Any, settings: RewardConfig):
         self.batcher, self.settings = batcher, settings
         self.by_shape: dict[tuple[int, float], PromptGroups] = {}
         self.posts = 0
@@ -56,7 +57,9 @@ class VerlGroups:
         """A group of one is scored with the ``anchor`` scheme (its only comparison is the anchor)."""
         key = (group_size, wait_s)
         if key not in self.by_shape:
-            settings = {**self.settings, "scheme": "anchor"} if group_size == 1 else self.settings
+            settings = (
+                dataclasses.replace(self.settings, scheme="anchor") if group_size == 1 else self.settings
+            )
             self.by_shape[key] = PromptGroups(self.batcher, settings, group_size, wait_s, empty_loses=True)
         return self.by_shape[key]
 

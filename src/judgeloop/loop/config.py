@@ -13,7 +13,7 @@ from judgeloop.config import Range, check_at_least, check_range
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
-from judgeloop.rewards import Aggregate, Scheme
+from judgeloop.rewards import RewardConfig
 from judgeloop.signals import DEFAULT_STOP_SIGNALS, check_signal_names
 from judgeloop.tracking import TRACKERS
 
@@ -160,8 +160,8 @@ class LossConfig:
 
     ``type: grpo``: group-relative policy gradient (:mod:`judgeloop.loop.grpo`) on
     ``generation.num_samples_per_article`` samples per article. Each sample's reward comes from the
-    arm's calibrated p of comparisons inside its group (:func:`judgeloop.rewards.score_groups` with
-    ``reward_scheme`` and ``reward_aggregate``); its advantage is ``r - mean(group)``, divided by the
+    arm's calibrated p of comparisons inside its group (:func:`judgeloop.rewards.score_groups` with the
+    run's ``rewards:`` section, :class:`~judgeloop.rewards.RewardConfig`); its advantage is ``r - mean(group)``, divided by the
     group's standard deviation under ``scale_rewards: group`` (TRL's GRPO) and not under ``none``
     (Dr. GRPO); the loss is TRL's clipped surrogate with clip range ``epsilon``, averaged over the
     batch's completion tokens. ``beta``, ``target``, ``margin``, ``max_spread`` and ``spread_weighting``
@@ -170,8 +170,10 @@ class LossConfig:
 
     type: Literal["dpo", "grpo"] = "dpo"
     scale_rewards: Literal["group", "none"] = "group"
-    reward_scheme: Scheme = "round_robin"
-    reward_aggregate: Aggregate = "win_rate"
+    RENAMED: ClassVar[dict[str, str]] = {
+        "reward_scheme": "rewards.scheme",
+        "reward_aggregate": "rewards.aggregate",
+    }
     epsilon: float = 0.2
     beta: float = 0.1
     target: Literal["soft", "hard"] = "soft"
@@ -213,7 +215,7 @@ class LossConfig:
 
 
 DPO_ONLY_KEYS = ("beta", "target", "margin", "max_spread", "spread_weighting")
-GRPO_ONLY_KEYS = ("scale_rewards", "reward_scheme", "reward_aggregate", "epsilon")
+GRPO_ONLY_KEYS = ("scale_rewards", "epsilon")
 
 
 @dataclass
@@ -517,6 +519,7 @@ class FeedbackLoopConfig:
     )
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)  # read under loss.type=grpo
     optim: OptimConfig = field(default_factory=OptimConfig)
     calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
@@ -628,4 +631,11 @@ class FeedbackLoopConfig:
             raise ValueError(
                 f"loss.{key}={getattr(self.loss, key)!r} is a GRPO setting; loss.type=dpo does not read it: "
                 f"set loss.type=grpo or leave it at its default {getattr(LossConfig, key)!r}"
+            )
+        changed = [k for k, v in vars(self.rewards).items() if v != getattr(RewardConfig, k)]
+        if changed:
+            key = changed[0]
+            raise ValueError(
+                f"rewards.{key}={getattr(self.rewards, key)!r} is a GRPO setting; loss.type=dpo does not read "
+                f"it: set loss.type=grpo or leave it at its default {getattr(RewardConfig, key)!r}"
             )

@@ -25,16 +25,15 @@ from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
 from judgeloop.distributed import generation_context
 from judgeloop.judges import Judge, JudgeConfig, references_for
-from judgeloop.loop.config import LossConfig
 from judgeloop.loop.losses import grpo_loss, kl_per_sequence
 from judgeloop.loop.policy import reference_logprobs
 from judgeloop.loop.rollout import Rollout, token_logprobs
-from judgeloop.rewards import Group, GroupScores, score_groups
+from judgeloop.rewards import Group, GroupScores, RewardConfig, score_groups
 
 
 def groups_of(roll: Rollout, examples: Sequence[SummExample], judge: Judge) -> list[Group]:
     """One :class:`~judgeloop.rewards.Group` per article: its k samples, the references the judge reads,
-    and (for ``reward_scheme: anchor``) the article's first neutral reference as the anchor."""
+    and (for ``rewards.scheme: anchor``) the article's first neutral reference as the anchor."""
     refs = references_for(judge, examples)
     return [
         Group(article, texts, e.neutral[0] if e.neutral else None, r)
@@ -48,16 +47,14 @@ def judge_groups(
     judge_cfg: JudgeConfig,
     roll: Rollout,
     examples: Sequence[SummExample],
-    loss_cfg: LossConfig,
+    rewards: RewardConfig,
 ) -> GroupScores:
     """The work of the judge_groups_step (:mod:`judgeloop.loop.steps`): every comparison of every group
     judged in one call and calibrated by the arm's current ``calibrator``; one reward per sample (``None`` where no comparison was valid)."""
     from judgeloop.judges.calibrated import CalibratedJudge
 
     calibrated = CalibratedJudge(judge_cfg, calibrator, judge=judge)
-    return score_groups(
-        calibrated, groups_of(roll, examples, judge), loss_cfg.reward_scheme, loss_cfg.reward_aggregate
-    )
+    return score_groups(calibrated, groups_of(roll, examples, judge), rewards)
 
 
 def reward_matrix(scores: GroupScores) -> tuple[torch.Tensor, torch.Tensor]:

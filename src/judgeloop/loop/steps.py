@@ -140,11 +140,11 @@ def calibrate_step(calibrator: Calibrator, batch: PairBatch) -> np.ndarray:
 
 def judge_groups_step(judge: Judge, calibrator: Calibrator, cfg: FeedbackLoopConfig, batch: PairBatch) -> Any:
     """judge_step and calibrate_step under grpo, in one batched judge call: the judge compares the samples
-    inside each article's group (``loss.reward_scheme``), the arm's calibrator maps each comparison to p,
+    inside each article's group (``rewards.scheme``), the arm's calibrator maps each comparison to p,
     and the p of each sample's comparisons become its reward (``loss.reward_aggregate``)."""
     roll = batch.rollout
     assert roll is not None, "judge_groups_step needs the rollout"
-    batch.judged = judge_groups(judge, calibrator, cfg.judge, roll, batch.examples, cfg.loss)
+    batch.judged = judge_groups(judge, calibrator, cfg.judge, roll, batch.examples, cfg.rewards)
     batch.rewards, valid = reward_matrix(batch.judged)
     batch.mask = valid.float()
     return batch.judged

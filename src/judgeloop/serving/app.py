@@ -22,6 +22,7 @@ warning: the access log is off, and OpenRLHF's client shows the status code only
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import os
@@ -40,7 +41,7 @@ from starlette.exceptions import HTTPException
 from judgeloop.config import ConfigError, to_dict
 from judgeloop.judges.calibrated import CalibratedJudge, MissingReferences, check_references
 from judgeloop.logging import get_logger
-from judgeloop.rewards import Group, check_scheme, is_empty
+from judgeloop.rewards import Group, RewardConfig, is_empty
 from judgeloop.serving.batcher import ComparisonBatcher, JudgeFailure, to_json_floats
 from judgeloop.serving.checks import ApiError, check_texts
 from judgeloop.serving.config import ServeConfig, check_routes
@@ -271,19 +272,13 @@ def api_key(cfg: ServeConfig) -> str | None:
     return value
 
 
-def reward_settings(body: RewardsRequest, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The server's reward settings with the request's own (422 for a bad one)."""
-    settings = dict(defaults)
-    for key in settings:
-        if getattr(body, key) is not None:
-            settings[key] = getattr(body, key)
+def reward_settings(body: RewardsRequest, defaults: RewardConfig) -> RewardConfig:
+    """The server's reward settings (``rewards:``) with the request's own (422 for a bad one)."""
+    own = {f.name: getattr(body, f.name) for f in dataclasses.fields(defaults)}
     try:
-        check_scheme(settings["scheme"], settings["aggregate"], settings["m"], settings["prior"])
-        if settings["probability"] not in ("calibrated", "raw"):
-            raise ValueError(f"probability={settings['probability']!r}; use calibrated or raw")
+        return dataclasses.replace(defaults, **{k: v for k, v in own.items() if v is not None})
     except ValueError as err:
         raise ApiError(422, str(err)) from None
-    return settings
 
 
 def check_reward_texts(cfg: ServeConfig, body: RewardsRequest) -> None:
@@ -426,7 +421,7 @@ def info_body(
         "routes": to_dict(cfg.routes),
         "card": judge.card,
         "judgeloop_version": __version__,
-        "rewards": prompt_groups.settings,
+        "rewards": to_dict(prompt_groups.settings),
         "server": {k: v for k, v in to_dict(cfg.server).items() if k != "api_key_env"},
         "judge_threads": batcher.threads,  # torch intra-op threads of the judge thread
         "stats": {
@@ -454,7 +449,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     batcher = ComparisonBatcher(
         judge, cfg.server.max_batch_size, cfg.server.max_wait_ms, cfg.server.num_threads
     )
-    defaults = to_dict(cfg.rewards)
+    defaults = cfg.rewards
     prompt_groups = PromptGroups(
         batcher,
         defaults,

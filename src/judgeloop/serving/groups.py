@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from judgeloop.judges.calibrated import Comparison, References, Texts
 from judgeloop.logging import get_logger
-from judgeloop.rewards import EmptyLoses, Group, GroupScores, score_groups
+from judgeloop.rewards import EmptyLoses, Group, GroupScores, RewardConfig, score_groups
 from judgeloop.serving.batcher import ComparisonBatcher
 
 logger = get_logger(__name__)
@@ -41,14 +40,13 @@ class _BatchedJudge:
 
 
 async def served_group_scores(
-    batcher: ComparisonBatcher, groups: Sequence[Group], settings: dict[str, Any], empty_loses: bool = False
+    batcher: ComparisonBatcher, groups: Sequence[Group], settings: RewardConfig, empty_loses: bool = False
 ) -> GroupScores:
-    """:func:`judgeloop.rewards.score_groups` of ``groups`` (``settings``: scheme, aggregate, m, prior,
-    probability), its judge call merged with other requests'. Equal to scoring them in process; with
+    """:func:`judgeloop.rewards.score_groups` of ``groups`` with ``settings``, its judge call merged with other requests'. Equal to scoring them in process; with
     ``empty_loses``, an empty completion loses to every non-empty text (module docstring)."""
     batched = _BatchedJudge(batcher, asyncio.get_running_loop())
     judge = EmptyLoses(batched) if empty_loses else batched  # the one copy of the empty-completion rule
-    return await run_in_threadpool(score_groups, judge, list(groups), **settings)
+    return await run_in_threadpool(score_groups, judge, list(groups), settings)
 
 
 @dataclass
@@ -75,7 +73,7 @@ class PromptGroups:
     def __init__(
         self,
         batcher: ComparisonBatcher,
-        settings: dict[str, Any],
+        settings: RewardConfig,
         group_size: int,
         wait_s: float,
         empty_loses: bool = False,
