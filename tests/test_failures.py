@@ -405,7 +405,7 @@ def test_a_checkpoint_cut_between_its_two_renames_is_restored(tmp_path):
             "data.eval_fraction=0.0 must be in (0, 1)",
         ),
         (
-            "judgeloop.loop.config:FeedbackLoopConfig",
+            "judgeloop.studies.ablation_config:AblateConfig",
             "ablation.seeds=[0,0]",
             "ablation.seeds=[0, 0] lists 0 more than once",
         ),

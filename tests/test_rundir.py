@@ -271,11 +271,11 @@ def test_every_folder_writing_command_refuses_another_runs_folder_in_one_line(
 
 
 def test_an_ablation_job_held_by_another_run_is_neither_cleaned_nor_resumed(tmp_path, capsys):
-    from judgeloop.loop.config import FeedbackLoopConfig
     from judgeloop.studies.ablation import arm_config, job_dir
+    from judgeloop.studies.ablation_config import AblateConfig
 
     args = ["ablate", "--config", str(TINY), *FAST, f"output_dir={tmp_path / 'grid'}"]
-    cfg = load_config(FeedbackLoopConfig, TINY, [*FAST, f"output_dir={tmp_path / 'grid'}"])
+    cfg = load_config(AblateConfig, TINY, [*FAST, f"output_dir={tmp_path / 'grid'}"])
     folder = job_dir(cfg, "raw", 0)
     # the same job, run by another --job task now: it holds the grid's folder (shared) and the job's
     grid = open_run_dir(cfg.output_dir, "ablate", cfg, on_match="keep", shared=True)
@@ -317,10 +317,10 @@ def test_mine_negatives_is_refused_while_another_run_writes_its_output(tmp_path,
 def test_ablate_aggregate_waits_for_no_grid_run_holding_the_folder(tmp_path):
     from judgeloop.commands.ablate import run
     from judgeloop.config import load_config
-    from judgeloop.loop.config import FeedbackLoopConfig
     from judgeloop.rundir import RunDirError
+    from judgeloop.studies.ablation_config import AblateConfig
 
-    cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={tmp_path / 'grid'}"])
+    cfg = load_config(AblateConfig, TINY, [f"output_dir={tmp_path / 'grid'}"])
     grid_run = run_dir(cfg.output_dir, "ablate", cfg, on_match="keep")  # a whole grid, writing results.*
     with grid_run, pytest.raises(RunDirError, match="is in use by another run"):
         run(cfg, aggregate_only=True)

@@ -97,8 +97,9 @@ def test_an_unknown_tracker_names_the_valid_ones():
 
 def test_ablation_jobs_are_named_runs_in_one_group(tmp_path):
     from judgeloop.studies.ablation import arm_config
+    from judgeloop.studies.ablation_config import AblateConfig
 
-    cfg = load_config(FeedbackLoopConfig, TINY, [f"output_dir={tmp_path / 'study'}"])
+    cfg = load_config(AblateConfig, TINY, [f"output_dir={tmp_path / 'study'}"])
     jobs = [arm_config(cfg, arm, seed) for arm in ("raw", "platt") for seed in (0, 1)]
     assert [j.run_name for j in jobs] == ["raw-seed0", "raw-seed1", "platt-seed0", "platt-seed1"]
     assert {j.run_group for j in jobs} == {"study"}

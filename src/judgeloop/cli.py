@@ -29,7 +29,7 @@ COMMANDS: dict[str, str] = {
     "sft": "judgeloop.commands.sft:SftConfig:run",
     "eval-raft": "judgeloop.commands.eval_raft:EvalRaftConfig:run",
     "train": "judgeloop.commands.train:FeedbackLoopConfig:run",
-    "ablate": "judgeloop.commands.ablate:FeedbackLoopConfig:run",
+    "ablate": "judgeloop.commands.ablate:AblateConfig:run",
     "train-retriever": "judgeloop.commands.train_retriever:TrainRetrieverConfig:run",
     "mine-negatives": "judgeloop.commands.mine_negatives:MineNegativesConfig:run",
     "serve-judge": "judgeloop.commands.serve_judge:ServeConfig:run",

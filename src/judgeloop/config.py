@@ -317,8 +317,11 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     renamed: dict[str, str] = getattr(cls, "RENAMED", {})
     retired: dict[str, str] = getattr(cls, "RETIRED", {})
+    shared: dict[str, str] = getattr(cls, "SHARED_SECTIONS", {})
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
+        if name in shared and name not in fields:
+            continue  # another command's section of a shared file: that command's schema checks it
         if name in renamed and name not in fields:
             raise ConfigError(
                 f"config key '{prefix}{name}' is now '{_new_name(prefix, renamed[name])}' (one name for one idea "
@@ -525,15 +528,16 @@ def migrate(
 ) -> dict[str, Any]:
     """A saved config dict with keys renamed since it was saved moved to their new names (each schema
     lists its renames in a ``RENAMED`` class attribute, a dotted new name counting from the config's root;
-    keys in ``RETIRED`` are dropped), so an old run or checkpoint still compares."""
+    keys in ``RETIRED`` and another command's sections, ``SHARED_SECTIONS``, are dropped), so an old run or checkpoint still compares."""
     root = _moved is None
     moved: list[tuple[list[str], Any]] = [] if _moved is None else _moved
     renamed: dict[str, str] = getattr(cls, "RENAMED", {})
     retired: dict[str, str] = getattr(cls, "RETIRED", {})
+    shared: dict[str, str] = getattr(cls, "SHARED_SECTIONS", {})
     hints = get_type_hints(cls)
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        if key in retired and key not in hints:
+        if (key in retired or key in shared) and key not in hints:
             continue  # a retired key has no new place: the setting that replaced it compares at its default
         if key not in hints and "." in renamed.get(key, ""):
             moved.append((renamed[key].split("."), value))  # placed from the root, below

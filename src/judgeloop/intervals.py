@@ -1,7 +1,7 @@
 """Confidence intervals: one Wilson and one Clopper-Pearson interval for a proportion (RAFT answer
 accuracy, conformal base rates), and one percentile bootstrap of a mean over independent units (queries,
 questions: the gate's escalation deltas, selective F1, the evidence-mark deltas). The ablation's two-level
-(seed, article) bootstrap is :func:`judgeloop.loop.stats.paired_bootstrap`."""
+(seed, article) bootstrap is :func:`judgeloop.studies.stats.paired_bootstrap`."""
 
 from __future__ import annotations
 

@@ -12,16 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from judgeloop.config import ConfigError
-from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.rundir import held_folder, run_dir
 from judgeloop.studies.ablation import jobs, parse_job, run_grid, run_job
+from judgeloop.studies.ablation_config import AblateConfig
 from judgeloop.studies.ablation_report import aggregate
 
-__all__ = ["FeedbackLoopConfig", "run"]
+__all__ = ["AblateConfig", "run"]
 
 
 def run(
-    cfg: FeedbackLoopConfig,
+    cfg: AblateConfig,
     job: str | None = None,
     aggregate_only: bool = False,
     list_jobs: bool = False,

@@ -35,8 +35,9 @@ from judgeloop.config import config_changes, default_dict, migrate, replace, to_
 from judgeloop.devices import on_cpu
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
-from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.loop.config import RESUME_FREE_KEYS
 from judgeloop.rundir import check_not_in_use
+from judgeloop.studies.ablation_config import AblateConfig
 
 logger = get_logger(__name__)
 
@@ -50,12 +51,12 @@ NON_RESULT_KEYS = tuple(k for k in RESUME_FREE_KEYS if k not in ("max_steps", "t
 # --- jobs -------------------------------------------------------------------------------------------
 
 
-def jobs(cfg: FeedbackLoopConfig) -> list[tuple[str, int]]:
+def jobs(cfg: AblateConfig) -> list[tuple[str, int]]:
     """Every (arm, seed) of the ablation, in run order (arm-major: the arms of one seed reuse its start)."""
     return [(arm, seed) for arm in cfg.ablation.arms for seed in cfg.ablation.seeds]
 
 
-def parse_job(text: str, cfg: FeedbackLoopConfig) -> tuple[str, int]:
+def parse_job(text: str, cfg: AblateConfig) -> tuple[str, int]:
     """``"platt:1"`` -> ("platt", 1), checked against the ablation's arms and seeds."""
     arm, sep, seed = text.partition(":")
     if not sep or not seed.lstrip("-").isdigit():
@@ -70,12 +71,12 @@ def parse_job(text: str, cfg: FeedbackLoopConfig) -> tuple[str, int]:
     return arm, int(seed)
 
 
-def job_dir(cfg: FeedbackLoopConfig, arm: str, seed: int) -> Path:
+def job_dir(cfg: AblateConfig, arm: str, seed: int) -> Path:
     """The folder of one ablation job: ``OUTPUT_DIR/ARM/seedSEED``."""
     return Path(cfg.output_dir) / arm / f"seed{seed}"
 
 
-def arm_config(cfg: FeedbackLoopConfig, arm: str, seed: int) -> FeedbackLoopConfig:
+def arm_config(cfg: AblateConfig, arm: str, seed: int) -> AblateConfig:
     """The config of one job: the arm's method, the seed, its own folder, the shared start cache."""
     shared = str(Path(cfg.output_dir) / "_shared") if cfg.ablation.share_start_work else "null"
     return replace(
@@ -101,7 +102,7 @@ def result_key(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg_dict.items() if k not in NON_RESULT_KEYS}
 
 
-def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
+def job_status(job_cfg: AblateConfig) -> tuple[str, list[str]]:
     """``done`` (report exists, config matches), ``changed`` (report exists, config differs: the
     differences are returned) or ``todo``."""
     folder = Path(job_cfg.output_dir)
@@ -113,7 +114,7 @@ def job_status(job_cfg: FeedbackLoopConfig) -> tuple[str, list[str]]:
     return ("changed", changes) if changes else ("done", [])
 
 
-def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
+def run_job(cfg: AblateConfig, arm: str, seed: int) -> dict[str, Any]:
     """Run one job unless it is already done; returns {"arm", "seed", "status", "dir"[, "error"]}."""
     from judgeloop.recipes import train
 
@@ -149,7 +150,7 @@ def run_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
     return {"arm": arm, "seed": seed, "status": "ran", "dir": str(folder)}
 
 
-def resumable(job_cfg: FeedbackLoopConfig) -> bool:
+def resumable(job_cfg: AblateConfig) -> bool:
     """Whether the job's folder holds a checkpoint its config can continue from (``resume_from: auto``
     will take it); one made with a config that would change the run is not."""
     from judgeloop.config import ConfigError
@@ -174,7 +175,7 @@ def resumable(job_cfg: FeedbackLoopConfig) -> bool:
 JOB_MEMORY_GIB = 4.0
 
 
-def default_workers(cfg: FeedbackLoopConfig, n_jobs: int) -> int:
+def default_workers(cfg: AblateConfig, n_jobs: int) -> int:
     """Jobs at once when ``ablation.num_workers`` is unset.
 
     On CPU: one job per ``ablation.threads_per_job`` cores (one single-thread job per core by default), as far as memory allows (``JOB_MEMORY_GIB`` per job). Measured
@@ -212,7 +213,7 @@ def _worker_init(threads: int, stop_names: Sequence[str], grid_stopped: Any) -> 
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
-def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
+def _worker_job(cfg: AblateConfig, arm: str, seed: int) -> dict[str, Any]:
     from judgeloop.logging import quiet_third_party, setup_logging
     from judgeloop.signals import stop_signals
 
@@ -225,9 +226,7 @@ def _worker_job(cfg: FeedbackLoopConfig, arm: str, seed: int) -> dict[str, Any]:
         return run_job(dataclasses.replace(cfg, progress_bar=False), arm, seed)  # progress_bar: result-free
 
 
-def run_jobs(
-    cfg: FeedbackLoopConfig, todo: Sequence[tuple[str, int]], num_workers: int
-) -> list[dict[str, Any]]:
+def run_jobs(cfg: AblateConfig, todo: Sequence[tuple[str, int]], num_workers: int) -> list[dict[str, Any]]:
     """Run ``todo`` here (``num_workers == 1``) or in ``num_workers`` processes, each job at
     ``ablation.threads_per_job`` threads (or, when that is null, the cores split evenly).
 
@@ -258,7 +257,7 @@ def _stopped(arm: str, seed: int, err: Any) -> str:
 
 
 def _run_in_workers(
-    cfg: FeedbackLoopConfig,
+    cfg: AblateConfig,
     todo: Sequence[tuple[str, int]],
     num_workers: int,
     progress: JobProgress,
@@ -344,7 +343,7 @@ def _duration(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def run_grid(cfg: FeedbackLoopConfig) -> list[dict[str, Any]]:
+def run_grid(cfg: AblateConfig) -> list[dict[str, Any]]:
     """Run every arm x seed (checked first, all together); each job's result. The summary is
     :func:`judgeloop.studies.ablation_report.aggregate`'s, which reads the job folders (``judgeloop ablate``
     writes it after the grid)."""

@@ -18,8 +18,9 @@ import numpy as np
 
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
-from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.stats import (
+from judgeloop.studies.ablation import job_dir, jobs
+from judgeloop.studies.ablation_config import AblateConfig
+from judgeloop.studies.stats import (
     PREMISE_METRICS,
     aligned_differences,
     paired_bootstrap,
@@ -27,7 +28,6 @@ from judgeloop.loop.stats import (
     premise_check,
     recovered_fraction,
 )
-from judgeloop.studies.ablation import job_dir, jobs
 
 logger = get_logger(__name__)
 
@@ -62,7 +62,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Mean and sample std over seeds (None values are dropped and counted) and a 95% interval that lies
     within what the metric can take: the two-level bootstrap of the per-article values ``cells`` (seeds x
-    articles, NaN = missing; :func:`judgeloop.loop.stats.paired_bootstrap`, as for the paired deltas), or,
+    articles, NaN = missing; :func:`judgeloop.studies.stats.paired_bootstrap`, as for the paired deltas), or,
     for a metric with one value per seed, a percentile bootstrap over seeds when there are at least
     ``MIN_SEEDS_FOR_INTERVAL``; otherwise none, and ``interval`` says why. A percentile interval of means
     of values never leaves their range."""
@@ -122,7 +122,7 @@ CURVE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "kl", "ec
 
 
 def summarize_arm(
-    cfg: FeedbackLoopConfig, arm: str
+    cfg: AblateConfig, arm: str
 ) -> tuple[dict[str, Any], dict[int, Any], dict[int, Any], list[str]]:
     """One arm's summary over its finished seeds, its per-article final and step-0 rows by seed, and the
     jobs that have no report yet."""
@@ -171,7 +171,7 @@ def summarize_arm(
 
 
 def paired_comparisons(
-    cfg: FeedbackLoopConfig, finals: dict[str, dict[int, Any]], starts: dict[str, dict[int, Any]]
+    cfg: AblateConfig, finals: dict[str, dict[int, Any]], starts: dict[str, dict[int, Any]]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
     """Each arm minus the baseline, each arm minus its start, and the premise check, all paired on
     (seed, article) with the two-level bootstrap."""
@@ -202,10 +202,10 @@ def paired_comparisons(
 RECOVERED_METRIC = "rouge_l_neutral"
 
 
-def recovered_fractions(cfg: FeedbackLoopConfig, finals: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
+def recovered_fractions(cfg: AblateConfig, finals: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
     """For every arm but the baseline and the oracle: the fraction of the oracle's gain over the baseline on
     the task's target (neutral ROUGE-L of the kept policy) that it recovers, ``(arm - base) / (oracle -
-    base)``, with its two-level bootstrap interval (:func:`judgeloop.loop.stats.recovered_fraction`); null
+    base)``, with its two-level bootstrap interval (:func:`judgeloop.studies.stats.recovered_fraction`); null
     without an oracle arm."""
     abl = cfg.ablation
     base = abl.baseline
@@ -251,7 +251,7 @@ def recovered_lines(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def job_numerics(cfg: FeedbackLoopConfig) -> dict[str, list[dict[str, Any]]]:
+def job_numerics(cfg: AblateConfig) -> dict[str, list[dict[str, Any]]]:
     """Each finished job's ``numerics`` (one entry per start or resume; see
     :func:`judgeloop.devices.numerics`), by ``ARM:SEED``; jobs from before they were recorded are left out."""
     out: dict[str, list[dict[str, Any]]] = {}
@@ -264,7 +264,7 @@ def job_numerics(cfg: FeedbackLoopConfig) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def check_numerics(cfg: FeedbackLoopConfig) -> dict[str, Any]:
+def check_numerics(cfg: AblateConfig) -> dict[str, Any]:
     """The grid's numerics: an error when its jobs ran at different thread counts (a setting: their float
     rounding differs and training amplifies it into the paired differences); the kernels (CPU or GPU
     type, precision path) of each job, and the jobs resumed with other numerics, for the report to name.
@@ -301,7 +301,7 @@ def check_numerics(cfg: FeedbackLoopConfig) -> dict[str, Any]:
     }
 
 
-def judge_reversal(cfg: FeedbackLoopConfig) -> dict[str, Any] | None:
+def judge_reversal(cfg: AblateConfig) -> dict[str, Any] | None:
     """Whether the training judge is reversed on the finished jobs' step-0 calibration pairs: the AUC of
     its logit for the ROUGE label (``judge_coupling``, both orientations) per job, and ``reversed`` when
     their mean is below 0.5 (:mod:`judgeloop.calibration.health`). None when no job measured it (the
@@ -321,7 +321,7 @@ def judge_reversal(cfg: FeedbackLoopConfig) -> dict[str, Any] | None:
     return {"auc_label": aucs, "mean_auc": mean, "reversed": mean < 0.5}
 
 
-def unfinished_jobs(cfg: FeedbackLoopConfig) -> tuple[list[str], list[str]]:
+def unfinished_jobs(cfg: AblateConfig) -> tuple[list[str], list[str]]:
     """The grid's jobs with no ``report.json``: (not run or stopped, failed), each as ``ARM:SEED``."""
     missing: list[str] = []
     failed: list[str] = []
@@ -332,7 +332,7 @@ def unfinished_jobs(cfg: FeedbackLoopConfig) -> tuple[list[str], list[str]]:
     return missing, failed
 
 
-def check_finished(cfg: FeedbackLoopConfig, allow_missing: bool) -> None:
+def check_finished(cfg: AblateConfig, allow_missing: bool) -> None:
     """Before aggregating: an error when no job has finished, and, unless ``allow_missing``, when some
     have not (naming them).
 
@@ -358,7 +358,7 @@ def check_finished(cfg: FeedbackLoopConfig, allow_missing: bool) -> None:
         )
 
 
-def aggregate(cfg: FeedbackLoopConfig, allow_missing: bool = False) -> dict[str, Any]:
+def aggregate(cfg: AblateConfig, allow_missing: bool = False) -> dict[str, Any]:
     """Build ``results.json`` / ``results.md`` / plots from the job folders under ``cfg.output_dir``.
 
     Every job must have finished unless ``allow_missing`` (:func:`check_finished`); then the missing and
