@@ -528,7 +528,8 @@ def migrate(
 ) -> dict[str, Any]:
     """A saved config dict with keys renamed since it was saved moved to their new names (each schema
     lists its renames in a ``RENAMED`` class attribute, a dotted new name counting from the config's root;
-    keys in ``RETIRED`` and another command's sections, ``SHARED_SECTIONS``, are dropped), so an old run or checkpoint still compares."""
+    keys in ``RETIRED`` and another command's sections, ``SHARED_SECTIONS``, are dropped), so an old run
+    or checkpoint still compares."""
     root = _moved is None
     moved: list[tuple[list[str], Any]] = [] if _moved is None else _moved
     renamed: dict[str, str] = getattr(cls, "RENAMED", {})

@@ -4,8 +4,9 @@ Group-relative RL (GRPO, RLOO) samples k completions per prompt and needs a rewa
 judge says which of two is better, so a group's rewards come from comparisons inside it:
 
 * ``scheme`` (which comparisons): ``round_robin`` (default: each completion against the next ``m``, in a
-  canonical order, about k*m comparisons, so cost grows with k, not k^2; with ``m = 2`` and k <= 4 these
-  are every pair), ``all_pairs`` (every pair, k(k-1)/2), ``anchor`` (each completion against one reference text: the dataset's reference, the greedy sample);
+  canonical order, about k*m comparisons, so cost grows with k, not k^2; with ``m = 2`` and k <= 5 these
+  are every pair, in the same order), ``all_pairs`` (every pair, k(k-1)/2), ``anchor`` (each completion
+  against one reference text: the dataset's reference, the greedy sample);
 * ``aggregate`` (comparisons -> rewards): ``win_rate`` (mean calibrated p of beating the others, in
   [0, 1]) or ``bradley_terry`` (the maximum a posteriori Bradley-Terry strengths of the soft outcomes
   under a Gaussian prior of precision ``prior``, so a completion that wins everything stays finite;

@@ -161,9 +161,9 @@ class LossConfig:
     ``type: grpo``: group-relative policy gradient (:mod:`judgeloop.loop.grpo`) on
     ``generation.num_samples_per_article`` samples per article. Each sample's reward comes from the
     arm's calibrated p of comparisons inside its group (:func:`judgeloop.rewards.score_groups` with the
-    run's ``rewards:`` section, :class:`~judgeloop.rewards.RewardConfig`); its advantage is ``r - mean(group)``, divided by the
-    group's standard deviation under ``scale_rewards: group`` (TRL's GRPO) and not under ``none``
-    (Dr. GRPO); the loss is TRL's clipped surrogate with clip range ``epsilon``, averaged over the
+    run's ``rewards:`` section, :class:`~judgeloop.rewards.RewardConfig`); its advantage is
+    ``r - mean(group)``, divided by the group's standard deviation under ``scale_rewards: group`` (TRL's
+    GRPO) and not under ``none`` (Dr. GRPO); the loss is TRL's clipped surrogate with clip range ``epsilon``, averaged over the
     batch's completion tokens. ``beta``, ``target``, ``margin``, ``max_spread`` and ``spread_weighting``
     are DPO settings (an error under grpo); the KL weight is ``kl_coef`` under both.
     """

@@ -27,8 +27,8 @@ class AblationConfig:
     ``style_metric`` / ``style_direction``: what the judge's bias rewards (for the premise check: did
     the raw arm drift that way?). ``num_workers``: jobs run at once on this machine, the CPU cores split
     between them (``null``: auto, one single-thread job per core as memory allows on CPU, one on a GPU;
-    see :func:`judgeloop.studies.ablation.default_workers` for the measurement behind it). ``share_start_work``: compute what every run
-    of a seed shares before step 1 once (the loop's ``start_cache``, :mod:`judgeloop.loop.shared`).
+    see :func:`judgeloop.studies.ablation.default_workers` for the measurement behind it).
+    ``share_start_work``: compute what every run of a seed shares before step 1 once (the loop's ``start_cache``, :mod:`judgeloop.loop.shared`).
     ``threads_per_job``: the intra-op thread count of every job, however it is launched (one process,
     workers, or ``--job`` on a cluster task), recorded in the job's config as its ``threads``; float
     reductions split over another number of threads round differently, and training amplifies that, so a
@@ -92,8 +92,8 @@ class AblationConfig:
 
 @dataclass
 class AblateConfig(FeedbackLoopConfig):
-    """Schema of ``judgeloop ablate``: every job's loop config (:class:`~judgeloop.loop.config.FeedbackLoopConfig`)
-    plus the grid (``ablation``). Each job runs the loop on this config with its arm and seed set
+    """Schema of ``judgeloop ablate``: every job's loop config
+    (:class:`~judgeloop.loop.config.FeedbackLoopConfig`) plus the grid (``ablation``). Each job runs the loop on this config with its arm and seed set
     (:func:`judgeloop.studies.ablation.arm_config`)."""
 
     SHARED_SECTIONS: ClassVar[dict[str, str]] = {}
