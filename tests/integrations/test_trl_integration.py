@@ -85,10 +85,10 @@ def test_the_grpo_recipe_trains_and_trl_logs_judgeloops_rewards(tiny_calibration
     assert len(report["logged"]) == len(reward.history) == 2
     for row, call in zip(report["logged"], reward.history):
         groups = [Group(call["sources"][s], call["completions"][s:e]) for s, e in call["spans"]]
-        again = [r for group in score_groups(fresh, groups).rewards for r in group]
+        again = [r for group in score_groups(fresh, groups, reward.rewards).rewards for r in group]
         assert again == call["rewards"]  # the same batch: bit for bit
         # one group at a time the judge embeds other batches: equal up to float rounding
-        alone = [r for g in groups for r in group_rewards(fresh, g.source, g.completions)]
+        alone = [r for g in groups for r in group_rewards(fresh, g.source, g.completions, reward.rewards)]
         np.testing.assert_allclose(alone, again, rtol=1e-5)
         assert row["rewards/judgeloop/mean"] == pytest.approx(np.mean(again), abs=1e-6)
         assert row["rewards/judgeloop/std"] == pytest.approx(np.std(again, ddof=1), rel=1e-5)
