@@ -10,6 +10,7 @@ import torch
 
 from judgeloop.config import ConfigError, load_config
 from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.studies.ablation_config import AblateConfig
 from loop_common import FAST, ROOT, TINY, same_row
 
 
@@ -23,8 +24,8 @@ def test_gpu_recipe_config_validates():
 def test_config_errors_name_the_parameter():
     with pytest.raises(ConfigError, match="did you mean 'loss.kl_coef'"):
         load_config(FeedbackLoopConfig, TINY, ["loss.kl_cof=0.1"])
-    with pytest.raises(ConfigError, match="ablation.arms has unknown arm"):
-        load_config(FeedbackLoopConfig, TINY, ["ablation.arms=[raw,calibrated]"])
+    with pytest.raises(ConfigError, match="ablation.arms has unknown arm"):  # judgeloop ablate's schema
+        load_config(AblateConfig, TINY, ["ablation.arms=[raw,calibrated]"])
     with pytest.raises(ConfigError, match="needs a validation split"):
         load_config(FeedbackLoopConfig, TINY, ["early_stopping_patience=2", "data.split.validation=0.0"])
     with pytest.raises(ConfigError, match="loss.margin"):
@@ -272,7 +273,9 @@ def test_stop_signal_and_job_checkpoint_errors_name_the_key(override, message):
     from judgeloop.config import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(FeedbackLoopConfig, TINY, [override])
+        load_config(
+            AblateConfig if override.startswith("ablation.") else FeedbackLoopConfig, TINY, [override]
+        )
 
 
 def test_allow_missing_goes_with_aggregate(tmp_path, capsys):
