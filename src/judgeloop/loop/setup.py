@@ -32,6 +32,7 @@ from judgeloop.devices import (
     numerics_differences,
     on_cpu,
     process_device,
+    resolve_device,
 )
 from judgeloop.distributed import (
     accelerator_kwargs,
@@ -98,12 +99,11 @@ logger = get_logger(__name__)
 def check_models(cfg: FeedbackLoopConfig) -> None:
     """Every model the config names resolves, every device and tracker it asks for is there (before
     data or weights load); a ConfigError names the key."""
-    from judgeloop.judges.tokens import resolve_device
     from judgeloop.models import check_model
 
     try:
         check_device(cfg.device, "device")
-        resolve_device(cfg.judge.device)
+        resolve_device(cfg.judge.device, "judge.device")
         check_trackers(cfg.log_with)
         check_model(cfg.policy.model, "policy.model")
         check_backend(cfg)  # generation.backend=vllm: its python found, or its server answers
@@ -113,7 +113,7 @@ def check_models(cfg: FeedbackLoopConfig) -> None:
             else []
         )
         for key, name, device in models_of(cfg.judge) + panel:
-            resolve_device(device)
+            resolve_device(device, "judge.device")
             check_model(name, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
