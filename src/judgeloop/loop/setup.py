@@ -49,12 +49,6 @@ from judgeloop.distributed import (
 from judgeloop.io import atomic_write_text, finite_or_none
 from judgeloop.judges import Judge, build_judge, members_models, models_of
 from judgeloop.logging import get_logger
-from judgeloop.loop.checkpoint import (
-    checked_resume,
-    latest_checkpoint,
-    load_checkpoint,
-    remove_orphans,
-)
 from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
 from judgeloop.loop.curve import curve_articles, curve_due, curve_log, curve_rows, record_curve_point
 from judgeloop.loop.evaluation import (
@@ -83,6 +77,12 @@ from judgeloop.loop.recalibration import (
 from judgeloop.loop.rollout import (
     PromptBuilder,
     prefix_reusable,
+)
+from judgeloop.loop.run_state_files import (
+    checked_resume,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_orphans,
 )
 from judgeloop.loop.shared import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
