@@ -59,48 +59,49 @@ def untimed(name: str) -> AbstractContextManager[Any]:
 def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
     """One run of the loop; returns (and writes) its report. ``phase(name)`` wraps the rollout, the
     judging, the update and the evaluation of every step (``scripts/bench_loop.py`` times them)."""
-    # 1. Set-up: the config checked before any work (output folder, models, devices, trackers), the
+    # Phase A. Set-up: the config checked before any work (output folder, models, devices, trackers), the
     #    accelerator, the data splits, the policy (after its SFT warm start), the reference, the judges,
     #    the optimizer; then a resume from a checkpoint, or step 0 (reference summaries, the first
     #    calibrator fit on samples of the starting policy, the step-0 evaluation).
     with open_run(cfg) as run:
         acc, grpo = run.accelerator, cfg.loss.type == "grpo"
-        # 2. The steps, until max_steps, early stopping, stop_after_n_steps or a stop signal.
+        # Phase B. The loop's steps 1-7 (numbered as in loop/steps.py's docstring), until max_steps,
+        #    early stopping, stop_after_n_steps or a stop signal.
         with stepping(run) as steps:
             for step in steps:
                 batch = PairBatch(step, next_batch(run.state, run.splits.train, cfg, acc))
-                with phase("rollout"), generation_context(run.model):  # 1. samples per article
+                with phase("rollout"), generation_context(run.model):  # step 1. samples per article
                     rollout_step(
                         acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg,
                         acc.process_index, run.learner.reuses_prompt_pass(len(batch.examples)),
                     )  # fmt: skip
                 with phase("judge"):
                     run.prefetch.wait()  # the article-side judge work, done during the last update
-                    if grpo:  # 2-3. each group's comparisons, judged and calibrated in one call
+                    if grpo:  # steps 2-3. each group's comparisons, judged and calibrated in one call
                         judge_groups_step(run.train_judge, run.calibrator, cfg, batch)
                     else:
-                        judge_step(run.train_judge, batch)  # 2. raw preference logits
+                        judge_step(run.train_judge, batch)  # step 2. raw preference logits
                     if step < cfg.max_steps:  # the next batch's article-side work, during this update
                         run.prefetch.start(peek_batch(run.state, run.splits.train, cfg, acc))
                     if grpo:
-                        make_advantages(batch, cfg.loss, run.state.judge_weight)  # 4. group-relative
+                        make_advantages(batch, cfg.loss, run.state.judge_weight)  # step 4. group-relative
                     else:
-                        calibrate_step(run.calibrator, batch)  # 3. p = P(a better than b)
-                        make_pairs(batch, cfg.loss, run.state.judge_weight)  # 4. soft DPO targets
+                        calibrate_step(run.calibrator, batch)  # step 3. p = P(a better than b)
+                        make_pairs(batch, cfg.loss, run.state.judge_weight)  # step 4. soft DPO targets
                 with phase("update"):
-                    policy_update(run.learner, batch, run.kl_ctl.coef)  # 5. one optimizer step
+                    policy_update(run.learner, batch, run.kl_ctl.coef)  # step 5. one optimizer step
                 record_update(run, batch)
-                run.calibrator = maybe_recalibrate(  # 6. ECE monitor and refit on fresh samples
+                run.calibrator = maybe_recalibrate(  # step 6. ECE monitor and refit on fresh samples
                     step, run.state, run.calibrator, run.collect, cfg, run.train_judge
                 )
-                watch_divergence(run, step)  # 7. the judge against objective signals
-                # 3. Evaluation on the test split (reported) and early stopping on validation; the validation curve.
+                watch_divergence(run, step)  # step 7. the judge against objective signals
+                # Phase C. Evaluation on the test split (reported) and early stopping on validation; the validation curve.
                 with phase("evaluate"):
                     evaluate_when_due(run, step)
                     curve_when_due(run, step)  # the validation curve: is the task learned?
-                # 4. The scheduled checkpoint (resume_from continues exactly), the progress bar.
+                # Phase D. The scheduled checkpoint (resume_from continues exactly), the progress bar.
                 after_step(run, batch)
-        # 5. The kept policy (best validation under early stopping, else the last), its final
+        # Phase E. The kept policy (best validation under early stopping, else the last), its final
         #    metrics, report.json, per_article.jsonl, policy/ and calibrated_judge/.
         return close_run(run)
 

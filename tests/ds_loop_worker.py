@@ -15,9 +15,9 @@ from accelerate.utils import gather_object
 
 from judgeloop.config import load_config
 from judgeloop.distributed import full_state_dict, generation_context, is_zero3, trainable_names
-from judgeloop.loop.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.rollout import Rollout, rollout
+from judgeloop.loop.run_state_files import export_policy, load_checkpoint, save_checkpoint
 from judgeloop.loop.setup import make_accelerator, setup_run
 from judgeloop.loop.state import load_splits
 from judgeloop.loop.steps import PairBatch, policy_update

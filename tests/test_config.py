@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Literal
 
@@ -12,6 +12,7 @@ from judgeloop.config import (
     ConfigError,
     check_at_least,
     check_range,
+    field_order,
     infinite_ok,
     load_config,
     replace,
@@ -303,3 +304,49 @@ def test_a_truncated_yaml_file_is_one_line(tmp_path):
         load_config(Outer, path)
     text = str(info.value)
     assert "\n" not in text and "cut.yaml' is not valid YAML" in text and "line 3" in text, text
+
+
+def test_the_grpo_recipes_policy_shares_the_loops_checks_and_rejects_the_keys_it_does_not_use():
+    """``GrpoPolicyConfig`` and the loop's ``PolicyConfig`` extend one ``PolicyBase``; GRPO takes no
+    ``dtype`` / ``lora_dropout`` / ``use_chat_template`` / ``sft_*`` (it would silently ignore them)."""
+    from judgeloop.integrations.grpo import GrpoPolicyConfig, GrpoTrlConfig
+    from judgeloop.loop.config import PolicyBase, PolicyConfig
+
+    assert issubclass(GrpoPolicyConfig, PolicyBase) and issubclass(PolicyConfig, PolicyBase)
+    for key in ("dtype", "lora_dropout", "use_chat_template", "sft_steps"):
+        with pytest.raises(ConfigError, match=rf"unknown config key 'policy.{key}'"):
+            load_config(GrpoTrlConfig, None, ["judge_path=x", f"policy.{key}=1"])
+    with pytest.raises(ConfigError, match=r"policy.max_article_tokens=4 is too small; use at least 8"):
+        load_config(GrpoTrlConfig, None, ["judge_path=x", "policy.max_article_tokens=4"])
+    assert GrpoPolicyConfig().model.startswith("HuggingFaceTB/SmolLM2") and GrpoPolicyConfig().lora
+    # the loop's keys keep their order (the saved config.yaml and --print-config list them so)
+    assert [f.name for f in fields(PolicyConfig)] == [
+        "model",
+        "dtype",
+        "lora",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "prompt_template",
+        "use_chat_template",
+        "max_article_tokens",
+        "sft_steps",
+        "sft_learning_rate",
+        "sft_batch_size",
+        "sft_max_tokens",
+        "sft_seed",
+    ]
+    assert repr(PolicyConfig()).startswith(
+        "PolicyConfig(model='judgeloop-tiny/causal-lm', dtype='float32', lora=False"
+    )
+
+
+def test_field_order_names_every_field():
+    with pytest.raises(TypeError, match="field_order names"):
+
+        @field_order("a")
+        @dataclass
+        class Two:
+            a: int = 0
+            b: int = 0

@@ -361,7 +361,7 @@ def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path):
 
 
 def test_a_checkpoint_cut_between_its_two_renames_is_restored(tmp_path):
-    from judgeloop.loop.checkpoint import remove_orphans
+    from judgeloop.loop.run_state_files import remove_orphans
 
     ck = tmp_path / "checkpoints"
     (ck / ".step_2.old").mkdir(

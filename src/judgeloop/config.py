@@ -26,7 +26,7 @@ import difflib
 import fnmatch
 import math
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -142,6 +142,38 @@ def _bound(x: float) -> str:
 
 def _value(section: str, cfg: Any, name: str) -> tuple[str, Any]:
     return (f"{section}.{name}" if section else name), getattr(cfg, name)
+
+
+def field_order(*names: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator, above ``@dataclass``: a schema that extends a shared base lists its keys in
+    ``names``'s order instead of the base's keys first.
+
+    ``dataclasses.fields`` and the ``repr`` follow it, hence the loader's key list, :func:`to_yaml`,
+    ``--print-config`` and a run's saved ``config.yaml``; ``__init__`` keeps the inherited order, so build
+    such a schema by keyword (as the loader does). ``names`` must be exactly the schema's fields.
+    """
+
+    def wrap(cls: type[T]) -> type[T]:
+        every: dict[str, dataclasses.Field] = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if sorted(names) != sorted(fields):
+            raise TypeError(
+                f"{cls.__name__}: field_order names {sorted(names)}, the fields are {sorted(fields)}"
+            )
+        # the ClassVar entries (RENAMED, RANGES, ...) stay, after the fields
+        cls.__dataclass_fields__ = {  # type: ignore[attr-defined]
+            **{name: every[name] for name in names},
+            **{name: f for name, f in every.items() if name not in names},
+        }
+
+        def __repr__(self: Any) -> str:  # as dataclass writes it, in the new order
+            shown = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+            return f"{type(self).__qualname__}({', '.join(shown)})"
+
+        cls.__repr__ = __repr__  # type: ignore[method-assign]
+        return cls
+
+    return wrap
 
 
 def check_at_least(

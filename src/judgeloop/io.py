@@ -131,7 +131,7 @@ def replace_dir(tmp: Path, path: Path) -> None:
 
     When ``path`` exists the two are swapped in one atomic step where the system allows it, so ``path``
     is never absent; elsewhere the old copy is first moved to ``.NAME.old`` (a kill between the two
-    renames leaves it there, and :func:`judgeloop.loop.checkpoint.remove_orphans` moves it back).
+    renames leaves it there, and :func:`judgeloop.loop.run_state_files.remove_orphans` moves it back).
     """
     os.chmod(tmp, 0o777 & ~_umask())
     if not path.exists():

@@ -342,3 +342,31 @@ def test_the_served_judge_rewards_a_trl_grpo_trainer(served_calibration, tmp_pat
     assert out["report"]["steps"] == 2 and out["reward"].judge_calls == 2
     rewards = [r for call in out["reward"].history for r in call["rewards"]]
     assert rewards and all(r is None or np.isfinite(r) for r in rewards)
+
+
+def test_a_panel_with_a_served_member_calibrates_and_reloads(tiny_server, tmp_path):
+    """A panel takes a served judge as a member like any other: ``judgeloop calibrate`` on a panel of the
+    served tiny judge and an objective judge writes a calibrated panel whose served member judges again
+    after a reload, its statuses counted."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs/calibrate/summeval_served.yaml").read_text())
+    served = {**cfg["judge"], "model": TINY, "batch_size": 4}
+    served["server"] = {**served["server"], "base_url": tiny_server, "model": TINY,
+                        "cache_path": str(tmp_path / "judgements.sqlite")}  # fmt: skip
+    cfg["judge"] = {"type": "panel", "panel": {"combine": "mean_logit", "members": [
+        served, {"type": "objective", "signal": "length", "scale": 5.0}]}}  # fmt: skip
+    cfg["data"] = {"format": "embedded", "embedded_size": 40, "split": cfg["data"]["split"]}
+    cfg.update(
+        labels={"type": "rouge"}, methods=["platt"], max_pairs_per_article=3, output_dir=str(tmp_path / "run")
+    )
+    path = tmp_path / "panel.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli(["calibrate", "--config", str(path)]) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["judge"]["status"]["test"] == {"ok": report["n_eval"] // 2}
+    judge = CalibratedJudge.from_pretrained(tmp_path / "run" / "calibrated_judge" / "platt")
+    (_, member), _ = judge.judge.members
+    assert isinstance(member, ServedJudge) and member.client.cfg.base_url == tiny_server
+    comp = judge.compare(ARTICLES, A, B)
+    assert comp.status == ["ok"] * 4 and np.isfinite(comp.p).all()

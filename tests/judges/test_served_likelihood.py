@@ -232,7 +232,7 @@ def test_calibrate_fits_and_saves_the_served_likelihood_judge(server, reference,
     judge = CalibratedJudge.from_pretrained(out / "calibrated_judge" / "platt")
     assert isinstance(judge.judge, ServedLikelihoodJudge)
     readme = (out / "calibrated_judge" / "platt" / "README.md").read_text()
-    assert "route `vllm`, extractor `likelihood`." in readme
+    assert "route `vllm`, extractor `likelihood`; the server reports version" in readme
     comp = judge.compare(ARTICLES, A, B)
     assert comp.status == ["ok"] * 4 and np.isfinite(comp.p).all()
     np.testing.assert_allclose(judge.compare(ARTICLES, B, A).logit, -comp.logit)

@@ -28,7 +28,7 @@ import torch
 from accelerate import Accelerator
 from judgeloop.config import load_config
 from judgeloop.distributed import full_state_dict, generation_context, is_fsdp, trainable_names
-from judgeloop.loop.checkpoint import export_policy, load_policy_weights, save_policy
+from judgeloop.loop.run_state_files import export_policy, load_policy_weights, save_policy
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
 from judgeloop.loop.policy import load_policy
 from judgeloop.loop.rollout import Rollout, generate

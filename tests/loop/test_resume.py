@@ -1,4 +1,4 @@
-"""Checkpoints and resume (judgeloop.loop.run, loop.checkpoint): exact resume, real kills and stop signals, resume_from: auto, config changes."""
+"""Checkpoints and resume (judgeloop.loop.run, loop.run_state_files): exact resume, real kills and stop signals, resume_from: auto, config changes."""
 
 from __future__ import annotations
 
@@ -387,8 +387,8 @@ def test_a_resume_at_another_thread_count_says_results_will_differ(tmp_path, res
 
 @pytest.mark.slow
 def test_resume_accepts_keys_that_cannot_change_results(tmp_path, resume_checkpoint):
-    from judgeloop.loop.checkpoint import checked_resume
     from judgeloop.loop.config import RESUME_FREE_KEYS
+    from judgeloop.loop.run_state_files import checked_resume
 
     cfg = load_config(
         FeedbackLoopConfig,
@@ -436,7 +436,7 @@ def test_a_damaged_checkpoint_file_is_one_line_naming_it(tmp_path, name, text, s
     JSONDecodeError traceback (and NaN passed). Now one line names the file, checked on resume before any
     weights load (the accelerator is never touched: None here)."""
     from judgeloop.io import DataError
-    from judgeloop.loop.checkpoint import checked_resume, load_checkpoint
+    from judgeloop.loop.run_state_files import checked_resume, load_checkpoint
 
     ckpt = tmp_path / "checkpoints" / "step_3"
     ckpt.mkdir(parents=True)

@@ -1,5 +1,5 @@
 """Calibration: labels for preference pairs, calibrators (Platt, isotonic, temperature, feature-aware
-Platt), and calibration metrics (ECE, MCE, Brier, NLL, AUC, accuracy)."""
+Platt) and the pair features they read, and calibration metrics (ECE, MCE, Brier, NLL, AUC, accuracy)."""
 
 from judgeloop.calibration.calibrators import (
     CALIBRATORS,
@@ -15,15 +15,15 @@ from judgeloop.calibration.calibrators import (
     load_calibrator,
     make_calibrator,
 )
-from judgeloop.calibration.labels import (
+from judgeloop.calibration.features import (
     FEATURE_NAMES,
-    LabelConfig,
-    LabeledPair,
-    build_labeled_pairs,
+    both_orientations,
+    feature_matrix,
+    features_for,
     pair_feature_matrix,
     pair_features,
-    rouge_label,
 )
+from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs, rouge_label
 from judgeloop.calibration.metrics import all_metrics, brier, ece, mce, nll, reliability_bins
 
 __all__ = [
@@ -40,10 +40,13 @@ __all__ = [
     "StyleResidualCalibrator",
     "TemperatureCalibrator",
     "all_metrics",
+    "both_orientations",
     "brier",
     "build_labeled_pairs",
     "calibrator_from_state",
     "ece",
+    "feature_matrix",
+    "features_for",
     "load_calibrator",
     "make_calibrator",
     "mce",

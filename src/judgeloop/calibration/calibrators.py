@@ -24,6 +24,7 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.special import expit
 
+from judgeloop.calibration.features import both_orientations
 from judgeloop.errors import UserError
 from judgeloop.io import atomic_write_json
 
@@ -124,7 +125,7 @@ def check_state(state: Any, method: str, params: dict[str, type]) -> None:
 def _symmetrize(s: np.ndarray, y: np.ndarray, f: np.ndarray | None) -> tuple:
     s2 = np.concatenate([s, -s])
     y2 = np.concatenate([y, 1 - y])
-    f2 = None if f is None else np.concatenate([f, -f])  # pair features are differences, so they flip sign
+    f2 = None if f is None else both_orientations(f)  # pair features are differences, so they flip sign
     return s2, y2, f2
 
 

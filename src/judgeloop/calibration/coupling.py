@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from scipy.special import expit
 
-from judgeloop.calibration.labels import FEATURE_NAMES, pair_features
+from judgeloop.calibration.features import FEATURE_NAMES, both_orientations, feature_matrix
 from judgeloop.calibration.metrics import auc
 from judgeloop.metrics.text import novel_ngram_rate
 
@@ -47,15 +47,13 @@ def judge_coupling(
     both_s, both_y = np.concatenate([s, -s]), np.concatenate([y, 1 - y])
     out["auc_label"] = float(auc(expit(both_s), both_y))
     out["corr_label"] = _corr(both_s, both_y)
-    feats: dict[str, list[float]] = {name: [] for name in (*FEATURE_NAMES, "novel_bigram_diff")}
-    for art, x, z in zip(articles, a, b):
-        for name, value in zip(FEATURE_NAMES, pair_features(art, x, z)):
-            feats[name].append(float(value))
-        feats["novel_bigram_diff"].append(novel_ngram_rate(x, art, 2) - novel_ngram_rate(z, art, 2))
+    feats = dict(zip(FEATURE_NAMES, feature_matrix(articles, a, b).T))
+    feats["novel_bigram_diff"] = np.array(
+        [novel_ngram_rate(x, art, 2) - novel_ngram_rate(z, art, 2) for art, x, z in zip(articles, a, b)]
+    )
     out["features"] = {}
-    for name, vals in feats.items():
-        f = np.asarray(vals, dtype=float)
-        both_f = np.concatenate([f, -f])
+    for name, f in feats.items():
+        both_f = both_orientations(f)
         out["features"][name] = {"corr_logit": _corr(both_s, both_f), "corr_label": _corr(both_f, both_y)}
     return out
 

@@ -1,4 +1,4 @@
-"""Ground-truth labels for preference pairs, candidate pairs to label, and pair features.
+"""Ground-truth labels for preference pairs and candidate pairs to label (their style features: ``features.py``).
 
 * ``rouge`` labels (a neutral proxy): y = 1 if ROUGE-L F1 of ``a`` against the neutral references
   beats ``b``'s; exact ties are dropped and counted.
@@ -15,10 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
 from judgeloop.data.summarization import Candidate, SummExample, split_sentences
-from judgeloop.metrics.text import copy_rate, rouge_max, tokens
+from judgeloop.metrics.text import rouge_max
 
 
 @dataclass
@@ -160,20 +158,3 @@ def build_labeled_pairs(
             )
             kept += 1
     return out, stats
-
-
-FEATURE_NAMES = ("log_length_ratio", "copy_rate_diff")
-
-
-def pair_features(article: str, a: str, b: str) -> np.ndarray:
-    """Antisymmetric style features of a pair: log(len a / len b) in words, copy-rate(a) - copy-rate(b)."""
-    la, lb = max(len(tokens(a)), 1), max(len(tokens(b)), 1)
-    # log(la) - log(lb), not log(la / lb): swapping a and b negates every feature exactly
-    return np.array([math.log(la) - math.log(lb), copy_rate(a, article) - copy_rate(b, article)], dtype=float)
-
-
-def pair_feature_matrix(pairs: Sequence[LabeledPair]) -> np.ndarray:
-    """The style features of each pair (``FEATURE_NAMES`` columns, a minus b): ``(N, F)``."""
-    if not pairs:
-        return np.zeros((0, len(FEATURE_NAMES)))
-    return np.stack([pair_features(p.article, p.a, p.b) for p in pairs])

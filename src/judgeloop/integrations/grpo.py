@@ -14,27 +14,17 @@ from typing import Any, ClassVar, Literal
 from judgeloop.config import Range, check_at_least
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.judges.calibrated import check_judge_path
+from judgeloop.loop.config import PolicyBase
 from judgeloop.rewards import RewardConfig
 
 
 @dataclass
-class GrpoPolicyConfig:
-    """The policy TRL trains (``policy.*``): LoRA adapters by default (peft, through TRL's ``peft_config``)."""
+class GrpoPolicyConfig(PolicyBase):
+    """The policy TRL trains (``policy.*``, the keys and checks of :class:`~judgeloop.loop.config.PolicyBase`):
+    LoRA adapters by default (peft, through TRL's ``peft_config``)."""
 
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     lora: bool = True
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
-    max_article_tokens: int = 128
-
-    def __post_init__(self) -> None:
-        if "{article}" not in self.prompt_template:
-            raise ValueError(
-                f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
-            )
-        check_at_least("policy", self, "max_article_tokens", 8)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from judgeloop.calibration.calibrators import CalibrationError, Calibrator, calibrator_from_state
-from judgeloop.calibration.labels import FEATURE_NAMES, pair_features
+from judgeloop.calibration.features import FEATURE_NAMES, features_for
 from judgeloop.config import ConfigError, load_config, to_yaml
 from judgeloop.io import DataError, atomic_dir, atomic_write_json, atomic_write_text, read_json
 from judgeloop.judges import JudgeConfig, JudgeNeeds, build_judge, judge_needs
@@ -181,12 +181,8 @@ class CalibratedJudge:
         )  # fmt: skip
         self.calls += 1
         out = self.judge(list(prompts), list(a), list(b), references)
-        features = None
-        if self.calibrator.uses_features:
-            features = np.zeros((len(out.status), len(FEATURE_NAMES)))
-            for i, ok in enumerate(out.valid):
-                if ok:
-                    features[i] = pair_features(prompts[i], a[i], b[i])
+        # a failed judgement's row stays zero: its logit is NaN and its probability NaN whatever the features
+        features = features_for(self.calibrator, prompts, a, b, valid=out.valid)
         logit = np.where(out.valid, out.scores, np.nan)
         p = self.calibrator.predict_proba(logit, features)
         return Comparison(p=p, logit=logit, status=list(out.status), forward=out.forward, reverse=out.reverse)

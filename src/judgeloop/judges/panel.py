@@ -25,7 +25,7 @@ import numpy as np
 from scipy.special import expit, logit
 
 from judgeloop.calibration.calibrators import Calibrator, calibrator_from_state, fit_logistic, make_calibrator
-from judgeloop.calibration.labels import pair_features
+from judgeloop.calibration.features import pair_feature_matrix
 from judgeloop.judges.base import VALID_STATUSES, Judge, JudgeOutput, Pair, merge_status
 
 COMBINE_RULES = ("mean_prob", "mean_logit", "stacked")
@@ -144,7 +144,7 @@ class PanelJudge(Judge):
                     continue
                 out, cal = outs[name], make_calibrator(self.member_calibration, min_points=self.min_points)
                 ok = out.valid
-                feats = self._features(pairs, ok) if cal.uses_features else None
+                feats = pair_feature_matrix(pairs, valid=ok)[ok] if cal.uses_features else None
                 calibrators[name] = cal.fit(out.scores[ok], y[ok], feats)
             self.calibrators_ = calibrators
             if self.combine == "stacked":
@@ -159,10 +159,6 @@ class PanelJudge(Judge):
     def _member_outputs(self, pairs: list[Pair]) -> dict[str, JudgeOutput]:
         return {name: judge.score(pairs) for name, judge in self.members}
 
-    def _features(self, pairs: list[Pair], keep: np.ndarray) -> np.ndarray:
-        rows = [pair_features(p.article, p.a, p.b) for p, k in zip(pairs, keep) if k]
-        return np.stack(rows) if rows else np.zeros((0, 2))
-
     def member_probs(self, pairs: list[Pair], outs: dict[str, JudgeOutput]) -> dict[str, np.ndarray]:
         """Each member's calibrated P(a better than b) (``sigmoid`` of its raw logit before any fit)."""
         probs = {}
@@ -172,9 +168,7 @@ class PanelJudge(Judge):
                 probs[name] = expit(s)
                 continue
             cal = self.calibrators_[name]
-            feats = (
-                np.stack([pair_features(p.article, p.a, p.b) for p in pairs]) if cal.uses_features else None
-            )
+            feats = pair_feature_matrix(pairs) if cal.uses_features else None
             probs[name] = cal.predict_proba(s, feats) if len(pairs) else np.zeros(0)
         return probs
 

@@ -89,12 +89,6 @@ def model_max_length(model: Any, tokenizer: Any) -> int | None:
     return min(limits) if limits else None
 
 
-def resolve_device(device: str, key: str = "judge.device") -> torch.device:
-    """A judge's device: :func:`judgeloop.devices.resolve_device` under the key ``judge.device`` (kept for
-    ``loop/setup.py``'s import until it names the key itself)."""
-    return devices.resolve_device(device, key)
-
-
 def load_judge_model(
     model: str | Any, tokenizer: Any, loader: Callable[..., Any], dtype: str, judge: str
 ) -> tuple[Any, Any, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from judgeloop.config import Range, check_at_least, check_range
+from judgeloop.config import Range, check_at_least, check_range, field_order
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
@@ -22,8 +22,52 @@ ARMS: tuple[str, ...] = get_args(Arm)
 
 
 @dataclass
-class PolicyConfig:
-    """The policy being trained and how prompts are built.
+class PolicyBase:
+    """The policy settings and checks every recipe that trains one shares: the feedback loop's
+    :class:`PolicyConfig` and the GRPO recipe's ``GrpoPolicyConfig`` extend it with their own keys and
+    defaults (a recipe accepts only the keys it uses: GRPO has no ``dtype`` or ``sft_*``)."""
+
+    model: str = "judgeloop-tiny/causal-lm"
+    lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
+    max_article_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if "{article}" not in self.prompt_template:
+            raise ValueError(
+                f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
+            )
+        if self.max_article_tokens < 8:
+            raise ValueError(
+                f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8"
+            )
+        if self.lora:
+            check_at_least("policy", self, "lora_r", 1)
+
+
+@field_order(
+    "model",
+    "dtype",
+    "lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "prompt_template",
+    "use_chat_template",
+    "max_article_tokens",
+    "sft_steps",
+    "sft_learning_rate",
+    "sft_batch_size",
+    "sft_max_tokens",
+    "sft_seed",
+)
+@dataclass
+class PolicyConfig(PolicyBase):
+    """The policy being trained and how prompts are built (the shared keys: :class:`PolicyBase`).
 
     ``lora: true`` trains LoRA adapters (peft); the reference model is then the same base with the
     adapters disabled, so no second copy of the weights is held. Otherwise the whole model is trained
@@ -36,16 +80,9 @@ class PolicyConfig:
     launch file's mixed precision casts and every weight is stored in float32).
     """
 
-    model: str = "judgeloop-tiny/causal-lm"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    lora: bool = False
-    lora_r: int = 8
-    lora_alpha: int = 16
     lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
     use_chat_template: bool = True
-    max_article_tokens: int = 128
     sft_steps: int = 0
     RENAMED: ClassVar[dict[str, str]] = {"sft_lr": "sft_learning_rate"}
     sft_learning_rate: float = 3e-3
@@ -56,16 +93,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.sft_steps < 0 or self.sft_batch_size < 1:
             raise ValueError(f"policy.sft_steps={self.sft_steps} must be >= 0 and policy.sft_batch_size >= 1")
-        if "{article}" not in self.prompt_template:
-            raise ValueError(
-                f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
-            )
-        if self.max_article_tokens < 8:
-            raise ValueError(
-                f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8"
-            )
-        if self.lora:
-            check_at_least("policy", self, "lora_r", 1)
+        super().__post_init__()
 
 
 @dataclass

@@ -33,12 +33,12 @@ from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, references_for
 from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
 from judgeloop.logging import get_logger
-from judgeloop.loop.checkpoint import save_policy
 from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, label_pairs, pair_ece
 from judgeloop.loop.policy import eval_mode, reference_logprobs
 from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
+from judgeloop.loop.run_state_files import save_policy
 from judgeloop.loop.state import LoopState, Splits
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 

@@ -1,5 +1,6 @@
 """The loop's group-relative objective (``loss.type: grpo``): groupwise rewards from the arm's calibrated
-judge, and the GRPO term of one update chunk.
+judge, and step 5's GRPO update (the GRPO term of the shared chunked update,
+:func:`judgeloop.loop.update.chunked_update`, as :func:`judgeloop.loop.dpo.dpo_update` is the DPO one).
 
 Under grpo the step is still ``rollout -> judge -> calibrate -> rewards -> update``
 (the steps of :mod:`judgeloop.loop.steps`): the rollout samples a group of k summaries per article;
@@ -14,21 +15,20 @@ the policy that sampled is the one updated (ratio 1), and the clipped form keeps
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
-from judgeloop.distributed import generation_context
 from judgeloop.judges import Judge, JudgeConfig, references_for
-from judgeloop.loop.losses import grpo_loss, kl_per_sequence
-from judgeloop.loop.policy import reference_logprobs
-from judgeloop.loop.rollout import Rollout, token_logprobs
+from judgeloop.loop.losses import grpo_loss
+from judgeloop.loop.rollout import Rollout
+from judgeloop.loop.update import Learner, chunked_update
 from judgeloop.rewards import Group, GroupScores, RewardConfig, score_groups
+
+STATS = ("loss", "grpo_loss", "kl", "kl_k1", "reward_mean", "kept_fraction", "advantage_abs_mean")
 
 
 def groups_of(roll: Rollout, examples: Sequence[SummExample], judge: Judge) -> list[Group]:
@@ -70,37 +70,43 @@ def num_completion_tokens(roll: Rollout) -> int:
     return sum(len(c) for ids in roll.sample_ids() for c in ids)
 
 
-def grpo_chunk_terms(
-    learner: Any, roll: Rollout, advantages: torch.Tensor, lo: int, hi: int, B: int, kl_coef: float,
-    normalizer: torch.Tensor,
-) -> list[torch.Tensor]:  # fmt: skip
-    """Forward and backward of articles ``lo:hi`` (all k samples of each); returns their (detached)
-    share of the loss, GRPO term, KL and k1 KL.
+def grpo_update(
+    learner: Learner,
+    roll: Rollout,
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> dict[str, float]:
+    """policy_update under grpo: one optimizer step of the clipped GRPO surrogate on the advantages
+    (:func:`judgeloop.loop.losses.grpo_loss`, token-averaged over the global batch as TRL's default
+    ``loss_type="dapo"``) + kl_coef * KL(pi || pi_ref) (a mean over samples), chunked as the DPO update
+    (:func:`judgeloop.loop.update.chunked_update`).
 
-    ``advantages``: (B, k). ``normalizer``: the batch's completion tokens as TRL's default loss divides
-    by them (the global count over the processes / their number, so that DDP's gradient average is the
-    global token mean). The KL term is a mean over the batch's samples, as in the DPO path.
+    Args:
+        roll: the rollout's group of k samples per article.
+        advantages: (B, k) group-relative advantages; rewards: (B, k) each sample's reward (0 where
+            missing); mask: (B, k) the samples that have one.
+
+    Returns:
+        The stats of :data:`STATS`, averaged over the processes, and ``grad_norm``.
     """
-    acc, model, loss_cfg = learner.accelerator, learner.model, learner.loss
-    k, n, device = roll.num_samples, hi - lo, acc.device
-    prompts = roll.prompts[lo:hi]
-    comps = [
-        c for ids in roll.sample_ids() for c in ids[lo:hi]
-    ]  # sample-major: sample j of article i at j*n+i
-    with generation_context(model):
-        ref_tok, _ = reference_logprobs(
-            acc.unwrap_model(model), learner.ref, prompts, comps, learner.pad_id, k
-        )
-    prefix = roll.prefix if n == B else None  # the rollout's prompt pass, when it was kept (one chunk)
-    roll.prefix = None
-    pol_tok, tok_mask = token_logprobs(model, prompts, comps, learner.pad_id, k, prefix)  # (k n, T)
-    adv = advantages[lo:hi].to(device).T.reshape(-1)  # (k n,), the order of comps
-    pg = grpo_loss(pol_tok, pol_tok.detach(), adv, tok_mask, loss_cfg.epsilon, normalizer.to(device))
-    share = (lambda x: x.mean()) if n == B else (lambda x: x.sum() / (k * B))  # noqa: E731
-    kl = share(kl_per_sequence(pol_tok, ref_tok, tok_mask, loss_cfg.kl_estimator))
-    loss = pg + kl_coef * kl
-    with contextlib.nullcontext() if hi == B else acc.no_sync(model):  # DDP: one gradient all-reduce per step
-        acc.backward(loss)
-    with torch.no_grad():
-        k1 = share(kl_per_sequence(pol_tok.detach(), ref_tok, tok_mask, "k1"))
-    return [loss.detach(), pg.detach(), kl.detach(), k1]
+    acc, epsilon = learner.accelerator, learner.loss.epsilon
+    # the batch's completion tokens as TRL's default loss divides by them: the global count over the
+    # processes / their number, so that DDP's gradient average is the global token mean
+    tokens = torch.tensor(float(num_completion_tokens(roll)), device=acc.device)
+    normalizer = (acc.reduce(tokens, reduction="sum") / acc.num_processes).clamp(min=1.0)
+
+    def term(
+        pol_tok: torch.Tensor, ref_tok: torch.Tensor, tok_mask: torch.Tensor, lo: int, hi: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        adv = advantages[lo:hi].to(acc.device).T.reshape(-1)  # (k n,), the order of the samples
+        return grpo_loss(pol_tok, pol_tok.detach(), adv, tok_mask, epsilon, normalizer.to(acc.device)), []
+
+    def batch_stats(totals: list[torch.Tensor]) -> torch.Tensor:
+        n = mask.sum().clamp(min=1)
+        r_mean = (rewards * mask).sum() / n
+        extra = [r_mean, mask.mean(), (advantages.abs() * mask).sum() / n]
+        return torch.stack([*totals, *[x.to(acc.device) for x in extra]])
+
+    return chunked_update(learner, roll, kl_coef, term, batch_stats, STATS)

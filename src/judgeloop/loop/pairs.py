@@ -21,7 +21,7 @@ import numpy as np
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from judgeloop.calibration import Calibrator, ece, pair_features, rouge_label
+from judgeloop.calibration import Calibrator, ece, features_for, rouge_label
 from judgeloop.data import LeakageError, SummExample, check_disjoint
 from judgeloop.distributed import generation_context, real_part, shard
 from judgeloop.hashing import derive_seed
@@ -43,19 +43,6 @@ def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequen
             f"calibration articles overlap the policy's training articles: {err}. "
             "Calibrators must be fitted on the 'calibration' split only"
         ) from err
-
-
-def features_for(
-    calibrator: Calibrator, articles: Sequence[str], a: Sequence[str], b: Sequence[str]
-) -> np.ndarray | None:
-    """The pair features a feature-aware calibrator needs, or None for one that needs none."""
-    if not calibrator.uses_features:
-        return None
-    return (
-        np.stack([pair_features(x, y, z) for x, y, z in zip(articles, a, b)])
-        if len(articles)
-        else np.zeros((0, 2))
-    )
 
 
 def calibrate(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from judgeloop.calibration import CalibrationError, Calibrator, make_calibrator
+from judgeloop.calibration import CalibrationError, Calibrator, features_for, make_calibrator
 from judgeloop.calibration.coupling import coupling_line
 from judgeloop.config import ConfigError
 from judgeloop.io import finite_or_none
@@ -27,7 +27,6 @@ from judgeloop.loop.oracle import RougeOracleJudge
 from judgeloop.loop.pairs import (
     CalibrationPairs,
     ece_intervals,
-    features_for,
     holdout_mask,
     judge_coupling,
     pair_ece,

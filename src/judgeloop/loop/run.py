@@ -16,15 +16,15 @@ from judgeloop.checkpointing import prune_checkpoints
 from judgeloop.config import to_yaml
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, finite_or_none
 from judgeloop.logging import get_logger
-from judgeloop.loop.checkpoint import (
-    export_policy,
-    load_policy_weights,
-    save_checkpoint,
-)
 from judgeloop.loop.curve import curve_articles, curve_due, curve_table, plot_curve
 from judgeloop.loop.evaluation import early_stopping
 from judgeloop.loop.model_card import policy_card
 from judgeloop.loop.prefetch import JudgePrefetch
+from judgeloop.loop.run_state_files import (
+    export_policy,
+    load_policy_weights,
+    save_checkpoint,
+)
 from judgeloop.loop.setup import LoopRun
 from judgeloop.loop.state import peek_batch
 from judgeloop.loop.steps import PairBatch

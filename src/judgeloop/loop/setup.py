@@ -32,6 +32,7 @@ from judgeloop.devices import (
     numerics_differences,
     on_cpu,
     process_device,
+    resolve_device,
 )
 from judgeloop.distributed import (
     accelerator_kwargs,
@@ -48,12 +49,6 @@ from judgeloop.distributed import (
 from judgeloop.io import atomic_write_text, finite_or_none
 from judgeloop.judges import Judge, build_judge, members_models, models_of
 from judgeloop.logging import get_logger
-from judgeloop.loop.checkpoint import (
-    checked_resume,
-    latest_checkpoint,
-    load_checkpoint,
-    remove_orphans,
-)
 from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
 from judgeloop.loop.curve import curve_articles, curve_due, curve_log, curve_rows, record_curve_point
 from judgeloop.loop.evaluation import (
@@ -83,6 +78,12 @@ from judgeloop.loop.rollout import (
     PromptBuilder,
     prefix_reusable,
 )
+from judgeloop.loop.run_state_files import (
+    checked_resume,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_orphans,
+)
 from judgeloop.loop.shared import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
@@ -98,12 +99,11 @@ logger = get_logger(__name__)
 def check_models(cfg: FeedbackLoopConfig) -> None:
     """Every model the config names resolves, every device and tracker it asks for is there (before
     data or weights load); a ConfigError names the key."""
-    from judgeloop.judges.tokens import resolve_device
     from judgeloop.models import check_model
 
     try:
         check_device(cfg.device, "device")
-        resolve_device(cfg.judge.device)
+        resolve_device(cfg.judge.device, "judge.device")
         check_trackers(cfg.log_with)
         check_model(cfg.policy.model, "policy.model")
         check_backend(cfg)  # generation.backend=vllm: its python found, or its server answers
@@ -113,7 +113,7 @@ def check_models(cfg: FeedbackLoopConfig) -> None:
             else []
         )
         for key, name, device in models_of(cfg.judge) + panel:
-            resolve_device(device)
+            resolve_device(device, "judge.device")
             check_model(name, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None

@@ -154,7 +154,7 @@ def resumable(job_cfg: AblateConfig) -> bool:
     """Whether the job's folder holds a checkpoint its config can continue from (``resume_from: auto``
     will take it); one made with a config that would change the run is not."""
     from judgeloop.config import ConfigError
-    from judgeloop.loop.checkpoint import checked_resume, latest_checkpoint, remove_orphans
+    from judgeloop.loop.run_state_files import checked_resume, latest_checkpoint, remove_orphans
 
     folder = Path(job_cfg.output_dir)
     if not folder.is_dir():

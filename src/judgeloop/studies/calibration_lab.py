@@ -19,14 +19,9 @@ from scipy.special import expit
 
 from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator, make_calibrator
 from judgeloop.calibration.coupling import coupling_line, judge_coupling
+from judgeloop.calibration.features import FEATURE_NAMES, both_orientations, pair_feature_matrix
 from judgeloop.calibration.health import health_lines, judge_health
-from judgeloop.calibration.labels import (
-    FEATURE_NAMES,
-    LabelConfig,
-    LabeledPair,
-    build_labeled_pairs,
-    pair_feature_matrix,
-)
+from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs
 from judgeloop.calibration.metrics import all_metrics
 from judgeloop.config import Range
 from judgeloop.data import DataConfig, load_examples, split_examples
@@ -235,15 +230,14 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
     eval_ok = _valid(eval_scored)
     s_fit = fit_scored["forward"][fit_ok]
     y_fit = np.array([p.label for p in fit_pairs], dtype=float)[fit_ok]
-    f_fit = pair_feature_matrix(fit_pairs)[fit_ok]
+    f_fit = pair_feature_matrix(fit_pairs, valid=fit_ok)[fit_ok]
 
     kept_eval = [p for p, ok in zip(eval_pairs, eval_ok) if ok]
     y_e = np.array([p.label for p in kept_eval], dtype=float)
-    f_e = pair_feature_matrix(kept_eval)
     # Both orientations: (a, b) with score s(a, b) and label y; (b, a) with s(b, a) and 1 - y.
     s_eval = np.concatenate([eval_scored["forward"][eval_ok], eval_scored["reverse"][eval_ok]])
     y_eval = np.concatenate([y_e, 1 - y_e])
-    f_eval = np.concatenate([f_e, -f_e]) if len(f_e) else f_e
+    f_eval = both_orientations(pair_feature_matrix(kept_eval))
     orient = ["ab"] * len(kept_eval) + ["ba"] * len(kept_eval)
     if s_eval.size == 0:
         raise DataError("every test pair failed judging (see the judge status counts); nothing to evaluate")

@@ -34,8 +34,9 @@ import numpy as np
 from scipy.special import expit
 
 from judgeloop.calibration.calibrators import CALIBRATORS, Calibrator
+from judgeloop.calibration.features import features_for, pair_feature_matrix
 from judgeloop.calibration.health import judge_health
-from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs, pair_features
+from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs
 from judgeloop.calibration.metrics import auc
 from judgeloop.config import ConfigError, check_choices
 from judgeloop.data import DataConfig, SplitConfig, SummExample, load_examples, split_examples
@@ -320,9 +321,9 @@ def fit_judge(
         judge.fit_labels(judged, [int(y) for y in labels])
     scored = score_both_orders(judge, judged)
     ok = scored.valid
-    feats = np.stack([pair_features(p.article, p.a, p.b) for p in pairs])[ok]
     cal = build_calibrator(cfg.calibration.method, cfg.calibration.calibrator)
-    cal.fit(scored.debiased[ok], labels[ok], feats if cal.uses_features else None)
+    feats = pair_feature_matrix(pairs, valid=ok)[ok] if cal.uses_features else None
+    cal.fit(scored.debiased[ok], labels[ok], feats)
     info = {
         "n_fit": int(ok.sum()),
         # how well the debiased logit ranks the human labels: below 0.5, calibration turns verdicts around
@@ -417,10 +418,16 @@ def probe_one_judge(
     ]
     scored = score_both_orders(judge, pairs)
     ok = scored.valid
-    feats = np.stack([pair_features(it.article, it.adversarial, it.honest) for it in items])
+    feats = features_for(
+        cal,
+        [it.article for it in items],
+        [it.adversarial for it in items],
+        [it.honest for it in items],
+        valid=ok,
+    )
     p = np.full(len(items), np.nan)
     if ok.any():
-        p[ok] = cal.predict_proba(scored.debiased[ok], feats[ok] if cal.uses_features else None)
+        p[ok] = cal.predict_proba(scored.debiased[ok], None if feats is None else feats[ok])
     wins = stage_successes(scored, p)
     kinds = np.array([it.attack for it in items])
     rng = np.random.default_rng(cfg.seed)

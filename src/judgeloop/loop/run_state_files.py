@@ -1,5 +1,5 @@
-"""Atomic checkpoints of everything the loop needs to resume exactly, in the one scheme of
-:mod:`judgeloop.checkpointing` that the retriever uses too.
+"""The run's state on disk: atomic checkpoints of everything the loop needs to resume exactly (in the one
+scheme of :mod:`judgeloop.checkpointing` that the retriever uses too), and the policy's weight files.
 
 A checkpoint directory holds accelerate's state (``model.safetensors``: the trainable parameters,
 adapters under LoRA, all weights otherwise; ``optimizer.bin``, ``scheduler.bin``,

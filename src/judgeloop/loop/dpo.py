@@ -1,0 +1,68 @@
+"""The loop's pairwise objective (``loss.type: dpo``, the default): step 5's soft-target DPO update.
+
+The pairs come from the steps of :mod:`judgeloop.loop.steps` (two samples per article, judged, calibrated,
+made into soft targets by ``make_pairs``); :func:`dpo_update` is the DPO term of the shared chunked update
+(:func:`judgeloop.loop.update.chunked_update`, which adds the KL penalty and steps the optimizer), as
+:func:`judgeloop.loop.grpo.grpo_update` is the GRPO one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from judgeloop.loop.losses import dpo_margin, soft_dpo_loss
+from judgeloop.loop.rollout import Rollout
+from judgeloop.loop.update import Learner, chunked_update
+
+STATS = ("loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction", "target_margin")
+
+
+def dpo_update(
+    learner: Learner,
+    roll: Rollout,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    kl_coef: float,
+) -> dict[str, float]:
+    """One optimizer step of soft-target DPO + kl_coef * KL(pi || pi_ref) on this process's pairs.
+
+    The DPO term is summed over pairs and divided by the per-process batch size (skipped pairs count
+    as zero), and the KL term is a mean over samples, so the DDP gradient average equals the
+    full-batch gradient when every process has the same batch size. With ``optim.update_chunk_size``
+    the articles go through the forward and backward passes that many at a time, their gradients
+    adding up to the same update (up to float summation order) at a fraction of the activation memory.
+
+    Args:
+        roll: the rollout's two samples per article (a, b).
+        targets: (B,) soft targets P(a better than b); mask: (B,) the pairs that enter the loss;
+            weights: (B,) per-pair weights of the DPO term (None: all 1).
+
+    Returns:
+        The stats of :data:`STATS`, averaged over the processes, and ``grad_norm``.
+    """
+    assert roll.num_samples == 2, "the DPO update takes two samples per article"
+    device, beta, B = learner.accelerator.device, learner.loss.beta, len(roll.prompts)
+
+    def term(
+        pol_tok: torch.Tensor, ref_tok: torch.Tensor, tok_mask: torch.Tensor, lo: int, hi: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        n = hi - lo
+        seq_pol, seq_ref = pol_tok.sum(-1), ref_tok.sum(-1)  # (2n,): a-samples then b-samples
+        h = dpo_margin(seq_pol[:n], seq_pol[n:], seq_ref[:n], seq_ref[n:])  # (n,)
+        t, m = targets[lo:hi].to(device), mask[lo:hi].to(device)
+        w = m if weights is None else m * weights[lo:hi].to(device)
+        dpo = soft_dpo_loss(h, t, beta, w).sum() / B
+        with torch.no_grad():  # kept pairs whose margin agrees with the target
+            agree = (((h.detach() > 0).float() == (t >= 0.5).float()).float() * m).sum()
+        return dpo, [agree]
+
+    def batch_stats(totals: list[torch.Tensor]) -> torch.Tensor:
+        agree_n = mask.sum().clamp(min=1).to(device)
+        # the judge's signal: how far the targets of the pairs that count are from a coin flip
+        margin = ((targets.to(device) - 0.5).abs() * mask.to(device)).sum() / agree_n
+        stats = torch.stack([*totals, mask.float().mean().to(device), margin])
+        stats[4] = stats[4] / agree_n
+        return stats
+
+    return chunked_update(learner, roll, kl_coef, term, batch_stats, STATS, sum_one_chunk=False)
