@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import threading
 import time
 from pathlib import Path
 
@@ -20,24 +19,14 @@ from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.served import ServedJudge, verdict_score
 from judgeloop.judges.served_client import Reply
-from judgeloop.serving.openai_compat import Handler, LocalModel, make_server
+from judgeloop.serving.openai_compat import Handler, LocalModel
+from served_common import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "judgeloop-tiny/causal-lm"
 ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]
 A = ["A cat sat.", "The mat was warm.", "Cat.", "It rained."]
 B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
-
-
-def _start(lm, **kw):
-    srv = make_server(lm, **kw)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_port}"
-
-
-def _stop(srv):
-    srv.shutdown()
-    srv.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +36,9 @@ def tiny_lm():
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_lm):
-    srv, url = _start(tiny_lm)
+    srv, url = start_server(tiny_lm)
     yield url
-    _stop(srv)
+    stop_server(srv)
 
 
 def _judge(url, model=TINY, tokenizer=TINY, **server):
@@ -70,7 +59,7 @@ def test_exact_id_routes_equal_the_in_process_choice_judge(tiny_server, route):
 
 
 def test_auto_falls_back_to_top_logprobs_then_text(tiny_lm):
-    srv, url = _start(tiny_lm, routes=("completions",), logprobs=False)
+    srv, url = start_server(tiny_lm, routes=("completions",), logprobs=False)
     try:
         judge = _judge(url)
         out = judge(ARTICLES, A, B)
@@ -78,7 +67,7 @@ def test_auto_falls_back_to_top_logprobs_then_text(tiny_lm):
         # the tiny model's greedy token is not a verdict: unparsed, masked, never a preference
         assert set(out.status) <= {"text_only", "unparsed"} and np.isnan(out.scores[~out.valid]).all()
     finally:
-        _stop(srv)
+        stop_server(srv)
 
 
 def test_top_logprobs_route_with_the_whole_vocabulary_is_exact(tiny_server, tiny_lm):
@@ -108,7 +97,7 @@ class _Retokenizing(Handler):
 
 
 def test_a_text_prompt_the_server_tokenizes_otherwise_is_failed_never_scored(tiny_lm):
-    srv, url = _start(tiny_lm, handler=_Retokenizing)
+    srv, url = start_server(tiny_lm, handler=_Retokenizing)
     try:
         judge = _judge(url, route="vllm", prompt_format="text", max_retries=2)
         out = judge(ARTICLES, A, B)
@@ -117,7 +106,7 @@ def test_a_text_prompt_the_server_tokenizes_otherwise_is_failed_never_scored(tin
         # ids are taken as sent: the same server scores them
         assert _judge(url, route="vllm", prompt_format="ids")(ARTICLES, A, B).status == ["ok"] * 4
     finally:
-        _stop(srv)
+        stop_server(srv)
 
 
 def test_verdict_score_statuses_by_hand():
@@ -155,7 +144,7 @@ class _Scripted(Handler):
 
 @pytest.mark.parametrize("faults", [["429", "429"], ["500", "500"], ["bad_json"], ["hang"]])
 def test_retries_recover_from_scripted_faults(tiny_lm, faults):
-    srv, url = _start(tiny_lm, handler=_Scripted)
+    srv, url = start_server(tiny_lm, handler=_Scripted)
     try:
         judge = _judge(url, route="vllm", timeout_s=0.5, backoff_s=0.01, concurrency=1)
         _Scripted.script[:] = list(faults)
@@ -163,14 +152,14 @@ def test_retries_recover_from_scripted_faults(tiny_lm, faults):
         assert out.status == ["ok"] and judge.client.retries == len(faults)
     finally:
         _Scripted.script[:] = []
-        _stop(srv)
+        stop_server(srv)
 
 
 def test_a_killed_server_masks_every_pair_or_stops_the_run(tiny_lm, caplog):
-    srv, url = _start(tiny_lm)
+    srv, url = start_server(tiny_lm)
     masked = _judge(url, route="vllm", max_retries=1, backoff_s=0.01)
     stopping = _judge(url, route="vllm", max_retries=0, on_failure="stop")
-    _stop(srv)
+    stop_server(srv)
     out = masked(ARTICLES, A, B)
     assert out.status == ["failed"] * 4 and np.isnan(out.scores).all() and not out.valid.any()
     assert "4 of 4 pairs failed" in caplog.text
@@ -199,7 +188,7 @@ def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_
 
 
 def test_a_server_that_refuses_the_key_fails_in_one_line_before_any_judging(tiny_lm, monkeypatch):
-    srv, url = _start(tiny_lm, api_key="right-key")
+    srv, url = start_server(tiny_lm, api_key="right-key")
     try:
         monkeypatch.setenv("JUDGELOOP_TEST_KEY", "wrong-key")
         with pytest.raises(
@@ -213,7 +202,7 @@ def test_a_server_that_refuses_the_key_fails_in_one_line_before_any_judging(tiny
             _judge(url, route="vllm", api_key_env="JUDGELOOP_TEST_KEY")(ARTICLES, A, B).status == ["ok"] * 4
         )
     finally:
-        _stop(srv)
+        stop_server(srv)
 
 
 def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):

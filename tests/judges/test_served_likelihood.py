@@ -7,7 +7,6 @@ saves and reloads it."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,8 @@ import pytest
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.likelihood import LikelihoodJudge
 from judgeloop.judges.served import ServedLikelihoodJudge
-from judgeloop.serving.openai_compat import Handler, LocalModel, make_server
+from judgeloop.serving.openai_compat import Handler, LocalModel
+from served_common import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "judgeloop-tiny/causal-lm"
@@ -29,17 +29,6 @@ B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
 ATOL = 1e-5
 
 
-def _start(lm, **kw):
-    srv = make_server(lm, **kw)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_port}"
-
-
-def _stop(srv):
-    srv.shutdown()
-    srv.server_close()
-
-
 @pytest.fixture(scope="module")
 def tiny_lm():
     return LocalModel(TINY)
@@ -47,9 +36,9 @@ def tiny_lm():
 
 @pytest.fixture(scope="module")
 def server(tiny_lm):
-    srv, url = _start(tiny_lm)
+    srv, url = start_server(tiny_lm)
     yield url
-    _stop(srv)
+    stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +119,7 @@ def test_the_loopback_server_answers_as_vllm_and_sglang_shape_prompt_logprobs(se
 
 
 def test_a_server_without_prompt_logprobs_is_refused_in_one_line(tiny_lm):
-    srv, url = _start(tiny_lm, logprobs=False)
+    srv, url = start_server(tiny_lm, logprobs=False)
     try:
         for route in ("auto", "vllm"):
             with pytest.raises(
@@ -139,15 +128,17 @@ def test_a_server_without_prompt_logprobs_is_refused_in_one_line(tiny_lm):
                 _likelihood(url, route=route)
             assert "\n" not in str(err.value) and "vLLM" in str(err.value) and "SGLang" in str(err.value)
     finally:
-        _stop(srv)
-    srv, url = _start(tiny_lm, routes=("completions",))  # no /generate: auto finds vllm, sglang is refused
+        stop_server(srv)
+    srv, url = start_server(
+        tiny_lm, routes=("completions",)
+    )  # no /generate: auto finds vllm, sglang is refused
     try:
         assert _likelihood(url).route == "vllm"
         with pytest.raises(ValueError, match=r"on route \['sglang'\] \(HTTP 404") as err:
             _likelihood(url, route="sglang")
         assert "\n" not in str(err.value)
     finally:
-        _stop(srv)
+        stop_server(srv)
 
 
 class _AddsBos(Handler):
@@ -159,7 +150,7 @@ class _AddsBos(Handler):
 
 
 def test_a_server_that_tokenizes_the_prompt_otherwise_is_refused(tiny_lm):
-    srv, url = _start(tiny_lm, handler=_AddsBos)
+    srv, url = start_server(tiny_lm, handler=_AddsBos)
     try:
         for route in ("vllm", "sglang"):
             judge = _likelihood(url, route=route, prompt_format="ids")
@@ -168,13 +159,13 @@ def test_a_server_that_tokenizes_the_prompt_otherwise_is_refused(tiny_lm):
             with pytest.raises(ValueError, match="prompt tokens differ from the ids sent"):
                 _likelihood(url, route=route, prompt_format="text")
     finally:
-        _stop(srv)
+        stop_server(srv)
 
 
 def test_a_dead_server_masks_the_pairs_and_asks_again_next_time(tiny_lm, caplog):
-    srv, url = _start(tiny_lm)
+    srv, url = start_server(tiny_lm)
     judge = _likelihood(url, route="vllm", max_retries=0, timeout_s=2)
-    _stop(srv)
+    stop_server(srv)
     out = judge(ARTICLES[:2], A[:2], B[:2])
     assert out.status == ["failed", "failed"] and np.isnan(out.scores).all() and not out.valid.any()
     assert "2 of 2 pairs failed" in caplog.text

@@ -119,6 +119,17 @@ class _ServedParts:
     tokenizer: Any
     extractor: str = "verdict"
 
+    def _prepare(self, server: ServerConfig, tokenizer: str | Any, prompt: str, max_length: int) -> None:
+        """What every served extractor sets up before it connects: the server settings checked, the prompt,
+        the served model's tokenizer (loaded from a hub id or path), the length budget."""
+        from judgeloop.models import load_tokenizer
+
+        _check_server(server)
+        self.prompt = get_prompt(prompt)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.max_length = max_length
+        self._chat = has_chat_template(self.tokenizer)
+
     def _connect(self, server: ServerConfig, token_ids: tuple[int, ...]) -> None:
         self.client = ServedClient(server, token_ids, read_api_key(server), self._detokenize)  # type: ignore[arg-type]
         self.client.connect()
@@ -211,15 +222,9 @@ class ServedJudge(_ServedParts, Judge):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        from judgeloop.models import load_tokenizer
-
-        _check_server(server)
-        self.prompt = get_prompt(prompt)
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self._prepare(server, tokenizer, prompt, max_length)
         self.verdict_ids = verdict_token_ids(self.tokenizer, verdict_tokens)
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
-        self.max_length = max_length
-        self._chat = has_chat_template(self.tokenizer)
         self._connect(server, self.verdict_ids)
         self._replies: dict[tuple[int, ...], Reply] = {}
         name = f"served|{server.base_url}|{server.model}|{prompt}|{verdict_tokens[0]}|{verdict_tokens[1]}|{max_length}"
@@ -304,17 +309,11 @@ class GradedJudge(_ServedPointwise):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        from judgeloop.models import load_tokenizer
-
-        _check_server(server)
-        self.prompt = get_prompt(prompt)
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self._prepare(server, tokenizer, prompt, max_length)
         self.grades = grades
         self.grade_ids = single_token_ids(
             self.tokenizer, [str(k) for k in range(1, grades + 1)], "judge.grades"
         )
-        self.max_length = max_length
-        self._chat = has_chat_template(self.tokenizer)
         self._connect(server, self.grade_ids)
         name = f"served_graded|{server.base_url}|{server.model}|{prompt}|{grades}|{max_length}"
         super().__init__(name, position_debias=False, batch_size=batch_size, cache_size=cache_size)
@@ -386,13 +385,7 @@ class ServedLikelihoodJudge(_ServedPointwise):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        from judgeloop.models import load_tokenizer
-
-        _check_server(server)
-        self.prompt = get_prompt(prompt)
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.max_length = max_length
-        self._chat = has_chat_template(self.tokenizer)
+        self._prepare(server, tokenizer, prompt, max_length)
         self._connect(server, ())
         probe, n, _ = self.summary_ids("A short article.", "A summary.")
         self.client.find_prompt_route(probe, len(probe) - n)  # type: ignore[arg-type]
