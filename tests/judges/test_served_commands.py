@@ -180,14 +180,17 @@ def test_label_pairs_with_a_served_judge(server, served_judge_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_judge_serves_a_saved_served_judge(server, served_judge_path):
+@contextlib.contextmanager
+def _serve_judge(judge_path, *overrides):
+    """``judgeloop serve-judge`` over ``judge_path`` on a free loopback port, up and healthy within 90 s;
+    its base URL. Stopped with SIGTERM (killed after 30 s) on leaving."""
     port_sock = __import__("socket").socket()
     port_sock.bind(("127.0.0.1", 0))
     port = port_sock.getsockname()[1]
     port_sock.close()
     proc = subprocess.Popen(
         [JUDGELOOP, "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"),
-         f"judge_path={served_judge_path}", f"server.port={port}", "server.num_threads=1"],
+         f"judge_path={judge_path}", f"server.port={port}", "server.num_threads=1", *overrides],
         env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -200,6 +203,17 @@ def test_serve_judge_serves_a_saved_served_judge(server, served_judge_path):
                     break
             assert time.monotonic() < deadline, "serve-judge did not come up in 90 s"
             time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_serve_judge_serves_a_saved_served_judge(server, served_judge_path):
+    with _serve_judge(served_judge_path) as url:
         items = [{"prompt": p, "a": a, "b": b} for p, a, b in zip(ARTICLES, A, B)]
         got = httpx.post(url + "/v1/compare", json={"items": items}, timeout=120)
         assert got.status_code == 200, got.text
@@ -207,12 +221,6 @@ def test_serve_judge_serves_a_saved_served_judge(server, served_judge_path):
         body = got.json()
         assert body["status"] == local.status == ["ok"] * 4
         np.testing.assert_allclose(body["p"], local.p, atol=1e-6)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 # --- a server that fails some requests: masked everywhere, never a tie or a loss -------------------------
@@ -277,27 +285,9 @@ def test_label_pairs_counts_failed_pairs_as_dropped(tiny_lm, served_judge_path, 
 
 
 def test_serve_judge_answers_failed_with_p_null(tiny_lm, served_judge_path):
-    port_sock = __import__("socket").socket()
-    port_sock.bind(("127.0.0.1", 0))
-    port = port_sock.getsockname()[1]
-    port_sock.close()
     with _failing_server(tiny_lm, marker=MARKED) as (_, failing):
-        proc = subprocess.Popen(
-            [JUDGELOOP, "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"),
-             f"judge_path={served_judge_path}", f"server.port={port}", "server.num_threads=1",
-             f"judge_overrides=['server.base_url={failing}', server.max_retries=0]"],
-            env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "serve-judge did not come up in 90 s"
-                time.sleep(0.2)
+        overrides = f"judge_overrides=['server.base_url={failing}', server.max_retries=0]"
+        with _serve_judge(served_judge_path, overrides) as url:
             items = [{"prompt": p, "a": a, "b": b} for p, a, b in _marked_rows()]
             got = httpx.post(url + "/v1/compare", json={"items": items}, timeout=120)
             assert got.status_code == 200, got.text
@@ -305,12 +295,6 @@ def test_serve_judge_answers_failed_with_p_null(tiny_lm, served_judge_path):
             assert body["status"] == ["ok"] * 4 + ["failed"]
             assert body["p"][-1] is None and body["logit"][-1] is None
             assert all(0 < p < 1 for p in body["p"][:4])
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def test_trl_grpo_gives_no_reward_to_what_a_failing_server_did_not_judge(
