@@ -72,9 +72,14 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
                 batch = PairBatch(step, next_batch(run.state, run.splits.train, cfg, acc))
                 with phase("rollout"), generation_context(run.model):  # step 1. samples per article
                     rollout_step(
-                        acc.unwrap_model(run.model), run.tokenizer, run.build_prompt, batch, cfg,
-                        acc.process_index, run.learner.reuses_prompt_pass(len(batch.examples)),
-                    )  # fmt: skip
+                        acc.unwrap_model(run.model),
+                        run.tokenizer,
+                        run.build_prompt,
+                        batch,
+                        cfg,
+                        acc.process_index,
+                        run.learner.reuses_prompt_pass(len(batch.examples)),
+                    )
                 with phase("judge"):
                     run.prefetch.wait()  # the article-side judge work, done during the last update
                     if grpo:  # steps 2-3. each group's comparisons, judged and calibrated in one call

@@ -88,9 +88,13 @@ def train(cfg: SftConfig) -> dict[str, Any] | None:
     )
     callbacks = [jsonl_callback(out / "metrics.jsonl")] if "jsonl" in cfg.log_with else []
     trainer = SFTTrainer(
-        model=model, args=sft_args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft_config,
+        model=model,
+        args=sft_args,
+        train_dataset=train_ds,
+        processing_class=tokenizer,
+        peft_config=peft_config,
         callbacks=callbacks,
-    )  # fmt: skip
+    )
     release_process_group_at_exit()  # under accelerate launch: the trainer's group, released at exit
     if len(trainer.train_dataset) == 0:
         raise ConfigError(

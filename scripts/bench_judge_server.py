@@ -167,9 +167,19 @@ def bench_judge(judge: str, clients: list[int], requests: int, items: int, extra
                 after = httpx.get(url + "/v1/info").json()["stats"]
                 calls = after["judge_calls"] - before["judge_calls"]
                 batch = (after["comparisons"] - before["comparisons"]) / max(calls, 1)
-                rows.append({"judge": judge, "model": info["judge"]["model"], "type": info["judge"]["type"],
-                             "server": name, "clients": c, "requests": requests, "items": items, **fig,
-                             "mean_batch": batch})  # fmt: skip
+                rows.append(
+                    {
+                        "judge": judge,
+                        "model": info["judge"]["model"],
+                        "type": info["judge"]["type"],
+                        "server": name,
+                        "clients": c,
+                        "requests": requests,
+                        "items": items,
+                        **fig,
+                        "mean_batch": batch,
+                    }
+                )
                 print(f"{info['judge']['model']} {name} clients={c}: {fig}", file=sys.stderr)
     finally:
         for proc, _ in servers.values():
@@ -196,15 +206,21 @@ def main() -> None:
     for judge, r, n in zip(args.judge, requests, items):
         rows += bench_judge(judge, args.clients, r, n, args.server)
     load_end = os.getloadavg()[0]
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"load average {load_start:.1f} at the start and {load_end:.1f} at the end, "
-          f"{time.time() - t0:.0f} s; server overrides {args.server or 'none'}\n")  # fmt: skip
-    print("| judge | server | clients | requests x comparisons per client | comparisons/s | p50 ms | p99 ms | "
-          "mean batch |")  # fmt: skip
+    print(
+        f"\n{time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {load_start:.1f} at the start and {load_end:.1f} at the end, "
+        f"{time.time() - t0:.0f} s; server overrides {args.server or 'none'}\n"
+    )
+    print(
+        "| judge | server | clients | requests x comparisons per client | comparisons/s | p50 ms | p99 ms | "
+        "mean batch |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['server']} | {r['clients']} | {r['requests']} x {r['items']} | "
-              f"{r['comparisons_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['mean_batch']:.1f} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['server']} | {r['clients']} | {r['requests']} x {r['items']} | "
+            f"{r['comparisons_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['mean_batch']:.1f} |"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -109,27 +109,59 @@ def _cfg(args: argparse.Namespace):
 
 def _grpo_overrides(args: argparse.Namespace) -> list[str]:
     # the GRPO objective both sides run; the KL coefficient stays the config's (TRL gets it as beta)
-    return ["loss.type=grpo", f"generation.num_samples_per_article={args.num_generations}",
-            "loss.scale_rewards=group", "rewards.scheme=round_robin", "rewards.aggregate=win_rate"]  # fmt: skip
+    return [
+        "loss.type=grpo",
+        f"generation.num_samples_per_article={args.num_generations}",
+        "loss.scale_rewards=group",
+        "rewards.scheme=round_robin",
+        "rewards.aggregate=win_rate",
+    ]
 
 
 # Qwen2-0.5B's and MiniLM-L6's shapes (real), and toy widths of the same classes (dry)
 SIZES = {
     "real": {
-        "policy": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                       rope_theta=1e6, tie_word_embeddings=True),
-        "judge": dict(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
-                      num_attention_heads=12, max_position_embeddings=512),
+        "policy": dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+        ),
+        "judge": dict(
+            vocab_size=30522,
+            hidden_size=384,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=12,
+            max_position_embeddings=512,
+        ),
     },
     "dry": {
-        "policy": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                       tie_word_embeddings=True),
-        "judge": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, max_position_embeddings=512),
+        "policy": dict(
+            vocab_size=2048,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        "judge": dict(
+            vocab_size=2048,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+        ),
     },
-}  # fmt: skip
+}
 
 
 def build_models(size: str, folder: Path) -> list[str]:
@@ -156,8 +188,13 @@ def build_models(size: str, folder: Path) -> list[str]:
     jtok.save_pretrained(folder / "judge")
     n = sum(p.numel() for p in policy.parameters())
     print(f"built {size} models in {folder}: policy {n / 1e6:.0f}M parameters", flush=True)
-    return [f"policy.model={folder / 'policy'}", f"judge.model={folder / 'judge'}", "policy.lora=false",
-            "policy.max_article_tokens=256", "judge.max_length=512"]  # fmt: skip
+    return [
+        f"policy.model={folder / 'policy'}",
+        f"judge.model={folder / 'judge'}",
+        "policy.lora=false",
+        "policy.max_article_tokens=256",
+        "judge.max_length=512",
+    ]
 
 
 def _gpu_peak_mb() -> float | None:
@@ -215,10 +252,19 @@ def worker_ours(args: argparse.Namespace) -> dict:
             current["warm"] = 0.0  # every step after the first is timed
 
     with tempfile.TemporaryDirectory() as out:
-        overrides = [f"output_dir={out}", f"max_steps={args.steps + 1}", "eval_every_n_steps=0",
-                     "save_every_n_steps=0", "save_final_policy=false", "calibration.recalibrate_every_n_steps=0",
-                     "num_eval_articles=1", "num_validation_articles=0", "calibration.num_articles=2",
-                     "calibration.pairs_per_article=1", "calibration.extra_rounds=0"]  # fmt: skip
+        overrides = [
+            f"output_dir={out}",
+            f"max_steps={args.steps + 1}",
+            "eval_every_n_steps=0",
+            "save_every_n_steps=0",
+            "save_final_policy=false",
+            "calibration.recalibrate_every_n_steps=0",
+            "num_eval_articles=1",
+            "num_validation_articles=0",
+            "calibration.num_articles=2",
+            "calibration.pairs_per_article=1",
+            "calibration.extra_rounds=0",
+        ]
         if args.prefetch != "config":
             overrides.append(f"judge_prefetch={args.prefetch == 'on'}")
         train(replace(cfg, overrides), phase=phase)
@@ -359,9 +405,13 @@ def worker_peer_grpo(args: argparse.Namespace) -> dict:
     if cfg.policy.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=cfg.policy.lora_r, lora_alpha=cfg.policy.lora_alpha,
-                                 lora_dropout=cfg.policy.lora_dropout,
-                                 target_modules=list(cfg.policy.lora_target_modules), task_type="CAUSAL_LM")  # fmt: skip
+        peft_config = LoraConfig(
+            r=cfg.policy.lora_r,
+            lora_alpha=cfg.policy.lora_alpha,
+            lora_dropout=cfg.policy.lora_dropout,
+            target_modules=list(cfg.policy.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
     judge = CalibratedJudge(config=cfg.judge, calibrator=IdentityCalibrator(), judge=build_judge(cfg.judge))
     reward = JudgeReward(
         judge, cfg.rewards, num_generations=args.num_generations, source_column="article"
@@ -413,11 +463,22 @@ def worker_peer_grpo(args: argparse.Namespace) -> dict:
             max_grad_norm=cfg.optim.max_grad_norm,
             bf16=args.precision == "bf16",
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=targs, train_dataset=ds,
-                              processing_class=tok, peft_config=peft_config, callbacks=[Timer()])  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[reward],
+            args=targs,
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=peft_config,
+            callbacks=[Timer()],
+        )
         trainer.train()
-    return {"step_times": times[1:], "phases_s": phases, "peak_rss_mb": _peak_rss_mb(),
-            "peak_gpu_mb": _gpu_peak_mb()}  # fmt: skip
+    return {
+        "step_times": times[1:],
+        "phases_s": phases,
+        "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": _gpu_peak_mb(),
+    }
 
 
 def worker_backend(args: argparse.Namespace) -> dict:
@@ -487,13 +548,24 @@ def worker_backend(args: argparse.Namespace) -> dict:
     vllm_backend.VllmServer.close = timed_close  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as out:
         overrides = [
-            f"output_dir={out}", f"max_steps={args.steps + 1}", f"eval_every_n_steps={args.eval_every}",
-            "save_every_n_steps=0", "save_final_policy=false", "calibration.method=raw",
-            "calibration.recalibrate_every_n_steps=0", "calibration.num_articles=2",
-            "calibration.pairs_per_article=1", "calibration.extra_rounds=0", "early_stopping_patience=0",
-            f"batch_size={args.batch_size}", f"generation.backend={args.backend}", "log_with=[jsonl]",
-            "progress_bar=false", f"device={args.device}", f"judge.device={args.device}",
-        ]  # fmt: skip
+            f"output_dir={out}",
+            f"max_steps={args.steps + 1}",
+            f"eval_every_n_steps={args.eval_every}",
+            "save_every_n_steps=0",
+            "save_final_policy=false",
+            "calibration.method=raw",
+            "calibration.recalibrate_every_n_steps=0",
+            "calibration.num_articles=2",
+            "calibration.pairs_per_article=1",
+            "calibration.extra_rounds=0",
+            "early_stopping_patience=0",
+            f"batch_size={args.batch_size}",
+            f"generation.backend={args.backend}",
+            "log_with=[jsonl]",
+            "progress_bar=false",
+            f"device={args.device}",
+            f"judge.device={args.device}",
+        ]
         if args.max_new_tokens is not None:
             overrides.append(f"generation.max_new_tokens={args.max_new_tokens}")
         if args.dtype == "bfloat16":
@@ -545,10 +617,30 @@ def bench_backends(args: argparse.Namespace) -> int:
         for r in range(args.repeats):
             for dtype, backend in arms if r % 2 == 0 else arms[::-1]:
                 out = Path(tmp) / f"{dtype}-{backend}-{r}.json"
-                cmd = [sys.executable, __file__, "--worker", "backend", "--out", str(out), "--backend", backend,
-                       "--dtype", dtype, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                       "--batch-size", str(args.batch_size), "--config", args.config, "--device", args.device,
-                       f"--set=start_cache={Path(tmp) / 'start'}", *[f"--set={kv}" for kv in args.set]]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    "backend",
+                    "--out",
+                    str(out),
+                    "--backend",
+                    backend,
+                    "--dtype",
+                    dtype,
+                    "--steps",
+                    str(args.steps),
+                    "--eval-every",
+                    str(args.eval_every),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--config",
+                    args.config,
+                    "--device",
+                    args.device,
+                    f"--set=start_cache={Path(tmp) / 'start'}",
+                    *[f"--set={kv}" for kv in args.set],
+                ]
                 if args.max_new_tokens is not None:
                     cmd += ["--max-new-tokens", str(args.max_new_tokens)]
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -561,8 +653,11 @@ def bench_backends(args: argparse.Namespace) -> int:
                 step = med([sum(s.values()) for s in res["steps"]]) + (
                     med(res["syncs"]) if res["syncs"] else 0
                 )
-                print(f"{dtype} {backend} repeat {r}: median step {step:.2f} s (load {res['load'][0][0]:.1f} -> "
-                      f"{res['load'][-1][0]:.1f})", flush=True)  # fmt: skip
+                print(
+                    f"{dtype} {backend} repeat {r}: median step {step:.2f} s (load {res['load'][0][0]:.1f} -> "
+                    f"{res['load'][-1][0]:.1f})",
+                    flush=True,
+                )
     return report_backends(args, runs, env["OMP_NUM_THREADS"])
 
 
@@ -603,9 +698,11 @@ def report_backends(args: argparse.Namespace, runs: dict[str, list[dict]], threa
             if hf["evaluate_s"] and vl["evaluate_s"]
             else None,
         }
-    print(f"\n{args.config}, batch {args.batch_size}, {args.steps} timed steps x {args.repeats} repeats, evaluation every "
-          f"{args.eval_every} steps; 1-min load average {min(x[0] for x in loads):.1f}-{max(x[0] for x in loads):.1f} "
-          f"on {os.cpu_count()} cores, OMP_NUM_THREADS={threads}; {time.strftime('%Y-%m-%d')}; medians")  # fmt: skip
+    print(
+        f"\n{args.config}, batch {args.batch_size}, {args.steps} timed steps x {args.repeats} repeats, evaluation every "
+        f"{args.eval_every} steps; 1-min load average {min(x[0] for x in loads):.1f}-{max(x[0] for x in loads):.1f} "
+        f"on {os.cpu_count()} cores, OMP_NUM_THREADS={threads}; {time.strftime('%Y-%m-%d')}; medians"
+    )
     cols = ("step_s", "rollout_s", "sync_s", "judge_s", "update_s", "evaluate_s", "peak_rss_mb")
     print(f"{'arm':16}" + "".join(f"{c:>13}" for c in cols) + f"{'start-up s':>12}{'server MB':>11}")
     for arm, row in table.items():
@@ -614,19 +711,35 @@ def report_backends(args: argparse.Namespace, runs: dict[str, list[dict]], threa
         print(f"{arm:16}{cells}{extra}")
     for dtype, rt in ratios.items():
         ev = f"{rt['evaluate']:.2f}x" if rt["evaluate"] else "-"
-        print(f"{dtype}: hf / vLLM time, whole step {rt['step']:.2f}x, rollout (vLLM's with its sync) "
-              f"{rt['rollout']:.2f}x, evaluation passes {ev}")  # fmt: skip
+        print(
+            f"{dtype}: hf / vLLM time, whole step {rt['step']:.2f}x, rollout (vLLM's with its sync) "
+            f"{rt['rollout']:.2f}x, evaluation passes {ev}"
+        )
     if args.json:
         from judgeloop.io import atomic_write_json
 
-        atomic_write_json(args.json, {
-            "arms": table, "ratio_hf_over_vllm": ratios, "runs": runs, "load_averages": loads,
-            "settings": {"config": args.config, "steps": args.steps, "repeats": args.repeats,
-                         "eval_every": args.eval_every, "batch_size": args.batch_size,
-                         "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes, "overrides": args.set,
-                         "cpu_count": os.cpu_count(), "omp_num_threads": threads,
-                         "date": time.strftime("%Y-%m-%d %H:%M")},
-        })  # fmt: skip
+        atomic_write_json(
+            args.json,
+            {
+                "arms": table,
+                "ratio_hf_over_vllm": ratios,
+                "runs": runs,
+                "load_averages": loads,
+                "settings": {
+                    "config": args.config,
+                    "steps": args.steps,
+                    "repeats": args.repeats,
+                    "eval_every": args.eval_every,
+                    "batch_size": args.batch_size,
+                    "max_new_tokens": args.max_new_tokens,
+                    "dtypes": args.dtypes,
+                    "overrides": args.set,
+                    "cpu_count": os.cpu_count(),
+                    "omp_num_threads": threads,
+                    "date": time.strftime("%Y-%m-%d %H:%M"),
+                },
+            },
+        )
     return 0
 
 
@@ -779,8 +892,10 @@ def main() -> int:
     }
     if ours.get("peak_gpu_mb") and peer.get("peak_gpu_mb"):
         ratio["peak_gpu"] = ours["peak_gpu_mb"] / peer["peak_gpu_mb"]
-    print(f"objective {args.objective}, device {args.device}, size {args.size}, precision {args.precision}, "
-          f"batch {args.batch_size} prompts x {samples} samples, max new tokens {args.max_new_tokens}")  # fmt: skip
+    print(
+        f"objective {args.objective}, device {args.device}, size {args.size}, precision {args.precision}, "
+        f"batch {args.batch_size} prompts x {samples} samples, max new tokens {args.max_new_tokens}"
+    )
     head = f"{'':6} {'median step s':>14} {'prompts/s':>10} {'gen tokens/s':>13} {'peak RSS MB':>12}"
     print(head + (f" {'peak GPU MB':>12}" if "peak_gpu" in ratio else ""))
     for name, s in (("ours", ours), ("trl", peer)):

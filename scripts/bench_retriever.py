@@ -62,11 +62,23 @@ def _gpu_peak_mb() -> float | None:
 
 # MiniLM-L6's shape (real) and a toy width of the same class (dry), random weights
 SIZES = {
-    "real": dict(vocab_size=30522, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
-                 num_attention_heads=12, max_position_embeddings=512),
-    "dry": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=512),
-}  # fmt: skip
+    "real": dict(
+        vocab_size=30522,
+        hidden_size=384,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        max_position_embeddings=512,
+    ),
+    "dry": dict(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+    ),
+}
 
 
 def build_encoder(size: str, path: Path) -> str:
@@ -229,9 +241,11 @@ def train_peer(args) -> dict:
     trainer.training_step = timed_training_step  # type: ignore[method-assign]
     trainer.train()
     return {
-        "step_seconds": times, "model_seconds": model_seconds, "peak_rss_mb": _peak_rss_mb(),
+        "step_seconds": times,
+        "model_seconds": model_seconds,
+        "peak_rss_mb": _peak_rss_mb(),
         "peak_gpu_mb": _gpu_peak_mb(),
-    }  # fmt: skip
+    }
 
 
 def _mining_inputs(args):
@@ -300,8 +314,13 @@ def remine_ours(args) -> dict:
             q_emb = encode_texts(enc, queries, 64, True, cache_dir=str(cache))
             mine_hard_negatives(qids, q_emb, doc_ids, d_emb, pos, cfg)
             times.append(time.perf_counter() - t)
-    return {"seconds": times, "num_queries": len(qids), "num_docs": len(doc_ids), "new_docs": args.remine_new_docs,
-            "peak_rss_mb": _peak_rss_mb()}  # fmt: skip
+    return {
+        "seconds": times,
+        "num_queries": len(qids),
+        "num_docs": len(doc_ids),
+        "new_docs": args.remine_new_docs,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
 
 
 def mine_peer(args) -> dict:
@@ -364,8 +383,13 @@ def mine_peer(args) -> dict:
     }
 
 
-ROLES = {"train-ours": train_ours, "train-peer": train_peer, "mine-ours": mine_ours, "mine-peer": mine_peer,
-         "remine-ours": remine_ours}  # fmt: skip
+ROLES = {
+    "train-ours": train_ours,
+    "train-peer": train_peer,
+    "mine-ours": mine_ours,
+    "mine-peer": mine_peer,
+    "remine-ours": remine_ours,
+}
 
 
 def _child(role: str, argv: list[str]) -> dict:
@@ -389,10 +413,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="mining repetitions (median taken; one is noise)")
     p.add_argument("--only", choices=["train", "mining"], default=None)
     p.add_argument(
-        "--remine-new-docs", type=int, default=0,
+        "--remine-new-docs",
+        type=int,
+        default=0,
         help="also time re-mining after this many documents were added (ours: the embedding cache of the "
         "earlier run; sentence-transformers has none and mines the whole corpus again)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--precision",
         choices=["no", "bf16", "auto"],
@@ -408,9 +434,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides run here")
     p.add_argument(
-        "--size", choices=["pretrained", "real", "dry"], default="pretrained",
+        "--size",
+        choices=["pretrained", "real", "dry"],
+        default="pretrained",
         help="pretrained: all-MiniLM-L6-v2; real: its shape built from config, random weights; dry: toy width",
-    )  # fmt: skip
+    )
     p.add_argument("--data", choices=["scifact", "embedded"], default="scifact")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--role", choices=sorted(ROLES), default=None, help=argparse.SUPPRESS)
@@ -467,8 +495,10 @@ def main() -> int:
         result["train"]["peer_model_share"] = share
         if tp["ours"]["peak_gpu_mb"] and tp["peer"]["peak_gpu_mb"]:
             result["train"]["ratio"]["peak_gpu"] = tp["ours"]["peak_gpu_mb"] / tp["peer"]["peak_gpu_mb"]
-            print(f"train  peak GPU memory: ours {tp['ours']['peak_gpu_mb']:.0f} MB, "
-                  f"sentence-transformers {tp['peer']['peak_gpu_mb']:.0f} MB")  # fmt: skip
+            print(
+                f"train  peak GPU memory: ours {tp['ours']['peak_gpu_mb']:.0f} MB, "
+                f"sentence-transformers {tp['peer']['peak_gpu_mb']:.0f} MB"
+            )
         print(
             f"train  ours {tp['ours']['pairs_per_s']:.2f} pairs/s ({tp['ours']['peak_rss_mb']:.0f} MB)  "
             f"sentence-transformers {tp['peer']['pairs_per_s']:.2f} pairs/s ({tp['peer']['peak_rss_mb']:.0f} MB)\n"
@@ -498,8 +528,10 @@ def main() -> int:
         result["mining"]["peer_encode_share"] = share
         if mp["ours"]["peak_gpu_mb"] and mp["peer"]["peak_gpu_mb"]:
             result["mining"]["ratio"]["peak_gpu"] = mp["ours"]["peak_gpu_mb"] / mp["peer"]["peak_gpu_mb"]
-            print(f"mining peak GPU memory: ours {mp['ours']['peak_gpu_mb']:.0f} MB, "
-                  f"sentence-transformers {mp['peer']['peak_gpu_mb']:.0f} MB")  # fmt: skip
+            print(
+                f"mining peak GPU memory: ours {mp['ours']['peak_gpu_mb']:.0f} MB, "
+                f"sentence-transformers {mp['peer']['peak_gpu_mb']:.0f} MB"
+            )
         print(
             f"mining ours {mp['ours']['queries_per_s']:.2f} queries/s ({mp['ours']['peak_rss_mb']:.0f} MB)  "
             f"sentence-transformers {mp['peer']['queries_per_s']:.2f} queries/s ({mp['peer']['peak_rss_mb']:.0f} MB)\n"

@@ -137,10 +137,17 @@ def main(argv: list[str] | None = None) -> dict:
     load = [os.getloadavg()[0]]
     results: dict[str, dict] = {}
     try:
-        server = ServerConfig(base_url=url, model=model, route=args.route, prompt_format=form,  # type: ignore[arg-type]
-                              timeout_s=600, max_retries=0)  # fmt: skip
-        judge = build_judge(JudgeConfig(type="served", model=model, max_length=args.max_length,
-                                        server=server))  # fmt: skip
+        server = ServerConfig(
+            base_url=url,
+            model=model,
+            route=args.route,
+            prompt_format=form,  # type: ignore[arg-type]
+            timeout_s=600,
+            max_retries=0,
+        )
+        judge = build_judge(
+            JudgeConfig(type="served", model=model, max_length=args.max_length, server=server)
+        )
         arms = [(args.route, True), (args.route, False), ("text", True), ("text", False)]
         offset = 0
         for k, c in enumerate(args.concurrency):
@@ -149,8 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
                 offset += args.pairs
                 name = f"{'text' if route == 'text' else 'logprobs'}/{'batched' if batched else 'sequential'}"
                 results[f"{name}@{c}"] = r = asyncio.run(run_arm(judge, pairs, route, c, batched, form))
-                print(f"{name:22s} c={c:2d}  {r['comparisons_per_s']:6.3f} cmp/s  p50 {r['p50_s']:6.2f} s  "
-                      f"p99 {r['p99_s']:6.2f} s  {r['statuses']}", flush=True)  # fmt: skip
+                print(
+                    f"{name:22s} c={c:2d}  {r['comparisons_per_s']:6.3f} cmp/s  p50 {r['p50_s']:6.2f} s  "
+                    f"p99 {r['p99_s']:6.2f} s  {r['statuses']}",
+                    flush=True,
+                )
     finally:
         if proc is not None:
             llamacpp.stop_server(proc)

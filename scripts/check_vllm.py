@@ -47,9 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="judgeloop-vllm-check-") as tmp:
         t0 = time.perf_counter()
         with serving(
-            python, Path(tmp) / "weights", model, tok, VllmConfig(max_model_len=1024), torch.float32,
-            Path(tmp) / "server.log", cpu=not torch.cuda.is_available(),
-        ) as engine:  # fmt: skip
+            python,
+            Path(tmp) / "weights",
+            model,
+            tok,
+            VllmConfig(max_model_len=1024),
+            torch.float32,
+            Path(tmp) / "server.log",
+            cpu=not torch.cuda.is_available(),
+        ) as engine:
             print(f"vLLM ({python}) started in {time.perf_counter() - t0:.0f} s")
             torch.manual_seed(0)
             for label in ("SmolLM2-135M-Instruct", "with LoRA adapters merged (one weight sync)"):

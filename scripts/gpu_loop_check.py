@@ -51,12 +51,27 @@ def main() -> int:
         cfg = load_config(
             FeedbackLoopConfig,
             ROOT / "configs" / "feedback_loop" / "tiny.yaml",
-            [*models, f"device={args.device}", f"judge.device={args.device}", "policy.dtype=bfloat16",
-             "policy.sft_steps=0", f"max_steps={args.steps}", "eval_every_n_steps=2", "num_eval_articles=16",
-             "num_validation_articles=8", "calibration.min_points=4", "calibration.num_articles=16",
-             "calibration.pairs_per_article=2", "generation.max_new_tokens=32", "batch_size=8",
-             "judge_prefetch=false", "log_with=[jsonl]", "progress_bar=false", f"output_dir={args.out}"],
-        )  # fmt: skip
+            [
+                *models,
+                f"device={args.device}",
+                f"judge.device={args.device}",
+                "policy.dtype=bfloat16",
+                "policy.sft_steps=0",
+                f"max_steps={args.steps}",
+                "eval_every_n_steps=2",
+                "num_eval_articles=16",
+                "num_validation_articles=8",
+                "calibration.min_points=4",
+                "calibration.num_articles=16",
+                "calibration.pairs_per_article=2",
+                "generation.max_new_tokens=32",
+                "batch_size=8",
+                "judge_prefetch=false",
+                "log_with=[jsonl]",
+                "progress_bar=false",
+                f"output_dir={args.out}",
+            ],
+        )
         t0 = time.perf_counter()
         report = train(cfg)
         seconds = time.perf_counter() - t0

@@ -62,9 +62,17 @@ def main() -> int:
         cfg = load_config(
             FeedbackLoopConfig,
             ROOT / "configs" / "feedback_loop" / "tiny.yaml",
-            [f"output_dir={out}", "max_steps=3", "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2",
-             "progress_bar=false", "log_with=[jsonl]", "threads=1", *args.overrides],
-        )  # fmt: skip
+            [
+                f"output_dir={out}",
+                "max_steps=3",
+                "eval_every_n_steps=2",
+                "calibration.recalibrate_every_n_steps=2",
+                "progress_bar=false",
+                "log_with=[jsonl]",
+                "threads=1",
+                *args.overrides,
+            ],
+        )
         sys.setprofile(hook)
         try:
             train(cfg)

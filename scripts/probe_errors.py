@@ -116,9 +116,13 @@ def environment(env: dict[str, str]) -> Iterator[None]:
 def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
     """(case, argv builder, text the first error line must hold)."""
     label_pairs = [
-        "label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-        "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp / 'labeled'}",
-    ]  # fmt: skip
+        "label-pairs",
+        "--config",
+        str(ROOT / "configs/label_pairs/summeval.yaml"),
+        "data.fields.source=null",
+        "data.fields.references=null",
+        f"output_dir={tmp / 'labeled'}",
+    ]
     pair = {"prompt": "an article", "chosen": "a summary", "rejected": "another"}
     squad_row = {
         "id": "q0",
@@ -127,8 +131,14 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
         "answers": ["Ann"],
         "is_impossible": False,
     }
-    vllm = ["train", "--config", TINY, f"output_dir={tmp / 'vllm'}", "generation.backend=vllm",
-            "policy.model=judgeloop-tiny/causal-lm-h32"]  # fmt: skip
+    vllm = [
+        "train",
+        "--config",
+        TINY,
+        f"output_dir={tmp / 'vllm'}",
+        "generation.backend=vllm",
+        "policy.model=judgeloop-tiny/causal-lm-h32",
+    ]
 
     def saved_judge() -> Path:
         """A calibrated judge that needs no model: the objective length signal, raw."""
@@ -185,8 +195,16 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
         return [*ablate, f"output_dir={out}", "--aggregate"]
 
     def squad() -> Path:
-        rows = [{"id": f"q{i}", "question": f"Who founded town {i}?", "context": f"Town {i} was founded by {i}.",
-                 "answers": [] if i % 2 else [str(i)], "is_impossible": bool(i % 2)} for i in range(4)]  # fmt: skip
+        rows = [
+            {
+                "id": f"q{i}",
+                "question": f"Who founded town {i}?",
+                "context": f"Town {i} was founded by {i}.",
+                "answers": [] if i % 2 else [str(i)],
+                "is_impossible": bool(i % 2),
+            }
+            for i in range(4)
+        ]
         return jsonl("squad.jsonl", rows)
 
     def other_conformal() -> Path:
@@ -196,8 +214,12 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
         from judgeloop.retrieval.conformal import ConformalRetriever, corpus_fingerprint, save_conformal_file
 
         model = ConformalRetriever(0.2).fit(np.full((5, 1), 0.8), np.ones((5, 1), bool), np.zeros(5, int))
-        scorer = {"encoder": "sentence-transformers/all-MiniLM-L6-v2", "pooling": "mean", "max_length": 256,
-                  "score_map": "affine"}  # fmt: skip
+        scorer = {
+            "encoder": "sentence-transformers/all-MiniLM-L6-v2",
+            "pooling": "mean",
+            "max_length": 256,
+            "score_map": "affine",
+        }
         save_conformal_file(
             tmp / "conformal.json", model, corpus_fingerprint(["0"], ["another pool"]), scorer
         )
@@ -305,7 +327,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 "escalation.method=rewrite",
                 "escalation.rewrite_model=no-such-org/no-such-model",
                 f"output_dir={tmp / 'gate'}",
-            ],  # fmt: skip
+            ],
             "escalation.rewrite_model='no-such-org/no-such-model'",
         ),
         (
@@ -317,7 +339,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 f"data.path={squad()}",
                 f"abstain.conformal_path={other_conformal()}",
                 f"output_dir={tmp / 'answer'}",
-            ],  # fmt: skip
+            ],
             "was fitted on another corpus",
         ),
         (
@@ -516,7 +538,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 *label_pairs,
                 f"judge_path={saved_judge()}",
                 f"data.path={jsonl('norej.jsonl', [{'prompt': 'p', 'chosen': 'c'}])}",
-            ],  # fmt: skip
+            ],
             "missing field(s) ['rejected']",
         ),
         (
@@ -525,7 +547,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 *label_pairs,
                 f"judge_path={rouge_judge(tmp)}",
                 f"data.path={jsonl('norefs.jsonl', [pair])}",
-            ],  # fmt: skip
+            ],
             "set data.fields.references=FIELD",
         ),
         (
@@ -534,7 +556,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 *label_pairs,
                 f"judge_path={saved_judge()}",
                 f"data.path={jsonl('empty.jsonl', [{**pair, 'rejected': ' '}])}",
-            ],  # fmt: skip
+            ],
             "field 'rejected' is empty",
         ),
         (
@@ -543,7 +565,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 *label_pairs,
                 f"judge_path={saved_judge()}",
                 f"data.path={jsonl('numprompt.jsonl', [pair, {**pair, 'prompt': 3}])}",
-            ],  # fmt: skip
+            ],
             "field 'prompt' must be a string or a list of {'role', 'content'} messages with string content, got number 3",
         ),
         (
@@ -552,7 +574,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 *label_pairs,
                 f"judge_path={saved_judge()}",
                 f"data.path={jsonl('nullchosen.jsonl', [pair, {**pair, 'chosen': None}])}",
-            ],  # fmt: skip
+            ],
             "field 'chosen' must be a string or a list of {'role', 'content'} messages with string content, got null",
         ),
         (
@@ -599,7 +621,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 str(ROOT / "configs/retriever/scifact.yaml"),
                 f"output_dir={tmp / 'tau'}",
                 "loss.tau=nan",
-            ],  # fmt: skip
+            ],
             "'loss.tau'=nan is not a finite number",
         ),
         (
@@ -620,7 +642,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 str(ROOT / "configs/gate/scifact.yaml"),
                 f"output_dir={tmp / 'gate'}",
                 "gate.min_separation=-1",
-            ],  # fmt: skip
+            ],
             "'gate.min_separation'=-1.0 must be in [0.5, 1]",
         ),
         (
@@ -631,7 +653,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 str(ROOT / "configs/gate/scifact.yaml"),
                 f"output_dir={tmp / 'gate_qrels'}",
                 "data.qrels_path=" + str(write("qrels.tsv", INF_QRELS)),
-            ],  # fmt: skip
+            ],
             "score 'inf' is not a finite number",
         ),
         ("a truncated state.json in the checkpoint to resume", damaged_checkpoint, "checkpoint state"),
@@ -643,7 +665,7 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
                 str(ROOT / "configs/calibrate/summeval_served.yaml"),
                 f"output_dir={tmp / 'timeout'}",
                 "judge.server.timeout_s=1e300",
-            ],  # fmt: skip
+            ],
             "'judge.server.timeout_s'=1e+300 must be",
         ),
         *serve_cases(tmp, write),
@@ -836,20 +858,51 @@ def http_cases() -> list[tuple[str, str, str, bytes | None, str]]:
     return [
         ("an unknown route", "GET", "/no/such/route", None, "Not Found"),
         ("a GET of a POST route", "GET", "/v1/compare", None, "Method Not Allowed"),
-        ("a body that is not UTF-8", "POST", "/v1/compare",
-         b'{"items": [{"prompt": "p", "a": "\xff", "b": "x"}]}', "request body is not UTF-8: byte 0xff"),
-        ("a lone surrogate in a text", "POST", "/v1/compare",
-         b'{"items": [{"prompt": ' + SURROGATE + b', "a": "a", "b": "bb"}]}', "items[0].prompt holds \\ud800"),
-        ("a lone surrogate in a query", "POST", "/openrlhf/get_reward",
-         b'{"query": [' + SURROGATE + b'], "prompts": ["p"]}', "query[0] holds \\ud800"),
-        ("a reference over max_chars_per_text", "POST", "/v1/compare",
-         b'{"items": [{"prompt": "p", "a": "a", "b": "bb", "references": [' + long.encode() + b"]}]}",
-         "items[0].references[0] has 51 characters"),
-        ("a reference over max_chars_per_text", "POST", "/v1/rewards",
-         b'{"groups": [{"prompt": "p", "completions": ["a", "bb"], "references": [' + long.encode() + b"]}]}",
-         "groups[0].references[0] has 51 characters"),
-        ("half a body, then nothing", "POST", "/v1/compare", b"HALF", "did not arrive within server.read_timeout_s=1"),
-    ]  # fmt: skip
+        (
+            "a body that is not UTF-8",
+            "POST",
+            "/v1/compare",
+            b'{"items": [{"prompt": "p", "a": "\xff", "b": "x"}]}',
+            "request body is not UTF-8: byte 0xff",
+        ),
+        (
+            "a lone surrogate in a text",
+            "POST",
+            "/v1/compare",
+            b'{"items": [{"prompt": ' + SURROGATE + b', "a": "a", "b": "bb"}]}',
+            "items[0].prompt holds \\ud800",
+        ),
+        (
+            "a lone surrogate in a query",
+            "POST",
+            "/openrlhf/get_reward",
+            b'{"query": [' + SURROGATE + b'], "prompts": ["p"]}',
+            "query[0] holds \\ud800",
+        ),
+        (
+            "a reference over max_chars_per_text",
+            "POST",
+            "/v1/compare",
+            b'{"items": [{"prompt": "p", "a": "a", "b": "bb", "references": [' + long.encode() + b"]}]}",
+            "items[0].references[0] has 51 characters",
+        ),
+        (
+            "a reference over max_chars_per_text",
+            "POST",
+            "/v1/rewards",
+            b'{"groups": [{"prompt": "p", "completions": ["a", "bb"], "references": ['
+            + long.encode()
+            + b"]}]}",
+            "groups[0].references[0] has 51 characters",
+        ),
+        (
+            "half a body, then nothing",
+            "POST",
+            "/v1/compare",
+            b"HALF",
+            "did not arrive within server.read_timeout_s=1",
+        ),
+    ]
 
 
 def _http(port: int, method: str, route: str, body: bytes | None) -> tuple[int, str]:
@@ -890,8 +943,18 @@ def probe_server(tmp: Path) -> list[tuple[str, int, float, str, bool]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "judgeloop.cli", "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"),
-           f"judge_path={judge}", f"server.port={port}", "server.max_chars_per_text=50", "server.read_timeout_s=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "judgeloop.cli",
+        "serve-judge",
+        "--config",
+        str(ROOT / "configs/serve/judge.yaml"),
+        f"judge_path={judge}",
+        f"server.port={port}",
+        "server.max_chars_per_text=50",
+        "server.read_timeout_s=1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
     try:

@@ -119,10 +119,19 @@ def compare_by_size(
         n = calls * size
         split = {k: TIMERS[k] / n * 1000 for k in ("tokenize", "forward", "calibrate")}
         split["other"] = total / n * 1000 - sum(split.values())
-        rows.append({"size": size, "calls": calls, "comparisons_per_s": n / total,
-                     **{f"{k}_ms": v for k, v in split.items()}})  # fmt: skip
-        print(f"  {torch.get_num_threads()} threads, batch_size {judge.judge.batch_size}: {rows[-1]}",  # type: ignore[union-attr]
-              file=sys.stderr, flush=True)  # fmt: skip
+        rows.append(
+            {
+                "size": size,
+                "calls": calls,
+                "comparisons_per_s": n / total,
+                **{f"{k}_ms": v for k, v in split.items()},
+            }
+        )
+        print(
+            f"  {torch.get_num_threads()} threads, batch_size {judge.judge.batch_size}: {rows[-1]}",  # type: ignore[union-attr]
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
@@ -176,19 +185,34 @@ def http_overhead(path: str, items: int, requests: int, extra: list[str]) -> dic
     n = after["comparisons"] - before["comparisons"]
     judge_ms = (after["judge_seconds"] - before["judge_seconds"]) / n * 1000
     wall_ms = fig["wall_s"] / n * 1000
-    return {"items": items, "requests": requests, "wall_ms": wall_ms, "judge_ms": judge_ms,
-            "outside_judge_ms": wall_ms - judge_ms}  # fmt: skip
+    return {
+        "items": items,
+        "requests": requests,
+        "wall_ms": wall_ms,
+        "judge_ms": judge_ms,
+        "outside_judge_ms": wall_ms - judge_ms,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--judge", action="append", required=True, help="a calibrated judge folder (repeatable)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32, 80], help="comparisons per call")
-    ap.add_argument("--comparisons", type=int, nargs="+", default=[160],
-                    help="comparisons per measured size, one per judge or one for all")  # fmt: skip
+    ap.add_argument(
+        "--comparisons",
+        type=int,
+        nargs="+",
+        default=[160],
+        help="comparisons per measured size, one per judge or one for all",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="model forward batches")
-    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
-                    help="torch intra-op thread counts to measure at (default: torch's own)")  # fmt: skip
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[torch.get_num_threads()],
+        help="torch intra-op thread counts to measure at (default: torch's own)",
+    )
     ap.add_argument("--http", action="store_true", help="also measure the time outside the judge over HTTP")
     ap.add_argument("--server", nargs="*", default=[], help="overrides for the --http server")
     ap.add_argument("--out", default="")
@@ -197,17 +221,23 @@ def main() -> None:
     if len(counts) != len(args.judge):
         raise SystemExit(f"--comparisons has {len(args.comparisons)} values for {len(args.judge)} judges")
     load_avg = os.getloadavg()
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, {os.cpu_count()} CPUs, load average "
-          f"{load_avg[0]:.1f} at the start, torch {torch.__version__}\n")  # fmt: skip
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"{load_avg[0]:.1f} at the start, torch {torch.__version__}\n"
+    )
     report: list[dict[str, Any]] = []
     default_threads = torch.get_num_threads()
     for path, count in zip(args.judge, counts):
         judge = CalibratedJudge.from_pretrained(path)
         saved = judge.config.batch_size
         instrument(judge)
-        entry: dict[str, Any] = {"judge": path, "name": f"{judge.config.type} {judge.config.model}",
-                                 "batch_size": saved, "judge_thread_threads": judge_thread_threads(),
-                                 "runs": []}  # fmt: skip
+        entry: dict[str, Any] = {
+            "judge": path,
+            "name": f"{judge.config.type} {judge.config.model}",
+            "batch_size": saved,
+            "judge_thread_threads": judge_thread_threads(),
+            "runs": [],
+        }
         big = max(args.sizes) * 3  # texts of the largest call: a prompt and two summaries per comparison
         seed = 0
         for threads in args.threads:
@@ -231,28 +261,36 @@ def main() -> None:
 
 def print_entry(e: dict[str, Any]) -> None:
     print(f"## {e['name']} (`{e['judge']}`, saved with batch_size {e['batch_size']})\n")
-    print("| threads | judge batch_size | comparisons per call | comparisons/s | x vs 1 per call | tokenize | "
-          "forward | calibrate | other |")  # fmt: skip
+    print(
+        "| threads | judge batch_size | comparisons per call | comparisons/s | x vs 1 per call | tokenize | "
+        "forward | calibrate | other |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for run in e["runs"]:
         base = run["rows"][0]["comparisons_per_s"]
         for r in run["rows"]:
-            print(f"| {run['threads']} | {run['batch_size']} | {r['size']} | {r['comparisons_per_s']:.1f} | "
-                  f"{r['comparisons_per_s'] / base:.2f} | {r['tokenize_ms']:.2f} | {r['forward_ms']:.2f} | "
-                  f"{r['calibrate_ms']:.3f} | {r['other_ms']:.2f} |")  # fmt: skip
+            print(
+                f"| {run['threads']} | {run['batch_size']} | {r['size']} | {r['comparisons_per_s']:.1f} | "
+                f"{r['comparisons_per_s'] / base:.2f} | {r['tokenize_ms']:.2f} | {r['forward_ms']:.2f} | "
+                f"{r['calibrate_ms']:.3f} | {r['other_ms']:.2f} |"
+            )
     print("\n(tokenize (with chat-template rendering), forward, calibrate, other: ms per comparison)\n")
     print("| threads | model forward batch | tokens | texts/s | x vs batch 1 |")
     print("|---|---|---|---|---|")
     for run in e["runs"]:
         rows = run.get("model", [])
         for r in rows:
-            print(f"| {run['threads']} | {r['batch']} | {r['tokens']} | {r['texts_per_s']:.1f} | "
-                  f"{r['texts_per_s'] / rows[0]['texts_per_s']:.2f} |")  # fmt: skip
+            print(
+                f"| {run['threads']} | {r['batch']} | {r['tokens']} | {r['texts_per_s']:.1f} | "
+                f"{r['texts_per_s'] / rows[0]['texts_per_s']:.2f} |"
+            )
     print(f"\ntorch intra-op threads seen by a judge thread like the server's: {e['judge_thread_threads']}\n")
     if "http" in e:
         h = e["http"]
-        print(f"HTTP, one client, {h['requests']} requests of {h['items']}, unbatched server: {h['wall_ms']:.1f} "
-              f"ms per comparison, {h['judge_ms']:.1f} in the judge, {h['outside_judge_ms']:.1f} outside it\n")  # fmt: skip
+        print(
+            f"HTTP, one client, {h['requests']} requests of {h['items']}, unbatched server: {h['wall_ms']:.1f} "
+            f"ms per comparison, {h['judge_ms']:.1f} in the judge, {h['outside_judge_ms']:.1f} outside it\n"
+        )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,15 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    cmd = [JUDGELOOP, "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"), f"judge_path={args.judge}",
-           f"server.port={port}", *args.server]  # fmt: skip
+    cmd = [
+        JUDGELOOP,
+        "serve-judge",
+        "--config",
+        str(ROOT / "configs/serve/judge.yaml"),
+        f"judge_path={args.judge}",
+        f"server.port={port}",
+        *args.server,
+    ]
     proc = subprocess.Popen(cmd, env=os.environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -104,11 +111,23 @@ def main() -> None:
         dl = max(dl, float(np.nanmax(np.abs(logit - alone.logit))))
         same_status &= got["status"] == alone.status
         exact += int(np.array_equal(p, alone.p, equal_nan=True))
-    print(json.dumps({
-        "judge": args.judge, "model": judge.config.model, "clients": args.clients, "items": args.items,
-        "judge_calls": stats["judge_calls"], "mean_batch": stats["mean_batch"], "max_abs_dp": dp,
-        "max_abs_dlogit": dl, "statuses_equal": same_status, "requests_bit_equal": exact,
-    }, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "judge": args.judge,
+                "model": judge.config.model,
+                "clients": args.clients,
+                "items": args.items,
+                "judge_calls": stats["judge_calls"],
+                "mean_batch": stats["mean_batch"],
+                "max_abs_dp": dp,
+                "max_abs_dlogit": dl,
+                "statuses_equal": same_status,
+                "requests_bit_equal": exact,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,12 +25,24 @@ from judgeloop.loop.steps import PairBatch, policy_update
 
 def job(out, mode, extra):
     base = [
-        "judge.model=judgeloop-tiny/encoder", "judge.cache_size=0", "data.embedded_size=120", "log_with=[]",
-        "progress_bar=false", "generation.max_new_tokens=6", "policy.sft_steps=4", "optim.scheduler=linear",
-        "optim.warmup_steps=1", "max_steps=4", "optim.learning_rate=5e-3", "device=cpu",
-        "loss.kl_coef=0.1", "judge_prefetch=false", f"output_dir={out}",
-        f"policy.lora={str(mode == 'lora').lower()}", "policy.lora_r=4",
-    ]  # fmt: skip
+        "judge.model=judgeloop-tiny/encoder",
+        "judge.cache_size=0",
+        "data.embedded_size=120",
+        "log_with=[]",
+        "progress_bar=false",
+        "generation.max_new_tokens=6",
+        "policy.sft_steps=4",
+        "optim.scheduler=linear",
+        "optim.warmup_steps=1",
+        "max_steps=4",
+        "optim.learning_rate=5e-3",
+        "device=cpu",
+        "loss.kl_coef=0.1",
+        "judge_prefetch=false",
+        f"output_dir={out}",
+        f"policy.lora={str(mode == 'lora').lower()}",
+        "policy.lora_r=4",
+    ]
     cfg = load_config(FeedbackLoopConfig, root / "configs/feedback_loop/tiny.yaml", [*base, *extra])
     acc = make_accelerator(cfg, out)
     world, rank = acc.num_processes, acc.process_index

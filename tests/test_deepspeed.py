@@ -236,8 +236,15 @@ def test_the_whole_recipe_under_the_flags_only_launches_equals_ddp(tmp_path):
     update on the same rollouts equals one process (test_the_flags_only_launches_equal_one_process)."""
     import json
 
-    overrides = ["max_steps=3", "eval_every_n_steps=0", "optim.scheduler=linear", "optim.warmup_steps=1",
-                 "save_final_policy=false", "judge.cache_size=0", "batch_size=2"]  # fmt: skip
+    overrides = [
+        "max_steps=3",
+        "eval_every_n_steps=0",
+        "optim.scheduler=linear",
+        "optim.warmup_steps=1",
+        "save_final_policy=false",
+        "judge.cache_size=0",
+        "batch_size=2",
+    ]
     lines = _flags_only_lines()
     _, rest = lines[2]
     recipe, args = ROOT / rest[0], [*rest[1:], *overrides]
@@ -257,17 +264,29 @@ def test_launches_that_cannot_equal_one_process_refuse_in_one_line(tmp_path):
     import json
 
     cases = [
-        (["--use_deepspeed", "--zero_stage", "2", "--gradient_clipping", "0.5"], "no",
-         "the launch's gradient_clipping=0.5 differs from optim.max_grad_norm=1.0; DeepSpeed clips with its own "
-         "value: launch with --gradient_clipping 1.0 (or leave it out), or set optim.max_grad_norm=0.5"),
-        (["--use_deepspeed", "--zero_stage", "3", "--gradient_accumulation_steps", "2"], "no",
-         "launch with --gradient_accumulation_steps 1"),
-        (["--use_deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu"], "no",
-         "launch without --offload_optimizer_device"),
+        (
+            ["--use_deepspeed", "--zero_stage", "2", "--gradient_clipping", "0.5"],
+            "no",
+            "the launch's gradient_clipping=0.5 differs from optim.max_grad_norm=1.0; DeepSpeed clips with its own "
+            "value: launch with --gradient_clipping 1.0 (or leave it out), or set optim.max_grad_norm=0.5",
+        ),
+        (
+            ["--use_deepspeed", "--zero_stage", "3", "--gradient_accumulation_steps", "2"],
+            "no",
+            "launch with --gradient_accumulation_steps 1",
+        ),
+        (
+            ["--use_deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu"],
+            "no",
+            "launch without --offload_optimizer_device",
+        ),
         (["--use_deepspeed", "--zero_stage", "2"], "fp16", "launch with --mixed_precision no or bf16"),
-        (["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")], "no",
-         "train_micro_batch_size_per_gpu=8 (in the DeepSpeed config file"),
-    ]  # fmt: skip
+        (
+            ["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")],
+            "no",
+            "train_micro_batch_size_per_gpu=8 (in the DeepSpeed config file",
+        ),
+    ]
     ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     recipe = ROOT / "recipes" / "feedback_loop.py"
@@ -391,11 +410,23 @@ def test_the_whole_recipe_runs_under_zero3_with_the_judge_partitioned_and_resume
     import json
 
     def args(out: Path, *extra: str) -> list[str]:
-        return ["--config", str(ROOT / "configs/feedback_loop/tiny.yaml"), "device=cpu", "max_steps=2",
-                "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2", "policy.sft_steps=20",
-                "num_eval_articles=5", "num_validation_articles=3", "data.embedded_size=200",
-                "progress_bar=false", "log_with=[jsonl]", "save_every_n_steps=1", f"output_dir={out}",
-                *extra]  # fmt: skip
+        return [
+            "--config",
+            str(ROOT / "configs/feedback_loop/tiny.yaml"),
+            "device=cpu",
+            "max_steps=2",
+            "eval_every_n_steps=2",
+            "calibration.recalibrate_every_n_steps=2",
+            "policy.sft_steps=20",
+            "num_eval_articles=5",
+            "num_validation_articles=3",
+            "data.embedded_size=200",
+            "progress_bar=false",
+            "log_with=[jsonl]",
+            "save_every_n_steps=1",
+            f"output_dir={out}",
+            *extra,
+        ]
 
     out, killed = tmp_path / "run", tmp_path / "killed"
     _launch(ZERO3, ROOT / "recipes" / "feedback_loop.py", args(out), timeout=500)
@@ -425,6 +456,7 @@ def test_the_whole_recipe_runs_under_zero3_with_the_judge_partitioned_and_resume
         for r, f in zip(resumed[key], report[key]):
             same_row(r, f)
     same_row(resumed["final"], report["final"])
-    rows, full_rows = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-                       for d in (killed, out))  # fmt: skip
+    rows, full_rows = (
+        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (killed, out)
+    )
     assert [(r["step"], sorted(r)) for r in rows] == [(r["step"], sorted(r)) for r in full_rows]

@@ -71,10 +71,20 @@ def test_one_resolver_for_the_run_and_every_judge_names_the_key():
 def test_cuda_without_a_gpu_is_a_one_line_error_for_every_trainer(tmp_path, command, config):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "judgeloop.cli", command, "--config", str(ROOT / "configs" / config),
-         "device=cuda", f"output_dir={out}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "judgeloop.cli",
+            command,
+            "--config",
+            str(ROOT / "configs" / config),
+            "device=cuda",
+            f"output_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert "device=cuda but torch sees no CUDA GPU" in last and "use device=auto" in last
@@ -164,8 +174,11 @@ def test_the_autocast_cache_is_off_whatever_turns_bf16_on(tmp_path, env, overrid
     file too (every shipped one sets mixed_precision: bf16)."""
     proc = subprocess.run(
         [sys.executable, "-c", CACHE_PROBE, str(TINY), str(tmp_path), "device=cpu", *overrides],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["bf16", "True", "False"]
 
@@ -240,8 +253,13 @@ def test_a_chunked_update_equals_the_whole_batch_update():
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
         learner = Learner(acc, model, ref, opt, sched, cfg.loss, 1.0, 0, chunk)
-        batch = PairBatch(1, [], rollout=roll, targets=torch.tensor([0.9, 0.2, 0.7, 0.4, 0.5]),
-                          mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]))  # fmt: skip
+        batch = PairBatch(
+            1,
+            [],
+            rollout=roll,
+            targets=torch.tensor([0.9, 0.2, 0.7, 0.4, 0.5]),
+            mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]),
+        )
         stats = policy_update(learner, batch, 0.2)
         results[chunk] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, stats)
     whole, whole_stats = results[None]
@@ -256,9 +274,14 @@ def test_a_chunked_update_equals_the_whole_batch_update():
 
 @pytest.mark.parametrize(
     "overrides, shared",
-    [([], True), (["policy.dtype=bfloat16"], False), (["mixed_precision=bf16"], False),
-     (["mixed_precision=bf16", "generation.autocast=true"], True), (["optim.share_prompt_pass=false"], False)],
-)  # fmt: skip
+    [
+        ([], True),
+        (["policy.dtype=bfloat16"], False),
+        (["mixed_precision=bf16"], False),
+        (["mixed_precision=bf16", "generation.autocast=true"], True),
+        (["optim.share_prompt_pass=false"], False),
+    ],
+)
 def test_the_prompt_pass_is_shared_only_at_one_precision(overrides, shared):
     """optim.share_prompt_pass is dropped where generation and update would run at different precisions:
     a bf16 frozen base turns the run's bf16 autocast on (as mixed_precision=bf16 does) while generation

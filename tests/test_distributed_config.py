@@ -189,12 +189,18 @@ def test_a_flags_only_launch_passes_the_check_and_a_differing_one_is_refused_nam
     "env, expect",
     [
         ({"USE_DEEPSPEED": "true", "GRADIENT_ACCUMULATION_STEPS": "2"}, "--gradient_accumulation_steps 1"),
-        ({"USE_DEEPSPEED": "true", "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, "without --offload_optimizer"),
-        ({"USE_DEEPSPEED": "true", "DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu", "DEEPSPEED_ZERO_STAGE": "3"}, "without --offload_param"),
+        (
+            {"USE_DEEPSPEED": "true", "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
+            "without --offload_optimizer",
+        ),
+        (
+            {"USE_DEEPSPEED": "true", "DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu", "DEEPSPEED_ZERO_STAGE": "3"},
+            "without --offload_param",
+        ),
         ({"MIXED_PRECISION": "fp16"}, "--mixed_precision no or bf16"),
         ({"GRADIENT_ACCUMULATION_STEPS": "4"}, "--gradient_accumulation_steps 1"),
     ],
-)  # fmt: skip
+)
 def test_launches_that_cannot_equal_one_process_are_refused(monkeypatch, env, expect):
     _launched(monkeypatch, **env)
     with pytest.raises(ConfigError, match=re.escape(expect)):

@@ -158,9 +158,15 @@ def test_null_where_text_belongs_names_file_line_and_field_in_every_loader(tmp_p
         ("squad", "answers", [3], "a list of strings or of {'text': string} objects", "list [3]"),
         ("squad", "answers", [{"text": None}], "a list of strings or of {'text': string}", "list [{'text'"),
         ("label_pairs", "prompt", 3, "a string or a list of {'role', 'content'} messages", "number 3"),
-        ("label_pairs", "rejected", [{"role": "assistant", "content": 1}], "a string or a list of {'role', 'content'}", "list"),
+        (
+            "label_pairs",
+            "rejected",
+            [{"role": "assistant", "content": 1}],
+            "a string or a list of {'role', 'content'}",
+            "list",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_field_of_the_wrong_kind_is_refused_before_any_work(tmp_path, name, field, value, expects, got):
     """An answer given as a string was scored letter by letter; a number prompt reached pyarrow."""
     row, _, read = LOADERS[name]
@@ -174,13 +180,19 @@ def test_a_field_of_the_wrong_kind_is_refused_before_any_work(tmp_path, name, fi
 @pytest.mark.parametrize(
     "summary, message",
     [
-        ({"text": "S.", "expert": {"coherence": None}}, "summaries[0]: field 'expert.coherence' must be a number, got null"),
-        ({"text": "S.", "turker": {"fluency": "high"}}, "summaries[0]: field 'turker.fluency' must be a number, got string 'high'"),
+        (
+            {"text": "S.", "expert": {"coherence": None}},
+            "summaries[0]: field 'expert.coherence' must be a number, got null",
+        ),
+        (
+            {"text": "S.", "turker": {"fluency": "high"}},
+            "summaries[0]: field 'turker.fluency' must be a number, got string 'high'",
+        ),
         ({"text": "S.", "system": 7}, "summaries[0]: field 'system' must be a string, got number 7"),
         ({"text": None}, "summaries[0]: field 'text' must be a string, got null"),
         ("S.", "summaries[0]: field 'summaries[]' must be an object, got string 'S.'"),
     ],
-)  # fmt: skip
+)
 def test_a_summeval_rating_of_the_wrong_kind_names_the_article_and_summary(tmp_path, summary, message):
     """A null rating was a float(None) traceback; a null system was the text "None"."""
     row, _, read = LOADERS["summeval"]

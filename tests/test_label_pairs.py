@@ -20,10 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def _sorted_by_prompt(path: Path, prompts: int = 4, per_prompt: int = 12) -> Path:
     """A file sorted by prompt, as SummEval's pairs are (every pair of one article, then the next)."""
     rows = [
-        {"prompt": f"article {k}: the council met on day {k} and voted on the budget.",
-         "chosen": f"The council voted on the budget on day {k}, pair {j}.", "rejected": f"Day {k} {j}."}
-        for k in range(prompts) for j in range(per_prompt)
-    ]  # fmt: skip
+        {
+            "prompt": f"article {k}: the council met on day {k} and voted on the budget.",
+            "chosen": f"The council voted on the budget on day {k}, pair {j}.",
+            "rejected": f"Day {k} {j}.",
+        }
+        for k in range(prompts)
+        for j in range(per_prompt)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -52,10 +56,20 @@ def test_sample_across_prompts_takes_each_prompts_rows_once():
 def test_the_report_says_how_many_prompts_the_pairs_cover(tiny_calibration, tmp_path):
     data = _sorted_by_prompt(tmp_path / "pairs.jsonl")
     out = tmp_path / "out"
-    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-              "data.fields.source=null", "data.fields.references=null", "data.max_pairs=6", "data.seed=5",
-              f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+            f"data.path={data}",
+            "data.fields.source=null",
+            "data.fields.references=null",
+            "data.max_pairs=6",
+            "data.seed=5",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert report["pairs"] == report["labeled"] == 6
@@ -68,21 +82,33 @@ def test_the_report_says_how_many_prompts_the_pairs_cover(tiny_calibration, tmp_
     "rows, message",
     [
         (
-            [{"prompt": "p", "chosen": "c", "rejected": "r"},
-             {"prompt": [{"role": "user", "content": "p"}], "chosen": "c", "rejected": "r"}],
+            [
+                {"prompt": "p", "chosen": "c", "rejected": "r"},
+                {"prompt": [{"role": "user", "content": "p"}], "chosen": "c", "rejected": "r"},
+            ],
             ":2: this row is chat messages but the first row is text; give every row in one format",
         ),
-        ([{"prompt": "p", "chosen": "c", "rejected": "r"}], "data.max_pairs=0 must be >= 1 (null: every pair)"),
+        (
+            [{"prompt": "p", "chosen": "c", "rejected": "r"}],
+            "data.max_pairs=0 must be >= 1 (null: every pair)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_label_pairs_refuses_mixed_formats_and_a_bad_max_pairs(
     tiny_calibration, tmp_path, capsys, rows, message
 ):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-            "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    args = [
+        "label-pairs",
+        "--config",
+        str(ROOT / "configs/label_pairs/summeval.yaml"),
+        f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+        f"data.path={data}",
+        "data.fields.source=null",
+        "data.fields.references=null",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     if "max_pairs" in message:
         args.append("data.max_pairs=0")
     assert cli(args) == 2
@@ -104,8 +130,14 @@ def test_summeval_pairs_writes_an_instruction_prompt(shared_data, tmp_path, chat
     from judgeloop.loop.config import PolicyConfig
 
     out = tmp_path / "pairs.jsonl"
-    cmd = [sys.executable, str(ROOT / "scripts/summeval_pairs.py"), "--out", str(out),
-           "--data", str(shared_data / "summeval" / "summeval_dev.jsonl")] + (["--chat"] if chat else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/summeval_pairs.py"),
+        "--out",
+        str(out),
+        "--data",
+        str(shared_data / "summeval" / "summeval_dev.jsonl"),
+    ] + (["--chat"] if chat else [])
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows
@@ -122,12 +154,18 @@ def test_summeval_pairs_writes_an_instruction_prompt(shared_data, tmp_path, chat
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"prompt": 3}, ":2: field 'prompt' must be a string or a list of {'role', 'content'} messages"
-                        " with string content, got number 3;"),
-        ({"chosen": None}, ":2: field 'chosen' must be a string or a list of {'role', 'content'} messages"
-                           " with string content, got null;"),
+        (
+            {"prompt": 3},
+            ":2: field 'prompt' must be a string or a list of {'role', 'content'} messages"
+            " with string content, got number 3;",
+        ),
+        (
+            {"chosen": None},
+            ":2: field 'chosen' must be a string or a list of {'role', 'content'} messages"
+            " with string content, got null;",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_field_of_the_wrong_kind_stops_label_pairs_before_anything_is_written(
     tiny_calibration, tmp_path, capsys, bad, message
 ):
@@ -136,9 +174,18 @@ def test_a_field_of_the_wrong_kind_stops_label_pairs_before_anything_is_written(
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps(good) + "\n" + json.dumps({**good, **bad}) + "\n")
     out = tmp_path / "out"
-    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-              "data.fields.source=null", "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+            f"data.path={data}",
+            "data.fields.source=null",
+            "data.fields.references=null",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{data}{message}" in err[0], err
@@ -159,9 +206,18 @@ def test_pairs_with_equal_completions_are_dropped_and_counted(tiny_calibration, 
     assert [p.prompt for p in pairs] == ["p0", "p2"] and in_data == 4 and equal == 2
     assert f"dropped 2 pair(s) whose two completions are the same text (the first: {data}:2)" in caplog.text
     out = tmp_path / "out"
-    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-              "data.fields.source=null", "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+            f"data.path={data}",
+            "data.fields.source=null",
+            "data.fields.references=null",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert report["pairs"] == 2 and report["dropped"]["equal_completions"] == 2

@@ -46,9 +46,13 @@ def test_train_retriever_recipe_config_error_is_one_line(tmp_path, override, key
 def test_train_retriever_recipe_data_and_folder_errors_are_one_line(tmp_path):
     config = str(ROOT / "configs/retriever/scifact.yaml")
     missing = _recipe(
-        "train_retriever.py", "--config", config, f"data.train.corpus_path={tmp_path / 'nowhere.jsonl'}",
-        f"output_dir={tmp_path / 'out_a'}", cwd=tmp_path,
-    )  # fmt: skip
+        "train_retriever.py",
+        "--config",
+        config,
+        f"data.train.corpus_path={tmp_path / 'nowhere.jsonl'}",
+        f"output_dir={tmp_path / 'out_a'}",
+        cwd=tmp_path,
+    )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
     assert "train_retriever: error: data file " in missing.stderr and "does not exist" in missing.stderr
     taken = tmp_path / "taken"
@@ -60,9 +64,12 @@ def test_train_retriever_recipe_data_and_folder_errors_are_one_line(tmp_path):
 
 def test_sft_recipe_config_error_is_one_line(tmp_path):
     res = _recipe(
-        "sft_raft.py", "--config", str(ROOT / "configs/raft/sft_pubmedqa.yaml"), "train.learning_rate=nan",
+        "sft_raft.py",
+        "--config",
+        str(ROOT / "configs/raft/sft_pubmedqa.yaml"),
+        "train.learning_rate=nan",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     _one_line(res, "sft_raft: error:", "train.learning_rate")
 
 

@@ -22,9 +22,13 @@ from loop_common import FAST, TINY
 ROOT = Path(__file__).resolve().parents[1]
 
 CALIBRATE = [
-    "calibrate", "--config", str(ROOT / "configs/calibrate/embedded_embedding.yaml"),
-    "judge.model=judgeloop-tiny/encoder", "data.embedded_size=120", "max_pairs_per_article=6",
-]  # fmt: skip
+    "calibrate",
+    "--config",
+    str(ROOT / "configs/calibrate/embedded_embedding.yaml"),
+    "judge.model=judgeloop-tiny/encoder",
+    "data.embedded_size=120",
+    "max_pairs_per_article=6",
+]
 
 
 def _tree(folder: Path) -> dict[str, float]:
@@ -110,8 +114,11 @@ def test_two_train_runs_into_one_folder_the_second_refuses_then_a_rerun_is_refus
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(
         [sys.executable, str(driver), str(ready), str(go), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not ready.exists():
@@ -194,9 +201,16 @@ def test_label_pairs_refuses_an_older_dataset_folder(tiny_calibration, tmp_path,
     (out / "dataset" / "old-run.arrow").write_text("old")
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"prompt": "an article", "chosen": "a summary", "rejected": "another"}) + "\n")
-    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-            "data.fields.source=null", "data.fields.references=null", f"output_dir={out}"]  # fmt: skip
+    args = [
+        "label-pairs",
+        "--config",
+        str(ROOT / "configs/label_pairs/summeval.yaml"),
+        f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+        f"data.path={data}",
+        "data.fields.source=null",
+        "data.fields.references=null",
+        f"output_dir={out}",
+    ]
     assert main(args) == 2
     assert _one_line(capsys) == (
         f"judgeloop label-pairs: error: output_dir={out} holds files (dataset) but no run.json: an older "

@@ -54,8 +54,13 @@ def test_the_loop_logs_to_tensorboard_and_mlflow_and_both_read_back(tmp_path, mo
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind a flag
     out = tmp_path / "run"
-    over = [*FAST, "max_steps=2", f"output_dir={out}", "log_with=[jsonl,tensorboard,mlflow]",
-            "project_name=judgeloop-test"]  # fmt: skip
+    over = [
+        *FAST,
+        "max_steps=2",
+        f"output_dir={out}",
+        "log_with=[jsonl,tensorboard,mlflow]",
+        "project_name=judgeloop-test",
+    ]
     train(load_config(FeedbackLoopConfig, TINY, over))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     want = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
@@ -127,8 +132,11 @@ def test_the_retriever_logs_through_the_same_trackers(tmp_path):
     rows = [f"q{i}\td{i}\t1" for i in range(len(trc.QUERIES))]
     (data / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
     out = tmp_path / "out"
-    cfg = trc._cfg(trc._overrides(data, out, "train.num_epochs=2", "train.log_every_n_steps=1",
-                          "log_with=[jsonl,tensorboard]"))  # fmt: skip
+    cfg = trc._cfg(
+        trc._overrides(
+            data, out, "train.num_epochs=2", "train.log_every_n_steps=1", "log_with=[jsonl,tensorboard]"
+        )
+    )
     report = run(cfg)
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in logged if "train/loss" in r]

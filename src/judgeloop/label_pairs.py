@@ -177,8 +177,10 @@ def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int, int]:
     if equal:
         logger.warning(
             "%s: dropped %d pair(s) whose two completions are the same text (the first: %s)",
-            data.path, equal, where[same.index(True)],
-        )  # fmt: skip
+            data.path,
+            equal,
+            where[same.index(True)],
+        )
     if not differ:
         raise DataError(f"{data.path}: every pair's two completions are the same text; nothing to judge")
     rows, where, keys = [rows[i] for i in differ], [where[i] for i in differ], [keys[i] for i in differ]
@@ -202,7 +204,7 @@ def read_pairs(data: PairDataConfig) -> tuple[list[InputPair], int, int]:
                 references=refs,
                 first_value=_as_format(row[first], conversational),
                 second_value=_as_format(row[second], conversational),
-            )  # fmt: skip
+            )
         )
         if conversational and not _is_messages(row[f.prompt]):
             pairs[-1].prompt = [{"role": "user", "content": str(row[f.prompt])}]
@@ -273,10 +275,12 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     pairs, prompts_in_data, equal = read_pairs(cfg.data)  # every row checked before the judge model loads
     try:
         check_references(
-            needs, [x.references for x in pairs], len(pairs),
+            needs,
+            [x.references for x in pairs],
+            len(pairs),
             f"give every row its reference summaries in field {cfg.data.fields.references!r} (data.fields.references)",
             "row {i} (counting from 0)",
-        )  # fmt: skip
+        )
     except MissingReferences as err:
         raise DataError(f"{cfg.data.path}: {err}") from None
     judge = CalibratedJudge.from_pretrained(cfg.judge_path, cfg.judge_overrides)
@@ -287,8 +291,12 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     agree: list[bool | None] = []
     for start in range(0, len(pairs), cfg.batch_size):
         chunk = pairs[start : start + cfg.batch_size]
-        out = judge.compare([x.source for x in chunk], [x.first for x in chunk], [x.second for x in chunk],
-                            [x.references for x in chunk])  # fmt: skip
+        out = judge.compare(
+            [x.source for x in chunk],
+            [x.first for x in chunk],
+            [x.second for x in chunk],
+            [x.references for x in chunk],
+        )
         p += out.p.tolist()
         logit += out.logit.tolist()
         status += out.status
@@ -344,10 +352,18 @@ def _agreement(flags: list[bool]) -> dict[str, Any]:
 
 
 def label_report(
-    cfg: LabelPairsConfig, judge: Any, pairs: list[InputPair], p: list[float], status: list[str],
-    agree: list[bool | None], agreements: list[bool], rows: list[dict[str, Any]], dropped: dict[str, int],
-    seconds: float, prompts_in_data: int,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: LabelPairsConfig,
+    judge: Any,
+    pairs: list[InputPair],
+    p: list[float],
+    status: list[str],
+    agree: list[bool | None],
+    agreements: list[bool],
+    rows: list[dict[str, Any]],
+    dropped: dict[str, int],
+    seconds: float,
+    prompts_in_data: int,
+) -> dict[str, Any]:
     """The figures of a labeling run (see :func:`render_label_report`)."""
     valid = np.array([v for v in p if np.isfinite(v)])
     confidence = np.maximum(valid, 1 - valid) if valid.size else valid
@@ -361,7 +377,7 @@ def label_report(
             "type": judge.config.type,
             "model": judge.config.model,
             "held_out": judge.card.get("held_out", {}),
-        },  # fmt: skip
+        },
         "format": "conversational" if pairs and _is_messages(pairs[0].prompt) else "standard",
         "pairs": len(pairs),
         "labeled": len(rows),

@@ -48,9 +48,18 @@ LOCK_FILE = "run.lock"
 ALWAYS_FREE = ("output_dir", "overwrite")
 # what marks a folder written by judgeloop before run.json existed (overwrite=true may clear those only)
 OLD_RUN_MARKS = (
-    "config.yaml", "sft_config.yaml", "report.json", "eval_report.json", "stats.json", "metrics.jsonl",
-    "checkpoints", "calibrated_judge", "model", "policy", "dataset",
-)  # fmt: skip
+    "config.yaml",
+    "sft_config.yaml",
+    "report.json",
+    "eval_report.json",
+    "stats.json",
+    "metrics.jsonl",
+    "checkpoints",
+    "calibrated_judge",
+    "model",
+    "policy",
+    "dataset",
+)
 FIX = "choose a new output_dir, or set overwrite=true to clear it"
 # a command that holds a run folder and launches a recipe writing into it names the folder here, so the
 # recipe's own run_dir does not take the lock a second time (judgeloop sft -> recipes/sft_raft.py)

@@ -22,16 +22,26 @@ from judgeloop.rewards import (
 
 ARTICLE = "the council met on monday and voted to expand the city park by ten acres next spring"
 # shorter is better for the length judge: the planted ranking is c1 > c2 > ... > c5
-COMPLETIONS = ["park grows", "the park grows soon", "the council votes the park grows",
-               "the council met and voted so the park grows by ten acres",
-               "on monday the council met and voted to expand the city park by ten acres next spring"]  # fmt: skip
+COMPLETIONS = [
+    "park grows",
+    "the park grows soon",
+    "the council votes the park grows",
+    "the council met and voted so the park grows by ten acres",
+    "on monday the council met and voted to expand the city park by ten acres next spring",
+]
 
 
 def _platt(a: float) -> PlattCalibrator:
     cal = PlattCalibrator()
-    return cal.load_state_dict({"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
-                                "params": {"a_": a, "b_": 0.0, "fit_intercept": False,
-                                           "target_smoothing": False}})  # fmt: skip
+    return cal.load_state_dict(
+        {
+            "method": "platt",
+            "symmetric": True,
+            "min_points": 10,
+            "n_fit_": 100,
+            "params": {"a_": a, "b_": 0.0, "fit_intercept": False, "target_smoothing": False},
+        }
+    )
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,12 @@ def test_judge_reward_reads_trl_groups_and_judges_a_batch_in_one_call():
         [{"role": "assistant", "content": t}] for t in ["a b", "a b c", "a", "x y z w", "x", "x y"]
     ]
     logged: dict[str, float] = {}
-    out = reward(prompts=prompts, completions=completions, article=["art1"] * 3 + ["art2"] * 3,
-                 log_metric=lambda k, v: logged.__setitem__(k, v))  # fmt: skip
+    out = reward(
+        prompts=prompts,
+        completions=completions,
+        article=["art1"] * 3 + ["art2"] * 3,
+        log_metric=lambda k, v: logged.__setitem__(k, v),
+    )
     assert judge.calls == 1 and reward.judge_calls == 1
     assert out[:3] == group_rewards(judge, "art1", ["a b", "a b c", "a"])
     assert out[3:] == group_rewards(judge, "art2", ["x y z w", "x", "x y"])
@@ -76,8 +80,14 @@ def test_the_grpo_recipe_trains_and_trl_logs_judgeloops_rewards(tiny_calibration
     """Two GRPOTrainer steps on the tiny policy: the rewards TRL logged are judgeloop.rewards' on the
     same completions, recomputed with a freshly loaded judge."""
     judge_dir = tiny_calibration / "calibrated_judge" / "platt"
-    out = _recipe().main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"), f"judge_path={judge_dir}",
-                          f"output_dir={tmp_path / 'grpo'}"])  # fmt: skip
+    out = _recipe().main(
+        [
+            "--config",
+            str(ROOT / "configs/grpo_trl/tiny.yaml"),
+            f"judge_path={judge_dir}",
+            f"output_dir={tmp_path / 'grpo'}",
+        ]
+    )
     report, reward = out["report"], out["reward"]
     assert report["steps"] == 2 and reward.calls == reward.judge_calls == 2
     assert json.loads((tmp_path / "grpo" / "grpo_report.json").read_text())["steps"] == 2
@@ -96,8 +106,15 @@ def test_the_grpo_recipe_trains_and_trl_logs_judgeloops_rewards(tiny_calibration
     # the folder holds this run now: a run with other settings into it is refused before any model loads
     assert json.loads((tmp_path / "grpo" / "run.json").read_text())["state"] == "finished"
     with pytest.raises(Exception, match=r"holds another grpo-trl run"):
-        _recipe().main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"), f"judge_path={judge_dir}",
-                        f"output_dir={tmp_path / 'grpo'}", "grpo.learning_rate=1e-4"])  # fmt: skip
+        _recipe().main(
+            [
+                "--config",
+                str(ROOT / "configs/grpo_trl/tiny.yaml"),
+                f"judge_path={judge_dir}",
+                f"output_dir={tmp_path / 'grpo'}",
+                "grpo.learning_rate=1e-4",
+            ]
+        )
 
 
 def _preference_file(tiny_calibration: Path, path: Path, n: int = 24) -> Path:
@@ -108,8 +125,14 @@ def _preference_file(tiny_calibration: Path, path: Path, n: int = 24) -> Path:
     out = []
     for r in [r for r in rows if r["orientation"] == "ab"][:n]:
         chosen, rejected = (r["a"], r["b"]) if r["label"] == 1 else (r["b"], r["a"])
-        out.append({"prompt": articles[r["article_id"]][:200], "article": articles[r["article_id"]],
-                    "chosen": chosen, "rejected": rejected})  # fmt: skip
+        out.append(
+            {
+                "prompt": articles[r["article_id"]][:200],
+                "article": articles[r["article_id"]],
+                "chosen": chosen,
+                "rejected": rejected,
+            }
+        )
     path.write_text("".join(json.dumps(o) + "\n" for o in out))
     return path
 
@@ -119,9 +142,17 @@ def labeled(tiny_calibration, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("label")
     data = _preference_file(tiny_calibration, tmp / "pairs.jsonl")
     out = tmp / "out"
-    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-              "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+            f"data.path={data}",
+            "data.fields.references=null",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -170,9 +201,16 @@ def test_label_pairs_bad_input_is_one_line_before_any_output(
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps(row) + "\n")
     judge = f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}"
-    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-            override.format(tmp=tmp_path) if override else judge, f"data.path={data}",
-            "data.fields.source=null", "data.fields.references=null", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    args = [
+        "label-pairs",
+        "--config",
+        str(ROOT / "configs/label_pairs/summeval.yaml"),
+        override.format(tmp=tmp_path) if override else judge,
+        f"data.path={data}",
+        "data.fields.source=null",
+        "data.fields.references=null",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     assert cli(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
@@ -188,8 +226,18 @@ def _tiny_policy():
 def _dpo_args(out: Path, **kw):
     from trl import DPOConfig
 
-    return DPOConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, report_to=[],
-                     use_cpu=True, save_strategy="no", logging_steps=1, max_length=96, seed=0, **kw)  # fmt: skip
+    return DPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_length=96,
+        seed=0,
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -208,8 +256,9 @@ def test_soft_dpo_trainer_equals_judgeloops_loss_and_trl_at_hard_targets(labeled
     ds = load_from_disk(str(labeled / "dataset")).select(range(8))
     model, tok = _tiny_policy()
     ref = copy.deepcopy(model).eval()
-    soft = soft_dpo_trainer(model=model, ref_model=ref, args=_dpo_args(tmp_path / "soft"), train_dataset=ds,
-                            processing_class=tok)  # fmt: skip
+    soft = soft_dpo_trainer(
+        model=model, ref_model=ref, args=_dpo_args(tmp_path / "soft"), train_dataset=ds, processing_class=tok
+    )
     batch = next(iter(soft.get_train_dataloader()))
     p = batch["p_chosen"].clone()
     assert torch.all((p >= 0.5) & (p <= 1))
@@ -225,8 +274,13 @@ def test_soft_dpo_trainer_equals_judgeloops_loss_and_trl_at_hard_targets(labeled
         assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
         hard = dict(batch)
         hard["p_chosen"] = torch.ones_like(p)
-        stock = DPOTrainer(model=model, ref_model=ref, args=_dpo_args(tmp_path / "stock"), train_dataset=ds,
-                           processing_class=tok)  # fmt: skip
+        stock = DPOTrainer(
+            model=model,
+            ref_model=ref,
+            args=_dpo_args(tmp_path / "stock"),
+            train_dataset=ds,
+            processing_class=tok,
+        )
         trl_loss = stock.compute_loss(model, {k: v for k, v in batch.items() if k != "p_chosen"})
         assert soft.compute_loss(model, hard).item() == pytest.approx(trl_loss.item(), rel=1e-5)
     model.train()
@@ -266,9 +320,17 @@ def test_label_pairs_keeps_trls_format_and_its_output_trains_dpo(tiny_calibratio
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-              f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}", f"data.path={data}",
-              "data.fields.references=null", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+            f"data.path={data}",
+            "data.fields.references=null",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     ds = load_from_disk(str(out / "dataset"))
     assert len(ds) == 8
@@ -285,8 +347,13 @@ def test_label_pairs_keeps_trls_format_and_its_output_trains_dpo(tiny_calibratio
         "conversational" if chat else "standard"
     )
     model, tok = _tiny_policy()
-    trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=_dpo_args(tmp_path / "dpo"),
-                         train_dataset=ds, processing_class=tok)  # fmt: skip
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model).eval(),
+        args=_dpo_args(tmp_path / "dpo"),
+        train_dataset=ds,
+        processing_class=tok,
+    )
     before = {n: t.detach().clone() for n, t in model.named_parameters()}
     trainer.train()
     assert trainer.state.global_step == 1
@@ -303,12 +370,34 @@ def test_trl_online_dpo_accepts_the_anchor_mode_reward(tmp_path, tiny_calibratio
     judge = CalibratedJudge.from_pretrained(tiny_calibration / "calibrated_judge" / "platt")
     reward = JudgeReward(judge, RewardConfig(scheme="anchor"), anchor_column="reference", keep_history=2)
     model, tok = _tiny_policy()
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"summarize: the cat sat on mat {i}"}],
-                             "article": f"the cat sat on mat {i}", "reference": "a cat sat"} for i in range(8)])  # fmt: skip
-    args = OnlineDPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_new_tokens=6, max_steps=1,
-                           report_to=[], use_cpu=True, save_strategy="no", seed=0)  # fmt: skip
-    trainer = OnlineDPOTrainer(model=model, ref_model=copy.deepcopy(model), reward_funcs=reward, args=args,
-                               train_dataset=ds, processing_class=tok)  # fmt: skip
+    ds = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"summarize: the cat sat on mat {i}"}],
+                "article": f"the cat sat on mat {i}",
+                "reference": "a cat sat",
+            }
+            for i in range(8)
+        ]
+    )
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_new_tokens=6,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
+    trainer = OnlineDPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+    )
     trainer.train()
     assert trainer.state.global_step == 1 and reward.calls == 1
     call = reward.history[0]
@@ -328,13 +417,35 @@ def test_trl_rloo_trainer_takes_the_reward_with_its_groups(tmp_path, tiny_calibr
     settings = RewardConfig(scheme="round_robin", m=1, aggregate="bradley_terry")
     reward = JudgeReward(judge, settings, num_generations=4, keep_history=1)
     model, tok = _tiny_policy()
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
-                             "article": f"the dog ran {i} miles"} for i in range(8)])  # fmt: skip
-    args = RLOOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, max_steps=1,
-                      max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                      logging_steps=1)  # fmt: skip
-    trainer = RLOOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
-                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+    ds = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
+                "article": f"the dog ran {i} miles",
+            }
+            for i in range(8)
+        ]
+    )
+    args = RLOOConfig(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_steps=1,
+        max_completion_length=6,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        logging_steps=1,
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
     trainer.train()
     assert trainer.state.global_step == 1 and reward.calls == reward.judge_calls == 1
     call = reward.history[0]
@@ -363,8 +474,12 @@ def test_an_empty_completion_gets_its_groups_lowest_reward_unjudged(aggregate, k
     reward = JudgeReward(judge, RewardConfig(aggregate=aggregate), num_generations=k)
     texts = ["", "a b c", "a", "a b"][:k]
     logged: dict[str, float] = {}
-    out = reward(prompts=["p"] * k, completions=texts, article=["art"] * k,
-                 log_metric=lambda key, v: logged.__setitem__(key, v))  # fmt: skip
+    out = reward(
+        prompts=["p"] * k,
+        completions=texts,
+        article=["art"] * k,
+        log_metric=lambda key, v: logged.__setitem__(key, v),
+    )
     assert "" not in judge.seen and all(r is not None for r in out)
     assert out[0] < min(out[1:])
     assert logged["judge/empty"] == 1 and logged["judge/reward_std"] > 0
@@ -383,9 +498,11 @@ def test_an_empty_completion_gets_its_groups_lowest_reward_unjudged(aggregate, k
 def test_judge_reward_logs_the_judges_signal_and_no_nan_position_bias():
     logged: dict[str, float] = {}
     JudgeReward(_length_judge(), num_generations=3)(
-        prompts=["p"] * 3, completions=["a", "a b", "a b c"], article=["art"] * 3,
+        prompts=["p"] * 3,
+        completions=["a", "a b", "a b c"],
+        article=["art"] * 3,
         log_metric=lambda key, v: logged.__setitem__(key, v),
-    )  # fmt: skip
+    )
     assert {"judge/reward_std", "judge/mean_margin", "judge/empty"} <= set(logged)
     assert all(np.isfinite(v) for v in logged.values())  # no NaN position bias / order agreement
     with pytest.raises(ValueError, match="empty='drop'; use lose"):
@@ -416,11 +533,25 @@ def _grpo(tmp_path: Path, reward: JudgeReward, rows: list[dict]):
     from trl import GRPOConfig, GRPOTrainer
 
     model, tok = _tiny_policy()
-    args = GRPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, max_steps=1,
-                      max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", seed=0)  # fmt: skip
-    return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
-                       processing_class=tok,
-                       peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_steps=1,
+        max_completion_length=6,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
 
 
 def test_trl_prints_nothing_for_an_empty_completion(tmp_path, capfd, caplog):
@@ -431,8 +562,13 @@ def test_trl_prints_nothing_for_an_empty_completion(tmp_path, capfd, caplog):
 
     import torch
 
-    rows = [{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
-             "article": f"the dog ran {i} miles"} for i in range(8)]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
+            "article": f"the dog ran {i} miles",
+        }
+        for i in range(8)
+    ]
     trainer = _grpo(tmp_path, JudgeReward(_length_judge(), num_generations=4), rows)
     inputs = [rows[0]] * 4
     prompts = [r["prompt"] for r in inputs]
@@ -460,8 +596,14 @@ def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(t
     """Real GRPOTrainer: with ``reference_column`` the reference judge rewards the batch (equal to
     ``group_rewards`` with the references); a row whose references are empty stops the step with one line
     naming the column, before the judge is called."""
-    rows = [{"prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
-             "article": f"the dog ran {i} miles", "references": [f"a dog ran {i} miles"]} for i in range(8)]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"summarize: the dog ran {i} miles"}],
+            "article": f"the dog ran {i} miles",
+            "references": [f"a dog ran {i} miles"],
+        }
+        for i in range(8)
+    ]
     judge = _rouge_judge()
     reward = JudgeReward(judge, num_generations=4, reference_column="references", keep_history=1)
     trainer = _grpo(tmp_path / "ok", reward, rows)
@@ -470,15 +612,19 @@ def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(t
     call = reward.history[0]
     for s, e in call["spans"]:
         refs = rows[[r["article"] for r in rows].index(call["sources"][s])]["references"]
-        assert call["rewards"][s:e] == group_rewards(judge, call["sources"][s], call["completions"][s:e],
-                                                     references=refs)  # fmt: skip
+        assert call["rewards"][s:e] == group_rewards(
+            judge, call["sources"][s], call["completions"][s:e], references=refs
+        )
 
     for row in rows[1:]:  # a step's two prompts: at least one of them without references
         row["references"] = []
     judge = _rouge_judge()
     reward = JudgeReward(judge, num_generations=4, reference_column="references")
-    with pytest.raises(ValueError, match=r"have none \(first: row \d+\); give every row its reference summaries "
-                                         r"in the column reference_column='references'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"have none \(first: row \d+\); give every row its reference summaries "
+        r"in the column reference_column='references'",
+    ):
         _grpo(tmp_path / "missing", reward, rows).train()
     assert judge.calls == 0
 
@@ -486,29 +632,68 @@ def test_trl_grpo_passes_the_reference_column_to_a_judge_that_reads_references(t
 @pytest.mark.parametrize(
     "fields, refs, message",
     [
-        (["data.fields.references=null"], [["r"], ["r"]],
-         "reads references (judge.signal=rouge) and data.fields.references is not set; set "
-         "data.fields.references=FIELD"),
-        ([], [["the cat sat"], []],
-         "reads references (judge.signal=rouge) but 1 of 2 have none (first: row 1 (counting from 0)); give every "
-         "row its reference summaries in field 'references'"),
+        (
+            ["data.fields.references=null"],
+            [["r"], ["r"]],
+            "reads references (judge.signal=rouge) and data.fields.references is not set; set "
+            "data.fields.references=FIELD",
+        ),
+        (
+            [],
+            [["the cat sat"], []],
+            "reads references (judge.signal=rouge) but 1 of 2 have none (first: row 1 (counting from 0)); give every "
+            "row its reference summaries in field 'references'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_label_pairs_with_a_judge_that_reads_references_checks_them_first(
     tmp_path, capsys, fields, refs, message
 ):
     judge = tmp_path / "rouge_judge"
     _rouge_judge().save_pretrained(judge)
     data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "p", "article": "the cat sat on the mat", "chosen": "the cat sat",
-                                        "rejected": "a dog", "references": r}) + "\n" for r in refs))  # fmt: skip
-    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"), f"judge_path={judge}",
-            f"data.path={data}", *fields, f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": "p",
+                    "article": "the cat sat on the mat",
+                    "chosen": "the cat sat",
+                    "rejected": "a dog",
+                    "references": r,
+                }
+            )
+            + "\n"
+            for r in refs
+        )
+    )
+    args = [
+        "label-pairs",
+        "--config",
+        str(ROOT / "configs/label_pairs/summeval.yaml"),
+        f"judge_path={judge}",
+        f"data.path={data}",
+        *fields,
+        f"output_dir={tmp_path / 'out'}",
+    ]
     assert cli(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out").exists()
-    data.write_text("".join(json.dumps({"prompt": "p", "article": "the cat sat on the mat", "chosen": "the cat sat",
-                                        "rejected": "a dog", "references": ["the cat sat"]}) + "\n" for _ in refs))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": "p",
+                    "article": "the cat sat on the mat",
+                    "chosen": "the cat sat",
+                    "rejected": "a dog",
+                    "references": ["the cat sat"],
+                }
+            )
+            + "\n"
+            for _ in refs
+        )
+    )
     assert cli([*args[:-1], "data.fields.references=references", args[-1]]) == 0  # the fix works
     assert json.loads((tmp_path / "out" / "report.json").read_text())["labeled"] == 2

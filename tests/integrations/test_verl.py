@@ -69,9 +69,14 @@ def length_judge(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A calibrated judge without a model (shorter wins), so the test's time goes to verl's own path."""
     path = tmp_path_factory.mktemp("verl_judge") / "judge"
     platt = PlattCalibrator().load_state_dict(
-        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
-         "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
-    )  # fmt: skip
+        {
+            "method": "platt",
+            "symmetric": True,
+            "min_points": 10,
+            "n_fit_": 100,
+            "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False},
+        }
+    )
     CalibratedJudge(JudgeConfig(type="objective", signal="length", scale=0.5), platt).save_pretrained(path)
     return path
 

@@ -88,8 +88,12 @@ def test_the_card_opens_with_agreement_raw_beside_calibrated_and_what_a_call_nee
     assert f"on {platt['accuracy']:.1%} of them" in lines[2]
     assert lines[4] == "| held out | raw (sigmoid of the logit) | `platt` (these probabilities) |"
     table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines[6:11]}
-    for key, name in [("accuracy", "accuracy (higher is better)"), ("ece", "ECE (lower is better)"),
-                      ("brier", "Brier (lower is better)"), ("auc", "AUC (higher is better)")]:  # fmt: skip
+    for key, name in [
+        ("accuracy", "accuracy (higher is better)"),
+        ("ece", "ECE (lower is better)"),
+        ("brier", "Brier (lower is better)"),
+        ("auc", "AUC (higher is better)"),
+    ]:
         assert [c.strip(" |") for c in table[name]] == [f"{raw[key]:.4f}", f"{platt[key]:.4f}"]
     needs = next(i for i, line in enumerate(lines) if line.startswith("**Each call needs**"))
     assert "no references" in lines[needs] and needs < lines.index(
@@ -104,9 +108,14 @@ def _platt():
     from judgeloop.calibration import PlattCalibrator
 
     return PlattCalibrator().load_state_dict(
-        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
-         "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
-    )  # fmt: skip
+        {
+            "method": "platt",
+            "symmetric": True,
+            "min_points": 10,
+            "n_fit_": 100,
+            "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False},
+        }
+    )
 
 
 def test_a_judge_that_reads_references_says_so_and_compare_checks_it_first(tmp_path):
@@ -124,8 +133,11 @@ def test_a_judge_that_reads_references_says_so_and_compare_checks_it_first(tmp_p
     card = (tmp_path / "refs" / "README.md").read_text()
     assert "**Each call needs** the source text, the two summaries and each item's neutral reference" in card
     articles, a, b = ["rain in spain", "sun in rome"], ["rain falls", "sun shines"], ["snow", "fog"]
-    with pytest.raises(MissingReferences, match=r"reads references \(judge.embedding_target=references\) but 2 "
-                       r"of 2 have none \(first: item 0\); pass references= to compare"):  # fmt: skip
+    with pytest.raises(
+        MissingReferences,
+        match=r"reads references \(judge.embedding_target=references\) but 2 "
+        r"of 2 have none \(first: item 0\); pass references= to compare",
+    ):
         judge.compare(articles, a, b)
     with pytest.raises(MissingReferences, match=r"1 of 2 have none \(first: item 1\)"):
         judge.compare(articles, a, b, [["rain falls in spain"], [" "]])

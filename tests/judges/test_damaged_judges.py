@@ -49,22 +49,55 @@ DAMAGES = [
     ("truncated card", "calibrated_judge.json", _truncate, "not valid JSON"),
     ("empty calibrator", "calibrator.json", lambda p: p.write_text(""), "not valid JSON"),
     ("card is a list", "calibrated_judge.json", lambda p: p.write_text("[1]"), "expected a JSON object"),
-    ("NaN slope (bare NaN)", "calibrator.json",
-     lambda p: p.write_text(p.read_text().replace('"a_": ', '"a_": NaN, "x": ')), "NaN is not strict JSON"),
-    ("NaN slope (saved as null)", "calibrator.json",
-     lambda p: _edit(p, lambda s: s["params"].update(a_=None)), "params.a_ must be a finite number, got None"),
-    ("string slope", "calibrator.json",
-     lambda p: _edit(p, lambda s: s["params"].update(a_="1.5")), "params.a_ must be a finite number, got '1.5'"),
-    ("wrong method", "calibrator.json",
-     lambda p: _edit(p, lambda s: s.update(method="temperature")), "parameters do not match method 'temperature'"),
-    ("unknown method", "calibrator.json",
-     lambda p: _edit(p, lambda s: s.update(method="magic")), "calibrator method 'magic' is not one of"),
-    ("string flag", "calibrator.json",
-     lambda p: _edit(p, lambda s: s["params"].update(fit_intercept="no")), "params.fit_intercept must be true or false"),
-    ("unfitted", "calibrator.json", lambda p: _edit(p, lambda s: s.update(n_fit_=0)), "the calibrator was never fitted"),
-    ("card names another method", "calibrated_judge.json",
-     lambda p: _edit(p, lambda s: s.update(method="isotonic")), "holds a 'platt' calibrator"),
-]  # fmt: skip
+    (
+        "NaN slope (bare NaN)",
+        "calibrator.json",
+        lambda p: p.write_text(p.read_text().replace('"a_": ', '"a_": NaN, "x": ')),
+        "NaN is not strict JSON",
+    ),
+    (
+        "NaN slope (saved as null)",
+        "calibrator.json",
+        lambda p: _edit(p, lambda s: s["params"].update(a_=None)),
+        "params.a_ must be a finite number, got None",
+    ),
+    (
+        "string slope",
+        "calibrator.json",
+        lambda p: _edit(p, lambda s: s["params"].update(a_="1.5")),
+        "params.a_ must be a finite number, got '1.5'",
+    ),
+    (
+        "wrong method",
+        "calibrator.json",
+        lambda p: _edit(p, lambda s: s.update(method="temperature")),
+        "parameters do not match method 'temperature'",
+    ),
+    (
+        "unknown method",
+        "calibrator.json",
+        lambda p: _edit(p, lambda s: s.update(method="magic")),
+        "calibrator method 'magic' is not one of",
+    ),
+    (
+        "string flag",
+        "calibrator.json",
+        lambda p: _edit(p, lambda s: s["params"].update(fit_intercept="no")),
+        "params.fit_intercept must be true or false",
+    ),
+    (
+        "unfitted",
+        "calibrator.json",
+        lambda p: _edit(p, lambda s: s.update(n_fit_=0)),
+        "the calibrator was never fitted",
+    ),
+    (
+        "card names another method",
+        "calibrated_judge.json",
+        lambda p: _edit(p, lambda s: s.update(method="isotonic")),
+        "holds a 'platt' calibrator",
+    ),
+]
 IDS = [d[0] for d in DAMAGES]
 
 
@@ -101,9 +134,16 @@ def test_label_pairs_on_a_damaged_judge_is_one_line_before_any_output(
     folder = _damaged(good_judge, tmp_path, name, damage)
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"prompt": "an article", "chosen": "a summary", "rejected": "another"}) + "\n")
-    args = ["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"), f"judge_path={folder}",
-            f"data.path={data}", "data.fields.source=null", "data.fields.references=null",
-            f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    args = [
+        "label-pairs",
+        "--config",
+        str(ROOT / "configs/label_pairs/summeval.yaml"),
+        f"judge_path={folder}",
+        f"data.path={data}",
+        "data.fields.source=null",
+        "data.fields.references=null",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     assert cli(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and str(folder / name) in err[0], err
@@ -118,19 +158,31 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case, name, damage, message", [d for d in DAMAGES if d[0] in ("truncated calibrator", "NaN slope (saved as null)",
-                                                                    "wrong method", "string slope")],
-)  # fmt: skip
+    "case, name, damage, message",
+    [
+        d
+        for d in DAMAGES
+        if d[0] in ("truncated calibrator", "NaN slope (saved as null)", "wrong method", "string slope")
+    ],
+)
 def test_serve_judge_on_a_damaged_judge_fails_in_one_line_before_binding(
     good_judge, tmp_path, case, name, damage, message
 ):
     folder = _damaged(good_judge, tmp_path, name, damage)
     port = _free_port()
     done = subprocess.run(
-        [JUDGELOOP, "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"), f"judge_path={folder}",
-         f"server.port={port}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            JUDGELOOP,
+            "serve-judge",
+            "--config",
+            str(ROOT / "configs/serve/judge.yaml"),
+            f"judge_path={folder}",
+            f"server.port={port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1 and message in err[0] and str(folder / name) in err[0], err
     with socket.socket() as s:
@@ -141,8 +193,11 @@ def test_read_json_names_the_file_for_each_kind_of_damage(tmp_path):
     path = tmp_path / "x.json"
     with pytest.raises(DataError, match=r"thing .*x.json does not exist; fix it"):
         read_json(path, "thing", "fix it")
-    for text, message in [('{"a": 1', "not valid JSON"), ("[]", "expected a JSON object, got list"),
-                          ('{"a": Infinity}', "Infinity is not strict JSON")]:  # fmt: skip
+    for text, message in [
+        ('{"a": 1', "not valid JSON"),
+        ("[]", "expected a JSON object, got list"),
+        ('{"a": Infinity}', "Infinity is not strict JSON"),
+    ]:
         path.write_text(text)
         with pytest.raises(DataError, match=message):
             read_json(path)

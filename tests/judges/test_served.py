@@ -174,9 +174,13 @@ def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_
     window = 1.5  # the limiter's minute, shortened so the test does not wait 60 s
     monkeypatch.setattr(served_client._RateLimiter, "window_s", window)
     judge = build_judge(
-        JudgeConfig(type="served", model=TINY, position_debias=False,
-                    server=ServerConfig(base_url=tiny_server, model=TINY, route="vllm", max_requests_per_minute=2))
-    )  # fmt: skip
+        JudgeConfig(
+            type="served",
+            model=TINY,
+            position_debias=False,
+            server=ServerConfig(base_url=tiny_server, model=TINY, route="vllm", max_requests_per_minute=2),
+        )
+    )
     t0 = time.monotonic()
     assert judge(ARTICLES[:2], A[:2], B[:2]).status == ["ok", "ok"]  # two requests: both at once
     t_two = time.monotonic() - t0
@@ -263,11 +267,23 @@ def test_served_config_errors():
 def served_calibration(tiny_server, tmp_path_factory):
     """``judgeloop calibrate`` on the served tiny judge (embedded corpus, ROUGE labels): its output folder."""
     out = tmp_path_factory.mktemp("served_calibration") / "run"
-    rc = cli(["calibrate", "--config", str(ROOT / "configs/calibrate/summeval_served.yaml"),
-              "data.format=embedded", "data.path=null", "data.embedded_size=40", "labels.type=rouge",
-              f"judge.model={TINY}", f"judge.server.model={TINY}", f"judge.server.base_url={tiny_server}",
-              f"judge.server.cache_path={out / 'judgements.sqlite'}", "max_pairs_per_article=3",
-              f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "calibrate",
+            "--config",
+            str(ROOT / "configs/calibrate/summeval_served.yaml"),
+            "data.format=embedded",
+            "data.path=null",
+            "data.embedded_size=40",
+            "labels.type=rouge",
+            f"judge.model={TINY}",
+            f"judge.server.model={TINY}",
+            f"judge.server.base_url={tiny_server}",
+            f"judge.server.cache_path={out / 'judgements.sqlite'}",
+            "max_pairs_per_article=3",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -325,9 +341,15 @@ def test_the_served_judge_rewards_a_trl_grpo_trainer(served_calibration, tmp_pat
     spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    out = recipe.main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"),
-                       f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
-                       "max_train_articles=8", f"output_dir={tmp_path / 'grpo'}"])  # fmt: skip
+    out = recipe.main(
+        [
+            "--config",
+            str(ROOT / "configs/grpo_trl/tiny.yaml"),
+            f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
+            "max_train_articles=8",
+            f"output_dir={tmp_path / 'grpo'}",
+        ]
+    )
     assert out["report"]["steps"] == 2 and out["reward"].judge_calls == 2
     rewards = [r for call in out["reward"].history for r in call["rewards"]]
     assert rewards and all(r is None or np.isfinite(r) for r in rewards)
@@ -341,10 +363,19 @@ def test_a_panel_with_a_served_member_calibrates_and_reloads(tiny_server, tmp_pa
 
     cfg = yaml.safe_load((ROOT / "configs/calibrate/summeval_served.yaml").read_text())
     served = {**cfg["judge"], "model": TINY, "batch_size": 4}
-    served["server"] = {**served["server"], "base_url": tiny_server, "model": TINY,
-                        "cache_path": str(tmp_path / "judgements.sqlite")}  # fmt: skip
-    cfg["judge"] = {"type": "panel", "panel": {"combine": "mean_logit", "members": [
-        served, {"type": "objective", "signal": "length", "scale": 5.0}]}}  # fmt: skip
+    served["server"] = {
+        **served["server"],
+        "base_url": tiny_server,
+        "model": TINY,
+        "cache_path": str(tmp_path / "judgements.sqlite"),
+    }
+    cfg["judge"] = {
+        "type": "panel",
+        "panel": {
+            "combine": "mean_logit",
+            "members": [served, {"type": "objective", "signal": "length", "scale": 5.0}],
+        },
+    }
     cfg["data"] = {"format": "embedded", "embedded_size": 40, "split": cfg["data"]["split"]}
     cfg.update(
         labels={"type": "rouge"}, methods=["platt"], max_pairs_per_article=3, output_dir=str(tmp_path / "run")

@@ -102,17 +102,34 @@ def _judgeloop_log():
 
 
 def _served(url: str) -> list[str]:
-    return ["judge.type=served", f"judge.model={TINY}", f"judge.server.base_url={url}",
-            f"judge.server.model={TINY}", "judge.max_length=256", "judge.batch_size=16"]  # fmt: skip
+    return [
+        "judge.type=served",
+        f"judge.model={TINY}",
+        f"judge.server.base_url={url}",
+        f"judge.server.model={TINY}",
+        "judge.max_length=256",
+        "judge.batch_size=16",
+    ]
 
 
 # the tiny loop, shortened (as tests/studies/test_ablation.py does): 2 steps, few calibration pairs
 FAST = [
-    "policy.sft_steps=20", "max_steps=2", "eval_every_n_steps=2", "calibration.recalibrate_every_n_steps=2",
-    "calibration.num_articles=16", "calibration.pairs_per_article=4", "calibration.min_points=4",
-    "num_eval_articles=4", "num_validation_articles=4", "progress_bar=false", "log_with=[jsonl]",
-    "data.embedded_size=80", "generation.max_new_tokens=8", "save_final_policy=false", "judge_prefetch=false",
-]  # fmt: skip
+    "policy.sft_steps=20",
+    "max_steps=2",
+    "eval_every_n_steps=2",
+    "calibration.recalibrate_every_n_steps=2",
+    "calibration.num_articles=16",
+    "calibration.pairs_per_article=4",
+    "calibration.min_points=4",
+    "num_eval_articles=4",
+    "num_validation_articles=4",
+    "progress_bar=false",
+    "log_with=[jsonl]",
+    "data.embedded_size=80",
+    "generation.max_new_tokens=8",
+    "save_final_policy=false",
+    "judge_prefetch=false",
+]
 
 
 @pytest.mark.slow
@@ -134,8 +151,17 @@ def test_ablate_an_arm_that_uses_the_served_judge(server, tmp_path):
     srv, url = server
     before = srv.requests
     out = tmp_path / "ablate"
-    args = ["ablate", "--config", str(LOOP), *FAST, *_served(url), "ablation.arms=[raw,platt]",
-            "ablation.seeds=[0]", "ablation.bootstrap_samples=1000", f"output_dir={out}"]  # fmt: skip
+    args = [
+        "ablate",
+        "--config",
+        str(LOOP),
+        *FAST,
+        *_served(url),
+        "ablation.arms=[raw,platt]",
+        "ablation.seeds=[0]",
+        "ablation.bootstrap_samples=1000",
+        f"output_dir={out}",
+    ]
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli([*args, "--job", "platt:0"]) == 0
     report = json.loads((out / "platt" / "seed0" / "report.json").read_text())
@@ -149,10 +175,23 @@ def served_judge_path(server, tmp_path_factory):
     """``judgeloop calibrate`` on the served tiny judge: the saved platt judge's folder."""
     _, url = server
     out = tmp_path_factory.mktemp("served_cal") / "run"
-    rc = cli(["calibrate", "--config", str(ROOT / "configs/calibrate/summeval_served.yaml"),
-              "data.format=embedded", "data.path=null", "data.embedded_size=40", "labels.type=rouge",
-              f"judge.model={TINY}", f"judge.server.model={TINY}", f"judge.server.base_url={url}",
-              "judge.server.cache_path=", "max_pairs_per_article=3", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "calibrate",
+            "--config",
+            str(ROOT / "configs/calibrate/summeval_served.yaml"),
+            "data.format=embedded",
+            "data.path=null",
+            "data.embedded_size=40",
+            "labels.type=rouge",
+            f"judge.model={TINY}",
+            f"judge.server.model={TINY}",
+            f"judge.server.base_url={url}",
+            "judge.server.cache_path=",
+            "max_pairs_per_article=3",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     return out / "calibrated_judge" / "platt"
 
@@ -164,9 +203,18 @@ def test_label_pairs_with_a_served_judge(server, served_judge_path, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     before = srv.requests
     out = tmp_path / "out"
-    rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-              f"judge_path={served_judge_path}", f"data.path={data}", "data.fields.references=null",
-              "min_confidence=0.5", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={served_judge_path}",
+            f"data.path={data}",
+            "data.fields.references=null",
+            "min_confidence=0.5",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     # both orders of each pair from the server, plus one probe when the loaded judge's route is auto
     assert srv.requests - before in (2 * len(rows), 2 * len(rows) + 1)
@@ -189,10 +237,21 @@ def _serve_judge(judge_path, *overrides):
     port = port_sock.getsockname()[1]
     port_sock.close()
     proc = subprocess.Popen(
-        [JUDGELOOP, "serve-judge", "--config", str(ROOT / "configs/serve/judge.yaml"),
-         f"judge_path={judge_path}", f"server.port={port}", "server.num_threads=1", *overrides],
-        env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            JUDGELOOP,
+            "serve-judge",
+            "--config",
+            str(ROOT / "configs/serve/judge.yaml"),
+            f"judge_path={judge_path}",
+            f"server.port={port}",
+            "server.num_threads=1",
+            *overrides,
+        ],
+        env={**os.environ},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -252,8 +311,18 @@ def test_train_drops_the_pairs_a_failing_server_did_not_judge(tiny_lm, tmp_path,
 def test_on_failure_stop_stops_the_run_in_one_line(tiny_lm, tmp_path, capsys):
     out = tmp_path / "run"
     with _failing_server(tiny_lm, every=2) as (_, url):
-        rc = cli(["train", "--config", str(LOOP), *FAST, *_served(url), *NO_RETRY,
-                  "judge.server.on_failure=stop", f"output_dir={out}"])  # fmt: skip
+        rc = cli(
+            [
+                "train",
+                "--config",
+                str(LOOP),
+                *FAST,
+                *_served(url),
+                *NO_RETRY,
+                "judge.server.on_failure=stop",
+                f"output_dir={out}",
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0
     assert err[-1].startswith("judgeloop train: error: served judge: ") and "on_failure=stop" in err[-1], err
@@ -272,10 +341,19 @@ def test_label_pairs_counts_failed_pairs_as_dropped(tiny_lm, served_judge_path, 
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     with _failing_server(tiny_lm, marker=MARKED) as (srv, url):
-        rc = cli(["label-pairs", "--config", str(ROOT / "configs/label_pairs/summeval.yaml"),
-                  f"judge_path={served_judge_path}", f"data.path={data}", "data.fields.references=null",
-                  f"judge_overrides=['server.base_url={url}', server.max_retries=0]", "min_confidence=0.5",
-                  f"output_dir={out}"])  # fmt: skip
+        rc = cli(
+            [
+                "label-pairs",
+                "--config",
+                str(ROOT / "configs/label_pairs/summeval.yaml"),
+                f"judge_path={served_judge_path}",
+                f"data.path={data}",
+                "data.fields.references=null",
+                f"judge_overrides=['server.base_url={url}', server.max_retries=0]",
+                "min_confidence=0.5",
+                f"output_dir={out}",
+            ]
+        )
     assert rc == 0 and srv.failed == 2  # both orders of the marked pair
     report = json.loads((out / "report.json").read_text())
     assert report["pairs"] == len(rows) and report["dropped"]["failed"] == 1
@@ -304,9 +382,17 @@ def test_trl_grpo_gives_no_reward_to_what_a_failing_server_did_not_judge(
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     with _failing_server(tiny_lm, every=3) as (srv, url):
-        out = recipe.main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"), f"judge_path={served_judge_path}",
-                           f"judge_overrides=['server.base_url={url}', server.max_retries=0]",
-                           "grpo.num_generations=2", "max_train_articles=8", f"output_dir={tmp_path / 'grpo'}"])  # fmt: skip
+        out = recipe.main(
+            [
+                "--config",
+                str(ROOT / "configs/grpo_trl/tiny.yaml"),
+                f"judge_path={served_judge_path}",
+                f"judge_overrides=['server.base_url={url}', server.max_retries=0]",
+                "grpo.num_generations=2",
+                "max_train_articles=8",
+                f"output_dir={tmp_path / 'grpo'}",
+            ]
+        )
     assert out["report"]["steps"] == 2 and srv.failed > 0
     groups = [
         call["rewards"][i : i + 2]

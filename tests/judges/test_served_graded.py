@@ -136,11 +136,24 @@ def test_calibrate_fits_and_saves_the_graded_served_judge(server, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "run"
-    rc = cli(["calibrate", "--config", str(root / "configs/calibrate/summeval_served.yaml"),
-              "data.format=embedded", "data.path=null", "data.embedded_size=40", "labels.type=rouge",
-              f"judge.model={TINY}", f"judge.server.model={TINY}", f"judge.server.base_url={server}",
-              "judge.extractor=graded", "judge.position_debias=null", "max_pairs_per_article=3",
-              f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "calibrate",
+            "--config",
+            str(root / "configs/calibrate/summeval_served.yaml"),
+            "data.format=embedded",
+            "data.path=null",
+            "data.embedded_size=40",
+            "labels.type=rouge",
+            f"judge.model={TINY}",
+            f"judge.server.model={TINY}",
+            f"judge.server.base_url={server}",
+            "judge.extractor=graded",
+            "judge.position_debias=null",
+            "max_pairs_per_article=3",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     judge = CalibratedJudge.from_pretrained(out / "calibrated_judge" / "platt")
     assert isinstance(judge.judge, GradedJudge)

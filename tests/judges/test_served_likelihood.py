@@ -210,11 +210,25 @@ def test_calibrate_fits_and_saves_the_served_likelihood_judge(server, reference,
     from judgeloop.judges.calibrated import CalibratedJudge
 
     out = tmp_path / "run"
-    rc = cli(["calibrate", "--config", str(ROOT / "configs/calibrate/summeval_served.yaml"),
-              "data.format=embedded", "data.path=null", "data.embedded_size=40", "labels.type=rouge",
-              f"judge.model={TINY}", f"judge.server.model={TINY}", f"judge.server.base_url={server}",
-              "judge.extractor=likelihood", "judge.position_debias=null", "max_pairs_per_article=3",
-              f"judge.server.cache_path={out / 'judgements.sqlite'}", f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "calibrate",
+            "--config",
+            str(ROOT / "configs/calibrate/summeval_served.yaml"),
+            "data.format=embedded",
+            "data.path=null",
+            "data.embedded_size=40",
+            "labels.type=rouge",
+            f"judge.model={TINY}",
+            f"judge.server.model={TINY}",
+            f"judge.server.base_url={server}",
+            "judge.extractor=likelihood",
+            "judge.position_debias=null",
+            "max_pairs_per_article=3",
+            f"judge.server.cache_path={out / 'judgements.sqlite'}",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     served = report["judge"]["served"]

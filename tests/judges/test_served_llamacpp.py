@@ -74,10 +74,13 @@ def _judge(url: str, **kw) -> ServedJudge:
     debias = server.pop("position_debias", True)
     return build_judge(  # type: ignore[return-value]
         JudgeConfig(
-            type="served", model=MODEL, max_length=MAX_LENGTH, position_debias=debias,
+            type="served",
+            model=MODEL,
+            max_length=MAX_LENGTH,
+            position_debias=debias,
             server=ServerConfig(**server),
         )
-    )  # fmt: skip
+    )
 
 
 def summeval_pairs() -> tuple[list[str], list[str], list[str]]:
@@ -131,10 +134,12 @@ def test_verdict_logits_equal_the_in_process_choice_judge_within_the_fp32_bound(
     score_diff = np.abs(out.scores - ref.scores)
     agree = np.mean(np.sign(out.scores) == np.sign(ref.scores))
     corr = np.corrcoef(out.forward, ref.forward)[0, 1]
-    print(f"\nllama.cpp vs in-process, {len(diff)} pairs: one-order logit |diff| max {diff.max():.2e} mean "
-          f"{diff.mean():.2e}; score |diff| max {score_diff.max():.2e} mean {score_diff.mean():.2e}; "
-          f"decisions agree {agree:.1%}; correlation {corr:.6f}; median |in-process score| "
-          f"{np.median(np.abs(ref.scores)):.3f}")  # fmt: skip
+    print(
+        f"\nllama.cpp vs in-process, {len(diff)} pairs: one-order logit |diff| max {diff.max():.2e} mean "
+        f"{diff.mean():.2e}; score |diff| max {score_diff.max():.2e} mean {score_diff.mean():.2e}; "
+        f"decisions agree {agree:.1%}; correlation {corr:.6f}; median |in-process score| "
+        f"{np.median(np.abs(ref.scores)):.3f}"
+    )
     assert score_diff.max() <= SCORE_TOL, f"max score difference {score_diff.max():.2e}"
     assert corr > 0.999
 
@@ -154,11 +159,22 @@ def served_calibration(llamacpp, tmp_path_factory):
     if not SUMMEVAL.is_file():
         pytest.skip(f"{SUMMEVAL} is missing")
     out = tmp_path_factory.mktemp("llamacpp_calibration") / "run"
-    rc = cli(["calibrate", "--config", str(ROOT / "configs/calibrate/summeval_served.yaml"),
-              f"data.path={SUMMEVAL}", "data.max_articles=4", "max_pairs_per_article=4",
-              "judge.max_length=512", f"judge.server.base_url={llamacpp}", "judge.server.concurrency=1",
-              "judge.server.timeout_s=300", f"judge.server.cache_path={out / 'judgements.sqlite'}",
-              f"output_dir={out}"])  # fmt: skip
+    rc = cli(
+        [
+            "calibrate",
+            "--config",
+            str(ROOT / "configs/calibrate/summeval_served.yaml"),
+            f"data.path={SUMMEVAL}",
+            "data.max_articles=4",
+            "max_pairs_per_article=4",
+            "judge.max_length=512",
+            f"judge.server.base_url={llamacpp}",
+            "judge.server.concurrency=1",
+            "judge.server.timeout_s=300",
+            f"judge.server.cache_path={out / 'judgements.sqlite'}",
+            f"output_dir={out}",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -181,9 +197,15 @@ def test_the_llamacpp_served_judge_rewards_a_trl_grpo_trainer(served_calibration
     spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    out = recipe.main(["--config", str(ROOT / "configs/grpo_trl/tiny.yaml"),
-                       f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
-                       "max_train_articles=8", f"output_dir={tmp_path / 'grpo'}"])  # fmt: skip
+    out = recipe.main(
+        [
+            "--config",
+            str(ROOT / "configs/grpo_trl/tiny.yaml"),
+            f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
+            "max_train_articles=8",
+            f"output_dir={tmp_path / 'grpo'}",
+        ]
+    )
     assert out["report"]["steps"] == 2 and out["reward"].judge_calls == 2
     rewards = [r for call in out["reward"].history for r in call["rewards"]]
     assert rewards and all(r is None or np.isfinite(r) for r in rewards)
@@ -193,8 +215,14 @@ def test_the_llamacpp_served_judge_rewards_a_trl_grpo_trainer(served_calibration
 def test_a_server_killed_mid_batch_gives_masked_failed_pairs(tmp_path):
     proc, url = start_llamacpp(tmp_path / "server.log")
     try:
-        judge = _judge(url, route="top_logprobs", prompt_format="text", max_retries=1, backoff_s=0.05,
-                       position_debias=False)  # fmt: skip
+        judge = _judge(
+            url,
+            route="top_logprobs",
+            prompt_format="text",
+            max_retries=1,
+            backoff_s=0.05,
+            position_debias=False,
+        )
         articles, a, b = summeval_pairs()
         articles, a, b = articles[:8], a[:8], b[:8]
         result: list = []

@@ -83,9 +83,17 @@ def test_grpo_loss_and_gradients_equal_trls(tmp_path, tiny_policy, scale_rewards
     shift = torch.tensor(rng.uniform(-0.5, 0.5, c_ids.shape), dtype=torch.float32)  # ratios in [0.6, 1.65]
 
     args = GRPOConfig(
-        output_dir=str(tmp_path), beta=0.0, num_generations=k, per_device_train_batch_size=k, report_to=[],
-        use_cpu=True, max_completion_length=8, scale_rewards=scale_rewards, epsilon=eps, temperature=1.0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        beta=0.0,
+        num_generations=k,
+        per_device_train_batch_size=k,
+        report_to=[],
+        use_cpu=True,
+        max_completion_length=8,
+        scale_rewards=scale_rewards,
+        epsilon=eps,
+        temperature=1.0,
+    )
     try:
         trainer = GRPOTrainer(
             model=copy.deepcopy(base),
@@ -102,10 +110,14 @@ def test_grpo_loss_and_gradients_equal_trls(tmp_path, tiny_policy, scale_rewards
             trl_logp = trainer._get_per_token_logps_and_entropies(model, ids, attn, c_ids.shape[1])[0]
         old = trl_logp + shift
         inputs = {
-            "prompt_ids": ids[:, : len(prompt)], "prompt_mask": attn[:, : len(prompt)], "completion_ids": c_ids,
-            "completion_mask": c_mask, "advantages": adv, "num_items_in_batch": c_mask.sum(),
+            "prompt_ids": ids[:, : len(prompt)],
+            "prompt_mask": attn[:, : len(prompt)],
+            "completion_ids": c_ids,
+            "completion_mask": c_mask,
+            "advantages": adv,
+            "num_items_in_batch": c_mask.sum(),
             "old_per_token_logps": old,
-        }  # fmt: skip
+        }
         trl_loss = trainer._compute_loss(model, inputs)
         trl_loss.backward()
         trl_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -165,9 +177,14 @@ def test_advantages_are_affine_invariant_under_group_and_scale_under_none():
 
 def _platt(a: float) -> PlattCalibrator:
     return PlattCalibrator().load_state_dict(
-        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
-         "params": {"a_": a, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
-    )  # fmt: skip
+        {
+            "method": "platt",
+            "symmetric": True,
+            "min_points": 10,
+            "n_fit_": 100,
+            "params": {"a_": a, "b_": 0.0, "fit_intercept": False, "target_smoothing": False},
+        }
+    )
 
 
 def test_in_a_platt_maps_linear_regime_calibrated_advantages_are_the_raw_logits_whatever_the_slope():
@@ -223,13 +240,16 @@ def test_grpo_settings_are_checked_before_any_work():
 
     tiny = "configs/feedback_loop/tiny.yaml"
     for overrides, message in [
-        (["generation.num_samples_per_article=4"], "generation.num_samples_per_article=4 is read under loss.type=grpo"),
+        (
+            ["generation.num_samples_per_article=4"],
+            "generation.num_samples_per_article=4 is read under loss.type=grpo",
+        ),
         (["loss.scale_rewards=none"], "loss.scale_rewards='none' is a GRPO setting"),
         (["loss.type=grpo", "loss.beta=0.2"], "loss.beta=0.2 is a DPO setting (the DPO temperature"),
         (["loss.type=grpo", "loss.spread_weighting=true"], "loss.spread_weighting=True is a DPO setting"),
         (["loss.type=grpo", "generation.num_samples_per_article=1"], "generation.num_samples_per_article"),
         (["loss.type=grpo", "loss.epsilon=0"], "loss.epsilon"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(")):
             load_config(FeedbackLoopConfig, tiny, overrides)
 

@@ -244,16 +244,25 @@ def test_odd_shards_keep_the_ranks_in_step_and_lose_no_article(tmp_path):
     from loop_common import FAST  # tests/ is on sys.path under pytest: the end-to-end tests' fast settings
 
     overrides = [
-        *FAST, "num_eval_articles=5", "num_validation_articles=3", "calibration.num_articles=7",
-        "max_steps=2", "eval_every_n_steps=2", "batch_size=2", f"output_dir={tmp_path / 'run'}",
-    ]  # fmt: skip
+        *FAST,
+        "num_eval_articles=5",
+        "num_validation_articles=3",
+        "calibration.num_articles=7",
+        "max_steps=2",
+        "eval_every_n_steps=2",
+        "batch_size=2",
+        f"output_dir={tmp_path / 'run'}",
+    ]
     port = str(random.randint(20000, 40000))
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     res = subprocess.run(
         [*cmd, str(script), str(res_file), str(root), *overrides],
-        env=_env(), timeout=400, capture_output=True, text=True,
-    )  # fmt: skip
+        env=_env(),
+        timeout=400,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res_file.read_text())
     assert r["world"] == 2

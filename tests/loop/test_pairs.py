@@ -14,9 +14,16 @@ from loop_common import FAST, TINY
 def _pairs(tag: str, n: int, ties: int, failures: int) -> CalibrationPairs:
     ids = [f"{tag}{i}" for i in range(n)]
     return CalibrationPairs(
-        ids, [f"art {i}" for i in ids], [f"a {i}" for i in ids], [f"b {i}" for i in ids],
-        [float(k) for k in range(n)], [k % 2 for k in range(n)], [[f"ref {i}"] for i in ids], ties, failures,
-    )  # fmt: skip
+        ids,
+        [f"art {i}" for i in ids],
+        [f"a {i}" for i in ids],
+        [f"b {i}" for i in ids],
+        [float(k) for k in range(n)],
+        [k % 2 for k in range(n)],
+        [[f"ref {i}"] for i in ids],
+        ties,
+        failures,
+    )
 
 
 def test_pairs_extend_in_order_and_add_up_their_counts():

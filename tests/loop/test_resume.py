@@ -258,8 +258,10 @@ def test_a_stop_signal_checkpoints_the_step_then_resume_equals_the_uninterrupted
     env = {**os.environ, "JL_SIGNAL": sig, "JL_TWICE": "1" if twice else ""}
     proc = subprocess.run(
         [sys.executable, str(driver), "train", "--config", str(TINY), *common, *auto],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     ckpt = out / "checkpoints" / "step_3"
     assert proc.returncode == status, proc.stderr[-3000:]
     how = (

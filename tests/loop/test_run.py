@@ -230,10 +230,23 @@ def test_judgeloop_train_and_accelerate_launch_of_the_recipe_give_the_same_repor
     cli, launched = tmp_path / "cli", tmp_path / "launched"
     runs = [
         [sys.executable, "-m", "judgeloop.cli", "train", *args, f"output_dir={cli}"],
-        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "recipes" / "feedback_loop.py"),
-         *args, f"output_dir={launched}"],
-    ]  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(ROOT / "recipes" / "feedback_loop.py"),
+            *args,
+            f"output_dir={launched}",
+        ],
+    ]
     procs = [subprocess.run(cmd, capture_output=True, text=True, timeout=600) for cmd in runs]
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-2000:]

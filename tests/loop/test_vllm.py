@@ -51,9 +51,15 @@ def smol_engine(tmp_path_factory):
     model = load_causal_lm(SMOL, dtype="float32").eval()
     root = tmp_path_factory.mktemp("vllm")
     with serving(
-        VLLM_PYTHON, root / "weights", model, tok, VllmConfig(max_model_len=1024), torch.float32,
-        root / "server.log", cpu=True,
-    ) as engine:  # fmt: skip
+        VLLM_PYTHON,
+        root / "weights",
+        model,
+        tok,
+        VllmConfig(max_model_len=1024),
+        torch.float32,
+        root / "server.log",
+        cpu=True,
+    ) as engine:
         yield model, tok, engine
 
 
@@ -148,10 +154,16 @@ def test_tiny_loop_on_vllm_evaluates_as_the_hf_backend(tmp_path):
     hf = train(load_config(FeedbackLoopConfig, TINY, [*over, f"output_dir={tmp_path / 'hf'}"]))
     vl = train(
         load_config(
-            FeedbackLoopConfig, TINY,
-            [*over, f"output_dir={tmp_path / 'vllm'}", "generation.backend=vllm", f"generation.vllm.python={VLLM_PYTHON}"],
+            FeedbackLoopConfig,
+            TINY,
+            [
+                *over,
+                f"output_dir={tmp_path / 'vllm'}",
+                "generation.backend=vllm",
+                f"generation.vllm.python={VLLM_PYTHON}",
+            ],
         )
-    )  # fmt: skip
+    )
     assert vl["steps_run"] == 2 and all(math.isfinite(r["loss"]) for r in vl["train_log"])
     greedy_keys = [
         k

@@ -108,8 +108,13 @@ def test_hub_id_without_network_fails_fast():
         "try: load_causal_lm('no-such-org/no-such-model')\n"
         "except ValueError as e: print(round(time.perf_counter() - t, 2)); print(e)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": SRC, **env})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": SRC, **env},
+    )
     seconds, msg = done.stdout.strip().split("\n")
     assert float(seconds) < 2.0, done.stdout
     assert "the hub cannot be reached" in msg

@@ -102,8 +102,12 @@ def test_grouped_attention_equals_sdpa_with_repeated_heads():
             pre = model(
                 input_ids=ids[:, :8], attention_mask=mask[:, :8], position_ids=pos[:, :8], use_cache=True
             )
-            out = model(input_ids=ids[:, 8:], attention_mask=mask, position_ids=pos[:, 8:],
-                        past_key_values=pre.past_key_values)  # fmt: skip
+            out = model(
+                input_ids=ids[:, 8:],
+                attention_mask=mask,
+                position_ids=pos[:, 8:],
+                past_key_values=pre.past_key_values,
+            )
         logits = torch.cat([pre.logits, out.logits], dim=1)
         (logits.logsumexp(-1) * mask).sum().backward()
         return logits.detach(), [p.grad.clone() for p in model.parameters()], sum(saved)

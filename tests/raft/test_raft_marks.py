@@ -92,9 +92,17 @@ def test_eval_raft_compares_with_and_without_marks(marked, tmp_path):
     from judgeloop.raft.marks import EvalMarksConfig
 
     _, _, _, out = marked
-    cfg = EvalRaftConfig(data_dir=str(out), base_model=TINY, adapter_dir=None, max_questions=6,
-                         settings=["oracle_distractors", "distractors_only"], num_generations=2, max_new_tokens=6,
-                         marks=EvalMarksConfig(compare=True, num_bootstrap=50), output_dir=str(tmp_path / "ev"))  # fmt: skip
+    cfg = EvalRaftConfig(
+        data_dir=str(out),
+        base_model=TINY,
+        adapter_dir=None,
+        max_questions=6,
+        settings=["oracle_distractors", "distractors_only"],
+        num_generations=2,
+        max_new_tokens=6,
+        marks=EvalMarksConfig(compare=True, num_bootstrap=50),
+        output_dir=str(tmp_path / "ev"),
+    )
     report = run(cfg)
     m = report["marks"]["base"]
     for setting in cfg.settings:
@@ -115,9 +123,18 @@ def test_a_conformal_file_for_another_corpus_is_one_line_before_any_model_loads(
     other_path = _synthetic(tmp_path / "other.jsonl", 30, seed=7)
     other_cfg = replace(_cfg(other_path, tmp_path), marks=_marks())
     save_raft(build_raft(other_cfg), tmp_path / "other", other_cfg)
-    rc = main(["eval-raft", "--config", "configs/raft/eval_pubmedqa_marked.yaml", f"data_dir={out}",
-               f"marks.conformal_path={tmp_path / 'other' / 'conformal.json'}", "adapter_dir=null",
-               "base_model=no-such-org/not-loaded-first", f"output_dir={tmp_path / 'ev'}"])  # fmt: skip
+    rc = main(
+        [
+            "eval-raft",
+            "--config",
+            "configs/raft/eval_pubmedqa_marked.yaml",
+            f"data_dir={out}",
+            f"marks.conformal_path={tmp_path / 'other' / 'conformal.json'}",
+            "adapter_dir=null",
+            "base_model=no-such-org/not-loaded-first",
+            f"output_dir={tmp_path / 'ev'}",
+        ]
+    )
     err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("judgeloop")]
     assert rc == 2 and len(err) == 1, err
     assert "marks.conformal_path=" in err[0] and "was fitted on another corpus" in err[0]

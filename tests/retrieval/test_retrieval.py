@@ -270,8 +270,9 @@ def test_metrics_count_a_missing_query_as_zero_and_retrieve_builds_runs():
 
 
 def test_per_query_metrics_hand_case_and_ranx_means():
-    got = per_query_metrics([["d1", "d2", "d3"], ["d1", "d3", "d2"], []],
-                            [{"d1": 1, "d3": 1}, {"d2": 1}, {"d9": 1}], k=10)  # fmt: skip
+    got = per_query_metrics(
+        [["d1", "d2", "d3"], ["d1", "d3", "d2"], []], [{"d1": 1, "d3": 1}, {"d2": 1}, {"d9": 1}], k=10
+    )
     ndcg_q1 = (1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3))
     assert got["ndcg@10"].tolist() == pytest.approx([ndcg_q1, 1 / math.log2(4), 0.0])
     assert got["recall@10"].tolist() == [1.0, 1.0, 0.0]  # an empty ranking (abstention) scores 0

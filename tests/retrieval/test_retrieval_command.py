@@ -233,8 +233,10 @@ def test_a_stop_signal_checkpoints_the_step_then_the_rerun_equals_the_uninterrup
     command = ["train-retriever", "--config", str(tmp_path / "empty.yaml"), "--allow-empty-config"]
     proc = subprocess.run(
         [sys.executable, str(driver), *command, *_overrides(beir_dir, part, *common)],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == status, proc.stderr[-3000:]
     ckpt = part / "checkpoints" / "step_3"
     assert proc.stderr.strip().splitlines()[-1] == (

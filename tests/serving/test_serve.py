@@ -138,9 +138,14 @@ def tiny_server(tiny_judge_path: Path) -> Iterator[str]:
 def length_judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("length_judge") / "judge"
     platt = PlattCalibrator().load_state_dict(
-        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
-         "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
-    )  # fmt: skip
+        {
+            "method": "platt",
+            "symmetric": True,
+            "min_points": 10,
+            "n_fit_": 100,
+            "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False},
+        }
+    )
     CalibratedJudge(JudgeConfig(type="objective", signal="length", scale=0.5), platt).save_pretrained(path)
     return path
 
@@ -612,9 +617,14 @@ def rouge_judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ROUGE-L against the references as the judge (``judge.signal=rouge``): it reads references."""
     path = tmp_path_factory.mktemp("rouge_judge") / "judge"
     platt = PlattCalibrator().load_state_dict(
-        {"method": "platt", "symmetric": True, "min_points": 10, "n_fit_": 100,
-         "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False}}
-    )  # fmt: skip
+        {
+            "method": "platt",
+            "symmetric": True,
+            "min_points": 10,
+            "n_fit_": 100,
+            "params": {"a_": 0.7, "b_": 0.0, "fit_intercept": False, "target_smoothing": False},
+        }
+    )
     CalibratedJudge(JudgeConfig(type="objective", signal="rouge", scale=5.0), platt).save_pretrained(path)
     return path
 
@@ -623,22 +633,41 @@ def rouge_judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     "routes, named, fix",
     [
-        ((), "routes.openrlhf=true (/openrlhf/get_reward) and routes.verl=true (/verl/reward)",
-         "set routes.openrlhf=false routes.verl=false"),
-        (("routes.openrlhf=false",), "which routes.verl=true (/verl/reward) cannot", "set routes.verl=false to"),
-        (("routes.verl=false",), "which routes.openrlhf=true (/openrlhf/get_reward) cannot",
-         "set routes.openrlhf=false to"),
+        (
+            (),
+            "routes.openrlhf=true (/openrlhf/get_reward) and routes.verl=true (/verl/reward)",
+            "set routes.openrlhf=false routes.verl=false",
+        ),
+        (
+            ("routes.openrlhf=false",),
+            "which routes.verl=true (/verl/reward) cannot",
+            "set routes.verl=false to",
+        ),
+        (
+            ("routes.verl=false",),
+            "which routes.openrlhf=true (/openrlhf/get_reward) cannot",
+            "set routes.openrlhf=false to",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_route_that_cannot_carry_references_is_refused_at_start(
     rouge_judge_path: Path, routes: tuple[str, ...], named: str, fix: str
 ) -> None:
     port = free_port()
     done = subprocess.run(
-        [JUDGELOOP, "serve-judge", "--config", CONFIG, f"judge_path={rouge_judge_path}", f"server.port={port}",
-         *routes],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            JUDGELOOP,
+            "serve-judge",
+            "--config",
+            CONFIG,
+            f"judge_path={rouge_judge_path}",
+            f"server.port={port}",
+            *routes,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1, done.stderr
     assert "reads references (judge.signal=rouge)" in err[0] and named in err[0] and fix in err[0]
@@ -671,8 +700,12 @@ def test_a_references_judge_is_served_without_the_trainer_routes(rouge_judge_pat
         full = [{**x, "references": refs} for x in batch]
         got = httpx.post(url + "/v1/compare", json={"items": full}, timeout=60)
         assert got.status_code == 200, got.text
-        want = judge.compare([x["prompt"] for x in batch], [x["a"] for x in batch], [x["b"] for x in batch],
-                             [refs] * len(batch))  # fmt: skip
+        want = judge.compare(
+            [x["prompt"] for x in batch],
+            [x["a"] for x in batch],
+            [x["b"] for x in batch],
+            [refs] * len(batch),
+        )
         assert got.json()["p"] == [float(v) for v in want.p]
 
         groups = [{"prompt": ARTICLES[0], "completions": SUMMARIES[:3]}]
@@ -711,28 +744,78 @@ SURROGATE = b'"p\\ud800"'  # valid JSON, no Unicode text: it was a 500 from the 
         ("GET", "/no/such/route", None, 404, "Not Found"),
         ("GET", "/v1/compare", None, 405, "Method Not Allowed"),
         ("DELETE", "/health", None, 405, "Method Not Allowed"),
-        ("POST", "/v1/compare", b'{"items": [{"prompt": "p", "a": "\xff", "b": "x"}]}', 400,
-         "request body is not UTF-8: byte 0xff at offset 33; send UTF-8 JSON"),
-        ("POST", "/v1/compare", b'{"items": [{"prompt": ' + SURROGATE + b', "a": "a", "b": "bb"}]}', 400,
-         "items[0].prompt holds \\ud800 at character 1, a lone surrogate, which is no Unicode character"),
-        ("POST", "/v1/rewards", b'{"groups": [{"prompt": "p", "completions": ["a", ' + SURROGATE + b"]}]}", 400,
-         "groups[0].completions[1] holds \\ud800"),
-        ("POST", "/openrlhf/get_reward", b'{"query": [' + SURROGATE + b'], "prompts": ["p"]}', 400,
-         "query[0] holds \\ud800"),
-        ("POST", "/verl/reward", b'{"prompt": ' + SURROGATE + b', "completion": "a", "group_size": 2}', 400,
-         "prompt holds \\ud800"),
-        ("POST", "/v1/compare", {"items": [{"prompt": "p", "a": "a", "b": "bb", "references": ["r", LONG]}]}, 413,
-         "items[0].references[1] has 51 characters; the limit is server.max_chars_per_text=50"),
-        ("POST", "/v1/rewards", {"groups": [{"prompt": "p", "completions": ["a", "bb"], "references": [LONG]}]},
-         413, "groups[0].references[0] has 51 characters"),
-        ("POST", "/openrlhf/get_reward", {"query": ["p a"], "prompts": ["p"], "labels": [LONG]}, 413,
-         "labels[0] has 51 characters"),
-        ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "anchor": LONG, "group_size": 2}, 413,
-         "anchor has 51 characters"),
-        ("POST", "/verl/reward", {"prompt": "p", "completion": "a", "group_size": 1}, 422,
-         "group_size=1 (validation with val_kwargs.n=1): a response alone is judged against its anchor"),
+        (
+            "POST",
+            "/v1/compare",
+            b'{"items": [{"prompt": "p", "a": "\xff", "b": "x"}]}',
+            400,
+            "request body is not UTF-8: byte 0xff at offset 33; send UTF-8 JSON",
+        ),
+        (
+            "POST",
+            "/v1/compare",
+            b'{"items": [{"prompt": ' + SURROGATE + b', "a": "a", "b": "bb"}]}',
+            400,
+            "items[0].prompt holds \\ud800 at character 1, a lone surrogate, which is no Unicode character",
+        ),
+        (
+            "POST",
+            "/v1/rewards",
+            b'{"groups": [{"prompt": "p", "completions": ["a", ' + SURROGATE + b"]}]}",
+            400,
+            "groups[0].completions[1] holds \\ud800",
+        ),
+        (
+            "POST",
+            "/openrlhf/get_reward",
+            b'{"query": [' + SURROGATE + b'], "prompts": ["p"]}',
+            400,
+            "query[0] holds \\ud800",
+        ),
+        (
+            "POST",
+            "/verl/reward",
+            b'{"prompt": ' + SURROGATE + b', "completion": "a", "group_size": 2}',
+            400,
+            "prompt holds \\ud800",
+        ),
+        (
+            "POST",
+            "/v1/compare",
+            {"items": [{"prompt": "p", "a": "a", "b": "bb", "references": ["r", LONG]}]},
+            413,
+            "items[0].references[1] has 51 characters; the limit is server.max_chars_per_text=50",
+        ),
+        (
+            "POST",
+            "/v1/rewards",
+            {"groups": [{"prompt": "p", "completions": ["a", "bb"], "references": [LONG]}]},
+            413,
+            "groups[0].references[0] has 51 characters",
+        ),
+        (
+            "POST",
+            "/openrlhf/get_reward",
+            {"query": ["p a"], "prompts": ["p"], "labels": [LONG]},
+            413,
+            "labels[0] has 51 characters",
+        ),
+        (
+            "POST",
+            "/verl/reward",
+            {"prompt": "p", "completion": "a", "anchor": LONG, "group_size": 2},
+            413,
+            "anchor has 51 characters",
+        ),
+        (
+            "POST",
+            "/verl/reward",
+            {"prompt": "p", "completion": "a", "group_size": 1},
+            422,
+            "group_size=1 (validation with val_kwargs.n=1): a response alone is judged against its anchor",
+        ),
     ],
-)  # fmt: skip
+)
 def test_every_client_error_has_the_documented_body(
     strict_server: str, method: str, route: str, body: object, status: int, reason: str
 ) -> None:
@@ -782,7 +865,16 @@ def test_a_half_sent_body_is_answered_408_and_closed(strict_server: str, chunked
 @pytest.mark.slow
 def test_read_timeout_s_is_range_checked(length_judge_path: Path) -> None:
     done = subprocess.run(
-        [JUDGELOOP, "serve-judge", "--config", CONFIG, f"judge_path={length_judge_path}", "server.read_timeout_s=0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            JUDGELOOP,
+            "serve-judge",
+            "--config",
+            CONFIG,
+            f"judge_path={length_judge_path}",
+            "server.read_timeout_s=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "server.read_timeout_s=0.0 must be > 0" in done.stderr, done.stderr

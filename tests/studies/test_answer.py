@@ -148,9 +148,17 @@ def _squad(tmp_path: Path) -> Path:
     rows = []
     for i in range(12):
         ctx = f"Paragraph {i}: the river town number {i} was founded by settler {i} in the year {1000 + i}."
-        rows.append({"id": f"q{i}", "title": "t", "paragraph_index": i, "context": ctx,
-                     "question": f"Who founded river town number {i}?", "answers": [] if i % 3 == 0 else [f"settler {i}"],
-                     "is_impossible": i % 3 == 0})  # fmt: skip
+        rows.append(
+            {
+                "id": f"q{i}",
+                "title": "t",
+                "paragraph_index": i,
+                "context": ctx,
+                "question": f"Who founded river town number {i}?",
+                "answers": [] if i % 3 == 0 else [f"settler {i}"],
+                "is_impossible": i % 3 == 0,
+            }
+        )
     path = tmp_path / "squad.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
@@ -161,13 +169,25 @@ def test_a_conformal_file_for_another_pool_is_one_line_before_any_model_loads(tm
     from judgeloop.retrieval.conformal import ConformalRetriever, corpus_fingerprint, save_conformal_file
 
     model = ConformalRetriever(0.2).fit(np.full((5, 1), 0.8), np.ones((5, 1), bool), np.zeros(5, int))
-    scorer = {"encoder": "sentence-transformers/all-MiniLM-L6-v2", "pooling": "mean", "max_length": 256,
-              "score_map": "affine"}  # fmt: skip
+    scorer = {
+        "encoder": "sentence-transformers/all-MiniLM-L6-v2",
+        "pooling": "mean",
+        "max_length": 256,
+        "score_map": "affine",
+    }
     save_conformal_file(
         tmp_path / "conformal.json", model, corpus_fingerprint(["0"], ["another pool"]), scorer
     )
-    rc = main(["answer", "--config", str(CONFIG), f"data.path={_squad(tmp_path)}",
-               f"abstain.conformal_path={tmp_path / 'conformal.json'}", f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    rc = main(
+        [
+            "answer",
+            "--config",
+            str(CONFIG),
+            f"data.path={_squad(tmp_path)}",
+            f"abstain.conformal_path={tmp_path / 'conformal.json'}",
+            f"output_dir={tmp_path / 'out'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "abstain.conformal_path=" in err[0] and "was fitted on another corpus (1 documents" in err[0]
@@ -178,8 +198,16 @@ def test_a_conformal_file_for_another_pool_is_one_line_before_any_model_loads(tm
 def test_the_reader_model_missing_is_one_line(tmp_path, capsys):
     from judgeloop.cli import main
 
-    rc = main(["answer", "--config", str(CONFIG), f"data.path={_squad(tmp_path)}",
-               "model.name=no-such-org/no-such-model", f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    rc = main(
+        [
+            "answer",
+            "--config",
+            str(CONFIG),
+            f"data.path={_squad(tmp_path)}",
+            "model.name=no-such-org/no-such-model",
+            f"output_dir={tmp_path / 'out'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.name='no-such-org/no-such-model'" in err[0]
 
@@ -196,9 +224,19 @@ def test_answer_command_on_a_tiny_reader_reports_a_calibration_split_without_cor
     logging.getLogger(
         "judgeloop"
     ).handlers.clear()  # log to this test's captured stderr, not an earlier one's
-    rc = main(["answer", "--config", str(CONFIG), f"data.path={_squad(tmp_path)}", "model.name=judgeloop-tiny/causal-lm",
-               "model.max_new_tokens=3", "retriever.encoder.name=judgeloop-tiny/encoder", "cache_dir=null",
-               f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    rc = main(
+        [
+            "answer",
+            "--config",
+            str(CONFIG),
+            f"data.path={_squad(tmp_path)}",
+            "model.name=judgeloop-tiny/causal-lm",
+            "model.max_new_tokens=3",
+            "retriever.encoder.name=judgeloop-tiny/encoder",
+            "cache_dir=null",
+            f"output_dir={tmp_path / 'out'}",
+        ]
+    )
     err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("judgeloop")]
     assert (
         rc == 2 and len(err) == 1 and "answer confidence: the calibration split has 6 questions" in err[0]
@@ -217,14 +255,29 @@ def test_answer_command_end_to_end_with_a_tiny_reader_whose_answers_are_made_gol
     rows = []
     for i in range(30):
         ctx = f"Paragraph {i}: the river town number {i} was founded by settler {i} in the year {1000 + i}."
-        rows.append({"id": f"q{i}", "title": "t", "paragraph_index": i, "context": ctx,
-                     "question": f"Who founded river town number {i}?", "answers": [] if i % 3 == 0 else ["x"],
-                     "is_impossible": i % 3 == 0})  # fmt: skip
+        rows.append(
+            {
+                "id": f"q{i}",
+                "title": "t",
+                "paragraph_index": i,
+                "context": ctx,
+                "question": f"Who founded river town number {i}?",
+                "answers": [] if i % 3 == 0 else ["x"],
+                "is_impossible": i % 3 == 0,
+            }
+        )
     path = tmp_path / "squad.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    overrides = [f"data.path={path}", "model.name=judgeloop-tiny/causal-lm", "model.max_new_tokens=3",
-                 "retriever.encoder.name=judgeloop-tiny/encoder", f"cache_dir={tmp_path / 'cache'}", "abstain.num_bootstrap=50",
-                 "abstain.target_risk=0.6", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    overrides = [
+        f"data.path={path}",
+        "model.name=judgeloop-tiny/causal-lm",
+        "model.max_new_tokens=3",
+        "retriever.encoder.name=judgeloop-tiny/encoder",
+        f"cache_dir={tmp_path / 'cache'}",
+        "abstain.num_bootstrap=50",
+        "abstain.target_risk=0.6",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     cfg = load_config(AnswerConfig, CONFIG, overrides)
     examples, pool = load_questions(cfg.data)
     r = retrieve_all(cfg, examples, pool)
@@ -258,7 +311,13 @@ def test_answer_command_end_to_end_with_a_tiny_reader_whose_answers_are_made_gol
     for name in ("report.md", "risk_coverage.png", "conformal.json", "abstention.json", "config.yaml"):
         assert (out / name).is_file(), name
     # the saved conformal file is reused on the same pool, and its test figures are the same
-    again = run(load_config(AnswerConfig, CONFIG, overrides[:-1] + [
-        f"abstain.conformal_path={out / 'conformal.json'}", f"output_dir={tmp_path / 'again'}"]))  # fmt: skip
+    again = run(
+        load_config(
+            AnswerConfig,
+            CONFIG,
+            overrides[:-1]
+            + [f"abstain.conformal_path={out / 'conformal.json'}", f"output_dir={tmp_path / 'again'}"],
+        )
+    )
     assert again["conformal"]["loaded"] and again["selective_f1"] == report["selective_f1"]
     assert len(list((tmp_path / "cache").glob("reader-*.json"))) == 1  # the reader ran once for all three

@@ -11,7 +11,34 @@ import pytest
 from judgeloop.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "rho", "tau", "phi", "chi", "psi", "amber", "basalt", "cobalt", "dune", "ember", "flint", "garnet", "heath", "iris", "jade"]  # fmt: skip
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "theta",
+    "kappa",
+    "lambda",
+    "sigma",
+    "omega",
+    "rho",
+    "tau",
+    "phi",
+    "chi",
+    "psi",
+    "amber",
+    "basalt",
+    "cobalt",
+    "dune",
+    "ember",
+    "flint",
+    "garnet",
+    "heath",
+    "iris",
+    "jade",
+]
 
 
 def _beir(tmp_path: Path, n_queries: int = 60, n_docs: int = 150) -> dict[str, str]:
@@ -30,13 +57,20 @@ def _beir(tmp_path: Path, n_queries: int = 60, n_docs: int = 150) -> dict[str, s
             )
             qrels += [f"q{q}\td{d}\t1" for d in rel]
     (tmp_path / "qrels.tsv").write_text("\n".join(qrels) + "\n")
-    return {"corpus": str(tmp_path / "corpus.jsonl"), "queries": str(tmp_path / "queries.jsonl"),
-            "qrels": str(tmp_path / "qrels.tsv")}  # fmt: skip
+    return {
+        "corpus": str(tmp_path / "corpus.jsonl"),
+        "queries": str(tmp_path / "queries.jsonl"),
+        "qrels": str(tmp_path / "qrels.tsv"),
+    }
 
 
 def _data_overrides(paths: dict[str, str]) -> list[str]:
-    return [f"data.corpus_path={paths['corpus']}", f"data.queries_path={paths['queries']}",
-            f"data.qrels_path={paths['qrels']}", "encoder.name=judgeloop-tiny/encoder"]  # fmt: skip
+    return [
+        f"data.corpus_path={paths['corpus']}",
+        f"data.queries_path={paths['queries']}",
+        f"data.qrels_path={paths['qrels']}",
+        "encoder.name=judgeloop-tiny/encoder",
+    ]
 
 
 def test_config_errors():
@@ -68,7 +102,7 @@ def test_conformal_command_end_to_end(tmp_path):
             "num_trials=5",
             f"output_dir={out}",
             f"cache_dir={tmp_path / 'cache'}",
-        ],  # fmt: skip
+        ],
     )
     report = run(cfg)
     assert [r["alpha"] for r in report["results"]] == [0.05, 0.1, 0.2]
@@ -86,9 +120,21 @@ def test_conformal_command_end_to_end(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # corpus + queries cached (embedding_cache)
 
     # a single alpha: the keys sit at the top level too
-    one = run(load_config(ConformalConfig, None, _data_overrides(paths) + [
-        "conformal.alphas=[0.2]", "conformal.top_k=20", "num_trials=3", "data.grouping=none",
-        f"output_dir={tmp_path / 'one'}", f"cache_dir={tmp_path / 'cache'}"]))  # fmt: skip
+    one = run(
+        load_config(
+            ConformalConfig,
+            None,
+            _data_overrides(paths)
+            + [
+                "conformal.alphas=[0.2]",
+                "conformal.top_k=20",
+                "num_trials=3",
+                "data.grouping=none",
+                f"output_dir={tmp_path / 'one'}",
+                f"cache_dir={tmp_path / 'cache'}",
+            ],
+        )
+    )
     assert one["alpha"] == 0.2 and set(one["groups"]) == {"all"} and 0.0 <= one["coverage"] <= 1.0
 
 
@@ -97,8 +143,12 @@ def test_conformal_command_missing_group_field(tmp_path):
     from judgeloop.io import DataError
 
     paths = _beir(tmp_path, n_queries=12, n_docs=30)
-    cfg = load_config(ConformalConfig, None, _data_overrides(paths) + [
-        "data.group_field=difficulty", "num_trials=1", f"output_dir={tmp_path / 'o'}", "cache_dir=null"])  # fmt: skip
+    cfg = load_config(
+        ConformalConfig,
+        None,
+        _data_overrides(paths)
+        + ["data.group_field=difficulty", "num_trials=1", f"output_dir={tmp_path / 'o'}", "cache_dir=null"],
+    )
     with pytest.raises(DataError, match="has no field 'difficulty'"):
         run(cfg)
 
@@ -119,7 +169,7 @@ def test_gate_command_end_to_end(tmp_path):
             "gate.num_bootstrap=50",
             f"output_dir={out}",
             "cache_dir=null",
-        ],  # fmt: skip
+        ],
     )
     report = run(cfg)
     assert set(report["signals"]) == set(cfg.gate.signals)
@@ -133,10 +183,23 @@ def test_gate_command_end_to_end(tmp_path):
 def _escalate(paths: dict[str, str], tmp_path: Path, method: str, *extra: str):
     from judgeloop.commands.gate import GateConfig, run
 
-    cfg = load_config(GateConfig, ROOT / "configs" / "gate" / "scifact_escalate.yaml", _data_overrides(paths) + [
-        "second_encoder.name=judgeloop-tiny/encoder", "gate.window_k=5", "gate.min_separation=0.5",
-        "gate.num_bootstrap=20", f"escalation.method={method}", "escalation.depth=20",
-        "escalation.num_bootstrap=50", f"output_dir={tmp_path / method}", "cache_dir=null", *extra])  # fmt: skip
+    cfg = load_config(
+        GateConfig,
+        ROOT / "configs" / "gate" / "scifact_escalate.yaml",
+        _data_overrides(paths)
+        + [
+            "second_encoder.name=judgeloop-tiny/encoder",
+            "gate.window_k=5",
+            "gate.min_separation=0.5",
+            "gate.num_bootstrap=20",
+            f"escalation.method={method}",
+            "escalation.depth=20",
+            "escalation.num_bootstrap=50",
+            f"output_dir={tmp_path / method}",
+            "cache_dir=null",
+            *extra,
+        ],
+    )
     return run(cfg)
 
 
@@ -176,8 +239,13 @@ def test_gate_escalation_end_to_end(tmp_path, method):
 
 def test_gate_escalation_by_rewrite_with_a_tiny_model(tmp_path):
     paths = _beir(tmp_path, n_queries=30, n_docs=60)
-    e = _escalate(paths, tmp_path, "rewrite", "escalation.rewrite_model=judgeloop-tiny/causal-lm",
-                  "escalation.rewrite_max_new_tokens=4")  # fmt: skip
+    e = _escalate(
+        paths,
+        tmp_path,
+        "rewrite",
+        "escalation.rewrite_model=judgeloop-tiny/causal-lm",
+        "escalation.rewrite_max_new_tokens=4",
+    )
     assert e["escalation"]["extra_cost_per_100_queries"]["escalate_every"]["model_calls"] == 100
     assert all(s["expanded"].startswith(s["query"]) for s in e["escalation"]["rewrite_samples"])
 
@@ -185,9 +253,17 @@ def test_gate_escalation_by_rewrite_with_a_tiny_model(tmp_path):
 def test_gate_escalation_model_missing_is_one_line_before_any_work(tmp_path, capsys):
     from judgeloop.cli import main
 
-    rc = main(["gate", "--config", str(ROOT / "configs/gate/scifact_escalate.yaml"), "escalation.method=rewrite",
-               "escalation.rewrite_model=no-such-org/no-such-model", f"data.corpus_path={tmp_path / 'missing.jsonl'}",
-               f"output_dir={tmp_path / 'o'}"])  # fmt: skip
+    rc = main(
+        [
+            "gate",
+            "--config",
+            str(ROOT / "configs/gate/scifact_escalate.yaml"),
+            "escalation.method=rewrite",
+            "escalation.rewrite_model=no-such-org/no-such-model",
+            f"data.corpus_path={tmp_path / 'missing.jsonl'}",
+            f"output_dir={tmp_path / 'o'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "escalation.rewrite_model='no-such-org/no-such-model' is not in the Hugging Face cache" in err[0]

@@ -319,14 +319,23 @@ def test_the_calibration_report_opens_with_a_reversed_judge():
     t = np.array([1.0, -1.0, 2.0, -2.0])
     report = {
         "judge": {
-            "type": "choice", "model": "m", "prompt": "p", "position_debias": False,
-            "position_bias": {"calibration": 0.0, "test": 0.0}, "status": {"calibration": {}, "test": {}},
+            "type": "choice",
+            "model": "m",
+            "prompt": "p",
+            "position_debias": False,
+            "position_bias": {"calibration": 0.0, "test": 0.0},
+            "status": {"calibration": {}, "test": {}},
             "health": judge_health(-t, t, y),
         },
-        "coupling": {"n_pairs": 2}, "labels": {"type": "rouge", "dimension": None, "calibration": {}, "test": {}},
-        "n_fit": 4, "articles": {"calibration": 2, "test": 2}, "n_eval": 4, "n_eval_pairs": 2, "n_bins": 10,
+        "coupling": {"n_pairs": 2},
+        "labels": {"type": "rouge", "dimension": None, "calibration": {}, "test": {}},
+        "n_fit": 4,
+        "articles": {"calibration": 2, "test": 2},
+        "n_eval": 4,
+        "n_eval_pairs": 2,
+        "n_bins": 10,
         "methods": {},
-    }  # fmt: skip
+    }
     lines = lab_markdown(report).splitlines()
     assert lines[2].startswith(
         "**`choice` is a reversed judge**: its position-debiased logit ranks the labels"

@@ -196,9 +196,17 @@ def test_route_command_end_to_end_tiny(tmp_path):
     rows = []
     for i, (town, who) in enumerate(zip(towns, people)):
         ctx = f"The river town of {town}mere was founded by {who} the settler in the year {1000 + i}."
-        rows.append({"id": str(i), "title": "t", "paragraph_index": i, "context": ctx,
-                     "question": f"Who founded {town}mere?", "answers": [who],
-                     "is_impossible": False})  # fmt: skip
+        rows.append(
+            {
+                "id": str(i),
+                "title": "t",
+                "paragraph_index": i,
+                "context": ctx,
+                "question": f"Who founded {town}mere?",
+                "answers": [who],
+                "is_impossible": False,
+            }
+        )
     path = tmp_path / "squad.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = load_config(
@@ -213,7 +221,7 @@ def test_route_command_end_to_end_tiny(tmp_path):
             "retriever.top_k=1",
             f"output_dir={tmp_path / 'out'}",
             "cache_dir=null",
-        ],  # fmt: skip
+        ],
     )
     report = run(cfg)
     assert set(report["test"]) == {"router", "never", "always", "random_matched", "oracle"}
@@ -234,8 +242,13 @@ def test_an_answer_given_as_a_string_stops_the_command_before_any_work(tmp_path,
     data = tmp_path / "squad.jsonl"
     data.write_text(json.dumps(row) + "\n")
     root = Path(__file__).resolve().parents[2]
-    argv = [command, "--config", str(root / "configs/routing" / config), f"data.path={data}",
-            f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    argv = [
+        command,
+        "--config",
+        str(root / "configs/routing" / config),
+        f"data.path={data}",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [

@@ -204,10 +204,12 @@ class JudgeReward:
 
             as_lists = [(r,) if isinstance(r, str) else tuple(r or ()) for r in refs]
             check_references(
-                needs, as_lists, n,
+                needs,
+                as_lists,
+                n,
                 f"give every row its reference summaries in the column reference_column={self.reference_column!r}",
                 "row {i}",
-            )  # fmt: skip
+            )
         groups = []
         for s, e in spans:
             if any(sources[i] != sources[s] for i in range(s, e)):
@@ -264,8 +266,13 @@ def sequence_logps(model: Any, inputs: dict[str, Any], fused: bool = False) -> A
     ids, mask = inputs["input_ids"], inputs["completion_mask"]
     if fused:
         labels = ids.masked_fill(mask == 0, -100)
-        out = model(input_ids=ids, attention_mask=inputs["attention_mask"], labels=labels, use_cache=False,
-                    fused_lm_head=True)  # fmt: skip
+        out = model(
+            input_ids=ids,
+            attention_mask=inputs["attention_mask"],
+            labels=labels,
+            use_cache=False,
+            fused_lm_head=True,
+        )
         return out.log_probs[:, -(ids.size(1) - 1) :].sum(dim=1)
     logits = model(input_ids=ids, attention_mask=inputs["attention_mask"], use_cache=False).logits
     token = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)

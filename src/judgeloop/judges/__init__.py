@@ -384,16 +384,25 @@ def _build_base_judge(cfg: JudgeConfig) -> Judge:
         from judgeloop.judges.served import GradedJudge
 
         return GradedJudge(
-            cfg.server, cfg.model, prompt=cfg.prompt, grades=cfg.grades, batch_size=cfg.batch_size,
-            max_length=cfg.max_length, cache_size=cfg.cache_size,
-        )  # fmt: skip
+            cfg.server,
+            cfg.model,
+            prompt=cfg.prompt,
+            grades=cfg.grades,
+            batch_size=cfg.batch_size,
+            max_length=cfg.max_length,
+            cache_size=cfg.cache_size,
+        )
     if cfg.type == "served" and cfg.extractor == "likelihood":
         from judgeloop.judges.served import ServedLikelihoodJudge
 
         return ServedLikelihoodJudge(
-            cfg.server, cfg.model, prompt=cfg.prompt, batch_size=cfg.batch_size, max_length=cfg.max_length,
+            cfg.server,
+            cfg.model,
+            prompt=cfg.prompt,
+            batch_size=cfg.batch_size,
+            max_length=cfg.max_length,
             cache_size=cfg.cache_size,
-        )  # fmt: skip
+        )
     if cfg.type == "served":
         from judgeloop.judges.served import ServedJudge
 

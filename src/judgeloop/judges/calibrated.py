@@ -176,9 +176,11 @@ class CalibratedJudge:
         """
         assert self.judge is not None
         check_references(
-            self.needs, references, len(prompts),
+            self.needs,
+            references,
+            len(prompts),
             "pass references= to compare, one list of reference summaries per item",
-        )  # fmt: skip
+        )
         self.calls += 1
         out = self.judge(list(prompts), list(a), list(b), references)
         # a failed judgement's row stays zero: its logit is NaN and its probability NaN whatever the features

@@ -294,8 +294,15 @@ class DetectorConfig:
     keyword_hits: int = 7
 
     def __post_init__(self) -> None:
-        for name in ("ngram", "repeated_sentence_words", "lead_sentences", "lead_min_ngrams", "keyword_window",
-                     "keyword_top", "keyword_hits"):  # fmt: skip
+        for name in (
+            "ngram",
+            "repeated_sentence_words",
+            "lead_sentences",
+            "lead_min_ngrams",
+            "keyword_window",
+            "keyword_top",
+            "keyword_hits",
+        ):
             check_at_least("detectors", self, name, 1)
         for name in ("repeated_ngram_share", "lead_copy_share"):
             check_range("detectors", self, name, 0, 1, "(]")

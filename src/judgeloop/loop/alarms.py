@@ -99,9 +99,16 @@ def check_divergence(
         if n >= cfg.min_pairs and rate < cfg.threshold:
             lo, hi = wilson_interval(k, n)
             fired.append(
-                {"step": step, "channel": channel, "agreement": rate, "ci95": [lo, hi], "n": n,
-                 "threshold": cfg.threshold, "action": cfg.action}
-            )  # fmt: skip
+                {
+                    "step": step,
+                    "channel": channel,
+                    "agreement": rate,
+                    "ci95": [lo, hi],
+                    "n": n,
+                    "threshold": cfg.threshold,
+                    "action": cfg.action,
+                }
+            )
     metrics["fired"] = float(len(fired))
     return metrics, fired
 
@@ -123,8 +130,15 @@ def watch_divergence(run: LoopRun, step: int) -> None:
     for a in fired:
         logger.warning(
             "step %d: divergence alarm: %s agreement %.3f (95%% CI [%.3f, %.3f], %d pairs) < %.3f; action: %s",
-            step, a["channel"], a["agreement"], a["ci95"][0], a["ci95"][1], a["n"], a["threshold"], a["action"],
-        )  # fmt: skip
+            step,
+            a["channel"],
+            a["agreement"],
+            a["ci95"][0],
+            a["ci95"][1],
+            a["n"],
+            a["threshold"],
+            a["action"],
+        )
     action = cfg.alarms.action
     if action == "refit" and needs_fit(cfg.calibration):
         run.calibrator = maybe_recalibrate(

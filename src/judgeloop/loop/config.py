@@ -223,9 +223,14 @@ class LossConfig:
         check_range("loss", self, "margin", 0, 0.5, "[)", "; pairs with |p - 0.5| < margin are skipped")
         check_at_least("loss", self, "kl_coef", 0)
         check_range(
-            "loss", self, "max_spread", 0, 0.5, "(]",
+            "loss",
+            self,
+            "max_spread",
+            0,
+            0.5,
+            "(]",
             ": a panel's spread is the standard deviation of probabilities (0.5 keeps every pair)",
-        )  # fmt: skip
+        )
         if self.kl_target <= 0 or self.kl_horizon < 1:
             raise ValueError(
                 f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1"

@@ -85,7 +85,7 @@ def policy_card(
             f"LoRA adapters (r={p.lora_r}, alpha={p.lora_alpha}, on {', '.join(p.lora_target_modules)})"
             if p.lora
             else "full fine-tuning"
-        )  # fmt: skip
+        )
         + f" of `{p.model}`.",
         "",
         "## What made it",

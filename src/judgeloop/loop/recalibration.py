@@ -203,9 +203,14 @@ def refit(
 
 
 def maybe_recalibrate(
-    step: int, state: LoopState, calibrator: Calibrator, collect: Any, cfg: FeedbackLoopConfig,
-    judge: Judge | None = None, reason: str | None = None,
-) -> Calibrator:  # fmt: skip
+    step: int,
+    state: LoopState,
+    calibrator: Calibrator,
+    collect: Any,
+    cfg: FeedbackLoopConfig,
+    judge: Judge | None = None,
+    reason: str | None = None,
+) -> Calibrator:
     """Monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold
     (or for ``reason``, a divergence alarm's). ``judge``: the training judge (a panel refits with it)."""
     pairs = None

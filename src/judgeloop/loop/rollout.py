@@ -323,9 +323,16 @@ def rollout(
     rep_articles = [a for a in articles for _ in range(num_pairs)]
     rep_prompts = [p for p in prompts for _ in range(num_pairs)]
     return Rollout(
-        rep_articles, rep_prompts, a_ids, b_ids, decode(tokenizer, a_ids), decode(tokenizer, b_ids),
-        kept[0] if kept else None, samples[2:], [decode(tokenizer, c) for c in samples[2:]],
-    )  # fmt: skip
+        rep_articles,
+        rep_prompts,
+        a_ids,
+        b_ids,
+        decode(tokenizer, a_ids),
+        decode(tokenizer, b_ids),
+        kept[0] if kept else None,
+        samples[2:],
+        [decode(tokenizer, c) for c in samples[2:]],
+    )
 
 
 def token_logprobs(
@@ -394,9 +401,13 @@ def _output_cache(out: Any) -> Any:
 
 
 def _shared_prompt_logprobs(
-    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, k: int,
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    k: int,
     prefix: PromptPrefix | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, N = len(prompts), len(completions)
     if k * B != N:
         raise ValueError(f"{N} completions for {B} prompts and samples_per_prompt={k}; expected {k * B}")
@@ -437,9 +448,16 @@ def _shared_prompt_logprobs(
 
 
 def _logprobs_on_prefix(
-    model: Any, cache: Any, p_ids: torch.Tensor, p_mask: torch.Tensor, completions: Sequence[Sequence[int]],
-    order: torch.Tensor, inverse: torch.Tensor, pad_id: int, k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    model: Any,
+    cache: Any,
+    p_ids: torch.Tensor,
+    p_mask: torch.Tensor,
+    completions: Sequence[Sequence[int]],
+    order: torch.Tensor,
+    inverse: torch.Tensor,
+    pad_id: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summary log-probs from the kept cache of prompt[:-1] (rows repeated k times): one pass over each
     sample's last prompt token and its summary but the last token (whose logit predicts nothing)."""
     device = next(model.parameters()).device

@@ -105,8 +105,11 @@ def evaluate_when_due(run: LoopRun, step: int) -> None:
         logger.info(
             "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
             "(best %.4f at step %d)",
-            step, cfg.early_stopping_patience, state.best_val, state.best_step,
-        )  # fmt: skip
+            step,
+            cfg.early_stopping_patience,
+            state.best_val,
+            state.best_step,
+        )
 
 
 def stop_requested(run: LoopRun) -> bool:
@@ -232,9 +235,15 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
     }
     if cfg.save_final_policy:  # every process: under FSDP / ZeRO-3 the weights are gathered
         export_policy(
-            out_dir / "policy", acc, run.model, run.tokenizer, run.calibrator.state_dict(),
-            cfg.policy.model, policy_card(cfg, report, state.per_article), to_yaml(cfg),
-        )  # fmt: skip
+            out_dir / "policy",
+            acc,
+            run.model,
+            run.tokenizer,
+            run.calibrator.state_dict(),
+            cfg.policy.model,
+            policy_card(cfg, report, state.per_article),
+            to_yaml(cfg),
+        )
     if acc.is_main_process:
         save_calibrated_judge(run)
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)

@@ -300,9 +300,15 @@ class LoopRun:
         step, so the ECE monitor, a refit and the divergence check of one step share them."""
         if self.collected is None or self.collected[0] != step:
             pairs = collect_calibration_pairs(
-                self.accelerator, self.model, self.tokenizer, self.build_prompt, self.train_judge,
-                self.splits.calibration, self.cfg, step,
-            )  # fmt: skip
+                self.accelerator,
+                self.model,
+                self.tokenizer,
+                self.build_prompt,
+                self.train_judge,
+                self.splits.calibration,
+                self.cfg,
+                step,
+            )
             self.collected = (step, pairs)
         return self.collected[1]
 
@@ -311,9 +317,15 @@ class LoopRun:
         the trackers."""
         with generation_context(self.model):
             rows = curve_rows(
-                self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt,
-                curve_articles(self.splits.validation, self.cfg), self.cfg, step,
-            )  # fmt: skip
+                self.accelerator,
+                self.model,
+                self.learner.ref,
+                self.tokenizer,
+                self.build_prompt,
+                curve_articles(self.splits.validation, self.cfg),
+                self.cfg,
+                step,
+            )
         point = record_curve_point(self.state, rows, step, self.cfg.seed)
         self.accelerator.log({f"curve/{k}": v for k, v in curve_log(point).items()}, step=step)
         return point
@@ -322,10 +334,20 @@ class LoopRun:
         """Test and validation metrics of the current policy at ``step``."""
         with generation_context(self.model):
             return run_evaluation(
-                self.accelerator, self.model, self.learner.ref, self.tokenizer, self.build_prompt,
-                self.splits, self.state, self.judge, self.train_judge, self.calibrator, self.cfg, step,
+                self.accelerator,
+                self.model,
+                self.learner.ref,
+                self.tokenizer,
+                self.build_prompt,
+                self.splits,
+                self.state,
+                self.judge,
+                self.train_judge,
+                self.calibrator,
+                self.cfg,
+                step,
                 self.start if step == 0 else None,
-            )  # fmt: skip
+            )
 
 
 def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> None:
@@ -369,9 +391,13 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     # whole under ZeRO-3 too: the warm-up trains it and the reference copies it before prepare partitions it
     with accelerator.main_process_first(), whole_models(accelerator):
         model, tokenizer, ref = load_policy(
-            cfg.policy, cfg.seed, sft if cfg.policy.sft_steps else None, fsdp,
-            out_dir / "sft_warm_start.pt" if many else None, accelerator.device.type == "cpu",
-        )  # fmt: skip
+            cfg.policy,
+            cfg.seed,
+            sft if cfg.policy.sft_steps else None,
+            fsdp,
+            out_dir / "sft_warm_start.pt" if many else None,
+            accelerator.device.type == "cpu",
+        )
     if ref is not None:
         ref = prepare_for_inference(ref.to(accelerator.device), accelerator)  # ZeRO-3: an inference engine
     # auto / cuda: this process's own GPU (one judge per process), the CPU in a CPU run
@@ -408,9 +434,21 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     )
     start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
     return LoopRun(
-        cfg, accelerator, out_dir, splits, tokenizer, build_prompt, learner, judge, train_judge, kl_ctl, start,
-        LoopState(kl_coef=kl_ctl.coef), build_calibrator(cfg.calibration), prefetch_judge=not sharded_judge,
-    )  # fmt: skip
+        cfg,
+        accelerator,
+        out_dir,
+        splits,
+        tokenizer,
+        build_prompt,
+        learner,
+        judge,
+        train_judge,
+        kl_ctl,
+        start,
+        LoopState(kl_coef=kl_ctl.coef),
+        build_calibrator(cfg.calibration),
+        prefetch_judge=not sharded_judge,
+    )
 
 
 def shares_prompt_pass(cfg: FeedbackLoopConfig, accelerator: Accelerator, model: Any) -> bool:
@@ -473,9 +511,15 @@ def start_run(run: LoopRun) -> None:
     state.numerics = [{"from_step": 0, **run_numerics(run)}]
     with generation_context(run.model):
         state.ref_summaries = reference_summaries(
-            run.accelerator, run.model, run.learner.ref, run.tokenizer, run.build_prompt, run.splits.test,
-            cfg, run.start,
-        )  # fmt: skip
+            run.accelerator,
+            run.model,
+            run.learner.ref,
+            run.tokenizer,
+            run.build_prompt,
+            run.splits.test,
+            cfg,
+            run.start,
+        )
     if (
         cfg.calibration.method != "oracle"
     ):  # samples of the initial policy: the judge's coupling, the first fit

@@ -117,8 +117,12 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
         if have < asked:  # evaluated on what there is, and said so (the report's counts show it too)
             logger.warning(
                 "%s=%d but its split has %d articles: evaluating on %d (raise data.max_articles or the "
-                "split fraction for more)", name, asked, have, have,
-            )  # fmt: skip
+                "split fraction for more)",
+                name,
+                asked,
+                have,
+                have,
+            )
     check_calibration_disjoint(splits.train, splits.calibration)
     return splits
 

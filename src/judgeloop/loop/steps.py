@@ -72,8 +72,15 @@ class PairBatch:
     stats: dict[str, float] = field(default_factory=dict)  # what the update measured
 
 
-def rollout_step(model: Any, tokenizer: Any, build_prompt: PromptBuilder, batch: PairBatch, cfg: FeedbackLoopConfig,
-                 process_index: int, keep_prefix: bool = False) -> Rollout:  # fmt: skip
+def rollout_step(
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    batch: PairBatch,
+    cfg: FeedbackLoopConfig,
+    process_index: int,
+    keep_prefix: bool = False,
+) -> Rollout:
     """The policy samples two summaries per article, or ``generation.num_samples_per_article``
     under grpo (``keep_prefix``: and keeps its prompt pass, with gradients, for the update)."""
     batch.rollout = rollout(

@@ -93,11 +93,15 @@ def find_python(cfg: VllmConfig) -> str:
     if cfg.python is not None:
         path = Path(cfg.python).expanduser()
         if not path.is_file():
-            raise ValueError(f"generation.vllm.python={cfg.python!r} is not a file; point it at the python of "
-                             "an environment with vLLM (make vllm builds .venv-vllm/bin/python)")  # fmt: skip
+            raise ValueError(
+                f"generation.vllm.python={cfg.python!r} is not a file; point it at the python of "
+                "an environment with vLLM (make vllm builds .venv-vllm/bin/python)"
+            )
         if not has_vllm(path):
-            raise ValueError(f"generation.vllm.python={cfg.python!r} cannot import vllm; install vLLM there "
-                             "or run make vllm")  # fmt: skip
+            raise ValueError(
+                f"generation.vllm.python={cfg.python!r} cannot import vllm; install vLLM there "
+                "or run make vllm"
+            )
         return str(path.absolute())  # not resolved: a venv's python finds its packages by its own path
     for path in default_pythons():
         if path.is_file() and has_vllm(path):
@@ -129,8 +133,10 @@ def check_server(url: str, timeout: float = 5.0, served_name: str = SERVED_NAME)
         status, _ = _get(base + "/health", timeout)
     except (OSError, urllib.error.URLError) as err:
         reason = getattr(err, "reason", err)
-        raise ValueError(f"generation.vllm.url={url!r} does not answer ({reason}); start the server "
-                         "(docs/vllm.md) or unset the key to let judgeloop start one") from None  # fmt: skip
+        raise ValueError(
+            f"generation.vllm.url={url!r} does not answer ({reason}); start the server "
+            "(docs/vllm.md) or unset the key to let judgeloop start one"
+        ) from None
     if status != 200:
         raise ValueError(f"generation.vllm.url={url!r}: /health answered {status}; is it a vLLM server?")
     status, _ = _get(base + "/is_sleeping", timeout)
@@ -253,11 +259,26 @@ class VllmServer:
         self.log_path = log_path
         max_len = cfg.max_model_len or 2048
         cmd = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32" if dtype == torch.float32 else "bfloat16", "--max-model-len", str(max_len),
-            "--generation-config", "vllm", "--seed", "0",
-        ]  # fmt: skip
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(folder),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32" if dtype == torch.float32 else "bfloat16",
+            "--max-model-len",
+            str(max_len),
+            "--generation-config",
+            "vllm",
+            "--seed",
+            "0",
+        ]
         if cpu:  # see the module docstring
             cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
         cmd += list(cfg.extra_args)
@@ -436,9 +457,15 @@ class VllmEngine:
         return self._allowed[vocab_size]
 
     def generate(
-        self, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
-        num_samples: int = 1, greedy: bool = False, seed: int | None = None,
-    ) -> list[list[int]]:  # fmt: skip
+        self,
+        model: Any,
+        tokenizer: Any,
+        prompts: Sequence[Sequence[int]],
+        gen: GenerationConfig,
+        num_samples: int = 1,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> list[list[int]]:
         """:func:`judgeloop.loop.rollout.generate` on the engine: ``len(prompts) * num_samples``
         completions (``len(prompts)`` when greedy), sample j of prompt i at ``i * num_samples + j``, each
         cut after its first EOS (kept)."""
@@ -494,9 +521,15 @@ def engine_for(model: Any) -> VllmEngine | None:
 
 @contextlib.contextmanager
 def serving(
-    python: str | None, folder: Path, model: Any, tokenizer: Any, cfg: VllmConfig, dtype: torch.dtype,
-    log_path: Path, cpu: bool,
-) -> Iterator[VllmEngine]:  # fmt: skip
+    python: str | None,
+    folder: Path,
+    model: Any,
+    tokenizer: Any,
+    cfg: VllmConfig,
+    dtype: torch.dtype,
+    log_path: Path,
+    cpu: bool,
+) -> Iterator[VllmEngine]:
     """An engine for ``model`` for the block: a server judgeloop starts on ``folder`` (``python``), or
     the one at ``cfg.url``; the server it started is ended on leaving."""
     server = None
@@ -559,9 +592,11 @@ def generation_engine(
                     hook.remove()
                 if engine.sync_seconds:
                     logger.info(
-                        "vLLM: %d requests, %d weight syncs (mean %.2f s)", engine.requests,
-                        len(engine.sync_seconds), sum(engine.sync_seconds) / len(engine.sync_seconds),
-                    )  # fmt: skip
+                        "vLLM: %d requests, %d weight syncs (mean %.2f s)",
+                        engine.requests,
+                        len(engine.sync_seconds),
+                        sum(engine.sync_seconds) / len(engine.sync_seconds),
+                    )
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

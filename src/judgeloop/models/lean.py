@@ -100,9 +100,16 @@ def _gqa_sdpa(
     plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     if not (grouped and plain and attention_mask is not None and query.shape[2] > 1):
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
             **kwargs,
-        )  # fmt: skip
+        )
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )  # (B, H, T, D); the mask carries causality

@@ -100,8 +100,14 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # the shape every tiny model shares: 2 layers of width 64, 4 heads
-        dims = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    intermediate_size=128, pad_token_id=tok.pad_token_id)  # fmt: skip
+        dims = dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            pad_token_id=tok.pad_token_id,
+        )
         if kind == "encoder":
             return BertModel(BertConfig(**dims, max_position_embeddings=512)).eval()
         if kind == "nli":
@@ -110,9 +116,12 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
             return BertForSequenceClassification(bert).eval()
         heads = {"num_attention_heads": 2, "num_key_value_heads": 1} if kind == "causal-lm-h32" else {}
         llama = LlamaConfig(
-            **{**dims, "num_key_value_heads": 2, **heads}, max_position_embeddings=2048,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
-        )  # fmt: skip
+            **{**dims, "num_key_value_heads": 2, **heads},
+            max_position_embeddings=2048,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=True,
+        )
         if kind in ("causal-lm", "causal-lm-h32"):
             return LlamaForCausalLM(llama).eval()
         llama.num_labels = 1

@@ -47,9 +47,17 @@ class DistractorTally:
 
 
 def _example_row(
-    q: RaftQuestion, split: str, present: bool, picked: list, order: list[str], oracle: Chunk,
-    by_id: Mapping[str, str], reasoning: str, answer: str, system: str,
-) -> dict[str, Any]:  # fmt: skip
+    q: RaftQuestion,
+    split: str,
+    present: bool,
+    picked: list,
+    order: list[str],
+    oracle: Chunk,
+    by_id: Mapping[str, str],
+    reasoning: str,
+    answer: str,
+    system: str,
+) -> dict[str, Any]:
     """One RAFT chat row and its meta (what eval-raft and the statistics read)."""
     messages = render_messages(
         system, q.question, q.kind, [(cid, by_id[cid]) for cid in order], render_target(reasoning, answer)
@@ -76,10 +84,17 @@ def _example_row(
 
 
 def assemble_split(
-    cfg: AssemblySettings, split: str, qs: Sequence[RaftQuestion], pool: list[Chunk],
-    chunks: Mapping[str, list[Chunk]], oracle_of: Mapping[str, Chunk], quotes_of: Mapping[str, list[str]],
-    topics: Mapping[str, str | None], gen: Any, tally: DistractorTally,
-) -> list[dict[str, Any]]:  # fmt: skip
+    cfg: AssemblySettings,
+    split: str,
+    qs: Sequence[RaftQuestion],
+    pool: list[Chunk],
+    chunks: Mapping[str, list[Chunk]],
+    oracle_of: Mapping[str, Chunk],
+    quotes_of: Mapping[str, list[str]],
+    topics: Mapping[str, str | None],
+    gen: Any,
+    tally: DistractorTally,
+) -> list[dict[str, Any]]:
     """The rows of one split: distractors per question, the oracle with probability p_oracle, the target."""
     pool_ids = {c.id for c in pool}
     ids_by_text: dict[str, set[str]] = defaultdict(set)

@@ -218,8 +218,12 @@ def add_marks(cfg: BuildRaftConfig, rows: dict[str, list[dict[str, Any]]]) -> An
 
 def _marks_stats(cfg: MarksConfig, model: Any, rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """How the marks fall on each split's shown oracle chunks and distractors."""
-    out: dict[str, Any] = {"levels": cfg.levels, "in_prompt": cfg.in_prompt, "n_cal": model.n_cal_,
-                           "thresholds": {f"{x:g}": model.threshold_at(x) for x in cfg.levels}}  # fmt: skip
+    out: dict[str, Any] = {
+        "levels": cfg.levels,
+        "in_prompt": cfg.in_prompt,
+        "n_cal": model.n_cal_,
+        "thresholds": {f"{x:g}": model.threshold_at(x) for x in cfg.levels},
+    }
     for split, split_rows in rows.items():
         counts: dict[str, dict[str, int]] = {"oracle": {}, "distractor": {}}
         for r in split_rows:

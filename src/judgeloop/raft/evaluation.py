@@ -335,9 +335,13 @@ def _render_marks(marks: Mapping[str, Any]) -> list[str]:
         lo, hi = d["ci95"]
         return f"{d['without']:.3f} | {d['with']:.3f} | {d['delta']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {d['changed']} of {d['n']}"
 
-    lines = ["", f"## Evidence marks (levels {marks['levels']}): without vs with, paired per question", "",
-             "| model | measure | without | with | delta [95% bootstrap CI] | questions that changed |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "",
+        f"## Evidence marks (levels {marks['levels']}): without vs with, paired per question",
+        "",
+        "| model | measure | without | with | delta [95% bootstrap CI] | questions that changed |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, m in marks.items():
         if name in ("levels", "example"):
             continue

@@ -132,8 +132,12 @@ def doc_marks(
         marks = {}
         for doc_id, _ in row_docs(r["meta"]):
             level = None if math.isnan(lv[k]) else float(lv[k])
-            marks[doc_id] = {"score": float(scores[k]), "level": level, "pvalue": float(pv[k]),
-                             "text": mark_text(level, float(pv[k]), levels)}  # fmt: skip
+            marks[doc_id] = {
+                "score": float(scores[k]),
+                "level": level,
+                "pvalue": float(pv[k]),
+                "text": mark_text(level, float(pv[k]), levels),
+            }
             k += 1
         out.append(marks)
     return out
@@ -182,8 +186,13 @@ def load_eval_marks(cfg: EvalMarksConfig, data_dir: str | Path) -> tuple[Any, Ma
         )
     scorer = conformal_file_info(path, "marks.conformal_path")["scorer"]
     model = load_conformal_file(path, corpus, scorer, "marks.conformal_path")
-    return model, MarksConfig(enabled=True, encoder=scorer["encoder"], max_length=int(scorer["max_length"]),
-                              batch_size=cfg.batch_size, levels=list(cfg.levels))  # fmt: skip
+    return model, MarksConfig(
+        enabled=True,
+        encoder=scorer["encoder"],
+        max_length=int(scorer["max_length"]),
+        batch_size=cfg.batch_size,
+        levels=list(cfg.levels),
+    )
 
 
 def paired_marks(
@@ -196,9 +205,14 @@ def paired_marks(
     def delta(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
         x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
         d = y - x
-        return {"without": float(x.mean()) if x.size else None, "with": float(y.mean()) if y.size else None,
-                "delta": float(d.mean()) if d.size else None, "ci95": list(bootstrap_mean_interval(d, num_bootstrap, seed=seed)),
-                "n": int(d.size), "changed": int((d != 0).sum())}  # fmt: skip
+        return {
+            "without": float(x.mean()) if x.size else None,
+            "with": float(y.mean()) if y.size else None,
+            "delta": float(d.mean()) if d.size else None,
+            "ci95": list(bootstrap_mean_interval(d, num_bootstrap, seed=seed)),
+            "n": int(d.size),
+            "changed": int((d != 0).sum()),
+        }
 
     out: dict[str, Any] = {"accuracy": {}}
     for setting, e in without["settings"].items():

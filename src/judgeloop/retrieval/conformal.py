@@ -603,11 +603,18 @@ class AdaptiveConformal:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "alpha": self.alpha, "gamma": self.gamma, "window": self.window, "warmup": self.warmup,
-            "monitor_window": self.monitor_window, "tolerance": self.tolerance, "alpha_t_": self.alpha_t_,
-            "history_": list(self.history_), "outcomes_": list(self.outcomes_), "sizes_": list(self.sizes_),
+            "alpha": self.alpha,
+            "gamma": self.gamma,
+            "window": self.window,
+            "warmup": self.warmup,
+            "monitor_window": self.monitor_window,
+            "tolerance": self.tolerance,
+            "alpha_t_": self.alpha_t_,
+            "history_": list(self.history_),
+            "outcomes_": list(self.outcomes_),
+            "sizes_": list(self.sizes_),
             "t_": self.t_,
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> AdaptiveConformal:
         for key in ("alpha", "gamma", "window", "warmup", "monitor_window", "tolerance", "alpha_t_", "t_"):
@@ -642,8 +649,15 @@ def save_conformal_file(
     ``scorer`` that made its scores (encoder name, pooling, score map: whatever must match to reuse it)."""
     from judgeloop.io import atomic_write_json
 
-    atomic_write_json(path, {"kind": CONFORMAL_FILE_KIND, "corpus": dict(corpus), "scorer": dict(scorer),
-                             "conformal": model.state_dict()})  # fmt: skip
+    atomic_write_json(
+        path,
+        {
+            "kind": CONFORMAL_FILE_KIND,
+            "corpus": dict(corpus),
+            "scorer": dict(scorer),
+            "conformal": model.state_dict(),
+        },
+    )
 
 
 def conformal_file_info(path: str | Path, key: str) -> dict[str, Any]:

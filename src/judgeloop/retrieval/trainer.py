@@ -461,14 +461,21 @@ def make_accelerator(cfg: TrainRetrieverConfig) -> Any:
     amp = {} if train_precision == "no" else {"mixed_precision": train_precision}
     logger.info(
         "precision: training %s, encoding %s (train.mixed_precision=%s, eval.precision=%s; native bf16 on %s: %s)",
-        train_precision, resolve_precision(cfg.eval.precision, device), cfg.train.mixed_precision,
-        cfg.eval.precision, device, native_bf16(device),
-    )  # fmt: skip
+        train_precision,
+        resolve_precision(cfg.eval.precision, device),
+        cfg.train.mixed_precision,
+        cfg.eval.precision,
+        device,
+        native_bf16(device),
+    )
     out = Path(cfg.output_dir)
     accelerator = new_accelerator(
-        log_with=make_trackers(cfg.log_with, out), project_dir=str(out), step_scheduler_with_optimizer=False,
-        **accelerator_kwargs(on_cpu(cfg.device)), **amp,
-    )  # fmt: skip
+        log_with=make_trackers(cfg.log_with, out),
+        project_dir=str(out),
+        step_scheduler_with_optimizer=False,
+        **accelerator_kwargs(on_cpu(cfg.device)),
+        **amp,
+    )
     refuse_gradcache_under_deepspeed(accelerator, cfg.train.gradcache_chunk_size)
     return accelerator
 

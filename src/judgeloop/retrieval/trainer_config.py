@@ -186,8 +186,13 @@ class TrainRetrieverConfig:
     stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
     # keys a resume may change (judgeloop.rundir): they cannot change what the run computes
     RUN_FREE_KEYS: ClassVar[tuple[str, ...]] = (
-        "log_with", "project_name", "run_name", "stop_signals", "train.resume", "train.keep_checkpoints",
-    )  # fmt: skip
+        "log_with",
+        "project_name",
+        "run_name",
+        "stop_signals",
+        "train.resume",
+        "train.keep_checkpoints",
+    )
 
     def __post_init__(self) -> None:
         if not self.output_dir:

@@ -162,11 +162,15 @@ class AnswerConfidence:
     def state_dict(self) -> dict[str, Any]:
         fitted = hasattr(self, "w_")
         return {
-            "features": self.features, "l2": self.l2, "min_points": self.min_points,
-            "w_": self.w_.tolist() if fitted else None, "b_": self.b_ if fitted else None,
-            "mean_": self.mean_.tolist() if fitted else None, "scale_": self.scale_.tolist() if fitted else None,
+            "features": self.features,
+            "l2": self.l2,
+            "min_points": self.min_points,
+            "w_": self.w_.tolist() if fitted else None,
+            "b_": self.b_ if fitted else None,
+            "mean_": self.mean_.tolist() if fitted else None,
+            "scale_": self.scale_.tolist() if fitted else None,
             "n_fit_": getattr(self, "n_fit_", 0),
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> AnswerConfidence:
         self.features, self.l2, self.min_points = list(state["features"]), state["l2"], state["min_points"]
@@ -224,9 +228,13 @@ class RiskThreshold:
         return np.asarray(confidence, dtype=np.float64) >= self.threshold_
 
     def state_dict(self) -> dict[str, Any]:
-        return {"target_risk": self.target_risk, "threshold_": getattr(self, "threshold_", None),
-                "coverage_": getattr(self, "coverage_", None), "risk_": getattr(self, "risk_", None),
-                "met_": getattr(self, "met_", None)}  # fmt: skip
+        return {
+            "target_risk": self.target_risk,
+            "threshold_": getattr(self, "threshold_", None),
+            "coverage_": getattr(self, "coverage_", None),
+            "risk_": getattr(self, "risk_", None),
+            "met_": getattr(self, "met_", None),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> RiskThreshold:
         self.target_risk = float(state["target_risk"])

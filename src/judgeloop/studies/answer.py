@@ -192,8 +192,13 @@ def gate_flags(r: Retrieved, cal: np.ndarray) -> tuple[np.ndarray, dict[str, Any
         return np.zeros(len(r.sim), dtype=bool), {"fitted": False, "why": str(err)}
     flag = gate.predict({"max_score": top1})
     t = gate.state_.thresholds["max_score"] * gate.state_.orientation["max_score"]
-    return flag, {"fitted": True, "signal": "top-1 similarity", "threshold": t,
-                  "orientation": gate.state_.orientation["max_score"], "weak_rate_cal": float(weak[cal].mean())}  # fmt: skip
+    return flag, {
+        "fitted": True,
+        "signal": "top-1 similarity",
+        "threshold": t,
+        "orientation": gate.state_.orientation["max_score"],
+        "weak_rate_cal": float(weak[cal].mean()),
+    }
 
 
 def load_reader(cfg: AnswerConfig) -> tuple[Any, Any]:
@@ -203,7 +208,9 @@ def load_reader(cfg: AnswerConfig) -> tuple[Any, Any]:
     return load_causal_lm(cfg.model.name), load_tokenizer(cfg.model.name)
 
 
-def read_answers(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]]) -> dict[str, Any]:  # fmt: skip
+def read_answers(
+    cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]]
+) -> dict[str, Any]:
     """The reader's answers with its shown passages and its P(the passages answer it), through a cache in
     ``cache_dir`` keyed by the reader, its settings and every prompt's text (greedy decoding: the same
     prompts give the same answers, so a rerun that changes only the abstention settings reads nothing)."""
@@ -215,23 +222,40 @@ def read_answers(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any]
     from judgeloop.routing.llm import EXTRACT_ANSWER
 
     m = cfg.model
-    key = json_digest([m.name, m.max_new_tokens, EXTRACT_ANSWER, texts_digest(
-        x for ex, ps in zip(examples, shown) for x in [ex.question, *ps])])  # fmt: skip
+    key = json_digest(
+        [
+            m.name,
+            m.max_new_tokens,
+            EXTRACT_ANSWER,
+            texts_digest(x for ex, ps in zip(examples, shown) for x in [ex.question, *ps]),
+        ]
+    )
     folder = resolve_cache_dir(cfg.cache_dir, "answers")  # auto: the judgeloop cache, not the working dir
     path = folder / f"reader-{key}.json" if folder is not None else None
     if path is not None and path.is_file():
         logger.info("reusing the reader's answers from %s", path)
         got = json.loads(path.read_text())
-        return {"answers": got["answers"], "p_yes": np.asarray(got["p_yes"]),
-                "logprob_mean": np.asarray([math.nan if x is None else x for x in got["logprob_mean"]])}  # fmt: skip
+        return {
+            "answers": got["answers"],
+            "p_yes": np.asarray(got["p_yes"]),
+            "logprob_mean": np.asarray([math.nan if x is None else x for x in got["logprob_mean"]]),
+        }
     out = _read(cfg, reader, examples, shown)
     if path is not None:
-        atomic_write_json(path, {"answers": out["answers"], "p_yes": out["p_yes"].tolist(),
-                                 "logprob_mean": out["logprob_mean"].tolist()})  # fmt: skip
+        atomic_write_json(
+            path,
+            {
+                "answers": out["answers"],
+                "p_yes": out["p_yes"].tolist(),
+                "logprob_mean": out["logprob_mean"].tolist(),
+            },
+        )
     return out
 
 
-def _read(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]]) -> dict[str, Any]:  # fmt: skip
+def _read(
+    cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]]
+) -> dict[str, Any]:
     """:func:`read_answers` without the cache."""
     from judgeloop.routing.llm import (
         EXTRACT_ANSWER,
@@ -247,14 +271,21 @@ def _read(cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown
         model, tok, qs, shown, m.max_new_tokens, m.batch_size, EXTRACT_ANSWER
     )
     p_yes = answerable_probability(model, tok, qs, shown, m.batch_size)
-    return {"answers": [strip_answer_label(x) for x in answers], "p_yes": p_yes,
-            "logprob_mean": np.asarray([g.logprob_mean for g in gens])}  # fmt: skip
+    return {
+        "answers": [strip_answer_label(x) for x in answers],
+        "p_yes": p_yes,
+        "logprob_mean": np.asarray([g.logprob_mean for g in gens]),
+    }
 
 
 def single_passage_answers(
-    cfg: AnswerConfig, reader: tuple[Any, Any], examples: list[Any], shown: list[list[str]], in_set: np.ndarray,
+    cfg: AnswerConfig,
+    reader: tuple[Any, Any],
+    examples: list[Any],
+    shown: list[list[str]],
+    in_set: np.ndarray,
     which: np.ndarray,
-) -> dict[int, list[str]]:  # fmt: skip
+) -> dict[int, list[str]]:
     """For the questions in ``which`` with two or more shown passages in the conformal set, the reader's
     answer with each of those passages alone (the disagreement check)."""
     from judgeloop.routing.llm import EXTRACT_ANSWER, answer_with_passages, strip_answer_label
@@ -267,9 +298,15 @@ def single_passage_answers(
         if in_set[i].sum() >= 2
         for j in np.nonzero(in_set[i])[0].tolist()
     ]
-    answers, _ = answer_with_passages(model, tok, [examples[i].question for i, _ in items],
-                                      [[shown[i][j]] for i, j in items], m.max_new_tokens, m.batch_size,
-                                      EXTRACT_ANSWER)  # fmt: skip
+    answers, _ = answer_with_passages(
+        model,
+        tok,
+        [examples[i].question for i, _ in items],
+        [[shown[i][j]] for i, j in items],
+        m.max_new_tokens,
+        m.batch_size,
+        EXTRACT_ANSWER,
+    )
     per: dict[int, list[str]] = {}
     for (i, _), a in zip(items, answers):
         per.setdefault(i, []).append(strip_answer_label(a))
@@ -295,22 +332,37 @@ def _features(read: dict[str, Any], top1: np.ndarray, in_set: np.ndarray) -> dic
     """The candidate confidence features per question (``FEATURES``); a missing log-prob (an empty answer)
     counts as -20 nats a token."""
     lp = np.where(np.isfinite(read["logprob_mean"]), read["logprob_mean"], -20.0)
-    return {"answer_logprob": lp, "answerable_logit": _logit(read["p_yes"]), "top1_similarity": top1,
-            "num_in_set": in_set.sum(axis=1).astype(float)}  # fmt: skip
+    return {
+        "answer_logprob": lp,
+        "answerable_logit": _logit(read["p_yes"]),
+        "top1_similarity": top1,
+        "num_in_set": in_set.sum(axis=1).astype(float),
+    }
 
 
 def _rows(examples: list[Any], o: Outcomes, read: dict[str, Any], in_set: np.ndarray) -> list[dict[str, Any]]:
     """One ``answers.jsonl`` row per question."""
     in_test = set(o.test.tolist())
     return [
-        {"id": ex.id, "split": "test" if i in in_test else "calibration", "question": ex.question,
-         "answers": ex.answers, "unanswerable": bool(o.unanswerable[i]), "answer": read["answers"][i],
-         "f1": float(o.f1[i]), "confidence": float(o.confidence[i]), "answered": bool(o.answered[i]),
-         "reason": o.reasons[i], "flags": {k: bool(v[i]) for k, v in o.flags.items()},
-         "top1_similarity": float(o.top1[i]), "p_answerable": float(read["p_yes"][i]), "in_set": in_set[i].tolist(),
-         "single_passage_answers": read["singles"].get(i, [])}
+        {
+            "id": ex.id,
+            "split": "test" if i in in_test else "calibration",
+            "question": ex.question,
+            "answers": ex.answers,
+            "unanswerable": bool(o.unanswerable[i]),
+            "answer": read["answers"][i],
+            "f1": float(o.f1[i]),
+            "confidence": float(o.confidence[i]),
+            "answered": bool(o.answered[i]),
+            "reason": o.reasons[i],
+            "flags": {k: bool(v[i]) for k, v in o.flags.items()},
+            "top1_similarity": float(o.top1[i]),
+            "p_answerable": float(read["p_yes"][i]),
+            "in_set": in_set[i].tolist(),
+            "single_passage_answers": read["singles"].get(i, []),
+        }
         for i, ex in enumerate(examples)
-    ]  # fmt: skip
+    ]
 
 
 def answer_study(cfg: AnswerConfig) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
@@ -382,8 +434,13 @@ def answer_study(cfg: AnswerConfig) -> tuple[dict[str, Any], list[dict[str, Any]
         cfg, examples, pool, r, o, thr, sim_thr, gate_info, conformal, read, loaded is not None
     )
     rows = _rows(examples, o, read, in_set)
-    state = {"conformal": conformal, "corpus": corpus_fingerprint([str(i) for i in range(len(pool))], pool),
-             "scorer": _scorer(cfg), "confidence": confidence.state_dict(), "threshold": thr.state_dict()}  # fmt: skip
+    state = {
+        "conformal": conformal,
+        "corpus": corpus_fingerprint([str(i) for i in range(len(pool))], pool),
+        "scorer": _scorer(cfg),
+        "confidence": confidence.state_dict(),
+        "threshold": thr.state_dict(),
+    }
     return report, rows, state
 
 
@@ -392,7 +449,9 @@ def _selective(conf: np.ndarray, loss: np.ndarray, c: float, idx: np.ndarray) ->
     return 1.0 - selective_risk(conf[idx], loss[idx], c)
 
 
-def _selective_at(conf: np.ndarray, top1: np.ndarray, loss: np.ndarray, c: float, num_bootstrap: int, seed: int) -> dict[str, Any]:  # fmt: skip
+def _selective_at(
+    conf: np.ndarray, top1: np.ndarray, loss: np.ndarray, c: float, num_bootstrap: int, seed: int
+) -> dict[str, Any]:
     """One coverage's row of :func:`selective_table`."""
 
     def system(idx: np.ndarray) -> float:
@@ -431,7 +490,9 @@ def selective_table(
     return {f"{c:g}": _selective_at(conf, top1, loss, c, a.num_bootstrap, cfg.seed) for c in a.coverages}
 
 
-def _reason_table(reasons: list[str | None], unanswerable: np.ndarray, f1: np.ndarray, test: np.ndarray) -> dict[str, Any]:  # fmt: skip
+def _reason_table(
+    reasons: list[str | None], unanswerable: np.ndarray, f1: np.ndarray, test: np.ndarray
+) -> dict[str, Any]:
     refused = [i for i in test.tolist() if reasons[i] is not None]
     out: dict[str, Any] = {}
     for name in REASONS:
@@ -455,14 +516,28 @@ def _operating_point(cfg: AnswerConfig, o: Outcomes, answered: np.ndarray) -> di
         return float(loss[idx][keep].mean()) if keep.any() else math.nan
 
     ci = bootstrap_interval(risk, o.test.size, cfg.abstain.num_bootstrap, seed=cfg.seed)
-    return {"coverage": float(answered.mean()), "risk": float(loss[answered].mean()) if answered.any() else None,
-            "risk_ci95": list(ci), "refusal_rate_answerable": float((~answered[~u]).mean()) if (~u).any() else None,
-            "refusal_rate_unanswerable": float((~answered[u]).mean()) if u.any() else None}  # fmt: skip
+    return {
+        "coverage": float(answered.mean()),
+        "risk": float(loss[answered].mean()) if answered.any() else None,
+        "risk_ci95": list(ci),
+        "refusal_rate_answerable": float((~answered[~u]).mean()) if (~u).any() else None,
+        "refusal_rate_unanswerable": float((~answered[u]).mean()) if u.any() else None,
+    }
 
 
-def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Retrieved, o: Outcomes, thr: Any,
-                 sim_thr: Any, gate_info: dict[str, Any], conformal: Any, read: dict[str, Any],
-                 conformal_loaded: bool) -> dict[str, Any]:  # fmt: skip
+def build_report(
+    cfg: AnswerConfig,
+    examples: list[Any],
+    pool: list[str],
+    r: Retrieved,
+    o: Outcomes,
+    thr: Any,
+    sim_thr: Any,
+    gate_info: dict[str, Any],
+    conformal: Any,
+    read: dict[str, Any],
+    conformal_loaded: bool,
+) -> dict[str, Any]:
     """The report: data, the fitted pieces, the test curve, selective F1, the operating point, reasons."""
     a = cfg.abstain
     test, conf, loss, top1, f1 = o.test, o.confidence, o.loss, o.top1, o.f1
@@ -477,7 +552,7 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
             "n_cal": int(o.cal.size),
             "n_test": int(test.size),
             "pool_size": len(pool),
-        },  # fmt: skip
+        },
         "model": cfg.model.name,
         "retriever": f"dense top-{cfg.retriever.top_k} ({cfg.retriever.encoder.name})",
         "gold_passage_shown_rate_test": float(shown_gold[test].mean()),
@@ -487,7 +562,7 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
             "target": "F1" if a.confidence_target == "f1" else f"F1 >= {a.correct_min_f1}",
             "auc_label": f"F1 >= {a.correct_min_f1}",
             "auc_test": _auc(conf[test], f1[test] >= a.correct_min_f1),
-        },  # fmt: skip
+        },
         "always_answer_f1_test": float(f1[test].mean()),
         "risk_coverage": [{"coverage": float(c), "risk": float(x)} for c, x in zip(cov, risk)],
         "aurc": {
@@ -495,7 +570,7 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
             "similarity": aurc(top1[test], loss[test]),
             "answer_logprob": aurc(o.features["answer_logprob"][test], loss[test]),
             "random": float(loss[test].mean()),
-        },  # fmt: skip
+        },
         "selective_f1": selective_table(cfg, conf[test], top1[test], loss[test]),
         "threshold": {
             "target_risk": a.target_risk,
@@ -503,13 +578,13 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
             "met_on_calibration": thr.met_,
             "calibration": {"coverage": thr.coverage_, "risk": thr.risk_},
             "test": _operating_point(cfg, o, o.answered[test]),
-        },  # fmt: skip
+        },
         "similarity_threshold": {
             "threshold": sim_thr.threshold_,
             "met_on_calibration": sim_thr.met_,
             "calibration": {"coverage": sim_thr.coverage_, "risk": sim_thr.risk_},
             "test": _operating_point(cfg, o, sim_thr.predict(top1[test])),
-        },  # fmt: skip
+        },
         "refusals": _reason_table(o.reasons, o.unanswerable, f1, test),
         "flag_rates_test": {k: float(v[test].mean()) for k, v in o.flags.items()},
         "gate": gate_info,
@@ -518,12 +593,12 @@ def build_report(cfg: AnswerConfig, examples: list[Any], pool: list[str], r: Ret
             "threshold": conformal.threshold_,
             "loaded": conformal_loaded,
             "empty_set_rate_test": float(o.flags["conformal_set_empty"][test].mean()),
-        },  # fmt: skip
+        },
         "cost": {
             "generations": read["num_generations"],
             "answerability_passes": read["num_answerability_passes"],
             "generations_per_question": read["num_generations"] / len(examples),
-        },  # fmt: skip
+        },
     }
 
 
@@ -587,13 +662,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         return f"{fmt_number(x[key])} [{fmt_number(x['ci95'][0])}, {fmt_number(x['ci95'][1])}]"
 
     for c, s in report["selective_f1"].items():
-        lines.append(f"| {c} | {ci(s['system'])} | {ci(s['always_answer'])} | {ci(s['similarity'])} | "
-                     f"{ci(s['system_minus_always'], 'delta')} | {ci(s['system_minus_similarity'], 'delta')} |")  # fmt: skip
-    lines += ["", f"## The threshold chosen on calibration for target risk {th['target_risk']}", "",
-              "| ranking | threshold | cal coverage | cal risk | test coverage | test risk [95% CI] | refused: answerable | refused: unanswerable |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for label, t, thr_value in (("confidence", th, th["confidence"]),
-                                ("top-1 similarity", report["similarity_threshold"], report["similarity_threshold"]["threshold"])):  # fmt: skip
+        lines.append(
+            f"| {c} | {ci(s['system'])} | {ci(s['always_answer'])} | {ci(s['similarity'])} | "
+            f"{ci(s['system_minus_always'], 'delta')} | {ci(s['system_minus_similarity'], 'delta')} |"
+        )
+    lines += [
+        "",
+        f"## The threshold chosen on calibration for target risk {th['target_risk']}",
+        "",
+        "| ranking | threshold | cal coverage | cal risk | test coverage | test risk [95% CI] | refused: answerable | refused: unanswerable |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, t, thr_value in (
+        ("confidence", th, th["confidence"]),
+        ("top-1 similarity", report["similarity_threshold"], report["similarity_threshold"]["threshold"]),
+    ):
         x = t["test"]
         lines.append(
             f"| {label} | {fmt_number(thr_value, 4, none='inf')} | {fmt_number(t['calibration']['coverage'])} | "
@@ -601,15 +684,30 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"[{fmt_number(x['risk_ci95'][0])}, {fmt_number(x['risk_ci95'][1])}] | "
             f"{fmt_number(x['refusal_rate_answerable'])} | {fmt_number(x['refusal_rate_unanswerable'])} |"
         )
-    lines += ["", "## Refusals on test by reason (first that holds, in this order)", "",
-              "| reason | refusals | share | unanswerable | answerable with a correct answer lost |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Refusals on test by reason (first that holds, in this order)",
+        "",
+        "| reason | refusals | share | unanswerable | answerable with a correct answer lost |",
+        "|---|---|---|---|---|",
+    ]
     for name, x in report["refusals"].items():
-        lines.append(f"| {name} | {x['count']} | {fmt_number(x['share_of_refusals'])} | {x['unanswerable']} | "
-                     f"{x['answerable_correct_lost']} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {x['count']} | {fmt_number(x['share_of_refusals'])} | {x['unanswerable']} | "
+            f"{x['answerable_correct_lost']} |"
+        )
     fr = report["flag_rates_test"]
-    lines += ["", "Flag rates on all test questions: " + ", ".join(f"{k} {v:.1%}" for k, v in fr.items())
-              + " (passages_disagree is checked on refused questions only: it costs a reader call per in-set passage).",
-              "", "## Risk-coverage (test)", "", "| coverage | risk |", "|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "Flag rates on all test questions: "
+        + ", ".join(f"{k} {v:.1%}" for k, v in fr.items())
+        + " (passages_disagree is checked on refused questions only: it costs a reader call per in-set passage).",
+        "",
+        "## Risk-coverage (test)",
+        "",
+        "| coverage | risk |",
+        "|---|---|",
+    ]
     rc = report["risk_coverage"]
     for target in np.linspace(0.1, 1.0, 10):
         p = min(rc, key=lambda x: abs(x["coverage"] - target))

@@ -164,8 +164,13 @@ def run_trials(
 
     def spread(x: list[float]) -> dict[str, float]:
         a = np.asarray(x, dtype=float)
-        return {"std": float(a.std()), "min": float(a.min()), "p05": float(np.quantile(a, 0.05)),
-                "p95": float(np.quantile(a, 0.95)), "max": float(a.max())}  # fmt: skip
+        return {
+            "std": float(a.std()),
+            "min": float(a.min()),
+            "p05": float(np.quantile(a, 0.05)),
+            "p95": float(np.quantile(a, 0.95)),
+            "max": float(a.max()),
+        }
 
     def finite_mean(x: list[float]) -> float:
         a = np.asarray(x, dtype=float)
@@ -216,8 +221,9 @@ def online_report(values: np.ndarray, order: np.ndarray, cfg: OnlineConfig, labe
     out: dict[str, Any] = {"stream": label, "length": int(rest.size), "warmup": warm, "alpha": cfg.alpha}
     out["static"] = {"coverage": float(np.mean(rest <= static_q)), "threshold": static_q}
     for name, gamma in (("sliding_window", 0.0), ("aci", cfg.gamma)):
-        aci = AdaptiveConformal(cfg.alpha, gamma, cfg.window, warmup=0, monitor_window=cfg.monitor_window,
-                                tolerance=cfg.tolerance).fit(stream[:warm])  # fmt: skip
+        aci = AdaptiveConformal(
+            cfg.alpha, gamma, cfg.window, warmup=0, monitor_window=cfg.monitor_window, tolerance=cfg.tolerance
+        ).fit(stream[:warm])
         r = aci.run(rest)
         half = rest.size // 2
         out[name] = {
@@ -254,8 +260,19 @@ def conformal_study(cfg: ConformalConfig) -> dict[str, Any]:
     results = []
     for alpha in c.alphas:
         logger.info("alpha=%.3f: %d trials", alpha, cfg.num_trials)
-        res = run_trials(scores, rq.relevant, rq.num_missing, groups, alpha, c.guarantee, c.min_group_size,
-                         cfg.num_trials, cfg.calibration_fraction, len(rq.doc_ids), seed=cfg.seed)  # fmt: skip
+        res = run_trials(
+            scores,
+            rq.relevant,
+            rq.num_missing,
+            groups,
+            alpha,
+            c.guarantee,
+            c.min_group_size,
+            cfg.num_trials,
+            cfg.calibration_fraction,
+            len(rq.doc_ids),
+            seed=cfg.seed,
+        )
         res["why_infinite"] = _why_infinite(res, rq, alpha, cfg)
         results.append(res)
 
@@ -278,7 +295,7 @@ def conformal_study(cfg: ConformalConfig) -> dict[str, Any]:
             "corpus_size": len(rq.doc_ids),
             "num_relevant_pairs": int(n_rel),
             "grouping": cfg.data.group_field or cfg.data.grouping,
-        },  # fmt: skip
+        },
         "encoder": cfg.encoder.name,
         "pooling": cfg.encoder.pooling,
         "score_map": c.score_map,
@@ -360,16 +377,25 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{_fmt(s['mean_set_size'], 1)} | {_fmt(s['threshold'])} | {src} |"
             )
     rates_key = next(k for k in report if k.startswith("base_rate_at_"))
-    lines += ["", f"## Base rates ({rates_key.replace('_', ' ')}, calibration half of split 0)", "",
-              "| group | n | successes | rate | CI |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"## Base rates ({rates_key.replace('_', ' ')}, calibration half of split 0)",
+        "",
+        "| group | n | successes | rate | CI |",
+        "|---|---|---|---|---|",
+    ]
     for g, s in report[rates_key].items():
         lines.append(
             f"| {g} | {s['n']} | {s['successes']} | {_fmt(s['rate'])} | [{_fmt(s['low'])}, {_fmt(s['high'])}] |"
         )
     if report["online"]:
-        lines += ["", "## Online: static vs sliding window vs ACI", "",
-                  "| stream | alpha | static | sliding window | ACI | ACI 1st / 2nd half | ACI alarm steps | window alarm steps |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## Online: static vs sliding window vs ACI",
+            "",
+            "| stream | alpha | static | sliding window | ACI | ACI 1st / 2nd half | ACI alarm steps | window alarm steps |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for o in report["online"]:
             a, w = o["aci"], o["sliding_window"]
             lines.append(

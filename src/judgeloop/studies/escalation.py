@@ -102,8 +102,14 @@ def _rewritten(cfg: Any, rq: Any, test: np.ndarray) -> tuple[list[list[int]], fl
     tok, model = load_tokenizer(e.rewrite_model), load_causal_lm(e.rewrite_model)
     queries = [rq.query_texts[i] for i in test]
     t0 = time.perf_counter()
-    gens = generate(model, tok, [REWRITE_PROMPT.format(query=q) for q in queries],
-                    e.rewrite_max_new_tokens, e.rewrite_batch_size, desc="rewrite")  # fmt: skip
+    gens = generate(
+        model,
+        tok,
+        [REWRITE_PROMPT.format(query=q) for q in queries],
+        e.rewrite_max_new_tokens,
+        e.rewrite_batch_size,
+        desc="rewrite",
+    )
     expanded = [expand_query(q, g.raw) for q, g in zip(queries, gens)]
     q_emb = encode_with(enc, expanded, None, cfg.encoder.batch_size, is_query=True)
     _, idx = dense_topk(q_emb, corpus_emb, cfg.gate.window_k)
@@ -190,8 +196,11 @@ def render_escalation(block: dict[str, Any]) -> list[str]:
     """The escalation section of ``report.md``."""
     k = block["k"]
     keys = (f"ndcg@{k}", f"recall@{k}")
-    how = {"fuse": f"reciprocal rank fusion with {block.get('fuse_with')}",
-           "rewrite": f"query rewrite by {block.get('rewrite_model')}", "abstain": "abstention"}[block["method"]]  # fmt: skip
+    how = {
+        "fuse": f"reciprocal rank fusion with {block.get('fuse_with')}",
+        "rewrite": f"query rewrite by {block.get('rewrite_model')}",
+        "abstain": "abstention",
+    }[block["method"]]
     lines = [
         "",
         f"## Escalation: {how}, on the {block['num_flagged']} of {block['num_queries']} test queries the gate flags",
@@ -200,10 +209,15 @@ def render_escalation(block: dict[str, Any]) -> list[str]:
         "|---|---|---|---|",
     ]
     n, nf = block["num_queries"], block["num_flagged"]
-    rows = [("all, before", n, "all_before"), ("all, gated escalation", n, "all_after"),
-            ("all, every query escalated", n, "all_escalate_every"), ("flagged, before", nf, "flagged_before"),
-            ("flagged, after", nf, "flagged_after"), ("unflagged, before", n - nf, "unflagged_before"),
-            ("unflagged, had they been escalated", n - nf, "unflagged_if_escalated")]  # fmt: skip
+    rows = [
+        ("all, before", n, "all_before"),
+        ("all, gated escalation", n, "all_after"),
+        ("all, every query escalated", n, "all_escalate_every"),
+        ("flagged, before", nf, "flagged_before"),
+        ("flagged, after", nf, "flagged_after"),
+        ("unflagged, before", n - nf, "unflagged_before"),
+        ("unflagged, had they been escalated", n - nf, "unflagged_if_escalated"),
+    ]
     for label, count, key in rows:
         m = block[key]
         lines.append(f"| {label} | {count} | {fmt_number(m[keys[0]])} | {fmt_number(m[keys[1]])} |")
@@ -213,8 +227,10 @@ def render_escalation(block: dict[str, Any]) -> list[str]:
         "|---|---|---|",
     ]
     for name, d in block["deltas"].items():
-        cells = [f"{fmt_number(d[x]['delta'], 4)} [{fmt_number(d[x]['ci95'][0], 4)}, {fmt_number(d[x]['ci95'][1], 4)}]"
-                 for x in keys]  # fmt: skip
+        cells = [
+            f"{fmt_number(d[x]['delta'], 4)} [{fmt_number(d[x]['ci95'][0], 4)}, {fmt_number(d[x]['ci95'][1], 4)}]"
+            for x in keys
+        ]
         lines.append(f"| {name.replace('_', ' ')} (n={d[keys[0]]['n']}) | {cells[0]} | {cells[1]} |")
     g, a = block["extra_cost_per_100_queries"]["gated"], block["extra_cost_per_100_queries"]["escalate_every"]
     lines += [

@@ -127,9 +127,13 @@ def gate_signals(cfg: GateConfig, beir: Any, rq: Any) -> tuple[dict[str, np.ndar
 
 
 def _signal_table(
-    cfg: GateConfig, gate: WeakRetrievalGate, signals: dict[str, np.ndarray], weak: np.ndarray, test: np.ndarray,
+    cfg: GateConfig,
+    gate: WeakRetrievalGate,
+    signals: dict[str, np.ndarray],
+    weak: np.ndarray,
+    test: np.ndarray,
     timing: dict[str, float],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     g = cfg.gate
     out: dict[str, Any] = {}
     for st in gate.stats_:
@@ -152,9 +156,14 @@ def _signal_table(
 
 
 def _gate_entry(
-    cfg: GateConfig, gate: WeakRetrievalGate, signals: dict[str, np.ndarray], weak: np.ndarray, cal: np.ndarray,
-    test: np.ndarray, timing: dict[str, float],
-) -> dict[str, Any]:  # fmt: skip
+    cfg: GateConfig,
+    gate: WeakRetrievalGate,
+    signals: dict[str, np.ndarray],
+    weak: np.ndarray,
+    cal: np.ndarray,
+    test: np.ndarray,
+    timing: dict[str, float],
+) -> dict[str, Any]:
     used = gate.state_.signals
     esc_test = gate.predict({k: v[test] for k, v in signals.items()})
     esc_cal = gate.predict({k: v[cal] for k, v in signals.items()})
@@ -195,8 +204,9 @@ def gate_study(cfg: GateConfig) -> tuple[dict[str, Any], WeakRetrievalGate]:
         fit_error = None
     except ValueError as err:  # no signal separates: reported, not turned into a gate
         fit_error = str(err)
-        gate.stats_ = select_signals({k: v[cal] for k, v in signals.items()}, weak[cal], g.min_separation,
-                                     g.max_correlation)  # fmt: skip
+        gate.stats_ = select_signals(
+            {k: v[cal] for k, v in signals.items()}, weak[cal], g.min_separation, g.max_correlation
+        )
     report: dict[str, Any] = {
         "data": {
             "queries_path": cfg.data.queries_path,
@@ -204,7 +214,7 @@ def gate_study(cfg: GateConfig) -> tuple[dict[str, Any], WeakRetrievalGate]:
             "corpus_size": len(rq.doc_ids),
             "n_cal": int(cal.size),
             "n_test": int(test.size),
-        },  # fmt: skip
+        },
         "primary_encoder": _describe(cfg.encoder),
         "second_encoder": _describe(cfg.second_encoder),
         "window_k": g.window_k,

@@ -184,7 +184,7 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
             "num_selection": int(sel.size),
             "num_test": int(test.size),
             "pool_size": len(pool),
-        },  # fmt: skip
+        },
         "model": m.name,
         "confidence": cfg.router.confidence,
         "retriever": f"{cfg.retriever.type} top-{cfg.retriever.top_k}"
@@ -210,7 +210,7 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
             "f1_rag": o.f1_rag[i],
             "gold_passage_retrieved": bool(gold_hit[i]),
             "probe_raw": probe_gens[i].raw,
-        }  # fmt: skip
+        }
         for i, ex in enumerate(examples)
     ]
     return report, rows

@@ -202,10 +202,14 @@ def recovered_fraction(
     num, den = num[keep], den[keep]
     oracle = paired_bootstrap(den, n_boot, seed)
     out: dict[str, Any] = {
-        "fraction": None, "ci95": [None, None], "defined": False, "oracle_gain": oracle.as_dict(),
-        "arm_gain": paired_bootstrap(num, n_boot, seed).as_dict(), "n": int(both.sum()),
+        "fraction": None,
+        "ci95": [None, None],
+        "defined": False,
+        "oracle_gain": oracle.as_dict(),
+        "arm_gain": paired_bootstrap(num, n_boot, seed).as_dict(),
+        "n": int(both.sum()),
         "replicates_dropped": 0,
-    }  # fmt: skip
+    }
     if not oracle.excludes_zero or (oracle.delta or 0.0) <= 0:
         return out
     S, N = num.shape
@@ -225,7 +229,9 @@ def recovered_fraction(
     good = ratios[np.isfinite(ratios)]
     lo, hi = np.percentile(good, [2.5, 97.5])
     out.update(
-        fraction=float(np.nanmean(num) / np.nanmean(den)), ci95=[float(lo), float(hi)], defined=True,
+        fraction=float(np.nanmean(num) / np.nanmean(den)),
+        ci95=[float(lo), float(hi)],
+        defined=True,
         replicates_dropped=int(n_boot - good.size),
-    )  # fmt: skip
+    )
     return out
