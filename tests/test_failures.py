@@ -66,7 +66,7 @@ def _beir_queries(p: Path):
 
 
 def _label_pairs(p: Path):
-    from judgeloop.label_pairs import PairDataConfig, read_pairs
+    from judgeloop.preference_labels import PairDataConfig, read_pairs
 
     return read_pairs(PairDataConfig(path=str(p)))[0]
 

@@ -12,7 +12,7 @@ import pytest
 
 from judgeloop.cli import main as cli
 from judgeloop.io import DataError
-from judgeloop.label_pairs import PairDataConfig, read_pairs, sample_across_prompts
+from judgeloop.preference_labels import PairDataConfig, read_pairs, sample_across_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """``judgeloop label-pairs --config CONFIG judge_path=DIR data.path=FILE output_dir=DIR``: label a
-preference dataset with a saved calibrated judge (:mod:`judgeloop.label_pairs`).
+preference dataset with a saved calibrated judge (:mod:`judgeloop.preference_labels`).
 
 Writes ``labeled.jsonl`` and ``dataset/`` (a TRL-ready dataset: ``prompt``, ``chosen``, ``rejected``,
 ``p_chosen`` ...), ``report.json``, ``report.md`` and the resolved ``config.yaml`` under ``output_dir``.
@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from judgeloop.judges.calibrated import check_judge_path
-from judgeloop.label_pairs import (
+from judgeloop.logging import get_logger
+from judgeloop.preference_labels import (
     LabelPairsConfig,
     label,
     render_label_report,
     write_dataset,
 )
-from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
 from judgeloop.rundir import run_dir
 

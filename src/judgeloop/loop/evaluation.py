@@ -35,7 +35,7 @@ from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
-from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, label_pairs, pair_ece
+from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, judge_and_label_pairs, pair_ece
 from judgeloop.loop.policy import eval_mode, reference_logprobs
 from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
 from judgeloop.loop.run_state_files import save_policy
@@ -199,7 +199,7 @@ def shard_pairs(
     """This process's (greedy, sample) pairs of its evaluation rows, judged by the training judge and
     ROUGE-labeled: every process judges its own share once (not every gathered row on every rank)."""
     exs = [examples_by_id[r["id"]] for r in rows]
-    return label_pairs(exs, [r["summary"] for r in rows], [r["sample"] for r in rows], train_judge)
+    return judge_and_label_pairs(exs, [r["summary"] for r in rows], [r["sample"] for r in rows], train_judge)
 
 
 def run_evaluation(

@@ -3,7 +3,7 @@
 Fresh samples matter: the calibrator maps the judge's logit on the *current* policy's summaries, whose
 distribution drifts as the policy learns. :func:`collect_calibration_pairs` draws two samples of the
 current policy per calibration article, the judge scores each pair and neutral ROUGE-L labels it (ties
-dropped, :func:`label_pairs`); calibration articles never overlap the training articles
+dropped, :func:`judge_and_label_pairs`); calibration articles never overlap the training articles
 (:func:`check_calibration_disjoint`). :func:`holdout_mask` sets apart the articles a refit is measured
 on, :func:`gather_pairs` is how pairs cross processes, and :func:`judge_coupling`, :func:`pair_ece` and
 :func:`ece_intervals` measure the judge and a calibrator on pairs. :func:`calibrate` is the calibrator's
@@ -110,7 +110,7 @@ class CalibrationPairs:
         return cls(**d)
 
 
-def label_pairs(
+def judge_and_label_pairs(
     examples: Sequence[SummExample], a: Sequence[str], b: Sequence[str], judge: Judge
 ) -> CalibrationPairs:
     """Judge each (a, b) pair and label it with neutral ROUGE-L; ties and judge failures are dropped and counted."""
@@ -286,7 +286,7 @@ def _label_own_share(
         )
     k = cfg.calibration.pairs_per_article
     exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as rollout returns them
-    return label_pairs(exs, roll.a_text[: len(exs)], roll.b_text[: len(exs)], judge)
+    return judge_and_label_pairs(exs, roll.a_text[: len(exs)], roll.b_text[: len(exs)], judge)
 
 
 def initial_calibration_pairs(
