@@ -451,7 +451,7 @@ class FeedbackLoopConfig:
     when its matrix products need every core.
     ``save_final_policy`` writes the kept policy to ``output_dir/policy`` (``from_pretrained`` layout).
     ``start_cache``: a folder where the work done before step 1 is shared with other runs (set by the
-    ablation; see :mod:`judgeloop.loop.shared`); one process only, ignored under several.
+    ablation; see :mod:`judgeloop.loop.start_cache`); one process only, ignored under several.
     ``threads``: torch's intra-op CPU thread count for the run (null: as the process has it, e.g. from
     ``OMP_NUM_THREADS``). Results agree bit for bit only between runs at one count: checkpoints record
     the count (and the kernels and precision) they ran with, and a resume at another says so in the log.

@@ -43,7 +43,7 @@ from judgeloop.loop.state import LoopState, Splits
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
 
 if TYPE_CHECKING:
-    from judgeloop.loop.shared import StartWork
+    from judgeloop.loop.start_cache import StartWork
 
 logger = get_logger(__name__)
 

@@ -31,7 +31,7 @@ from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.rollout import PromptBuilder, rollout
 
 if TYPE_CHECKING:
-    from judgeloop.loop.shared import StartWork
+    from judgeloop.loop.start_cache import StartWork
 
 
 def check_calibration_disjoint(train: Sequence[SummExample], calibration: Sequence[SummExample]) -> None:

@@ -84,7 +84,7 @@ from judgeloop.loop.run_state_files import (
     load_checkpoint,
     remove_orphans,
 )
-from judgeloop.loop.shared import StartWork
+from judgeloop.loop.start_cache import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
 from judgeloop.loop.vllm_backend import check_backend, generation_engine

@@ -7,7 +7,7 @@ An ablation is a grid of *jobs* (arm, seed), each an ordinary ``train`` run in
 :func:`judgeloop.studies.ablation_report.aggregate` builds the summary from whatever job folders exist. A job whose ``report.json``
 exists and whose saved config matches is skipped, so an interrupted ablation continues where it
 stopped; a job whose config changed is rerun. The runs of an ablation share the starting policy's
-work (:mod:`judgeloop.loop.shared`) through ``output_dir/_shared``.
+work (:mod:`judgeloop.loop.start_cache`) through ``output_dir/_shared``.
 
 Outputs under ``output_dir``:
 

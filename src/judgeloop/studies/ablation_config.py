@@ -28,7 +28,7 @@ class AblationConfig:
     the raw arm drift that way?). ``num_workers``: jobs run at once on this machine, the CPU cores split
     between them (``null``: auto, one single-thread job per core as memory allows on CPU, one on a GPU;
     see :func:`judgeloop.studies.ablation.default_workers` for the measurement behind it).
-    ``share_start_work``: compute what every run of a seed shares before step 1 once (the loop's ``start_cache``, :mod:`judgeloop.loop.shared`).
+    ``share_start_work``: compute what every run of a seed shares before step 1 once (the loop's ``start_cache``, :mod:`judgeloop.loop.start_cache`).
     ``threads_per_job``: the intra-op thread count of every job, however it is launched (one process,
     workers, or ``--job`` on a cluster task), recorded in the job's config as its ``threads``; float
     reductions split over another number of threads round differently, and training amplifies that, so a
