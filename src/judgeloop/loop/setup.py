@@ -1,6 +1,6 @@
 """Set-up of one run of the loop: checks before any work, the accelerator, the data, the models, the
-generation backend, then step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first calibrator fit, the
-step-0 evaluation) or a resume (:func:`resume_run`).
+generation backend, then step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first
+calibrator fit, the step-0 evaluation) or a resume (:func:`resume_run`).
 
 :func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds. Only the run's
 own rooms (this module, :mod:`judgeloop.loop.run`, :mod:`judgeloop.loop.alarms`) take a ``LoopRun``; they
