@@ -61,8 +61,10 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
     judging, the update and the evaluation of every step (``scripts/bench_loop.py`` times them)."""
     # Phase A. Set-up: the config checked before any work (output folder, models, devices, trackers), the
     #    accelerator, the data splits, the policy (after its SFT warm start), the reference, the judges,
-    #    the optimizer; then a resume from a checkpoint, or step 0 (reference summaries, the first
-    #    calibrator fit on samples of the starting policy, the step-0 evaluation).
+    #    the optimizer, the generation backend (run.backend, from generation.backend: hf, the policy
+    #    generates in this process; vllm, an engine serves it); then a resume from a checkpoint, or
+    #    step 0 (reference summaries, the first calibrator fit on samples of the starting policy, the
+    #    step-0 evaluation).
     with open_run(cfg) as run:
         acc, grpo = run.accelerator, cfg.loss.type == "grpo"
         # Phase B. The loop's steps 1-7 (numbered as in loop/steps.py's docstring), until max_steps,
@@ -73,6 +75,7 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
                 with phase("rollout"), generation_context(run.model):  # step 1. samples per article
                     rollout_step(
                         acc.unwrap_model(run.model),
+                        run.backend,  # where it samples (the run's evaluations and refits use it too)
                         run.tokenizer,
                         run.build_prompt,
                         batch,

@@ -63,7 +63,7 @@ def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pair
     from judgeloop.judges import build_judge
     from judgeloop.loop.pairs import collect_calibration_pairs
     from judgeloop.loop.policy import load_policy
-    from judgeloop.loop.rollout import PromptBuilder
+    from judgeloop.loop.rollout import IN_PROCESS, PromptBuilder
     from judgeloop.loop.state import load_splits
 
     def collect(*over: str):
@@ -84,6 +84,7 @@ def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pair
         pairs = collect_calibration_pairs(
             Accelerator(cpu=True),
             model,
+            IN_PROCESS,
             tok,
             PromptBuilder(tok, cfg.policy),
             judge,

@@ -1,9 +1,10 @@
 """generation.backend: vllm against model.generate, on vLLM's CPU build.
 
-These tests need the separate vLLM environment that ``make vllm`` builds (``.venv-vllm``, 3.5 GB,
-about 9 minutes here) or ``$JUDGELOOP_VLLM_PYTHON``; without one they skip with that reason. CI's
-``make test`` does not build it (its size and build time against CI's budget: docs/vllm.md), so
-they run where a developer has made it.
+The tests marked ``needs_vllm`` need the separate vLLM environment that ``make vllm`` builds
+(``.venv-vllm``, 3.5 GB, about 9 minutes here) or ``$JUDGELOOP_VLLM_PYTHON``; without one they skip with
+that reason. CI's ``make test`` does not build it (its size and build time against CI's budget:
+docs/vllm.md), so they run where a developer has made it. The others (the run's generation backend
+reaching every generation of the policy, the configuration errors) need no vLLM.
 """
 
 from __future__ import annotations
@@ -185,6 +186,97 @@ def test_tiny_loop_on_vllm_evaluates_as_the_hf_backend(tmp_path):
     with torch.no_grad():
         again = decode(tok, generate(policy, tok, prompts, cfg.generation, greedy=True))
     assert again == [r["summary"] for r in last]
+
+
+class StandInEngine:
+    """An engine that generates in this process (the hf path) and records each call: what a run's
+    generation backend hands to vLLM, without vLLM."""
+
+    def __init__(self):
+        self.calls: list[tuple[bool, int]] = []  # (greedy, num_samples) of each call
+        self.busy = False  # inside a call
+
+    def generate(self, model, tokenizer, prompts, gen, num_samples=1, greedy=False, seed=None):
+        self.calls.append((greedy, num_samples))
+        self.busy = True
+        try:
+            return generate(model, tokenizer, prompts, gen, num_samples, greedy, seed)
+        finally:
+            self.busy = False
+
+
+def test_the_backend_serves_the_policy_with_its_adapters_on_and_nothing_else():
+    """A vllm GenerationBackend hands its engine the policy's calls only: a frozen reference, and the
+    policy inside disable_adapter() (the LoRA reference), generate in this process, as every model does
+    under the hf backend; keep_prefix is refused on the engine."""
+    from peft import LoraConfig, get_peft_model
+
+    from judgeloop.loop.rollout import IN_PROCESS, GenerationBackend
+
+    policy = get_peft_model(
+        load_causal_lm("judgeloop-tiny/causal-lm"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    frozen = load_causal_lm("judgeloop-tiny/causal-lm")
+    engine = StandInEngine()
+    backend = GenerationBackend(engine, policy)
+    assert backend.engine_serving(policy) is engine
+    with policy.disable_adapter():
+        assert backend.engine_serving(policy) is None
+    assert backend.engine_serving(policy) is engine  # adapters back on
+    assert backend.engine_serving(frozen) is None
+    assert IN_PROCESS.engine_serving(policy) is None
+    tok = load_tokenizer("judgeloop-tiny/causal-lm")
+    gen = GenerationConfig(max_new_tokens=3)
+    assert generate(frozen, tok, [[5, 6, 7]], gen, greedy=True, backend=backend)  # in this process
+    assert engine.calls == []
+    generate(policy, tok, [[5, 6, 7]], gen, num_samples=2, seed=1, backend=backend)
+    assert engine.calls == [(False, 2)]
+    with pytest.raises(ValueError, match="keep_prefix needs the training model's own prompt pass"):
+        generate(policy, tok, [[5, 6, 7]], gen, num_samples=2, seed=1, keep_prefix=[], backend=backend)
+
+
+@pytest.mark.slow
+def test_a_runs_backend_reaches_every_generation_of_the_policy(tmp_path, monkeypatch):
+    """Under generation.backend: vllm every generation of the policy in a run (the rollouts, the
+    calibration samples, the evaluations' greedy summaries and samples, the curve) goes to the engine
+    the run's backend holds, and the reference's summaries (LoRA: the policy with its adapters disabled)
+    stay in this process. A stand-in engine that generates in process takes vLLM's place."""
+    import contextlib
+
+    from judgeloop.loop import rollout as rollout_module
+    from judgeloop.loop import setup
+    from judgeloop.recipes import train
+
+    engine = StandInEngine()
+    served: list = []  # the model the engine was started for
+    bypassed: list[int] = []  # in-process generations of the policy, adapters on, outside the engine
+    reference = 0
+
+    @contextlib.contextmanager
+    def stand_in(cfg, model, tokenizer, out_dir, optimizer=None):
+        served.append(model)
+        yield engine
+
+    real = rollout_module._generate
+
+    def watched(model, *args, **kwargs):
+        nonlocal reference
+        if rollout_module.adapters_disabled(model):
+            reference += 1
+        elif model is served[-1] and not engine.busy:
+            bypassed.append(len(engine.calls))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(setup, "check_backend", lambda cfg: None)  # no vLLM environment needed
+    monkeypatch.setattr(setup, "policy_engine", stand_in)
+    monkeypatch.setattr(rollout_module, "_generate", watched)
+    over = [*FAST, "max_steps=2", "policy.lora=true", "curve.every_n_steps=2", "generation.backend=vllm"]
+    report = train(load_config(FeedbackLoopConfig, TINY, [*over, f"output_dir={tmp_path}"]))
+    assert report["steps_run"] == 2
+    assert len(served) == 1 and not bypassed
+    assert reference > 0  # the reference summaries, in this process
+    # rollouts and calibration samples, the evaluations' and the curve's samples, their greedy summaries
+    assert {(False, 2), (False, 2 * 8), (False, 1), (True, 1)} <= set(engine.calls)
 
 
 def test_backend_errors_are_one_line_before_any_work(tmp_path, monkeypatch):

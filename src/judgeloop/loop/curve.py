@@ -36,7 +36,7 @@ from judgeloop.io import finite_or_none
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.evaluation import greedy_summaries, sampled_kl
 from judgeloop.loop.policy import eval_mode
-from judgeloop.loop.rollout import PromptBuilder
+from judgeloop.loop.rollout import GenerationBackend, PromptBuilder
 from judgeloop.loop.state import LoopState
 from judgeloop.metrics.text import copy_rate, rouge_max, tokens
 
@@ -60,6 +60,7 @@ def curve_due(cfg: FeedbackLoopConfig, step: int) -> bool:
 def curve_rows(
     accelerator: Accelerator,
     model: Any,
+    backend: GenerationBackend,
     ref: Any | None,
     tokenizer: Any,
     build_prompt: PromptBuilder,
@@ -67,8 +68,8 @@ def curve_rows(
     cfg: FeedbackLoopConfig,
     step: int,
 ) -> list[dict[str, Any]]:
-    """Per-article rows of the curve at ``step`` (every process summarizes its shard; all rows returned
-    on every process, in article order)."""
+    """Per-article rows of the curve at ``step`` (every process summarizes its shard, the policy
+    generating where ``backend`` says; all rows returned on every process, in article order)."""
     unwrapped = accelerator.unwrap_model(model)
     mine = shard(examples, accelerator)
     gen, bs = cfg.generation, cfg.eval_batch_size
@@ -76,8 +77,8 @@ def curve_rows(
     rows: list[dict[str, Any]] = []
     if mine:
         with eval_mode(unwrapped):
-            greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, mine, gen, bs)
-            kls, samples = sampled_kl(unwrapped, ref, tokenizer, build_prompt, mine, gen, bs, seed)
+            greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, mine, gen, bs, backend)
+            kls, samples = sampled_kl(unwrapped, ref, tokenizer, build_prompt, mine, gen, bs, seed, backend)
         for ex, g, s, k in zip(mine, greedy, samples, kls):
             rows.append(
                 {

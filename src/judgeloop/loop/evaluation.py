@@ -37,7 +37,14 @@ from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, judge_and_label_pairs, pair_ece
 from judgeloop.loop.policy import eval_mode, reference_logprobs
-from judgeloop.loop.rollout import PromptBuilder, decode, generate, token_logprobs
+from judgeloop.loop.rollout import (
+    IN_PROCESS,
+    GenerationBackend,
+    PromptBuilder,
+    decode,
+    generate,
+    token_logprobs,
+)
 from judgeloop.loop.run_state_files import save_policy
 from judgeloop.loop.state import LoopState, Splits
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
@@ -55,12 +62,14 @@ def greedy_summaries(
     examples: Sequence[SummExample],
     gen: GenerationConfig,
     batch_size: int,
+    backend: GenerationBackend = IN_PROCESS,
 ) -> list[str]:
-    """Greedy summaries of ``examples`` by the current policy, in batches (eval mode)."""
+    """Greedy summaries of ``examples`` by ``model``, in batches (eval mode), generated where ``backend``
+    says (:class:`judgeloop.loop.rollout.GenerationBackend`)."""
     out: list[str] = []
     for i in range(0, len(examples), batch_size):
         prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
-        out += decode(tokenizer, generate(model, tokenizer, prompts, gen, greedy=True))
+        out += decode(tokenizer, generate(model, tokenizer, prompts, gen, greedy=True, backend=backend))
     return out
 
 
@@ -100,13 +109,15 @@ def sampled_kl(
     gen: GenerationConfig,
     batch_size: int,
     seed: int,
+    backend: GenerationBackend = IN_PROCESS,
 ) -> tuple[list[float], list[str]]:
-    """k1 estimate of KL(pi || pi_ref) per article from one sample of pi each; also returns the samples."""
+    """k1 estimate of KL(pi || pi_ref) per article from one sample of pi each (drawn where ``backend``
+    says; the log-probs are the training model's); also returns the samples."""
     kls: list[float] = []
     texts: list[str] = []
     for i in range(0, len(examples), batch_size):
         prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
-        comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed + i)
+        comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed + i, backend=backend)
         pol, mask = token_logprobs(model, prompts, comps, tokenizer.pad_token_id)
         refl, _ = reference_logprobs(model, ref, prompts, comps, tokenizer.pad_token_id)
         kls += kl_per_sequence(pol, refl, mask, "k1").tolist()
@@ -127,19 +138,23 @@ def evaluate_shard(
     seed: int,
     greedy: Sequence[str] | None = None,
     sampled: tuple[Sequence[float], Sequence[str]] | None = None,
+    backend: GenerationBackend = IN_PROCESS,
 ) -> list[dict[str, Any]]:
     """Per-article evaluation rows for this process's shard of ``examples`` (gathered by the caller).
 
     ``greedy`` (the greedy summaries) and ``sampled`` (k1 KL and the sample, per article) may be given
-    when already computed (the starting policy's, shared across the runs of an ablation).
+    when already computed (the starting policy's, shared across the runs of an ablation); the others are
+    generated where ``backend`` says.
     """
     if not examples:
         return []
     with eval_mode(model):
         if greedy is None:
-            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size)
+            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size, backend)
         if sampled is None:
-            sampled = sampled_kl(model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed)
+            sampled = sampled_kl(
+                model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed, backend
+            )
     kls, samples = sampled
     wins = judge(
         [e.article for e in examples], list(greedy), list(ref_summaries), references_for(judge, examples)
@@ -205,6 +220,7 @@ def shard_pairs(
 def run_evaluation(
     accelerator: Accelerator,
     model: Any,
+    backend: GenerationBackend,
     ref: Any | None,
     tokenizer: Any,
     build_prompt: PromptBuilder,
@@ -220,7 +236,9 @@ def run_evaluation(
     """Test-split metrics (reported, never used to choose a checkpoint) and validation ROUGE-L.
 
     The per-article rows (summary, sample, every text metric, win, KL) are kept in
-    ``state.per_article`` with their step. ``start``: at step 0, the starting policy's shared outputs.
+    ``state.per_article`` with their step. The policy generates where ``backend`` says (the run's
+    :class:`judgeloop.loop.rollout.GenerationBackend`). ``start``: at step 0, the starting policy's
+    shared outputs.
     """
     unwrapped = accelerator.unwrap_model(model)
     ids = list(range(len(splits.test)))
@@ -232,7 +250,9 @@ def run_evaluation(
     if start is not None and start.cache is not None:
         with eval_mode(unwrapped):
             greedy = start.greedy(
-                "policy", exs, lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, exs, gen, bs)
+                "policy",
+                exs,
+                lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, exs, gen, bs, backend),
             )
             kls, samples = start.get(
                 "sampled",
@@ -242,7 +262,9 @@ def run_evaluation(
                     "seed": seed,
                     "ids": [e.id for e in exs],
                 },
-                lambda: list(sampled_kl(unwrapped, ref, tokenizer, build_prompt, exs, gen, bs, seed)),
+                lambda: list(
+                    sampled_kl(unwrapped, ref, tokenizer, build_prompt, exs, gen, bs, seed, backend)
+                ),
             )
             sampled = ([float("nan") if k is None else k for k in kls], samples)
             vexs = shard(splits.validation, accelerator)
@@ -250,7 +272,7 @@ def run_evaluation(
                 val_greedy = start.greedy(
                     "policy",
                     vexs,
-                    lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs),
+                    lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs, backend),
                 )
     rows = evaluate_shard(
         unwrapped,
@@ -265,6 +287,7 @@ def run_evaluation(
         seed=seed,
         greedy=greedy,
         sampled=sampled,
+        backend=backend,
     )
     rows = real_part(rows, len(ids), accelerator)
     pairs = gather_pairs(shard_pairs(rows, {e.id: e for e in exs}, train_judge))
@@ -275,7 +298,7 @@ def run_evaluation(
         vexs = shard(splits.validation, accelerator)
         if val_greedy is None:
             with eval_mode(unwrapped):
-                val_greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs)
+                val_greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs, backend)
         n_val = len(splits.validation)
         val = gather_object(real_part(validation_metrics(vexs, val_greedy), n_val, accelerator))
         for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
@@ -318,7 +341,9 @@ def reference_summaries(
     cfg: FeedbackLoopConfig,
     start: StartWork | None = None,
 ) -> list[str]:
-    """Greedy summaries of the reference policy on the test articles (computed once: pi_ref never changes)."""
+    """Greedy summaries of the reference policy on the test articles (computed once: pi_ref never changes),
+    in this process under either backend (the frozen copy, or the policy with its adapters disabled, is
+    not the engine's model)."""
     unwrapped = accelerator.unwrap_model(model)
     mine = shard(list(range(len(test))), accelerator)
     exs = [test[i] for i in mine]

@@ -28,7 +28,7 @@ from judgeloop.hashing import derive_seed
 from judgeloop.intervals import bootstrap_intervals
 from judgeloop.judges import Judge, Pair, references_for
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.rollout import PromptBuilder, rollout
+from judgeloop.loop.rollout import GenerationBackend, PromptBuilder, rollout
 
 if TYPE_CHECKING:
     from judgeloop.loop.start_cache import StartWork
@@ -215,6 +215,7 @@ def gather_pairs(mine: CalibrationPairs) -> CalibrationPairs:
 def collect_calibration_pairs(
     accelerator: Accelerator,
     model: Any,
+    backend: GenerationBackend,
     tokenizer: Any,
     build_prompt: PromptBuilder,
     judge: Judge,
@@ -222,8 +223,8 @@ def collect_calibration_pairs(
     cfg: FeedbackLoopConfig,
     step: int,
 ) -> CalibrationPairs:
-    """Fresh pairs for the calibrator: two samples of the *current* policy per calibration article,
-    judged and ROUGE-labeled (articles drawn from the calibration split only).
+    """Fresh pairs for the calibrator: two samples of the *current* policy per calibration article (drawn
+    where ``backend`` says), judged and ROUGE-labeled (articles drawn from the calibration split only).
 
     ``calibration.num_articles`` articles are drawn in a seeded order. Pairs whose two summaries tie on
     ROUGE-L carry no label and are dropped; when that leaves fewer than ``calibration.min_points`` pairs
@@ -244,6 +245,7 @@ def collect_calibration_pairs(
         mine = _label_own_share(
             accelerator,
             model,
+            backend,
             tokenizer,
             build_prompt,
             judge,
@@ -261,6 +263,7 @@ def collect_calibration_pairs(
 def _label_own_share(
     accelerator: Accelerator,
     model: Any,
+    backend: GenerationBackend,
     tokenizer: Any,
     build_prompt: PromptBuilder,
     judge: Judge,
@@ -283,6 +286,7 @@ def _label_own_share(
             cfg.generation,
             seed=seed,
             num_pairs=cfg.calibration.pairs_per_article,
+            backend=backend,
         )
     k = cfg.calibration.pairs_per_article
     exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as rollout returns them

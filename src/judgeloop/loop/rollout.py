@@ -6,6 +6,8 @@ and log-probs are taken as ``logit[y] - logsumexp(logits)`` so no (N, T, V) log-
 The two samples of an article share one pass over its prompt (``samples_per_prompt=2``), and the
 training rollout can keep the policy's pass over its prompts, with its autograd graph, for the update
 (:class:`PromptPrefix`): sampling and the update then run the prompts through the policy once between them.
+Where the policy generates is an argument, the run's :class:`GenerationBackend`: in this process, or on
+the vLLM engine that serves it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from judgeloop.loop.config import GenerationConfig, PolicyConfig
-from judgeloop.loop.vllm_backend import engine_for
+from judgeloop.loop.vllm_backend import VllmEngine
 
 
 class PromptBuilder:
@@ -151,6 +153,39 @@ def prefix_reusable(model: Any) -> bool:
     return True
 
 
+def adapters_disabled(model: Any) -> bool:
+    """Whether a peft model is inside ``disable_adapter()`` (then it is the reference, not the policy)."""
+    if not hasattr(model, "peft_config"):
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(m.disable_adapters for m in model.modules() if isinstance(m, BaseTunerLayer))
+
+
+@dataclass(frozen=True)
+class GenerationBackend:
+    """Where :func:`generate` runs the policy (``generation.backend``): ``hf`` without an engine (the
+    model's own ``generate``, in this process), ``vllm`` with one (the calls on ``policy`` become requests
+    to ``engine``, :mod:`judgeloop.loop.vllm_backend`). Any other model (a frozen reference), and the
+    policy with its adapters disabled (then it is the reference), generate in this process under either.
+
+    The run makes one in its set-up (:func:`judgeloop.loop.setup.open_run`: ``run.backend``) and passes
+    it to every step that generates; the default :data:`IN_PROCESS` is ``hf``.
+    """
+
+    engine: VllmEngine | None = None  # the vLLM engine serving the policy; None under hf
+    policy: Any = field(default=None, repr=False)  # the model the engine serves: the unwrapped policy
+
+    def engine_serving(self, model: Any) -> VllmEngine | None:
+        """The engine that generates for ``model``, or None where ``model`` generates in this process."""
+        if self.engine is None or model is not self.policy or adapters_disabled(model):
+            return None
+        return self.engine
+
+
+IN_PROCESS = GenerationBackend()  # the hf backend: every model generates in this process
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -161,6 +196,7 @@ def generate(
     greedy: bool = False,
     seed: int | None = None,
     keep_prefix: list[PromptPrefix] | None = None,
+    backend: GenerationBackend = IN_PROCESS,
 ) -> list[list[int]]:
     """Batched, KV-cached generation; returns ``len(prompts) * num_samples`` completions (sample j of
     prompt i at index ``i * num_samples + j``), each cut after the first EOS (the EOS is kept: its
@@ -169,11 +205,11 @@ def generate(
     ``keep_prefix``: a list that receives the :class:`PromptPrefix` of this call (sampling with
     ``num_samples > 1`` only): the prompt prefill runs with gradients and is kept for the update.
 
-    Under ``generation.backend: vllm`` the policy's calls go to its vLLM engine instead
-    (:mod:`judgeloop.loop.vllm_backend`); a frozen reference, or the policy with its adapters disabled,
-    still generates here.
+    ``backend``: where the policy generates (:class:`GenerationBackend`); under ``vllm`` the calls on
+    the policy go to its engine instead, while a frozen reference, or the policy with its adapters
+    disabled, still generates here.
     """
-    engine = engine_for(model)
+    engine = backend.engine_serving(model)
     if engine is not None:
         if keep_prefix is not None:
             raise ValueError(
@@ -305,11 +341,13 @@ def rollout(
     num_pairs: int = 1,
     keep_prefix: bool = False,
     num_samples: int = 2,
+    backend: GenerationBackend = IN_PROCESS,
 ) -> Rollout:
     """The loop's rollout_step: the policy samples two summaries per article (``2 * num_pairs`` for
     calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output), or
     a group of ``num_samples`` (GRPO; one draw, so the first two are the samples a k = 2 rollout gives).
-    ``keep_prefix``: keep the policy's prompt pass for the update (:class:`PromptPrefix`)."""
+    ``keep_prefix``: keep the policy's prompt pass for the update (:class:`PromptPrefix`); ``backend``:
+    where the policy samples (:class:`GenerationBackend`)."""
     if num_samples != 2 and num_pairs != 1:
         raise ValueError(
             f"num_samples={num_samples} with num_pairs={num_pairs}: a group rollout has one group"
@@ -317,7 +355,9 @@ def rollout(
     prompts = [build_prompt(a) for a in articles]
     kept: list[PromptPrefix] | None = [] if keep_prefix and num_pairs == 1 else None
     k = num_samples * num_pairs
-    comps = generate(model, tokenizer, prompts, gen, num_samples=k, seed=seed, keep_prefix=kept)
+    comps = generate(
+        model, tokenizer, prompts, gen, num_samples=k, seed=seed, keep_prefix=kept, backend=backend
+    )
     samples = [comps[j::num_samples] for j in range(num_samples)]  # sample j of each article (or pair)
     a_ids, b_ids = samples[0], samples[1]
     rep_articles = [a for a in articles for _ in range(num_pairs)]

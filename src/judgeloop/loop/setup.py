@@ -1,6 +1,6 @@
-"""Set-up of one run of the loop: checks before any work, the accelerator, the data, the models, then
-step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first calibrator fit, the
-step-0 evaluation) or a resume (:func:`resume_run`).
+"""Set-up of one run of the loop: checks before any work, the accelerator, the data, the models, the
+generation backend, then step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first
+calibrator fit, the step-0 evaluation) or a resume (:func:`resume_run`).
 
 :func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds. Only the run's
 own rooms (this module, :mod:`judgeloop.loop.run`, :mod:`judgeloop.loop.alarms`) take a ``LoopRun``; they
@@ -75,6 +75,8 @@ from judgeloop.loop.recalibration import (
     refit,
 )
 from judgeloop.loop.rollout import (
+    IN_PROCESS,
+    GenerationBackend,
     PromptBuilder,
     prefix_reusable,
 )
@@ -87,7 +89,7 @@ from judgeloop.loop.run_state_files import (
 from judgeloop.loop.start_cache import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
-from judgeloop.loop.vllm_backend import check_backend, generation_engine
+from judgeloop.loop.vllm_backend import check_backend, policy_engine
 from judgeloop.models import load_tokenizer
 from judgeloop.rundir import run_dir
 from judgeloop.signals import StopRequest, stop_signals
@@ -252,15 +254,31 @@ def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
         init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
         run = setup_run(cfg, accelerator, out_dir, splits)
         run.auto_resume = auto
-        # generation.backend=vllm: the policy's engine, started here and ended with the run
-        with generation_engine(
+        # where the policy generates; under vllm its engine is started here and ended with the run
+        with generation_backend(
             cfg, accelerator.unwrap_model(run.model), run.tokenizer, out_dir, run.learner.optimizer
-        ):
+        ) as backend:
+            run.backend = backend
             if cfg.resume_from:
                 resume_run(run)
             else:
                 start_run(run)
             yield run
+
+
+@contextlib.contextmanager
+def generation_backend(
+    cfg: FeedbackLoopConfig, policy: Any, tokenizer: Any, out_dir: Path, optimizer: Any
+) -> Iterator[GenerationBackend]:
+    """The run's generation backend for the block (``generation.backend``): ``hf``, the policy generates
+    in this process; ``vllm``, an engine serves ``policy`` (the unwrapped model the steps generate with),
+    synced after every step of ``optimizer``, started here and ended on leaving
+    (:func:`judgeloop.loop.vllm_backend.policy_engine`)."""
+    if cfg.generation.backend != "vllm":
+        yield IN_PROCESS
+        return
+    with policy_engine(cfg, policy, tokenizer, out_dir, optimizer) as engine:
+        yield GenerationBackend(engine, policy)
 
 
 @dataclass
@@ -290,6 +308,9 @@ class LoopRun:
     saved_step: int | None = None  # the step of the last checkpoint this run wrote
     auto_resume: bool = False  # the config says resume_from: auto
     collected: tuple[int, CalibrationPairs] | None = None  # the last step's fresh calibration pairs
+    # where the policy generates: hf, or the vLLM engine (generation.backend); set by open_run, passed to
+    # every step that generates
+    backend: GenerationBackend = IN_PROCESS
 
     @property
     def model(self) -> Any:
@@ -302,6 +323,7 @@ class LoopRun:
             pairs = collect_calibration_pairs(
                 self.accelerator,
                 self.model,
+                self.backend,
                 self.tokenizer,
                 self.build_prompt,
                 self.train_judge,
@@ -319,6 +341,7 @@ class LoopRun:
             rows = curve_rows(
                 self.accelerator,
                 self.model,
+                self.backend,
                 self.learner.ref,
                 self.tokenizer,
                 self.build_prompt,
@@ -336,6 +359,7 @@ class LoopRun:
             return run_evaluation(
                 self.accelerator,
                 self.model,
+                self.backend,
                 self.learner.ref,
                 self.tokenizer,
                 self.build_prompt,

@@ -4,9 +4,11 @@ TRL's trainers use one in server mode.
 judgeloop starts vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``)
 from the vLLM environment's python, on a folder holding the policy's weights in transformers' layout
 (:func:`judgeloop.models.saving.save_model_folder`), or uses a server already running at
-``generation.vllm.url``. Every :func:`judgeloop.loop.rollout.generate` call on the policy then becomes
-one completions request per prompt (token ids in, token ids out), and the training model only scores:
-the KL and the update's log-probs are its own.
+``generation.vllm.url``. The run's generation backend (:class:`judgeloop.loop.rollout.GenerationBackend`,
+made in set-up and passed to every step that generates) holds the engine: each
+:func:`judgeloop.loop.rollout.generate` call on the policy with it becomes one completions request per
+prompt (token ids in, token ids out), and the training model only scores: the KL and the update's
+log-probs are its own.
 
 Weights: after every optimizer step (counted by a hook on the run's optimizer), and after any other
 in-place write to the trainable tensors (their version counters: a resume, a restored best
@@ -43,7 +45,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -372,15 +373,6 @@ def _version(model: Any) -> tuple[tuple[int, int], ...]:
     return tuple((id(p), p._version) for p in model.parameters() if p.requires_grad)
 
 
-def _adapters_disabled(model: Any) -> bool:
-    """Whether a peft model is inside ``disable_adapter()`` (then it is the reference, not the policy)."""
-    if not hasattr(model, "peft_config"):
-        return False
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return any(m.disable_adapters for m in model.modules() if isinstance(m, BaseTunerLayer))
-
-
 class VllmEngine:
     """The client side: completions requests to a vLLM server, and the weight sync into it.
 
@@ -507,18 +499,6 @@ class VllmEngine:
         return out
 
 
-_ENGINES: weakref.WeakKeyDictionary[Any, VllmEngine] = weakref.WeakKeyDictionary()
-
-
-def engine_for(model: Any) -> VllmEngine | None:
-    """The engine that generates for ``model`` (the policy the loop attached one to), or None: the
-    ``hf`` backend, another model (a frozen reference), or the policy with its adapters disabled."""
-    engine = _ENGINES.get(model)
-    if engine is None or _adapters_disabled(model):
-        return None
-    return engine
-
-
 @contextlib.contextmanager
 def serving(
     python: str | None,
@@ -560,15 +540,12 @@ def _sync_parent(model: Any, dtype: torch.dtype) -> str | None:
 
 
 @contextlib.contextmanager
-def generation_engine(
+def policy_engine(
     cfg: FeedbackLoopConfig, model: Any, tokenizer: Any, out_dir: Path, optimizer: Any = None
-) -> Iterator[None]:
-    """The run's generation backend for the block: with ``generation.backend: vllm`` an engine serves
-    the policy ``model`` (the unwrapped one the steps generate with), synced after every step of
-    ``optimizer``, started here and ended on leaving; with ``hf``, nothing."""
-    if cfg.generation.backend != "vllm":
-        yield
-        return
+) -> Iterator[VllmEngine]:
+    """The engine of ``generation.backend: vllm`` for the block: it serves the policy ``model`` (the
+    unwrapped one the steps generate with), synced after every step of ``optimizer``; the server is
+    started here (or ``generation.vllm.url``'s used) and ended on leaving."""
     vcfg = cfg.generation.vllm
     python = None if vcfg.url is not None else find_python(vcfg)
     dtype = engine_dtype(cfg)
@@ -582,12 +559,10 @@ def generation_engine(
         with serving(
             python, folder, model, tokenizer, vcfg, dtype, out_dir / "vllm_server.log", cpu
         ) as engine:
-            _ENGINES[model] = engine
             hook = engine.watch(optimizer) if optimizer is not None else None
             try:
-                yield
+                yield engine
             finally:
-                _ENGINES.pop(model, None)
                 if hook is not None:
                     hook.remove()
                 if engine.sync_seconds:
