@@ -642,4 +642,5 @@ def test_the_report_says_what_its_length_can_show_from_the_oracle_arms_gain(lo, 
     assert f"+0.014 [{lo:+.3f}, +0.031]" in line
     assert ("the policy learns the task at this length" in line) is learns
     assert ("not whether calibration trains a better summarizer" in line) is not learns
+    assert ("configs/feedback_loop/study_long.yaml" in line) is not learns  # where to read the longer run
     assert scope_lines({"num_steps": 8, "vs_start": {"raw": {}}}) == []  # no oracle arm: nothing claimed
