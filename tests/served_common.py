@@ -19,3 +19,31 @@ def start_server(lm: Any, **kwargs: Any) -> tuple[Any, str]:
 def stop_server(srv: Any) -> None:
     srv.shutdown()
     srv.server_close()
+
+
+def calibrate_served_tiny(base_url: str, out: Any, *extra: str) -> int:
+    """``judgeloop calibrate`` of the tiny model served at ``base_url`` on a small embedded corpus with
+    ROUGE labels (the served-judge tests' calibration run) into ``out``; ``extra``: more overrides."""
+    from pathlib import Path
+
+    from judgeloop.cli import main as cli
+
+    config = Path(__file__).resolve().parents[1] / "configs/calibrate/summeval_served.yaml"
+    tiny = "judgeloop-tiny/causal-lm"
+    return cli(
+        [
+            "calibrate",
+            "--config",
+            str(config),
+            "data.format=embedded",
+            "data.path=null",
+            "data.embedded_size=40",
+            "labels.type=rouge",
+            f"judge.model={tiny}",
+            f"judge.server.model={tiny}",
+            f"judge.server.base_url={base_url}",
+            "max_pairs_per_article=3",
+            *extra,
+            f"output_dir={out}",
+        ]
+    )

@@ -20,7 +20,7 @@ from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.served import ServedJudge, verdict_score
 from judgeloop.judges.served_client import Reply
 from judgeloop.serving.openai_compat import Handler, LocalModel
-from served_common import start_server, stop_server
+from served_common import calibrate_served_tiny, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "judgeloop-tiny/causal-lm"
@@ -267,23 +267,7 @@ def test_served_config_errors():
 def served_calibration(tiny_server, tmp_path_factory):
     """``judgeloop calibrate`` on the served tiny judge (embedded corpus, ROUGE labels): its output folder."""
     out = tmp_path_factory.mktemp("served_calibration") / "run"
-    rc = cli(
-        [
-            "calibrate",
-            "--config",
-            str(ROOT / "configs/calibrate/summeval_served.yaml"),
-            "data.format=embedded",
-            "data.path=null",
-            "data.embedded_size=40",
-            "labels.type=rouge",
-            f"judge.model={TINY}",
-            f"judge.server.model={TINY}",
-            f"judge.server.base_url={tiny_server}",
-            f"judge.server.cache_path={out / 'judgements.sqlite'}",
-            "max_pairs_per_article=3",
-            f"output_dir={out}",
-        ]
-    )
+    rc = calibrate_served_tiny(tiny_server, out, f"judge.server.cache_path={out / 'judgements.sqlite'}")
     assert rc == 0
     return out
 

@@ -27,6 +27,7 @@ from judgeloop.cli import main as cli
 from judgeloop.judges.base import VALID_STATUSES
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.serving.openai_compat import Handler, LocalModel, make_server
+from served_common import calibrate_served_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "judgeloop-tiny/causal-lm"
@@ -175,23 +176,7 @@ def served_judge_path(server, tmp_path_factory):
     """``judgeloop calibrate`` on the served tiny judge: the saved platt judge's folder."""
     _, url = server
     out = tmp_path_factory.mktemp("served_cal") / "run"
-    rc = cli(
-        [
-            "calibrate",
-            "--config",
-            str(ROOT / "configs/calibrate/summeval_served.yaml"),
-            "data.format=embedded",
-            "data.path=null",
-            "data.embedded_size=40",
-            "labels.type=rouge",
-            f"judge.model={TINY}",
-            f"judge.server.model={TINY}",
-            f"judge.server.base_url={url}",
-            "judge.server.cache_path=",
-            "max_pairs_per_article=3",
-            f"output_dir={out}",
-        ]
-    )
+    rc = calibrate_served_tiny(url, out, "judge.server.cache_path=")
     assert rc == 0
     return out / "calibrated_judge" / "platt"
 

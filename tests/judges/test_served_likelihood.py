@@ -17,7 +17,7 @@ from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.likelihood import LikelihoodJudge
 from judgeloop.judges.served import ServedLikelihoodJudge
 from judgeloop.serving.openai_compat import Handler, LocalModel
-from served_common import start_server, stop_server
+from served_common import calibrate_served_tiny, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "judgeloop-tiny/causal-lm"
@@ -206,28 +206,15 @@ def test_bad_likelihood_settings_are_one_line(overrides, message):
 
 
 def test_calibrate_fits_and_saves_the_served_likelihood_judge(server, reference, tmp_path):
-    from judgeloop.cli import main as cli
     from judgeloop.judges.calibrated import CalibratedJudge
 
     out = tmp_path / "run"
-    rc = cli(
-        [
-            "calibrate",
-            "--config",
-            str(ROOT / "configs/calibrate/summeval_served.yaml"),
-            "data.format=embedded",
-            "data.path=null",
-            "data.embedded_size=40",
-            "labels.type=rouge",
-            f"judge.model={TINY}",
-            f"judge.server.model={TINY}",
-            f"judge.server.base_url={server}",
-            "judge.extractor=likelihood",
-            "judge.position_debias=null",
-            "max_pairs_per_article=3",
-            f"judge.server.cache_path={out / 'judgements.sqlite'}",
-            f"output_dir={out}",
-        ]
+    rc = calibrate_served_tiny(
+        server,
+        out,
+        "judge.extractor=likelihood",
+        "judge.position_debias=null",
+        f"judge.server.cache_path={out / 'judgements.sqlite'}",
     )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
