@@ -542,17 +542,19 @@ def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, c
     assert not (some / "results.md").exists()
     res = aggregate(_cfg(some), allow_missing=True)
     md = (some / "results.md").read_text().splitlines()
+    assert md[0].endswith("test articles, 2 steps; 3 of 4 jobs finished)")  # the title says the grid is partial
     assert md[2].startswith("**Incomplete grid.** Missing jobs (no report): platt:1.")
     assert md[4].startswith("**Premise.**")  # after the missing jobs
     d = res["paired"]["platt"]["rouge_l_neutral"]
     assert (d["n"], d["n_seeds"]) == (6, 1)  # seed 0 only: the pairs both arms have
-    assert any(line.startswith("| platt | 6 (1 seeds) |") for line in md)
+    assert any(line.startswith("| platt | 6 (1 seed) |") for line in md)
     assert res["premise"]["metrics"]["copy_rate"]["n"] == 12  # the baseline has both seeds
 
     full = _results(one_process)  # all finished: no missing line, every pair counted
     assert full["missing_jobs"] == [] and full["paired"]["platt"]["rouge_l_neutral"]["n"] == 12
     text = (one_process / "results.md").read_text()
     assert "Incomplete grid" not in text and "| platt | 12 (2 seeds) |" in text
+    assert text.splitlines()[0].endswith("test articles, 2 steps)")  # a finished grid: no count in the title
 
 
 def test_absolute_intervals_stay_within_the_metric_range():

@@ -439,7 +439,8 @@ def _fmt_delta(d: dict[str, Any] | None, mdd: bool = True) -> str:
 def _pairs(res: dict[str, Any]) -> str:
     """'N (S seeds)': the (seed, article) cells a paired comparison used (those both arms have)."""
     d = res.get("rouge_l_neutral") or {}
-    return f"{d.get('n', 0)} ({d.get('n_seeds', 0)} seeds)"
+    seeds = d.get("n_seeds", 0)
+    return f"{d.get('n', 0)} ({seeds} seed{'' if seeds == 1 else 's'})"
 
 
 def _delta_table(by_arm: dict[str, Any], paired: bool) -> list[str]:
@@ -515,10 +516,12 @@ def results_table(results: dict[str, Any]) -> str:
     base = results["baseline"]
     n_art = results["articles_per_seed"]
     arts = "/".join(str(n) for n in n_art) if n_art else "0"
-    lines = [
-        f"# Feedback-loop ablation ({len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps)",
-        "",
-    ]
+    title = f"{len(results['seeds'])} seeds x {arts} test articles, {results['num_steps']} steps"
+    unfinished = len(results["missing_jobs"]) + sum(len(arm["failed"]) for arm in results["arms"].values())
+    if unfinished:  # the grid planned, and how much of it the figures below rest on
+        total = len(results["arms"]) * len(results["seeds"])
+        title += f"; {total - unfinished} of {total} jobs finished"
+    lines = [f"# Feedback-loop ablation ({title})", ""]
     lines += opening_lines(results)
     premise = results["premise"]
     lines.append(
