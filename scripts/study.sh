@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The calibration study of docs/study.md, end to end and resumable (finished jobs are skipped):
-#   scripts/study.sh embedded | debian | sweep | grpo | all
+#   scripts/study.sh embedded | debian | sweep | grpo | long | all
 # Results, per-article rows and plots land under docs/study/ (no weights: save_final_policy=false).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JL=${JL:-.venv/bin/judgeloop}
 CFG=configs/feedback_loop/study.yaml
 GRPO=configs/feedback_loop/study_grpo.yaml
+LONG=configs/feedback_loop/study_long.yaml
 DEBIAN=${DEBIAN:-../shared/data/debian/debian_synopsis_dev.jsonl}
 # the calibrated arm of the sweep: chosen on the validation slice of the embedded study (the best mean
 # validation neutral ROUGE-L among the calibrated arms, docs/study.md); 3 seeds unless SWEEP_SEEDS says
@@ -40,11 +41,17 @@ grpo() {
     $JL ablate --config "$GRPO" "loss.scale_rewards=$scale" output_dir="docs/study/grpo/$scale"
   done
 }
+long() {
+  # the same question at 48 steps of 8 articles, the length the pilot chose on validation; 15 jobs of
+  # 20-35 min each on one core: to use two cores, run the lines of `--list-jobs` as two `--job ARM:SEED` lanes
+  $JL ablate --config "$LONG" output_dir=docs/study/long
+}
 case "${1:-all}" in
   embedded) embedded ;;
   debian) debian ;;
   sweep) sweep ;;
   grpo) grpo ;;
-  all) embedded; sweep; debian; grpo ;;
-  *) echo "usage: scripts/study.sh embedded|debian|sweep|grpo|all" >&2; exit 2 ;;
+  long) long ;;
+  all) embedded; sweep; debian; grpo; long ;;
+  *) echo "usage: scripts/study.sh embedded|debian|sweep|grpo|long|all" >&2; exit 2 ;;
 esac
