@@ -646,3 +646,38 @@ def test_the_report_says_what_its_length_can_show_from_the_oracle_arms_gain(lo, 
     assert ("not whether calibration trains a better summarizer" in line) is not learns
     assert ("configs/feedback_loop/study_long.yaml" in line) is not learns  # where to read the longer run
     assert scope_lines({"num_steps": 8, "vs_start": {"raw": {}}}) == []  # no oracle arm: nothing claimed
+
+
+def _same_figures(new, old, where="results.json"):
+    """``new`` equals ``old`` key for key, numbers to 12 significant digits (a last-bit difference in a
+    float sum on another CPU is not a changed result; anything else is)."""
+    assert type(new) is type(old), where
+    if isinstance(old, dict):
+        assert list(new) == list(old), where
+        for key in old:
+            _same_figures(new[key], old[key], f"{where}.{key}")
+    elif isinstance(old, list):
+        assert len(new) == len(old), where
+        for i, (a, b) in enumerate(zip(new, old)):
+            _same_figures(a, b, f"{where}[{i}]")
+    elif isinstance(old, float):
+        assert new == pytest.approx(old, rel=1e-12, abs=1e-15), where
+    else:
+        assert new == old, where
+
+
+def test_the_committed_48_step_study_is_what_aggregate_writes_from_its_rows(tmp_path):
+    """docs/study/long: `--aggregate` on a copy of the committed job folders (config, metrics, per-article
+    rows, report; no results, plots, shared start work or checkpoints) writes the committed results."""
+    import shutil
+
+    from judgeloop.studies.ablation_report import aggregate
+
+    study = REPO / "docs" / "study" / "long"
+    out = tmp_path / "long"
+    shutil.copytree(study, out, ignore=shutil.ignore_patterns("results.*", "*.png", "_shared"))
+    cfg = load_config(AblateConfig, REPO / "configs" / "feedback_loop" / "study_long.yaml", [f"output_dir={out}"])
+    res = aggregate(cfg)
+    assert res["missing_jobs"] == [] and len(res["seeds"]) == 3  # the whole grid is committed
+    assert (out / "results.md").read_text() == (study / "results.md").read_text()
+    _same_figures(json.loads((out / "results.json").read_text()), json.loads((study / "results.json").read_text()))
