@@ -153,3 +153,18 @@ def test_adaptive_kl_controller_moves_toward_target():
     )  # clipped to -0.2
     assert AdaptiveKLController(0.1).update(5.0) == 0.1
     assert AdaptiveKLController(0.1).load_state_dict(ctl.state_dict()).coef == ctl.coef
+
+
+def test_margin_agreement_counts_a_margin_within_rounding_of_zero_as_half():
+    """Signs agree (1) or not (0); a margin within TIE_TOLERANCE of its log-probabilities' size is a tie
+    (1/2), so a policy equal to its reference gives 0.5 whatever the rounding's sign on this CPU."""
+    from judgeloop.loop.dpo import TIE_TOLERANCE, margin_agreement
+
+    scale = torch.full((6,), 200.0)  # four sequence log-probs of about -50 each
+    tiny = 0.5 * TIE_TOLERANCE * 200.0
+    h = torch.tensor([0.3, -0.3, 0.3, tiny, -tiny, 0.0])
+    t = torch.tensor([0.9, 0.9, 0.2, 0.9, 0.9, 0.1])
+    assert margin_agreement(h, t, scale).tolist() == [1.0, 0.0, 0.0, 0.5, 0.5, 0.5]
+    # a margin just past the tolerance is a sign again
+    past = torch.tensor([-2 * TIE_TOLERANCE * 200.0])
+    assert margin_agreement(past, torch.tensor([0.9]), torch.tensor([200.0])).tolist() == [0.0]

@@ -17,6 +17,23 @@ from judgeloop.loop.update import Learner, chunked_update
 STATS = ("loss", "dpo_loss", "kl", "kl_k1", "margin_agreement", "kept_fraction", "target_margin")
 
 
+# A margin within this fraction of the summed |sequence log-probabilities| it is made of is float rounding:
+# summed over a sequence's tokens, one float32 log-prob sum carries errors near 1e-7 of its size.
+TIE_TOLERANCE = 1e-5
+
+
+def margin_agreement(h: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per pair: 1 where the margin's sign agrees with the target's side (p >= 0.5: a), 0 where it does not,
+    and 1/2 where the margin is a tie, ``|h| <= TIE_TOLERANCE * scale`` (``scale``: the summed |sequence
+    log-probabilities| of the margin's four terms). A tie's sign is rounding noise that differs between
+    kernels, CPUs and launches (at step 1 the policy is its reference and every margin is one), so a tie
+    counts one half, as a tie does in an AUC, on every machine.
+    """
+    tie = h.abs() <= TIE_TOLERANCE * scale
+    agree = ((h > 0) == (targets >= 0.5)).float()
+    return torch.where(tie, torch.full_like(agree, 0.5), agree)
+
+
 def dpo_update(
     learner: Learner,
     roll: Rollout,
@@ -53,8 +70,9 @@ def dpo_update(
         t, m = targets[lo:hi].to(device), mask[lo:hi].to(device)
         w = m if weights is None else m * weights[lo:hi].to(device)
         dpo = soft_dpo_loss(h, t, beta, w).sum() / B
-        with torch.no_grad():  # kept pairs whose margin agrees with the target
-            agree = (((h.detach() > 0).float() == (t >= 0.5).float()).float() * m).sum()
+        with torch.no_grad():
+            scale = torch.stack([seq_pol[:n], seq_pol[n:], seq_ref[:n], seq_ref[n:]]).detach().abs().sum(0)
+            agree = (margin_agreement(h.detach(), t, scale) * m).sum()
         return dpo, [agree]
 
     def batch_stats(totals: list[torch.Tensor]) -> torch.Tensor:
