@@ -100,7 +100,7 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
                     policy_update(run.learner, batch, run.kl_ctl.coef)  # step 5. one optimizer step
                 record_update(run, batch)
                 run.calibrator = maybe_recalibrate(  # step 6. ECE monitor and refit on fresh samples
-                    step, run.state, run.calibrator, run.collect, cfg, run.train_judge
+                    step, run.state, run.calibrator, run.collect, cfg, run.train_judge, batch=batch
                 )
                 watch_divergence(run, step)  # step 7. the judge against objective signals
                 # Phase C. Evaluation on the test split (reported) and early stopping on validation; the validation curve.

@@ -143,3 +143,43 @@ def test_a_reversed_judge_is_flagged():
     c = judge_coupling(s, y, ["an article"] * 60, ["a b c d"] * 60, ["a b"] * 60)
     assert c["auc_label"] < 0.2
     assert coupling_line(c).startswith("WARNING: the judge prefers the worse summary (AUC 0.")
+
+
+def _saturating_bias_judge(n: int = 400, seed: int = 0):
+    """A constructed judge whose logit is a quality term plus a known saturating style bias."""
+    rng = np.random.default_rng(seed)
+    f = np.column_stack([rng.normal(0, 0.3, n), rng.uniform(-0.8, 0.8, n)])
+    quality = rng.normal(0, 1, n)
+    bias = 4 * np.tanh(6 * f[:, 1])  # a copy bonus that counts up to some overlap and not beyond
+    return quality + bias, f, quality, bias
+
+
+def test_bias_curve_removes_a_known_saturating_bias_without_labels():
+    """bias_curve, fit on unlabeled pairs, recovers the bias curve and the quality ordering that a linear
+    style term (style_residual) cannot; swapping a and b gives 1 - p; a judge with no bias is left as is."""
+    from scipy.stats import spearmanr
+
+    from judgeloop.calibration import calibrator_from_state, make_calibrator
+
+    s, f, quality, bias = _saturating_bias_judge()
+    curve = make_calibrator("bias_curve").fit(s, None, f)
+    linear = make_calibrator("style_residual").fit(s, None, f)
+    assert np.abs(curve.bias(f) - bias).mean() < 0.25  # of a bias spanning [-4, 4]
+    logit = lambda c: np.log(c.predict_proba(s, f) / (1 - c.predict_proba(s, f)))  # noqa: E731
+    assert spearmanr(logit(curve), quality)[0] > 0.95 > 0.6 > spearmanr(logit(linear), quality)[0]
+    assert np.allclose(curve.predict_proba(s, f), 1 - curve.predict_proba(-s, -f))
+    again = calibrator_from_state(curve.state_dict())
+    assert np.array_equal(again.predict_proba(s, f), curve.predict_proba(s, f))
+    unbiased = make_calibrator("bias_curve").fit(quality, None, f)
+    assert unbiased.wald_p_ >= unbiased.alpha
+    assert np.array_equal(unbiased.predict_proba(quality, f), expit(quality))
+
+
+def test_bias_curve_refuses_a_damaged_state_in_one_line():
+    from judgeloop.calibration import CalibrationError, calibrator_from_state, make_calibrator
+
+    s, f, _, _ = _saturating_bias_judge(n=100)
+    state = make_calibrator("bias_curve").fit(s, None, f).state_dict()
+    state["params"]["range_"] = [0.5]  # two curves, one range
+    with pytest.raises(CalibrationError, match="one row per feature"):
+        calibrator_from_state(state)

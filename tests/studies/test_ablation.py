@@ -542,7 +542,9 @@ def test_aggregate_with_none_some_and_all_jobs_finished(one_process, tmp_path, c
     assert not (some / "results.md").exists()
     res = aggregate(_cfg(some), allow_missing=True)
     md = (some / "results.md").read_text().splitlines()
-    assert md[0].endswith("test articles, 2 steps; 3 of 4 jobs finished)")  # the title says the grid is partial
+    assert md[0].endswith(
+        "test articles, 2 steps; 3 of 4 jobs finished)"
+    )  # the title says the grid is partial
     assert md[2].startswith("**Incomplete grid.** Missing jobs (no report): platt:1.")
     assert md[4].startswith("**Premise.**")  # after the missing jobs
     d = res["paired"]["platt"]["rouge_l_neutral"]
@@ -676,8 +678,56 @@ def test_the_committed_48_step_study_is_what_aggregate_writes_from_its_rows(tmp_
     study = REPO / "docs" / "study" / "long"
     out = tmp_path / "long"
     shutil.copytree(study, out, ignore=shutil.ignore_patterns("results.*", "*.png", "_shared"))
-    cfg = load_config(AblateConfig, REPO / "configs" / "feedback_loop" / "study_long.yaml", [f"output_dir={out}"])
+    cfg = load_config(
+        AblateConfig, REPO / "configs" / "feedback_loop" / "study_long.yaml", [f"output_dir={out}"]
+    )
     res = aggregate(cfg)
     assert res["missing_jobs"] == [] and len(res["seeds"]) == 3  # the whole grid is committed
     assert (out / "results.md").read_text() == (study / "results.md").read_text()
-    _same_figures(json.loads((out / "results.json").read_text()), json.loads((study / "results.json").read_text()))
+    _same_figures(
+        json.loads((out / "results.json").read_text()), json.loads((study / "results.json").read_text())
+    )
+
+
+def test_fractions_against_the_ceiling_arm_equal_a_hand_computation():
+    """recovered_fractions(reference=ceiling) on the committed 48-step rows, with feature_platt's runs
+    standing in for a ceiling arm: platt's fraction is mean(platt - raw) / mean(ceiling - raw) over the
+    (seed, article) cells; the oracle is left out of it, and results.md gets its own section."""
+    import dataclasses
+
+    from judgeloop.studies.ablation_report import (
+        RECOVERED_METRIC,
+        ceiling_arm,
+        recovered_fractions,
+        recovered_lines,
+        summarize_arm,
+    )
+
+    cfg = load_config(
+        AblateConfig,
+        REPO / "configs" / "feedback_loop" / "study_long.yaml",
+        [f"output_dir={REPO / 'docs' / 'study' / 'long'}"],
+    )
+    finals = {arm: summarize_arm(cfg, arm)[1] for arm in ("raw", "platt", "feature_platt", "oracle")}
+    finals["ceiling"] = finals.pop("feature_platt")
+    grid = dataclasses.replace(cfg.ablation, arms=["raw", "platt", "ceiling", "oracle"])
+    cfg = dataclasses.replace(cfg, ablation=grid)
+    assert ceiling_arm(cfg) == "ceiling"
+    rec = recovered_fractions(cfg, finals, "ceiling")
+    assert list(rec["arms"]) == ["platt"] and rec["reference"] == "ceiling"
+
+    def cells(arm):
+        return np.array(
+            [[finals[arm][s][i][RECOVERED_METRIC] for i in sorted(finals[arm][s])] for s in (0, 1, 2)]
+        )
+
+    raw = cells("raw")
+    hand = float(np.mean(cells("platt") - raw) / np.mean(cells("ceiling") - raw))
+    platt = rec["arms"]["platt"]
+    assert platt["defined"]  # feature_platt's gain over raw on these rows is clearly above 0
+    assert platt["fraction"] == pytest.approx(hand, rel=1e-9)
+    assert platt["ci95"][0] <= platt["fraction"] <= platt["ci95"][1]
+    md = recovered_lines({"recovered_ceiling": rec}, "recovered_ceiling")
+    assert md[0] == "## Fraction of the ceiling's gain recovered (`rouge_l_neutral`, against `raw`)"
+    # against the oracle, the ceiling has a fraction of its own: what this judge can teach at all
+    assert "ceiling" in recovered_fractions(cfg, finals)["arms"]

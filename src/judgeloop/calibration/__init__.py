@@ -3,6 +3,7 @@ Platt) and the pair features they read, and calibration metrics (ECE, MCE, Brier
 
 from judgeloop.calibration.calibrators import (
     CALIBRATORS,
+    BiasCurveCalibrator,
     CalibrationError,
     Calibrator,
     FeaturePlattCalibrator,
@@ -28,6 +29,7 @@ from judgeloop.calibration.metrics import all_metrics, brier, ece, mce, nll, rel
 
 __all__ = [
     "CALIBRATORS",
+    "BiasCurveCalibrator",
     "FEATURE_NAMES",
     "CalibrationError",
     "Calibrator",

@@ -144,6 +144,41 @@ def fit_logistic(X: np.ndarray, t: np.ndarray, l2: float = 0.0) -> np.ndarray:
     return res.x
 
 
+def _label_free_inputs(
+    method: str, scores: Any, features: Any, min_points: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The raw logits (n,) and pair features (n, F) a label-free calibrator fits on, checked."""
+    s = np.asarray(scores, dtype=float).ravel()
+    if features is None:
+        raise CalibrationError(f"{method}: needs pair features (length / copy-rate differences)")
+    f = np.asarray(features, dtype=float)
+    f = f[:, None] if f.ndim == 1 else f
+    if f.shape[0] != s.size:
+        raise CalibrationError(f"{method}: features have {f.shape[0]} rows but there are {s.size} scores")
+    if not (np.all(np.isfinite(s)) and np.all(np.isfinite(f))):
+        raise CalibrationError(f"{method}: scores or features contain NaN or infinite values")
+    if s.size < max(min_points, f.shape[1] + 2):
+        raise CalibrationError(
+            f"{method}: {s.size} pairs, fewer than min_points={min_points}; use more calibration articles"
+        )
+    return s, f
+
+
+def linear_style_term(s: np.ndarray, f: np.ndarray) -> tuple[np.ndarray, float]:
+    """The least-squares fit ``s = f . beta + e`` (no intercept: both sides are antisymmetric) and the
+    p-value of a Wald test of ``beta = 0`` on the ``n`` pairs given (not a doubled, symmetrized set)."""
+    from scipy.stats import chi2
+
+    beta, *_ = np.linalg.lstsq(f, s, rcond=None)
+    resid = s - f @ beta
+    sigma2 = float(resid @ resid) / (s.size - f.shape[1])
+    xtx = f.T @ f
+    if sigma2 <= 0 or np.linalg.matrix_rank(xtx) < f.shape[1]:
+        return beta, (0.0 if sigma2 <= 0 and np.any(beta != 0) else 1.0)
+    stat = float(beta @ xtx @ beta) / sigma2  # beta' (sigma^2 (X'X)^-1)^-1 beta
+    return beta, float(chi2.sf(stat, f.shape[1]))
+
+
 class Calibrator:
     """Base class; subclasses set ``method`` and implement ``_fit`` and ``_predict``."""
 
@@ -454,35 +489,9 @@ class StyleResidualCalibrator(Calibrator):
         self.wald_p_: float = 1.0
 
     def fit(self, scores: Any, labels: Any = None, features: Any = None) -> Calibrator:
-        s = np.asarray(scores, dtype=float).ravel()
-        if features is None:
-            raise CalibrationError(f"{self.method}: needs pair features (length / copy-rate differences)")
-        f = np.asarray(features, dtype=float)
-        f = f[:, None] if f.ndim == 1 else f
-        if f.shape[0] != s.size:
-            raise CalibrationError(
-                f"{self.method}: features have {f.shape[0]} rows but there are {s.size} scores"
-            )
-        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(f))):
-            raise CalibrationError(f"{self.method}: scores or features contain NaN or infinite values")
-        if s.size < max(self.min_points, f.shape[1] + 2):
-            raise CalibrationError(
-                f"{self.method}: {s.size} pairs, fewer than min_points={self.min_points}; use more calibration articles"
-            )
-        from scipy.stats import chi2
-
-        beta, *_ = np.linalg.lstsq(f, s, rcond=None)
-        resid = s - f @ beta
-        dof = s.size - f.shape[1]
-        sigma2 = float(resid @ resid) / dof
-        xtx = f.T @ f
-        if sigma2 <= 0 or np.linalg.matrix_rank(xtx) < f.shape[1]:
-            wald_p = 0.0 if sigma2 <= 0 and np.any(beta != 0) else 1.0
-        else:
-            stat = float(beta @ xtx @ beta) / sigma2  # beta' (sigma^2 (X'X)^-1)^-1 beta
-            wald_p = float(chi2.sf(stat, f.shape[1]))
-        self.wald_p_ = wald_p
-        self.beta_ = beta if wald_p < self.alpha else np.zeros_like(beta)
+        s, f = _label_free_inputs(self.method, scores, features, self.min_points)
+        beta, self.wald_p_ = linear_style_term(s, f)
+        self.beta_ = beta if self.wald_p_ < self.alpha else np.zeros_like(beta)
         self.n_fit_ = int(s.size) * (2 if self.symmetric else 1)
         return self
 
@@ -493,6 +502,107 @@ class StyleResidualCalibrator(Calibrator):
         return expit(s - f @ self.beta_)
 
 
+class BiasCurveCalibrator(Calibrator):
+    """The label-free arm with a non-parametric bias curve: the judge's logit regressed on each style
+    feature by a monotone curve, the residual used as the preference.
+
+    Fit on fresh policy pairs **without labels**, like :class:`StyleResidualCalibrator`, of which this is
+    the non-parametric form: ``s = g_1(f_1) + ... + g_F(f_F) + e``, each ``g_j`` an isotonic regression
+    (increasing or decreasing as the feature's linear coefficient says), fitted jointly by backfitting
+    on both orientations of every pair, then made exactly odd (``g(-x) = -g(x)``: swapping a and b negates
+    the feature and the judge's logit, so it must negate the curve). ``p = sigmoid(s - sum_j g_j(f_j))``.
+    A linear term cannot follow a bias that saturates (a copy bonus that counts up to some overlap and
+    not beyond) or that grows only past a threshold; a monotone curve can, with no labels and no
+    parametric form (the post-hoc reward calibration of Huang et al. 2024, which estimates the bias as a
+    locally weighted curve of the length difference, is this idea with another smoother).
+
+    As ``style_residual``, the curve is subtracted only when the style term is detectable (a Wald test of
+    the linear term at level ``alpha``), so a judge with no style term is left exactly unchanged; and what
+    it cannot tell apart: quality that correlates with a style feature is removed with the bias. Each
+    curve is stored on ``grid_size`` points over ``[-range_j, range_j]`` (``range_j`` the largest |f_j|
+    seen) and read by linear interpolation, flat beyond the range.
+    """
+
+    method = "bias_curve"
+    PARAMS: ClassVar[dict[str, type]] = {
+        "curve_": np.ndarray,
+        "range_": np.ndarray,
+        "alpha": float,
+        "wald_p_": float,
+    }
+    uses_features = True
+
+    def __init__(
+        self,
+        symmetric: bool = True,
+        min_points: int = 10,
+        alpha: float = 0.05,
+        grid_size: int = 65,
+        rounds: int = 20,
+    ):
+        super().__init__(symmetric, min_points)
+        self.alpha = alpha
+        self.grid_size = grid_size
+        self.rounds = rounds
+        self.curve_: np.ndarray = np.zeros((0, grid_size))
+        self.range_: np.ndarray = np.zeros(0)
+        self.wald_p_: float = 1.0
+
+    def fit(self, scores: Any, labels: Any = None, features: Any = None) -> Calibrator:
+        from sklearn.isotonic import IsotonicRegression
+
+        s, f = _label_free_inputs(self.method, scores, features, self.min_points)
+        beta, self.wald_p_ = linear_style_term(s, f)
+        n_feat = f.shape[1]
+        self.range_ = np.maximum(np.abs(f).max(axis=0), 1e-12)
+        self.curve_ = np.zeros((n_feat, self.grid_size))
+        self.n_fit_ = int(s.size) * (2 if self.symmetric else 1)
+        if self.wald_p_ >= self.alpha:  # no detectable style term: the judge is left as it is
+            return self
+        s2, f2 = np.concatenate([s, -s]), both_orientations(f)
+        fitted = np.zeros_like(f2)
+        grids = [np.linspace(-r, r, self.grid_size) for r in self.range_]
+        for _ in range(self.rounds):  # backfitting: each curve on what the others leave
+            before = fitted.copy()
+            for j in range(n_feat):
+                partial = s2 - fitted.sum(axis=1) + fitted[:, j]
+                iso = IsotonicRegression(increasing=bool(beta[j] >= 0), out_of_bounds="clip")
+                iso.fit(f2[:, j], partial)
+                on_grid = iso.predict(grids[j])
+                odd = 0.5 * (on_grid - on_grid[::-1])  # the grid is symmetric about 0
+                self.curve_[j] = odd
+                fitted[:, j] = np.interp(f2[:, j], grids[j], odd)
+            if np.max(np.abs(fitted - before)) < 1e-9:
+                break
+        return self
+
+    def bias(self, f: np.ndarray) -> np.ndarray:
+        """The fitted bias ``sum_j g_j(f_j)`` of pairs with features ``f`` (n, F)."""
+        if f.shape[1] != self.curve_.shape[0]:
+            raise ValueError(f"bias_curve was fitted with {self.curve_.shape[0]} features, got {f.shape[1]}")
+        out = np.zeros(f.shape[0])
+        for j, r in enumerate(self.range_):
+            out += np.interp(f[:, j], np.linspace(-r, r, self.curve_.shape[1]), self.curve_[j])
+        return out
+
+    def _check_params(self, params: dict[str, Any], fitted: bool) -> None:
+        curve, rng = np.asarray(params["curve_"], dtype=float), np.asarray(params["range_"], dtype=float)
+        if curve.ndim != 2 or curve.shape[0] != rng.size or (rng <= 0).any():
+            raise CalibrationError(
+                f"bias_curve params: curve_ must be one row per feature of range_ (> 0), got shapes "
+                f"{curve.shape} and {rng.shape}"
+            )
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        super()._set_params(params)
+        self.curve_ = self.curve_.reshape(self.range_.size, -1)
+        self.grid_size = self.curve_.shape[1]
+
+    def _predict(self, s: np.ndarray, f: np.ndarray | None) -> np.ndarray:
+        assert f is not None
+        return expit(s - self.bias(f))
+
+
 CALIBRATORS: dict[str, type[Calibrator]] = {
     "raw": IdentityCalibrator,
     "platt": PlattCalibrator,
@@ -500,11 +610,12 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
     "isotonic": IsotonicCalibrator,
     "feature_platt": FeaturePlattCalibrator,
     "style_residual": StyleResidualCalibrator,
+    "bias_curve": BiasCurveCalibrator,
 }
 
 
 def make_calibrator(method: str, **kwargs: Any) -> Calibrator:
-    """Build a calibrator by name: raw, platt, temperature, isotonic, feature_platt, style_residual."""
+    """Build a calibrator by name: raw, platt, temperature, isotonic, feature_platt, style_residual, bias_curve."""
     if method not in CALIBRATORS:
         raise ValueError(f"unknown calibrator {method!r}; choose one of {sorted(CALIBRATORS)}")
     return CALIBRATORS[method](**kwargs)

@@ -17,7 +17,20 @@ from judgeloop.rewards import RewardConfig
 from judgeloop.signals import DEFAULT_STOP_SIGNALS, check_signal_names
 from judgeloop.tracking import TRACKERS
 
-Arm = Literal["raw", "platt", "isotonic", "temperature", "feature_platt", "style_residual", "panel", "oracle"]
+# the arms' names, in the order of their table (judgeloop.loop.arms.ARM_TABLE; a test keeps the two equal)
+Arm = Literal[
+    "raw",
+    "platt",
+    "isotonic",
+    "temperature",
+    "feature_platt",
+    "feature_platt_cw",
+    "style_residual",
+    "bias_curve",
+    "ceiling",
+    "panel",
+    "oracle",
+]
 ARMS: tuple[str, ...] = get_args(Arm)
 
 
@@ -194,6 +207,14 @@ class LossConfig:
     GRPO) and not under ``none`` (Dr. GRPO); the loss is TRL's clipped surrogate with clip range ``epsilon``, averaged over the
     batch's completion tokens. ``beta``, ``target``, ``margin``, ``max_spread`` and ``spread_weighting``
     are DPO settings (an error under grpo); the KL weight is ``kl_coef`` under both.
+
+    How strongly the calibrated p teaches (DPO): ``target_temperature`` T sharpens (T < 1) or softens
+    (T > 1) every target, p' = sigmoid(logit(p) / T), which changes the signal's size and never its order
+    (1: p as calibrated; a calibrator that shrinks p toward 0.5 gives back its size at T < 1, choose T on
+    the validation split). ``pair_weighting: confidence`` weights each pair's DPO term by the calibrated
+    confidence ``|2p - 1|`` (before sharpening; with ``target: hard`` this is confidence-weighted
+    preference optimization), so a pair the calibrator calls a coin flip teaches nothing and a sure one
+    teaches fully; ``none`` (default) weights every kept pair 1.
     """
 
     type: Literal["dpo", "grpo"] = "dpo"
@@ -205,6 +226,8 @@ class LossConfig:
     epsilon: float = 0.2
     beta: float = 0.1
     target: Literal["soft", "hard"] = "soft"
+    target_temperature: float = 1.0
+    pair_weighting: Literal["none", "confidence"] = "none"
     margin: float = 0.0
     max_spread: float = 0.5
     spread_weighting: bool = False
@@ -215,11 +238,15 @@ class LossConfig:
     kl_horizon: int = 100
     RANGES: ClassVar[dict[str, Range]] = {
         "beta": (0, None, "(", " (the DPO temperature)"),
+        "target_temperature": (0, None, "(", " (1 keeps p as calibrated; < 1 sharpens, > 1 softens)"),
         "kl_target": (0, None, "(", " (the adaptive KL controller's target, in nats)"),
     }
 
     def __post_init__(self) -> None:
         check_at_least("loss", self, "beta", 0, strict=True)
+        check_at_least(
+            "loss", self, "target_temperature", 0, " (1 keeps p as calibrated; < 1 sharpens)", strict=True
+        )
         check_range("loss", self, "margin", 0, 0.5, "[)", "; pairs with |p - 0.5| < margin are skipped")
         check_at_least("loss", self, "kl_coef", 0)
         check_range(
@@ -247,7 +274,15 @@ class LossConfig:
                 )
 
 
-DPO_ONLY_KEYS = ("beta", "target", "margin", "max_spread", "spread_weighting")
+DPO_ONLY_KEYS = (
+    "beta",
+    "target",
+    "target_temperature",
+    "pair_weighting",
+    "margin",
+    "max_spread",
+    "spread_weighting",
+)
 GRPO_ONLY_KEYS = ("scale_rewards", "epsilon")
 
 
@@ -290,10 +325,16 @@ class OptimConfig:
 class LoopCalibrationConfig:
     """How the judge's raw logit becomes p, and when the calibrator is refit.
 
-    ``method``: the arm. ``raw`` is p = sigmoid(raw logit); ``oracle`` replaces the judge by the
+    ``method``: the arm, one row of :mod:`judgeloop.loop.arms` (which says what each needs and when to
+    pick it). ``raw`` is p = sigmoid(raw logit); ``oracle`` replaces the judge by the
     neutral ROUGE labeler (logit = ``oracle_scale`` * (ROUGE-L(a) - ROUGE-L(b))), the upper bound;
     ``style_residual`` subtracts the style term its logit carries, fit without labels
-    (:class:`~judgeloop.calibration.StyleResidualCalibrator`); ``panel`` trains against a judge panel
+    (:class:`~judgeloop.calibration.StyleResidualCalibrator`), and ``bias_curve`` a monotone curve of
+    each style feature (:class:`~judgeloop.calibration.BiasCurveCalibrator`); ``feature_platt_cw`` is
+    ``feature_platt`` with hard targets weighted by the calibrated confidence; ``ceiling`` is
+    ``feature_platt`` fitted also on the oracle labels of every training pair of the run so far (a
+    measurement of this judge's limit, not a setting for users: it reads labels of the training pairs);
+    ``panel`` trains against a judge panel
     (:mod:`judgeloop.judges.panel`): the configured judge plus ``panel.members`` (or, with
     ``judge.type: panel``, that panel), each member calibrated by ``panel.member_calibration`` on the
     calibration pairs at every (re)fit and combined by ``panel.combine``. The evaluation's judge stays the
@@ -550,7 +591,7 @@ class FeedbackLoopConfig:
                 "alarms.action=stop keeps the best validation checkpoint and needs a validation split; set "
                 "data.split.validation=0.1"
             )
-        panel = self.judge.type == "panel" or self.calibration.method == "panel"
+        panel = self.judge.type == "panel" or self.calibration.method == "panel"  # the panel arm's row
         if self.alarms.enabled and not self.alarms.signals and not (panel and self.alarms.members):
             raise ValueError(
                 f"alarms.every_n_steps={self.alarms.every_n_steps} but there is nothing to check: list "
@@ -565,6 +606,7 @@ class FeedbackLoopConfig:
                 "calibration.method=panel needs other judges beside the configured one: list them in "
                 "calibration.panel.members (e.g. an objective signal), or set judge.type=panel"
             )
+        self._apply_arm_loss()
         self._check_loss_type()
         check_at_least("", self, "judge_prefetch_threads", 1, ", or null for half the cores", optional=True)
         check_at_least("", self, "keep_checkpoints", 1, ", or null to keep every one", optional=True)
@@ -575,6 +617,26 @@ class FeedbackLoopConfig:
             raise ValueError(f"log_with has unknown tracker(s) {bad}; choose from {['jsonl', *TRACKERS]}")
         if "jsonl" not in self.log_with:  # the loop's resume and the ablation's report read it
             self.log_with = ["jsonl", *self.log_with]
+
+    def _apply_arm_loss(self) -> None:
+        """The loss settings the arm implies (:mod:`judgeloop.loop.arms`), set where the config left the
+        default; a config that sets one otherwise is refused, naming the key and the arm."""
+        from judgeloop.loop.arms import arm
+
+        spec = arm(self.calibration.method)
+        if spec.loss and self.loss.type == "grpo":
+            raise ValueError(
+                f"calibration.method={spec.name} is a DPO arm (it sets loss.{spec.loss[0][0]}); use loss.type=dpo, "
+                f"or the arm it builds on, calibration.method={spec.calibrator}"
+            )
+        for key, value in spec.loss:
+            now, default = getattr(self.loss, key), getattr(LossConfig, key)
+            if now not in (value, default):
+                raise ValueError(
+                    f"loss.{key}={now!r} conflicts with calibration.method={spec.name}, which trains with "
+                    f"loss.{key}={value!r}; leave loss.{key} unset, or use calibration.method={spec.calibrator}"
+                )
+            setattr(self.loss, key, value)
 
     def _check_loss_type(self) -> None:
         """Settings of the other objective are errors, not silently dropped."""

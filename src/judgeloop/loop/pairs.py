@@ -27,6 +27,7 @@ from judgeloop.distributed import generation_context, real_part, shard
 from judgeloop.hashing import derive_seed
 from judgeloop.intervals import bootstrap_intervals
 from judgeloop.judges import Judge, Pair, references_for
+from judgeloop.loop.arms import arm
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.rollout import GenerationBackend, PromptBuilder, rollout
 
@@ -114,10 +115,23 @@ def judge_and_label_pairs(
     examples: Sequence[SummExample], a: Sequence[str], b: Sequence[str], judge: Judge
 ) -> CalibrationPairs:
     """Judge each (a, b) pair and label it with neutral ROUGE-L; ties and judge failures are dropped and counted."""
-    out = CalibrationPairs()
     refs = references_for(judge, examples)
     res = judge([e.article for e in examples], list(a), list(b), refs)
-    for ex, x, y, s, ok, r in zip(examples, a, b, res.scores, res.valid, refs):
+    return label_pairs(examples, a, b, res.scores, res.valid, refs)
+
+
+def label_pairs(
+    examples: Sequence[SummExample],
+    a: Sequence[str],
+    b: Sequence[str],
+    scores: Sequence[float],
+    valid: Sequence[bool],
+    refs: Sequence[Sequence[str]],
+) -> CalibrationPairs:
+    """Judged pairs labeled with neutral ROUGE-L (1: ``a`` is closer to the article's neutral summary);
+    ties and judge failures are dropped and counted."""
+    out = CalibrationPairs()
+    for ex, x, y, s, ok, r in zip(examples, a, b, scores, valid, refs):
         if not ok:
             out.judge_failures += 1
             continue
@@ -307,6 +321,6 @@ def initial_calibration_pairs(
         "sampling": [ccfg.num_articles, ccfg.extra_rounds, ccfg.pairs_per_article, ccfg.holdout_fraction],
         "min_points": ccfg.min_points,
     }
-    if ccfg.method == "panel":  # judged by the panel, not by the judge the other arms share
+    if arm(ccfg.method).judge == "panel":  # judged by the panel, not by the judge the other arms share
         key["panel"] = dataclasses.asdict(ccfg.panel)
     return CalibrationPairs.from_dict(start.get("calibration_pairs", key, lambda: collect().as_dict()))

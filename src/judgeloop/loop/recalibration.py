@@ -20,35 +20,40 @@ from judgeloop.calibration import CalibrationError, Calibrator, features_for, ma
 from judgeloop.calibration.coupling import coupling_line
 from judgeloop.config import ConfigError
 from judgeloop.io import finite_or_none
-from judgeloop.judges import Judge, build_panel
+from judgeloop.judges import Judge, build_panel, references_for
 from judgeloop.logging import get_logger
+from judgeloop.loop.arms import arm
 from judgeloop.loop.config import FeedbackLoopConfig, LoopCalibrationConfig
 from judgeloop.loop.oracle import RougeOracleJudge
 from judgeloop.loop.pairs import (
     CalibrationPairs,
     ece_intervals,
+    gather_pairs,
     holdout_mask,
     judge_coupling,
+    label_pairs,
     pair_ece,
 )
 
 if TYPE_CHECKING:
     from judgeloop.loop.state import LoopState
+    from judgeloop.loop.steps import PairBatch
 
 logger = get_logger(__name__)
 
 
 def build_calibrator(cfg: LoopCalibrationConfig) -> Calibrator:
-    """The arm's calibrator: ``raw`` and ``oracle`` use p = sigmoid(logit) and are never refit; ``panel``
-    uses it on the panel's logit, which its members' own calibrators already make a probability."""
-    method = "raw" if cfg.method in ("raw", "oracle", "panel") else cfg.method
+    """The arm's calibrator (its row of :mod:`judgeloop.loop.arms`): ``raw`` and ``oracle`` use
+    p = sigmoid(logit) and are never refit; ``panel`` uses it on the panel's logit, which its members' own
+    calibrators already make a probability."""
+    method = arm(cfg.method).calibrator
     kwargs: dict[str, Any] = {} if method == "raw" else {"min_points": cfg.min_points}
     return make_calibrator(method, **kwargs)
 
 
 def needs_fit(cfg: LoopCalibrationConfig) -> bool:
     """Whether the arm fits a calibrator (every arm but ``raw`` and ``oracle``)."""
-    return cfg.method not in ("raw", "oracle")
+    return arm(cfg.method).fits
 
 
 def check_calibration_budget(cfg: LoopCalibrationConfig, calibration_ids: Sequence[str], seed: int) -> None:
@@ -76,9 +81,10 @@ def build_training_judge(
 ) -> Judge:
     """The judge whose preferences train the policy: the configured one, the ROUGE oracle, or (``panel``)
     the configured judge, called ``name``, with ``cfg.panel.members`` beside it (a configured panel as it is)."""
-    if cfg.method == "oracle":
+    spec = arm(cfg.method)
+    if spec.judge == "oracle":
         return RougeOracleJudge(scale=cfg.oracle_scale)
-    if cfg.method == "panel" and not judge.learns_from_labels:
+    if spec.judge == "panel" and not judge.learns_from_labels:
         return build_panel(cfg.panel, device=device, first=(name, judge))
     return judge
 
@@ -187,8 +193,8 @@ def refit(
         None if first_fit else calibrator, new, hold_pairs, cfg.num_bins, cfg.ece_bootstrap, seed + step
     )
     worse = not first_fit and np.isfinite(before) and np.isfinite(after) and after > before
-    # the label-free arm takes every refit: a guard that reads labels would make it a labeled method
-    accept = "always" if cfg.method == "style_residual" else cfg.refit_accept
+    # a label-free arm takes every refit: a guard that reads labels would make it a labeled method
+    accept = "always" if arm(cfg.method).accept == "always" else cfg.refit_accept
     if worse and accept == "better":
         if learner is not None and previous is not None:
             learner.load_state_dict(previous)
@@ -202,6 +208,29 @@ def refit(
     return new, rec
 
 
+def label_training_pairs(state: LoopState, batch: PairBatch, judge: Judge) -> None:
+    """The ``ceiling`` arm's extra labels: this step's training pairs (judged already) labeled by neutral
+    ROUGE-L, gathered over the processes, added to ``state.label_pool`` for the refits to come."""
+    roll, judged = batch.rollout, batch.judged
+    assert roll is not None and judged is not None, "label_training_pairs needs the judged rollout"
+    refs = references_for(judge, batch.examples)  # what the training judge compared to, as for every pair
+    mine = label_pairs(batch.examples, roll.a_text, roll.b_text, judged.scores, judged.valid, refs)
+    pool = CalibrationPairs.from_dict(state.label_pool) if state.label_pool else CalibrationPairs()
+    pool.extend(gather_pairs(mine))
+    state.label_pool = pool.as_dict()
+
+
+def with_label_pool(
+    pairs: CalibrationPairs, state: LoopState, cfg: LoopCalibrationConfig
+) -> CalibrationPairs:
+    """The pairs a refit reads: the fresh calibration pairs, and for an arm whose fits read every label
+    (``ceiling``) the labeled training pairs of the run so far after them (a new object either way)."""
+    out = CalibrationPairs.from_dict(pairs.as_dict())
+    if arm(cfg.method).labels == "all" and state.label_pool:
+        out.extend(CalibrationPairs.from_dict(state.label_pool))
+    return out
+
+
 def maybe_recalibrate(
     step: int,
     state: LoopState,
@@ -210,9 +239,14 @@ def maybe_recalibrate(
     cfg: FeedbackLoopConfig,
     judge: Judge | None = None,
     reason: str | None = None,
+    batch: PairBatch | None = None,
 ) -> Calibrator:
     """Monitor ECE on fresh samples when due; refit on schedule or when ECE exceeds the threshold
-    (or for ``reason``, a divergence alarm's). ``judge``: the training judge (a panel refits with it)."""
+    (or for ``reason``, a divergence alarm's). ``judge``: the training judge (a panel refits with it).
+    ``batch``: the step's judged pairs, which an arm whose fits read every label (``ceiling``) labels and
+    keeps for its refits."""
+    if batch is not None and judge is not None and arm(cfg.calibration.method).labels == "all":
+        label_training_pairs(state, batch, judge)
     pairs = None
     if monitor_due(step, cfg.calibration):
         pairs = collect(step)
@@ -222,7 +256,8 @@ def maybe_recalibrate(
     if reason is None:
         return calibrator
     pairs = pairs if pairs is not None else collect(step)
-    calibrator, record = refit(calibrator, pairs, cfg.calibration, step, reason, cfg.seed, judge=judge)
+    fit_on = with_label_pool(pairs, state, cfg.calibration)
+    calibrator, record = refit(calibrator, fit_on, cfg.calibration, step, reason, cfg.seed, judge=judge)
     state.coupling.append(finite_or_none({"step": step, **judge_coupling(pairs)}))
     logger.info("step %d: %s", step, coupling_line(state.coupling[-1]))
     state.refits.append(

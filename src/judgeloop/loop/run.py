@@ -16,6 +16,7 @@ from judgeloop.checkpointing import prune_checkpoints
 from judgeloop.config import to_yaml
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, finite_or_none
 from judgeloop.logging import get_logger
+from judgeloop.loop.arms import arm
 from judgeloop.loop.curve import curve_articles, curve_due, curve_table, plot_curve
 from judgeloop.loop.evaluation import early_stopping
 from judgeloop.loop.model_card import policy_card
@@ -278,7 +279,7 @@ def save_calibrated_judge(run: LoopRun) -> None:
     from judgeloop.judges.calibrated import CalibratedJudge
 
     cfg, state = run.cfg, run.state
-    if cfg.calibration.method in ("oracle", "panel") or cfg.judge.type == "panel":
+    if not arm(cfg.calibration.method).saves_judge or cfg.judge.type == "panel":
         return
     taken = [r for r in state.refits if r.get("refit")]
     last = taken[-1] if taken else None

@@ -49,6 +49,7 @@ from judgeloop.distributed import (
 from judgeloop.io import atomic_write_text, finite_or_none
 from judgeloop.judges import Judge, build_judge, members_models, models_of
 from judgeloop.logging import get_logger
+from judgeloop.loop.arms import arm
 from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
 from judgeloop.loop.curve import curve_articles, curve_due, curve_log, curve_rows, record_curve_point
 from judgeloop.loop.evaluation import (
@@ -111,7 +112,7 @@ def check_models(cfg: FeedbackLoopConfig) -> None:
         check_backend(cfg)  # generation.backend=vllm: its python found, or its server answers
         panel = (
             members_models(cfg.calibration.panel, "calibration.panel")
-            if cfg.calibration.method == "panel"
+            if arm(cfg.calibration.method).judge == "panel"
             else []
         )
         for key, name, device in models_of(cfg.judge) + panel:
@@ -545,8 +546,8 @@ def start_run(run: LoopRun) -> None:
             run.start,
         )
     if (
-        cfg.calibration.method != "oracle"
-    ):  # samples of the initial policy: the judge's coupling, the first fit
+        arm(cfg.calibration.method).judge != "oracle"
+    ):  # samples of the initial policy: coupling, the first fit
         pairs = initial_calibration_pairs(run.start, cfg, run.splits.calibration, lambda: run.collect(0))
         state.coupling.append(finite_or_none({"step": 0, **judge_coupling(pairs)}))
         line = coupling_line(state.coupling[-1])

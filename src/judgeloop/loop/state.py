@@ -51,6 +51,8 @@ class LoopState:
     last_monitored_ece: float | None = None
     judge_state: dict[str, Any] | None = None  # a panel's fitted members (what its refits learned)
     judge_weight: float = 1.0  # shrinks when a divergence alarm down-weights the judge
+    # the ceiling arm's labeled training pairs of every step so far (a CalibrationPairs as a dict)
+    label_pool: dict[str, Any] | None = None
     alarm_checks: list[dict[str, Any]] = field(default_factory=list)
     alarms: list[dict[str, Any]] = field(default_factory=list)
     stop_reason: str = ""

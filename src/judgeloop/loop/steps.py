@@ -131,15 +131,22 @@ def judge_groups_step(judge: Judge, calibrator: Calibrator, cfg: FeedbackLoopCon
 def make_pairs(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:
     """p becomes the DPO target of each pair, and the mask of the pairs that enter the loss.
 
-    ``judge_weight`` < 1 (a divergence alarm down-weighted the judge) shrinks p toward 0.5 first. A
-    panel's pairs whose members disagree beyond ``loss.max_spread`` are skipped, and with
-    ``loss.spread_weighting`` each pair counts ``1 - 2 * spread``.
+    ``judge_weight`` < 1 (a divergence alarm down-weighted the judge) shrinks p toward 0.5 first; then
+    ``loss.target_temperature`` sharpens or softens it (:func:`sharpen`). With ``loss.pair_weighting:
+    confidence`` each pair's DPO term counts ``|2p - 1|``. A panel's pairs whose members disagree beyond
+    ``loss.max_spread`` are skipped, and with ``loss.spread_weighting`` each pair counts
+    ``1 - 2 * spread`` (times its confidence when both are on).
     """
     assert batch.p is not None and batch.judged is not None, "make_pairs needs calibrated p"
     p = batch.p if judge_weight == 1.0 else 0.5 + judge_weight * (batch.p - 0.5)
     batch.targets, batch.mask = targets_from_probs(
-        torch.tensor(p, dtype=torch.float32), loss_cfg.target, loss_cfg.margin
+        torch.tensor(sharpen(p, loss_cfg.target_temperature), dtype=torch.float32),
+        loss_cfg.target,
+        loss_cfg.margin,
     )
+    weights = []
+    if loss_cfg.pair_weighting == "confidence":  # the calibrated confidence, before any sharpening
+        weights.append(np.abs(2.0 * np.nan_to_num(p, nan=0.5) - 1.0))
     spread = batch.judged.spread
     if np.isfinite(spread).any():  # a panel
         batch.stats["spread_mean"] = float(np.nanmean(spread))
@@ -147,7 +154,19 @@ def make_pairs(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0
             batch.mask * torch.as_tensor(np.nan_to_num(spread, nan=0.0) <= loss_cfg.max_spread).float()
         )
         if loss_cfg.spread_weighting:
-            batch.weights = torch.as_tensor(1.0 - 2.0 * np.nan_to_num(spread, nan=0.5), dtype=torch.float32)
+            weights.append(1.0 - 2.0 * np.nan_to_num(spread, nan=0.5))
+    if weights:
+        batch.weights = torch.as_tensor(np.prod(weights, axis=0), dtype=torch.float32)
+
+
+def sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
+    """p' = sigmoid(logit(p) / temperature): the same order, a larger (T < 1) or smaller (T > 1) signal;
+    NaN (a failed judgement) stays NaN, and 0 or 1 stay where they are."""
+    if temperature == 1.0:
+        return p
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logit = np.log(p) - np.log1p(-p)
+    return 1.0 / (1.0 + np.exp(-logit / temperature))
 
 
 def make_advantages(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:

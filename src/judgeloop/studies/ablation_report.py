@@ -202,45 +202,65 @@ def paired_comparisons(
 RECOVERED_METRIC = "rouge_l_neutral"
 
 
-def recovered_fractions(cfg: AblateConfig, finals: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
-    """For every arm but the baseline and the oracle: the fraction of the oracle's gain over the baseline on
-    the task's target (neutral ROUGE-L of the kept policy) that it recovers, ``(arm - base) / (oracle -
-    base)``, with its two-level bootstrap interval (:func:`judgeloop.studies.stats.recovered_fraction`); null
-    without an oracle arm."""
+def recovered_fractions(
+    cfg: AblateConfig, finals: dict[str, dict[int, Any]], reference: str = "oracle"
+) -> dict[str, Any] | None:
+    """For every arm but the baseline and the references: the fraction of the ``reference`` arm's gain over
+    the baseline on the task's target (neutral ROUGE-L of the kept policy) that it recovers, ``(arm - base)
+    / (reference - base)``, with its two-level bootstrap interval
+    (:func:`judgeloop.studies.stats.recovered_fraction`); null without that arm. ``reference``: ``oracle``
+    (the perfect judge), or an arm whose name holds ``ceiling`` (the best that this judge's information
+    allows: the weak-to-strong literature's "performance gap recovered" against it). Against the oracle the
+    ceiling arm has a fraction too: how much of the oracle's gain this judge can teach at all."""
     abl = cfg.ablation
     base = abl.baseline
-    if "oracle" not in abl.arms or base == "oracle" or not finals.get("oracle") or not finals.get(base):
+    if reference not in abl.arms or base == reference or not finals.get(reference) or not finals.get(base):
         return None
     out: dict[str, Any] = {"metric": RECOVERED_METRIC, "vs": base, "arms": {}}
+    if reference != "oracle":
+        out["reference"] = reference
+    skip = {base, reference} | ({"oracle"} if reference != "oracle" else set())
     for arm in abl.arms:
-        if arm in (base, "oracle") or not finals.get(arm):
+        if arm in skip or not finals.get(arm):
             continue
-        gain, oracle = aligned_differences(
+        gain, ref = aligned_differences(
             _values(finals[base], RECOVERED_METRIC),
             _values(finals[arm], RECOVERED_METRIC),
-            _values(finals["oracle"], RECOVERED_METRIC),
+            _values(finals[reference], RECOVERED_METRIC),
         )
-        out["arms"][arm] = recovered_fraction(gain, oracle, abl.bootstrap_samples, abl.bootstrap_seed)
+        out["arms"][arm] = recovered_fraction(gain, ref, abl.bootstrap_samples, abl.bootstrap_seed)
     return out
 
 
-def recovered_lines(results: dict[str, Any]) -> list[str]:
-    """``results.md``'s section on the recovered fractions (nothing without an oracle arm)."""
-    rec = results.get("recovered")
+def ceiling_arm(cfg: AblateConfig) -> str | None:
+    """The grid's ceiling arm (the first whose name holds ``ceiling``), or None."""
+    return next((a for a in cfg.ablation.arms if "ceiling" in a), None)
+
+
+def recovered_lines(results: dict[str, Any], key: str = "recovered") -> list[str]:
+    """``results.md``'s section on the recovered fractions of ``results[key]`` (nothing without its
+    reference arm)."""
+    rec = results.get(key)
     if not rec or not rec["arms"]:
         return []
-    base, m = rec["vs"], rec["metric"]
+    base, m, ref = rec["vs"], rec["metric"], rec.get("reference", "oracle")
     first = next(iter(rec["arms"].values()))
     lines = [
-        f"## Fraction of the oracle's gain recovered (`{m}`, against `{base}`)",
+        f"## Fraction of the {ref}'s gain recovered (`{m}`, against `{base}`)",
         "",
-        f"`(arm - {base}) / (oracle - {base})` on the kept policies, paired on (seed, article), 95% interval "
-        f"from the same bootstrap. The oracle's gain over `{base}`: {_fmt_delta(first['oracle_gain'])}.",
+        f"`(arm - {base}) / ({ref} - {base})` on the kept policies, paired on (seed, article), 95% interval "
+        f"from the same bootstrap. The {ref}'s gain over `{base}`: {_fmt_delta(first['oracle_gain'])}.",
         "",
     ]
+    if ref != "oracle":
+        lines[-1:] = [
+            f"`{ref}` is the best calibration of this judge's logit and style features that many oracle labels "
+            "fit: the fraction of its gain is how much of what this judge's information allows an arm recovers.",
+            "",
+        ]
     if not first["defined"]:
         return lines + [
-            f"Not defined: the oracle's gain over `{base}` is not clearly above 0, so there is no gain to "
+            f"Not defined: the {ref}'s gain over `{base}` is not clearly above 0, so there is no gain to "
             "recover; each arm's own gain is in the paired table above.",
             "",
         ]
@@ -376,12 +396,13 @@ def aggregate(cfg: AblateConfig, allow_missing: bool = False) -> dict[str, Any]:
         arms[arm], finals[arm], starts[arm], gone = summarize_arm(cfg, arm)
         missing += gone
     paired, vs_start, premise = paired_comparisons(cfg, finals, starts)
-    recovered = recovered_fractions(cfg, finals)
+    recovered, ceiling = recovered_fractions(cfg, finals), ceiling_arm(cfg)
     n_articles = sorted({len(v) for arm in finals.values() for v in arm.values()})
     results = {
         "premise": premise,
         "paired": paired,
         "recovered": recovered,
+        **({"recovered_ceiling": recovered_fractions(cfg, finals, ceiling)} if ceiling else {}),
         "vs_start": vs_start,
         "arms": arms,
         "baseline": abl.baseline,
@@ -548,7 +569,7 @@ def results_table(results: dict[str, Any]) -> str:
             "",
             *_delta_table(results["paired"], paired=True),
         ]
-    lines += recovered_lines(results)
+    lines += recovered_lines(results) + recovered_lines(results, "recovered_ceiling")
     if results["vs_start"]:
         lines += [
             "## Change from the starting policy (each arm, paired)",
