@@ -152,3 +152,27 @@ def test_the_ceiling_fits_on_every_training_pair_so_far(tmp_path):
     # the two runs are one run up to the step-2 refit (the same calibrator fitted on the same step-0 pairs),
     # so their step-2 calibration pairs are the same: the ceiling has the labeled training pairs beside them
     assert ce[1]["n_fit"] + ce[1]["n_holdout"] > fp[1]["n_fit"] + fp[1]["n_holdout"]
+
+
+def test_hard_targets_with_a_monotone_calibrator_say_they_train_raws_labels(caplog):
+    """The account's hard pick with Platt: the same labels as raw (tested on a fitted Platt map), and the
+    run says so before any work; a reordering arm gets no such line."""
+    import logging
+
+    from judgeloop.calibration import make_calibrator
+    from judgeloop.loop.setup import warn_hard_monotone
+
+    rng = np.random.default_rng(0)
+    s = rng.normal(0, 2, 200)
+    y = (s + rng.normal(0, 3, 200) > 0).astype(int)
+    p = make_calibrator("platt").fit(s, y).predict_proba(s)
+    assert np.array_equal(p >= 0.5, s >= 0)
+    with caplog.at_level(logging.WARNING, logger="judgeloop"):
+        warn_hard_monotone(
+            load_config(FeedbackLoopConfig, TINY, ["calibration.method=platt", "loss.target=hard"])
+        )
+        warn_hard_monotone(load_config(FeedbackLoopConfig, TINY, ["calibration.method=feature_platt_cw"]))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(
+        "loss.target=hard with calibration.method=platt trains raw's labels"
+    )

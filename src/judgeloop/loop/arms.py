@@ -61,6 +61,15 @@ class ArmSpec:
         return self.name not in ("raw", "oracle")
 
     @property
+    def reorders(self) -> bool:
+        """Whether the arm can prefer another summary than the configured judge does: a calibrator that
+        reads the pair's features, or another training judge. A monotone calibrator (platt, isotonic,
+        temperature) only changes how sure the judge is, so with hard targets it trains raw's labels."""
+        return (
+            self.calibrator in ("feature_platt", "style_residual", "bias_curve") or self.judge != "configured"
+        )
+
+    @property
     def label_free(self) -> bool:
         """A fitted arm that reads no oracle label."""
         return self.fits and self.labels == "none"

@@ -189,6 +189,7 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     # accelerate launch's settings
     check_launch(cfg.batch_size, "batch_size", cfg.optim.max_grad_norm, "optim.max_grad_norm")
     check_models(cfg)
+    warn_hard_monotone(cfg)
     # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
     with (
         open_output(cfg, out_dir),
@@ -198,6 +199,19 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     ):
         run.stop = stop
         yield run
+
+
+def warn_hard_monotone(cfg: FeedbackLoopConfig) -> None:
+    """Say so when hard targets meet a monotone calibrator: an antisymmetric map that keeps the judge's
+    order gives p >= 0.5 exactly where the raw logit is >= 0, so the run trains raw's labels."""
+    spec = arm(cfg.calibration.method)
+    if cfg.loss.type == "dpo" and cfg.loss.target == "hard" and spec.fits and not spec.reorders:
+        logger.warning(
+            "loss.target=hard with calibration.method=%s trains raw's labels: a monotone calibrator keeps the "
+            "judge's order, so p >= 0.5 exactly where the raw logit is >= 0; use soft targets, or an arm that "
+            "reorders (feature_platt, feature_platt_cw, style_residual, bias_curve)",
+            spec.name,
+        )
 
 
 def open_output(cfg: FeedbackLoopConfig, out_dir: Path) -> contextlib.AbstractContextManager[Any]:
