@@ -190,3 +190,28 @@ def test_the_formatter_lays_out_all_code():
                 if FORMATTER_MARKER.search(line):
                     marked.append(f"{path.relative_to(root)}:{n}")
     assert not marked, f"formatter markers at {marked}: let ruff format lay the statement out"
+
+
+# modules that still read the package root; loop/model_card.py reads judgeloop.__version__ (loop/ is being
+# reworked elsewhere: it moves to judgeloop.version there, and this set empties)
+READS_THE_ROOT = {"judgeloop.loop.model_card"}
+
+
+def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root():
+    """``version.py`` imports nothing of judgeloop, so every module may read ``__version__`` from it; the
+    package root (``judgeloop/__init__.py``) re-exports it and the calibrated judge lazily, so a module that
+    imported the root would point up at everything the root can load."""
+    graph = _import_graph()
+    assert graph["judgeloop.version"] == set(), "version.py imports judgeloop modules; it is the ground floor"
+    assert graph["judgeloop"] <= {"judgeloop.version", "judgeloop.judges", "judgeloop.judges.calibrated"}
+    readers = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            bare = isinstance(node, ast.Import) and "judgeloop" in {a.name for a in node.names}
+            # from judgeloop import devices: a module of the package, not the root's own names
+            names = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
+            own = isinstance(node, ast.ImportFrom) and node.module == "judgeloop" and node.level == 0
+            if bare or (own and any(f"judgeloop.{n}" not in graph for n in names)):
+                readers.append(_module_name(path))
+    readers = sorted(set(readers) - {"judgeloop"})
+    assert set(readers) <= READS_THE_ROOT, f"{readers} import the package root; read judgeloop.version instead"

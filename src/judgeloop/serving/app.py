@@ -47,6 +47,7 @@ from judgeloop.serving.checks import ApiError, check_texts
 from judgeloop.serving.config import ServeConfig, check_routes
 from judgeloop.serving.groups import PromptGroups, served_group_scores
 from judgeloop.serving.openrlhf import openrlhf_router
+from judgeloop.version import __version__
 
 logger = get_logger(__name__)
 
@@ -410,8 +411,6 @@ def info_body(
     """``GET /v1/info``: the judge, its card, the server's settings (no token) and what it has done
     (``stats.requests``: POST requests received; ``stats.judge_jobs``: what the batcher judged, one per
     ``/v1`` request and one per OpenRLHF or verl group)."""
-    from judgeloop import __version__
-
     return {
         "judge": to_dict(judge.config),
         "calibrator": judge.method,
@@ -441,7 +440,6 @@ def info_body(
 def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
     :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher``, ``prompt_groups``, ``verl_groups`` and ``drain``."""
-    from judgeloop import __version__
     from judgeloop.integrations.verl_route import VerlGroups, verl_router
 
     check_routes(cfg, judge.needs)  # a route that cannot carry what the judge reads is never enabled
