@@ -214,4 +214,6 @@ def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root
             if bare or (own and any(f"judgeloop.{n}" not in graph for n in names)):
                 readers.append(_module_name(path))
     readers = sorted(set(readers) - {"judgeloop"})
-    assert set(readers) <= READS_THE_ROOT, f"{readers} import the package root; read judgeloop.version instead"
+    assert set(readers) <= READS_THE_ROOT, (
+        f"{readers} import the package root; read judgeloop.version instead"
+    )

@@ -3,8 +3,9 @@ the changelog follow."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import pytest
 
 import judgeloop
 from judgeloop.version import __version__
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_version_is_written_once_and_pyproject_reads_it():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
