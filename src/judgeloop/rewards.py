@@ -28,6 +28,7 @@ applicable").
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import numpy as np
 from scipy.special import expit
 
 from judgeloop.config import Range
+from judgeloop.deprecation import warn_renamed
 from judgeloop.judges.calibrated import Comparison
 
 Scheme = Literal["all_pairs", "round_robin", "anchor"]
@@ -118,6 +120,63 @@ class RewardConfig:
             raise ValueError(f"m={self.m}: round_robin compares each completion with the next m; use m >= 1")
         if not self.prior > 0:
             raise ValueError(f"prior={self.prior}: the Bradley-Terry prior precision must be > 0 (e.g. 0.1)")
+
+
+# the keyword spelling of the settings before 0.2.0 (JudgeReward, score_groups, group_rewards), whose
+# scheme defaulted to all_pairs; accepted until 0.3.0 with a DeprecationWarning naming RewardConfig
+OLD_KEYWORDS = ("scheme", "aggregate", "m", "prior", "probability")
+
+
+def checked_reward_config(
+    rewards: RewardConfig | None, old: dict[str, Any], call: str, stacklevel: int = 3
+) -> RewardConfig:
+    """The settings of a call of ``call`` (e.g. ``"JudgeReward(judge, ...)"``): ``rewards``, its defaults
+    when None, or a :class:`RewardConfig` built from the keywords spelled before 0.2.0 (``scheme=...,
+    aggregate=...``, with that spelling's default ``scheme='all_pairs'``) and a ``DeprecationWarning`` that
+    names the new spelling with the same values. ``stacklevel``: where the warning points, counted from the
+    caller of this function (3: the line that called the public function that called it).
+
+    Raises:
+        TypeError: a keyword that is neither, the settings given both ways, or ``rewards`` not a
+            :class:`RewardConfig` (each naming the new spelling).
+    """
+    name = call.split("(")[0]
+    unknown = [k for k in old if k not in OLD_KEYWORDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], OLD_KEYWORDS, n=1)
+        hint = f"; did you mean RewardConfig({close[0]}=...)?" if close else ""
+        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+    if old:
+        if rewards is not None:
+            raise TypeError(
+                f"{name}: rewards={rewards!r} and {sorted(old)}; give the settings once, as rewards=RewardConfig(...)"
+            )
+        values = {"scheme": "all_pairs", **old}
+        config = RewardConfig(**values)
+        new = ", ".join(f"{k}={values[k]!r}" for k in OLD_KEYWORDS if k in values)
+        given = ", ".join(f"{k}=..." for k in old)
+        warn_renamed(
+            call.replace("...", given), call.replace("...", f"RewardConfig({new})"), stacklevel=stacklevel
+        )
+        return config
+    if rewards is None:
+        return RewardConfig()
+    if not isinstance(rewards, RewardConfig):
+        raise TypeError(
+            f"{name}: rewards={rewards!r}; pass a judgeloop.rewards.RewardConfig, e.g. "
+            "RewardConfig(scheme='all_pairs')"
+        )
+    return rewards
+
+
+def check_scheme(scheme: str, aggregate: str, m: int, prior: float) -> None:
+    """Deprecated since 0.2.0 (goes in 0.3.0): ``RewardConfig(scheme=..., aggregate=..., m=..., prior=...)``
+    checks the settings when it is built."""
+    warn_renamed(
+        "judgeloop.rewards.check_scheme(scheme, aggregate, m, prior)",
+        "RewardConfig(scheme=scheme, aggregate=aggregate, m=m, prior=prior) (it checks them when built)",
+    )
+    RewardConfig(scheme=scheme, aggregate=aggregate, m=m, prior=prior)  # type: ignore[arg-type]
 
 
 def _canonical(texts: Sequence[str]) -> list[str]:
@@ -235,7 +294,9 @@ class EmptyLoses:
         return Comparison(p=p, logit=logit, status=status, forward=logit.copy())
 
 
-def score_groups(judge: Any, groups: Sequence[Group], rewards: RewardConfig | None = None) -> GroupScores:
+def score_groups(
+    judge: Any, groups: Sequence[Group], rewards: RewardConfig | None = None, **deprecated: Any
+) -> GroupScores:
     """Rewards for every completion of every group, from one batched call of ``judge``'s
     :meth:`~judgeloop.judges.calibrated.CalibratedJudge.compare` (see the module docstring).
 
@@ -245,14 +306,17 @@ def score_groups(judge: Any, groups: Sequence[Group], rewards: RewardConfig | No
         rewards: the scheme, aggregate, ``m``, prior and probability (None: :class:`RewardConfig`'s
             defaults). ``probability="raw"`` aggregates sigmoid(raw logit) instead of the calibrated p: the
             rewards then differ from the calibrated ones only through the calibrator.
+        deprecated: the settings as keywords (``scheme=..., aggregate=...``), the spelling before 0.2.0:
+            accepted with a ``DeprecationWarning`` until 0.3.0 (:func:`checked_reward_config`).
 
     Returns:
         The rewards and what it took to get them (:class:`GroupScores`).
 
     Raises:
         ValueError: an ``anchor`` scheme and a group without an anchor.
+        TypeError: ``rewards`` is not a :class:`RewardConfig`.
     """
-    rewards = RewardConfig() if rewards is None else rewards
+    rewards = checked_reward_config(rewards, deprecated, "score_groups(judge, groups, ...)")
     scheme, aggregate, m, prior = rewards.scheme, rewards.aggregate, rewards.m, rewards.prior
     probability = rewards.probability
     plans = []  # per group: distinct texts, their comparisons, the batch rows of each
@@ -348,10 +412,13 @@ def group_rewards(
     rewards: RewardConfig | None = None,
     anchor: str | None = None,
     references: Sequence[str] = (),
+    **deprecated: Any,
 ) -> list[float | None]:
     """One reward per completion of one prompt's group (``prompt``: the source text the judge reads;
-    ``rewards``: the settings, None for the defaults); see the module docstring. Several groups at once:
-    :func:`score_groups`."""
+    ``rewards``: the settings, None for the defaults; the keywords ``scheme=..., aggregate=...`` are the
+    deprecated spelling before 0.2.0, see :func:`checked_reward_config`); see the module docstring. Several groups
+    at once: :func:`score_groups`."""
+    rewards = checked_reward_config(rewards, deprecated, "group_rewards(judge, prompt, completions, ...)")
     group = Group(prompt, list(completions), anchor, tuple(references))
     return score_groups(judge, [group], rewards).rewards[0]
 
@@ -365,6 +432,7 @@ __all__ = [
     "PROBABILITIES",
     "RewardConfig",
     "bradley_terry",
+    "checked_reward_config",
     "design",
     "group_rewards",
     "is_empty",

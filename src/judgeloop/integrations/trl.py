@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from judgeloop.rewards import EmptyLoses, Group, RewardConfig, is_empty, score_groups
+from judgeloop.rewards import EmptyLoses, Group, RewardConfig, checked_reward_config, is_empty, score_groups
 
 
 def completion_text(completion: Any) -> str:
@@ -58,6 +58,9 @@ class JudgeReward:
         empty: ``lose`` (default, like the server's ``empty_completions: lose``): an empty completion
             is not judged and gets the lowest reward of its group under either aggregate; ``judge``:
             the judge is asked about it like any other text.
+        deprecated: the settings as keywords, ``JudgeReward(judge, scheme=..., aggregate=...)``, the
+            spelling before 0.2.0 (whose scheme defaulted to ``all_pairs``): accepted until 0.3.0 with a
+            ``DeprecationWarning`` that names ``JudgeReward(judge, RewardConfig(...))`` with the same values.
 
     Each call judges the whole batch in one judge call, and logs through TRL (``log_metric``, when the
     trainer passes it): ``judge/comparisons_per_group``, ``judge/failed``, ``judge/mean_p``,
@@ -80,13 +83,9 @@ class JudgeReward:
         keep_history: int = 0,
         name: str = "judgeloop",
         empty: str = "lose",
+        **deprecated: Any,
     ):
-        rewards = RewardConfig() if rewards is None else rewards
-        if not isinstance(rewards, RewardConfig):
-            raise TypeError(
-                f"JudgeReward: rewards={rewards!r}; pass a judgeloop.rewards.RewardConfig, e.g. "
-                "RewardConfig(scheme='all_pairs')"
-            )
+        rewards = checked_reward_config(rewards, deprecated, "JudgeReward(judge, ...)")
         if empty not in ("lose", "judge"):
             raise ValueError(
                 f"JudgeReward: empty={empty!r}; use lose (an empty completion ranks last) or judge"
