@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 from scipy.special import expit
 
-from judgeloop.config import Range
+from judgeloop.config import Range, check_fields
 from judgeloop.deprecation import warn_renamed
 from judgeloop.judges.calibrated import Comparison
 
@@ -48,6 +48,9 @@ SCHEMES: tuple[str, ...] = get_args(Scheme)
 AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 PROBABILITIES: tuple[str, ...] = get_args(Probability)
 ANCHOR = -1  # the anchor's index in a group's comparisons
+# below it the prior is numerically zero beside the comparisons' weights in Newton's Hessian, which is then
+# singular (the fit failed at 1e-15 on groups of 2-64 with decided outcomes; 1e-9 keeps a margin)
+MIN_PRIOR = 1e-9
 
 
 @dataclass
@@ -97,29 +100,28 @@ class RewardConfig:
     ``recipes/grpo_trl.py`` and of ``judgeloop serve-judge`` (a request may name its own).
     ``probability: raw`` aggregates sigmoid(raw logit) instead of the calibrated p.
 
+    Every value is checked when the config is built, in Python as from a config file (the same one-line
+    messages, :func:`judgeloop.config.check_fields`): ``RewardConfig(prior=float("inf"))`` would give NaN
+    rewards and a prior below ``1e-9`` a singular Bradley-Terry fit (Newton's Hessian is then the
+    comparisons' alone, which has the all-equal strengths in its null space), so both are refused.
+
     Raises:
-        ValueError: a scheme, aggregate, probability, ``m`` or prior that is not one (one line naming
-            the value and the fix).
+        ValueError: a scheme, aggregate or probability that is not one, an ``m`` or prior of the wrong
+            type, not finite or out of range (one line naming the value and the fix).
     """
 
     scheme: Scheme = "round_robin"
     aggregate: Aggregate = "win_rate"
     m: int = 2
     prior: float = 0.1
-    RANGES: ClassVar[dict[str, Range]] = {"prior": (0, None, "(", " (the Bradley-Terry prior precision)")}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "m": (1, None, "[", " (round_robin compares each completion with the next m; e.g. 2)"),
+        "prior": (MIN_PRIOR, None, "[", " (the Bradley-Terry prior precision; e.g. 0.1)"),
+    }
     probability: Probability = "calibrated"
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme={self.scheme!r}; use one of {list(SCHEMES)}")
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate={self.aggregate!r}; use one of {list(AGGREGATES)}")
-        if self.probability not in PROBABILITIES:
-            raise ValueError(f"probability={self.probability!r}; use calibrated or raw")
-        if self.m < 1:
-            raise ValueError(f"m={self.m}: round_robin compares each completion with the next m; use m >= 1")
-        if not self.prior > 0:
-            raise ValueError(f"prior={self.prior}: the Bradley-Terry prior precision must be > 0 (e.g. 0.1)")
+        check_fields("rewards", self)
 
 
 # the keyword spelling of the settings before 0.2.0 (JudgeReward, score_groups, group_rewards), whose

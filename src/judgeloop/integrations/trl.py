@@ -16,6 +16,7 @@ judge's source text (the article the completion summarizes) comes from such a co
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,11 @@ def completion_text(completion: Any) -> str:
     raise ValueError(
         f"a completion of type {type(completion).__name__} is neither text nor a list of chat messages"
     )
+
+
+def _is_int(value: Any) -> bool:
+    """An integer setting: a Python or numpy integer, not a bool or a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class JudgeReward:
@@ -61,6 +67,13 @@ class JudgeReward:
         deprecated: the settings as keywords, ``JudgeReward(judge, scheme=..., aggregate=...)``, the
             spelling before 0.2.0 (whose scheme defaulted to ``all_pairs``): accepted until 0.3.0 with a
             ``DeprecationWarning`` that names ``JudgeReward(judge, RewardConfig(...))`` with the same values.
+
+    Raises:
+        ValueError: an argument the GRPO recipe's config would refuse (a ``num_generations`` or
+            ``keep_history`` that is no integer in range, an empty column name, an unknown ``empty``), a
+            judge that reads references without ``reference_column``, ``anchor`` without
+            ``anchor_column``; one line naming the value and the fix. :class:`RewardConfig` checks its own.
+        TypeError: ``rewards`` that is not a :class:`RewardConfig`, or an unknown keyword.
 
     Each call judges the whole batch in one judge call, and logs through TRL (``log_metric``, when the
     trainer passes it): ``judge/comparisons_per_group``, ``judge/failed``, ``judge/mean_p``,
@@ -92,8 +105,22 @@ class JudgeReward:
             )
         if rewards.scheme == "anchor" and not anchor_column:
             raise ValueError("scheme=anchor needs anchor_column: the dataset column with each row's anchor")
-        if num_generations is not None and num_generations < 1:
-            raise ValueError(f"num_generations={num_generations}; use TRL's num_generations (>= 1) or None")
+        if num_generations is not None and not (_is_int(num_generations) and num_generations >= 1):
+            raise ValueError(
+                f"JudgeReward: num_generations={num_generations!r}; use TRL's num_generations (an integer "
+                ">= 1) or None"
+            )
+        if not (_is_int(keep_history) and keep_history >= 0):
+            raise ValueError(
+                f"JudgeReward: keep_history={keep_history!r}; use the number of calls to keep (an integer "
+                ">= 0; 0: none)"
+            )
+        for key, column in [("source_column", source_column), ("name", name)]:
+            if not isinstance(column, str) or not column:
+                raise ValueError(f"JudgeReward: {key}={column!r}; give a non-empty string")
+        for key, column in [("anchor_column", anchor_column), ("reference_column", reference_column)]:
+            if column is not None and not isinstance(column, str):
+                raise ValueError(f"JudgeReward: {key}={column!r}; give a dataset column's name or None")
         if isinstance(judge, str) or hasattr(judge, "__fspath__"):
             from judgeloop.judges.calibrated import CalibratedJudge
 
