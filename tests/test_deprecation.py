@@ -106,7 +106,10 @@ def test_the_old_and_the_new_spelling_at_once_or_a_misspelled_keyword_is_a_type_
 def test_check_scheme_checks_as_reward_config_does_and_warns():
     with pytest.warns(DeprecationWarning, match=r"write RewardConfig\(scheme=scheme"):
         check_scheme("all_pairs", "win_rate", 2, 0.1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'rewards.aggregate' must be one of .*got 'elo'"):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match="'rewards.aggregate' must be one of .*got 'elo'"),
+    ):
         check_scheme("all_pairs", "elo", 2, 0.1)
 
 
