@@ -116,6 +116,7 @@ def test_check_scheme_checks_as_reward_config_does_and_warns():
 MOVED_MODULES = [
     ("judgeloop.label_pairs", "judgeloop.preference_labels", "label"),
     ("judgeloop.integrations.openrlhf", "judgeloop.serving.openrlhf", "openrlhf_router"),
+    ("judgeloop.integrations.verl_route", "judgeloop.serving.verl_route", "verl_router"),
 ]
 
 

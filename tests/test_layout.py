@@ -217,3 +217,12 @@ def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root
     assert set(readers) <= READS_THE_ROOT, (
         f"{readers} import the package root; read judgeloop.version instead"
     )
+
+
+def test_the_server_imports_no_integration():
+    """The server's routes for other trainers (OpenRLHF's, verl's) live in serving/, beside the batcher they
+    answer through; integrations/ (what a trainer calls: TRL's reward function, verl's compute_score) sits
+    above it, so the server loads no trainer adapter."""
+    for path in sorted((SRC / "serving").rglob("*.py")):
+        bad = [m for m in _imports(path) if m.startswith("judgeloop.integrations")]
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}; serving/ sits below integrations/"
