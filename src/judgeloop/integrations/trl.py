@@ -118,9 +118,9 @@ class JudgeReward:
         for key, column in [("source_column", source_column), ("name", name)]:
             if not isinstance(column, str) or not column:
                 raise ValueError(f"JudgeReward: {key}={column!r}; give a non-empty string")
-        for key, column in [("anchor_column", anchor_column), ("reference_column", reference_column)]:
-            if column is not None and not isinstance(column, str):
-                raise ValueError(f"JudgeReward: {key}={column!r}; give a dataset column's name or None")
+        for key, optional in [("anchor_column", anchor_column), ("reference_column", reference_column)]:
+            if optional is not None and not isinstance(optional, str):
+                raise ValueError(f"JudgeReward: {key}={optional!r}; give a dataset column's name or None")
         if isinstance(judge, str) or hasattr(judge, "__fspath__"):
             from judgeloop.judges.calibrated import CalibratedJudge
 
