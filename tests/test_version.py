@@ -21,3 +21,11 @@ def test_the_version_is_written_once_and_pyproject_reads_it():
     assert attr == "judgeloop.version.__version__"
     assert judgeloop.__version__ is __version__
     assert __version__.count(".") == 2 and all(part.isdigit() for part in __version__.split("."))
+
+
+def test_the_changelog_has_a_section_for_this_version_under_unreleased():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert text.index("## [Unreleased]") < text.index(f"## [{__version__}]"), (
+        f"CHANGELOG.md has no '## [{__version__}]' section below '## [Unreleased]'; a release moves the "
+        "Unreleased entries under its version"
+    )
