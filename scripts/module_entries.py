@@ -7,7 +7,8 @@ the recipe ``judgeloop train`` runs, with a profile hook on every Python call. A
 the caller's frame is in another module (the recipe counts as its own module); calls inside a module
 (its helpers calling each other) do not count. For the chosen step it prints, per judgeloop module, the
 distinct functions entered from outside and the number of entries, most first: the first column is the
-"calls into runner.py 25 times" figure of issue 26, counted the same way for each module.
+fan-in figure of the layout reviews (issue 26 counted it for loop/runner.py, since split into steps.py,
+state.py, setup.py and run.py), counted the same way for each module (docs/layout.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from judgeloop.version import __version__
 
 
 def __getattr__(name: str) -> Any:

@@ -46,7 +46,7 @@ HELP: dict[str, str] = {
     "build-raft": "build a RAFT set (question, distractors, oracle w.p. p_oracle, quoted reasoning) + stats",
     "sft": "LoRA SFT of a causal LM on a RAFT set with TRL SFTTrainer (launches recipes/sft_raft.py)",
     "eval-raft": "answer accuracy with oracle+distractors / distractors / oracle, base vs tuned; quote validity",
-    "train": "run the calibrated feedback loop (online DPO against a judge) once",
+    "train": "run the calibrated feedback loop once: online DPO or GRPO (loss.type) against a judge",
     "ablate": "run the feedback loop per calibration arm and seed; write results.json/md and curves.png",
     "train-retriever": "zero-shot eval, train a bi-encoder with mined hard negatives, eval again",
     "mine-negatives": "mine hard negatives for a set of queries with a bi-encoder (JSONL with scores)",

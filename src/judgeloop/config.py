@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import fnmatch
 import math
+import numbers
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -240,6 +241,37 @@ def check_choices(key: str, values: Sequence[str], allowed: Iterable[str], hint:
         raise ValueError(f"{key} is empty; list at least one of {allowed}{hint}")
     if len(set(values)) != len(values):
         raise ValueError(f"{key}={list(values)} lists a value twice; list each once")
+
+
+def check_fields(section: str, cfg: Any) -> None:
+    """The loader's checks of each value, for a config built in Python (``RewardConfig(prior=inf)``), so the
+    Python constructor refuses what the YAML file and the command line refuse: the type (a string is no
+    number here; numpy scalars pass), NaN and infinity (except in an :func:`infinite_ok` field), integers
+    past 64 bits, a ``Literal``'s choices, and the range of ``RANGES`` / :data:`NAME_RANGES`, every value
+    (defaults too); a numpy scalar becomes the Python number the loader would give. Call it first in ``__post_init__``; a nested dataclass field is its own class's check.
+
+    Raises ``ConfigError`` (a ``ValueError``) with the loader's one-line message, the key spelled
+    ``SECTION.NAME`` as the command's config spells it (``section``: its dotted prefix, ``""`` at the top).
+    Through the loader the values are already checked, so nothing changes there.
+    """
+    prefix = f"{section}." if section else ""
+    hints = get_type_hints(type(cfg))
+    numbers_set: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not f.init or dataclasses.is_dataclass(value):
+            continue
+        tp = _is_optional(hints[f.name])[1]
+        if isinstance(value, (numbers.Integral, numbers.Real)) and not isinstance(value, (bool, int, float)):
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy's scalars
+            object.__setattr__(cfg, f.name, value)  # a Python number, as the loader would give
+        if tp is float and isinstance(
+            value, str
+        ):  # the loader reads YAML's "1e-5" as a number; Python needn't
+            raise ConfigError(f"config key '{prefix}{f.name}' expects a number, got {value!r}")
+        _coerce(value, hints[f.name], f"{prefix}{f.name}", bool(f.metadata.get("infinite_ok")))
+        numbers_set[f.name] = value
+    _check_ranges(type(cfg), numbers_set, prefix)
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:

@@ -28,6 +28,7 @@ applicable").
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 from scipy.special import expit
 
-from judgeloop.config import Range
+from judgeloop.config import Range, check_fields
+from judgeloop.deprecation import warn_renamed
 from judgeloop.judges.calibrated import Comparison
 
 Scheme = Literal["all_pairs", "round_robin", "anchor"]
@@ -46,6 +48,9 @@ SCHEMES: tuple[str, ...] = get_args(Scheme)
 AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 PROBABILITIES: tuple[str, ...] = get_args(Probability)
 ANCHOR = -1  # the anchor's index in a group's comparisons
+# below it the prior is numerically zero beside the comparisons' weights in Newton's Hessian, which is then
+# singular (the fit failed at 1e-15 on groups of 2-64 with decided outcomes; 1e-9 keeps a margin)
+MIN_PRIOR = 1e-9
 
 
 @dataclass
@@ -95,29 +100,85 @@ class RewardConfig:
     ``recipes/grpo_trl.py`` and of ``judgeloop serve-judge`` (a request may name its own).
     ``probability: raw`` aggregates sigmoid(raw logit) instead of the calibrated p.
 
+    Every value is checked when the config is built, in Python as from a config file (the same one-line
+    messages, :func:`judgeloop.config.check_fields`): ``RewardConfig(prior=float("inf"))`` would give NaN
+    rewards and a prior below ``1e-9`` a singular Bradley-Terry fit (Newton's Hessian is then the
+    comparisons' alone, which has the all-equal strengths in its null space), so both are refused.
+
     Raises:
-        ValueError: a scheme, aggregate, probability, ``m`` or prior that is not one (one line naming
-            the value and the fix).
+        ValueError: a scheme, aggregate or probability that is not one, an ``m`` or prior of the wrong
+            type, not finite or out of range (one line naming the value and the fix).
     """
 
     scheme: Scheme = "round_robin"
     aggregate: Aggregate = "win_rate"
     m: int = 2
     prior: float = 0.1
-    RANGES: ClassVar[dict[str, Range]] = {"prior": (0, None, "(", " (the Bradley-Terry prior precision)")}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "m": (1, None, "[", " (round_robin compares each completion with the next m; e.g. 2)"),
+        "prior": (MIN_PRIOR, None, "[", " (the Bradley-Terry prior precision; e.g. 0.1)"),
+    }
     probability: Probability = "calibrated"
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme={self.scheme!r}; use one of {list(SCHEMES)}")
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate={self.aggregate!r}; use one of {list(AGGREGATES)}")
-        if self.probability not in PROBABILITIES:
-            raise ValueError(f"probability={self.probability!r}; use calibrated or raw")
-        if self.m < 1:
-            raise ValueError(f"m={self.m}: round_robin compares each completion with the next m; use m >= 1")
-        if not self.prior > 0:
-            raise ValueError(f"prior={self.prior}: the Bradley-Terry prior precision must be > 0 (e.g. 0.1)")
+        check_fields("rewards", self)
+
+
+# the keyword spelling of the settings before 0.2.0 (JudgeReward, score_groups, group_rewards), whose
+# scheme defaulted to all_pairs; accepted until 0.3.0 with a DeprecationWarning naming RewardConfig
+OLD_KEYWORDS = ("scheme", "aggregate", "m", "prior", "probability")
+
+
+def checked_reward_config(
+    rewards: RewardConfig | None, old: dict[str, Any], call: str, stacklevel: int = 3
+) -> RewardConfig:
+    """The settings of a call of ``call`` (e.g. ``"JudgeReward(judge, ...)"``): ``rewards``, its defaults
+    when None, or a :class:`RewardConfig` built from the keywords spelled before 0.2.0 (``scheme=...,
+    aggregate=...``, with that spelling's default ``scheme='all_pairs'``) and a ``DeprecationWarning`` that
+    names the new spelling with the same values. ``stacklevel``: where the warning points, counted from the
+    caller of this function (3: the line that called the public function that called it).
+
+    Raises:
+        TypeError: a keyword that is neither, the settings given both ways, or ``rewards`` not a
+            :class:`RewardConfig` (each naming the new spelling).
+    """
+    name = call.split("(")[0]
+    unknown = [k for k in old if k not in OLD_KEYWORDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], OLD_KEYWORDS, n=1)
+        hint = f"; did you mean RewardConfig({close[0]}=...)?" if close else ""
+        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+    if old:
+        if rewards is not None:
+            raise TypeError(
+                f"{name}: rewards={rewards!r} and {sorted(old)}; give the settings once, as rewards=RewardConfig(...)"
+            )
+        values = {"scheme": "all_pairs", **old}
+        config = RewardConfig(**values)
+        new = ", ".join(f"{k}={values[k]!r}" for k in OLD_KEYWORDS if k in values)
+        given = ", ".join(f"{k}=..." for k in old)
+        warn_renamed(
+            call.replace("...", given), call.replace("...", f"RewardConfig({new})"), stacklevel=stacklevel
+        )
+        return config
+    if rewards is None:
+        return RewardConfig()
+    if not isinstance(rewards, RewardConfig):
+        raise TypeError(
+            f"{name}: rewards={rewards!r}; pass a judgeloop.rewards.RewardConfig, e.g. "
+            "RewardConfig(scheme='all_pairs')"
+        )
+    return rewards
+
+
+def check_scheme(scheme: str, aggregate: str, m: int, prior: float) -> None:
+    """Deprecated since 0.2.0 (goes in 0.3.0): ``RewardConfig(scheme=..., aggregate=..., m=..., prior=...)``
+    checks the settings when it is built."""
+    warn_renamed(
+        "judgeloop.rewards.check_scheme(scheme, aggregate, m, prior)",
+        "RewardConfig(scheme=scheme, aggregate=aggregate, m=m, prior=prior) (it checks them when built)",
+    )
+    RewardConfig(scheme=scheme, aggregate=aggregate, m=m, prior=prior)  # type: ignore[arg-type]
 
 
 def _canonical(texts: Sequence[str]) -> list[str]:
@@ -235,7 +296,9 @@ class EmptyLoses:
         return Comparison(p=p, logit=logit, status=status, forward=logit.copy())
 
 
-def score_groups(judge: Any, groups: Sequence[Group], rewards: RewardConfig | None = None) -> GroupScores:
+def score_groups(
+    judge: Any, groups: Sequence[Group], rewards: RewardConfig | None = None, **deprecated: Any
+) -> GroupScores:
     """Rewards for every completion of every group, from one batched call of ``judge``'s
     :meth:`~judgeloop.judges.calibrated.CalibratedJudge.compare` (see the module docstring).
 
@@ -245,14 +308,17 @@ def score_groups(judge: Any, groups: Sequence[Group], rewards: RewardConfig | No
         rewards: the scheme, aggregate, ``m``, prior and probability (None: :class:`RewardConfig`'s
             defaults). ``probability="raw"`` aggregates sigmoid(raw logit) instead of the calibrated p: the
             rewards then differ from the calibrated ones only through the calibrator.
+        deprecated: the settings as keywords (``scheme=..., aggregate=...``), the spelling before 0.2.0:
+            accepted with a ``DeprecationWarning`` until 0.3.0 (:func:`checked_reward_config`).
 
     Returns:
         The rewards and what it took to get them (:class:`GroupScores`).
 
     Raises:
         ValueError: an ``anchor`` scheme and a group without an anchor.
+        TypeError: ``rewards`` is not a :class:`RewardConfig`.
     """
-    rewards = RewardConfig() if rewards is None else rewards
+    rewards = checked_reward_config(rewards, deprecated, "score_groups(judge, groups, ...)")
     scheme, aggregate, m, prior = rewards.scheme, rewards.aggregate, rewards.m, rewards.prior
     probability = rewards.probability
     plans = []  # per group: distinct texts, their comparisons, the batch rows of each
@@ -348,10 +414,13 @@ def group_rewards(
     rewards: RewardConfig | None = None,
     anchor: str | None = None,
     references: Sequence[str] = (),
+    **deprecated: Any,
 ) -> list[float | None]:
     """One reward per completion of one prompt's group (``prompt``: the source text the judge reads;
-    ``rewards``: the settings, None for the defaults); see the module docstring. Several groups at once:
-    :func:`score_groups`."""
+    ``rewards``: the settings, None for the defaults; the keywords ``scheme=..., aggregate=...`` are the
+    deprecated spelling before 0.2.0, see :func:`checked_reward_config`); see the module docstring. Several groups
+    at once: :func:`score_groups`."""
+    rewards = checked_reward_config(rewards, deprecated, "group_rewards(judge, prompt, completions, ...)")
     group = Group(prompt, list(completions), anchor, tuple(references))
     return score_groups(judge, [group], rewards).rewards[0]
 
@@ -365,6 +434,7 @@ __all__ = [
     "PROBABILITIES",
     "RewardConfig",
     "bradley_terry",
+    "checked_reward_config",
     "design",
     "group_rewards",
     "is_empty",

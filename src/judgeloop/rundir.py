@@ -41,6 +41,7 @@ import yaml
 from judgeloop.config import ConfigError, config_changes, default_dict, migrate, to_dict
 from judgeloop.hashing import json_digest
 from judgeloop.io import atomic_write_json, json_text
+from judgeloop.version import __version__
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -159,8 +160,6 @@ class RunDir:
 
     def write(self, state: str) -> None:
         """Write ``run.json`` with ``state`` (``running`` / ``finished``)."""
-        from judgeloop import __version__
-
         atomic_write_json(
             self.path / RUN_FILE,
             {

@@ -5,7 +5,7 @@ Routes: ``GET /health``; ``GET /v1/info`` (judge, calibrator, held-out figures, 
 ``POST /v1/compare`` (``{"items": [{"prompt", "a", "b"}]}`` -> ``{"p", "logit", "status"}``);
 ``POST /v1/rewards`` (``{"groups": [{"prompt", "completions"}]}`` -> one reward per completion);
 ``POST /openrlhf/get_reward`` (OpenRLHF's ``--reward.remote_url``, :mod:`judgeloop.serving.openrlhf`).
-``POST /verl/reward`` (one verl response in, its groupwise reward out, :mod:`judgeloop.integrations.verl_route`),
+``POST /verl/reward`` (one verl response in, its groupwise reward out, :mod:`judgeloop.serving.verl_route`),
 posted by :func:`judgeloop.integrations.verl.compute_score`.
 
 ``routes.openrlhf`` / ``routes.verl`` (default on) turn those two routes off; a judge that reads references

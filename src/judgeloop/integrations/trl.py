@@ -16,13 +16,14 @@ judge's source text (the article the completion summarizes) comes from such a co
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from judgeloop.rewards import EmptyLoses, Group, RewardConfig, is_empty, score_groups
+from judgeloop.rewards import EmptyLoses, Group, RewardConfig, checked_reward_config, is_empty, score_groups
 
 
 def completion_text(completion: Any) -> str:
@@ -37,6 +38,11 @@ def completion_text(completion: Any) -> str:
     raise ValueError(
         f"a completion of type {type(completion).__name__} is neither text nor a list of chat messages"
     )
+
+
+def _is_int(value: Any) -> bool:
+    """An integer setting: a Python or numpy integer, not a bool or a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class JudgeReward:
@@ -58,6 +64,16 @@ class JudgeReward:
         empty: ``lose`` (default, like the server's ``empty_completions: lose``): an empty completion
             is not judged and gets the lowest reward of its group under either aggregate; ``judge``:
             the judge is asked about it like any other text.
+        deprecated: the settings as keywords, ``JudgeReward(judge, scheme=..., aggregate=...)``, the
+            spelling before 0.2.0 (whose scheme defaulted to ``all_pairs``): accepted until 0.3.0 with a
+            ``DeprecationWarning`` that names ``JudgeReward(judge, RewardConfig(...))`` with the same values.
+
+    Raises:
+        ValueError: an argument the GRPO recipe's config would refuse (a ``num_generations`` or
+            ``keep_history`` that is no integer in range, an empty column name, an unknown ``empty``), a
+            judge that reads references without ``reference_column``, ``anchor`` without
+            ``anchor_column``; one line naming the value and the fix. :class:`RewardConfig` checks its own.
+        TypeError: ``rewards`` that is not a :class:`RewardConfig`, or an unknown keyword.
 
     Each call judges the whole batch in one judge call, and logs through TRL (``log_metric``, when the
     trainer passes it): ``judge/comparisons_per_group``, ``judge/failed``, ``judge/mean_p``,
@@ -80,21 +96,31 @@ class JudgeReward:
         keep_history: int = 0,
         name: str = "judgeloop",
         empty: str = "lose",
+        **deprecated: Any,
     ):
-        rewards = RewardConfig() if rewards is None else rewards
-        if not isinstance(rewards, RewardConfig):
-            raise TypeError(
-                f"JudgeReward: rewards={rewards!r}; pass a judgeloop.rewards.RewardConfig, e.g. "
-                "RewardConfig(scheme='all_pairs')"
-            )
+        rewards = checked_reward_config(rewards, deprecated, "JudgeReward(judge, ...)")
         if empty not in ("lose", "judge"):
             raise ValueError(
                 f"JudgeReward: empty={empty!r}; use lose (an empty completion ranks last) or judge"
             )
         if rewards.scheme == "anchor" and not anchor_column:
             raise ValueError("scheme=anchor needs anchor_column: the dataset column with each row's anchor")
-        if num_generations is not None and num_generations < 1:
-            raise ValueError(f"num_generations={num_generations}; use TRL's num_generations (>= 1) or None")
+        if num_generations is not None and not (_is_int(num_generations) and num_generations >= 1):
+            raise ValueError(
+                f"JudgeReward: num_generations={num_generations!r}; use TRL's num_generations (an integer "
+                ">= 1) or None"
+            )
+        if not (_is_int(keep_history) and keep_history >= 0):
+            raise ValueError(
+                f"JudgeReward: keep_history={keep_history!r}; use the number of calls to keep (an integer "
+                ">= 0; 0: none)"
+            )
+        for key, column in [("source_column", source_column), ("name", name)]:
+            if not isinstance(column, str) or not column:
+                raise ValueError(f"JudgeReward: {key}={column!r}; give a non-empty string")
+        for key, optional in [("anchor_column", anchor_column), ("reference_column", reference_column)]:
+            if optional is not None and not isinstance(optional, str):
+                raise ValueError(f"JudgeReward: {key}={optional!r}; give a dataset column's name or None")
         if isinstance(judge, str) or hasattr(judge, "__fspath__"):
             from judgeloop.judges.calibrated import CalibratedJudge
 

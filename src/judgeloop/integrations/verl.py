@@ -14,7 +14,7 @@ from ``reward.custom_reward_function.reward_kwargs`` (``verl/trainer/ppo/reward.
 and its reward loop has no ``batch`` manager: use the ``reward.*`` keys of the launch line below.
 
 A groupwise reward needs every response of a prompt, and one call sees one response; so each call
-posts its response to the server's ``POST /verl/reward`` (:mod:`judgeloop.integrations.verl_route`),
+posts its response to the server's ``POST /verl/reward`` (:mod:`judgeloop.serving.verl_route`),
 which gathers the ``group_size`` responses of one prompt (set it to ``actor_rollout_ref.rollout.n``),
 from every reward worker, scores them as one group and answers each call with its own reward; a group
 still short after ``group_wait_s`` is scored as it is. verl passes no prompt, so the text the judge

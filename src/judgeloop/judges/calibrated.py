@@ -32,6 +32,7 @@ from judgeloop.config import ConfigError, load_config, to_yaml
 from judgeloop.io import DataError, atomic_dir, atomic_write_json, atomic_write_text, read_json
 from judgeloop.judges import JudgeConfig, JudgeNeeds, build_judge, judge_needs
 from judgeloop.judges.base import VALID_STATUSES, Judge, PointwiseJudge
+from judgeloop.version import __version__
 
 FORMAT = "judgeloop.calibrated_judge"
 FORMAT_VERSION = 1
@@ -192,8 +193,6 @@ class CalibratedJudge:
     # --- the folder ----------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """Write the folder :meth:`from_pretrained` reads, atomically (a half-written one never appears)."""
-        from judgeloop import __version__
-
         card = {
             **self.card,
             "format": FORMAT,
@@ -241,7 +240,6 @@ class CalibratedJudge:
         path: str | Path, overrides: Sequence[str]
     ) -> tuple[JudgeConfig, Calibrator, dict[str, Any]]:
         """The folder's judge config, calibrator and card, each file checked (no model loads)."""
-        from judgeloop import __version__
         from judgeloop.devices import resolve_device
         from judgeloop.models import check_model
 

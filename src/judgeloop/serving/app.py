@@ -47,6 +47,8 @@ from judgeloop.serving.checks import ApiError, check_texts
 from judgeloop.serving.config import ServeConfig, check_routes
 from judgeloop.serving.groups import PromptGroups, served_group_scores
 from judgeloop.serving.openrlhf import openrlhf_router
+from judgeloop.serving.verl_route import VerlGroups, verl_router
+from judgeloop.version import __version__
 
 logger = get_logger(__name__)
 
@@ -410,8 +412,6 @@ def info_body(
     """``GET /v1/info``: the judge, its card, the server's settings (no token) and what it has done
     (``stats.requests``: POST requests received; ``stats.judge_jobs``: what the batcher judged, one per
     ``/v1`` request and one per OpenRLHF or verl group)."""
-    from judgeloop import __version__
-
     return {
         "judge": to_dict(judge.config),
         "calibrator": judge.method,
@@ -441,9 +441,6 @@ def info_body(
 def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     """The ASGI application serving ``judge`` under ``cfg`` (routes in the module docstring of
     :mod:`judgeloop.commands.serve_judge`); ``app.state`` holds its ``batcher``, ``prompt_groups``, ``verl_groups`` and ``drain``."""
-    from judgeloop import __version__
-    from judgeloop.integrations.verl_route import VerlGroups, verl_router
-
     check_routes(cfg, judge.needs)  # a route that cannot carry what the judge reads is never enabled
     token = api_key(cfg)
     batcher = ComparisonBatcher(
@@ -521,9 +518,7 @@ def build_app(judge: CalibratedJudge, cfg: ServeConfig) -> FastAPI:
     if cfg.routes.openrlhf:
         app.include_router(openrlhf_router(cfg, prompt_groups), dependencies=[Depends(authorize)])
     if cfg.routes.verl:
-        app.include_router(
-            verl_router(cfg, verl_groups, check_texts, ApiError), dependencies=[Depends(authorize)]
-        )
+        app.include_router(verl_router(cfg, verl_groups), dependencies=[Depends(authorize)])
     app.add_middleware(
         BodyLimit, max_bytes=cfg.server.max_body_bytes, read_timeout_s=cfg.server.read_timeout_s
     )
