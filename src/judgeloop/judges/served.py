@@ -207,8 +207,9 @@ class ServedJudge(_ServedParts, Judge):
             ``choice`` judge.
 
     Raises:
-        ValueError: before any judging, one line each: no ``base_url`` or ``model``, an unset API key, no
-            server at the URL, a model it does not serve, a verdict that is not one token.
+        ServerSetupError: before any judging, one line each: an unset API key, no server at the URL, an
+            answer that is not a model list, a model it does not serve.
+        ValueError: no ``base_url`` or ``model``, a verdict that is not one token.
     """
 
     def __init__(
@@ -370,8 +371,8 @@ class ServedLikelihoodJudge(_ServedPointwise):
             flight together).
 
     Raises:
-        ValueError: before any judging, one line each: the base checks of a served judge, and a server that
-            returns no prompt log-probabilities on the routes tried.
+        ServerSetupError: before any judging, one line each: the base checks of a served judge, and a server
+            that returns no prompt log-probabilities on the routes tried.
     """
 
     extractor = "likelihood"

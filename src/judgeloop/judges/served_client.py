@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from judgeloop.errors import ServiceFailed
+from judgeloop.errors import ServiceFailed, UserError
 
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
 PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
@@ -156,6 +156,13 @@ class Reply:
         d = json.loads(raw)
         lp = None if d["logprobs"] is None else {int(k): float(v) for k, v in d["logprobs"].items()}
         return cls(lp, d["bound"], d["text"], prompt_logprobs=d.get("prompt_logprobs"))
+
+
+class ServerSetupError(UserError):
+    """The ``judge.server`` settings do not reach a usable server, found before any judging: no server at
+    ``base_url``, a refused or unset key, a model it does not serve, an answer that is not an OpenAI model
+    list, no prompt log-probabilities for the likelihood extractor. One line naming the key, the value and
+    the fix (the command line prints it and exits with status 2)."""
 
 
 class ServedJudgeFailed(ServiceFailed):
@@ -263,7 +270,8 @@ class ServedClient:
         """Check the server serves ``cfg.model`` and record what it says of itself; one-line errors.
 
         Raises:
-            ValueError: no server at ``base_url``, a refused key, or a model the server does not serve.
+            ServerSetupError: no server at ``base_url``, a refused key, an answer that is not a model list,
+                or a model the server does not serve.
         """
         import httpx
 
@@ -272,24 +280,33 @@ class ServedClient:
                 f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10)
             )
         except httpx.HTTPError as err:
-            raise ValueError(
-                f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: {err}); "
-                "start it (docs/served.md) or fix the URL"
+            raise ServerSetupError(
+                f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: "
+                f"{_one_line(str(err))}); start it (docs/served.md) or fix the URL"
             ) from None
         if r.status_code in (401, 403):
-            raise ValueError(
+            raise ServerSetupError(
                 f"judge.server.base_url={self.cfg.base_url!r} refused the API key (HTTP {r.status_code}); set "
                 f"the key in ${self.cfg.api_key_env or 'judge.server.api_key_env'}"
             )
         if r.status_code != 200:
-            raise ValueError(f"{self.root}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
-        served = [m.get("id", "") for m in r.json().get("data", [])]
-        if self.cfg.model not in served:
-            raise ValueError(
-                f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
-                f"{served}); set judge.server.model to one of them"
+            raise ServerSetupError(
+                f"judge.server.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered HTTP "
+                f"{r.status_code} ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
             )
-        entry = next(m for m in r.json()["data"] if m.get("id") == self.cfg.model)
+        models = _model_list(r)
+        if models is None:
+            raise ServerSetupError(
+                f"judge.server.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered something that is "
+                f"not an OpenAI model list ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
+            )
+        served = [m["id"] for m in models]
+        if self.cfg.model not in served:
+            raise ServerSetupError(
+                f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
+                f"{served[:20]}); set judge.server.model to one of them"
+            )
+        entry = next(m for m in models if m["id"] == self.cfg.model)
         self.info = {"model": self.cfg.model, "served_models": served}
         for path in ("/version", "/get_server_info"):
             try:
@@ -488,13 +505,13 @@ class ServedClient:
         returns the log-probabilities of ``ids[start:]``, before any judging.
 
         Raises:
-            ValueError: one line naming the routes tried, the last answer and the fix, when none returns
+            ServerSetupError: one line naming the routes tried, the last answer and the fix, when none returns
                 them (a server that returns no prompt log-probabilities: the likelihood has no text fallback).
         """
         route, form, last = _run(self._probe_prompt(ids, start))
         if not route:
             tried = [self.cfg.route] if self.cfg.route != "auto" else list(PROMPT_ROUTES)
-            raise ValueError(
+            raise ServerSetupError(
                 f"judge.extractor=likelihood needs prompt log-probabilities, and {self.cfg.base_url} returned none "
                 f"on route {tried} ({last}); serve the model with vLLM (/v1/completions with prompt_logprobs) or "
                 "SGLang (/generate with logprob_start_len) and set judge.server.route to auto, vllm or sglang"
@@ -637,13 +654,33 @@ def _run(coro: Any) -> Any:
     return result[0]
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line, cut to ``limit`` characters (a server's error page has many)."""
+    return " ".join(text.split())[:limit]
+
+
+def _model_list(r: Any) -> list[dict[str, Any]] | None:
+    """The entries of an OpenAI ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``), each a dict with a
+    string ``id``; ``None`` when the answer is not that."""
+    try:
+        data = r.json()
+    except ValueError:
+        return None
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("id"), str) for m in models
+    ):
+        return None
+    return models
+
+
 def read_api_key(cfg: ServerConfig) -> str:
     """The key in ``$cfg.api_key_env`` ('' when no variable is named); a one-line error when it is unset."""
     if not cfg.api_key_env:
         return ""
     key = os.environ.get(cfg.api_key_env, "")
     if not key:
-        raise ValueError(
+        raise ServerSetupError(
             f"judge.server.api_key_env={cfg.api_key_env!r} but ${cfg.api_key_env} is not set; export the key "
             "(it is never written to a config or a saved judge)"
         )
@@ -657,5 +694,6 @@ __all__ = [
     "ServedClient",
     "ServedJudgeFailed",
     "ServerConfig",
+    "ServerSetupError",
     "read_api_key",
 ]
