@@ -52,6 +52,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from judgeloop.errors import ServiceFailed, UserError
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
 
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
 PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
@@ -195,7 +198,9 @@ class _RateLimiter:
 
 
 class _ReplyCache:
-    """SQLite judgement cache: key (server, model, route, prompt ids, verdict ids) -> reply JSON."""
+    """SQLite judgement cache: key (server, model, route, prompt ids, verdict ids) -> reply JSON; and the
+    route ``route: auto`` found on a server (key: server, model, settings) -> route and prompt format, so
+    a rerun reads its judgements from the cache without probing the server first."""
 
     def __init__(self, path: str):
         from pathlib import Path
@@ -203,6 +208,10 @@ class _ReplyCache:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False)
         self._db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, reply TEXT NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS routes (key TEXT PRIMARY KEY, route TEXT NOT NULL, form TEXT NOT NULL)"
+        )
+        self._db.commit()
         self._lock = threading.Lock()
 
     def get(self, key: str) -> Reply | None:
@@ -213,6 +222,16 @@ class _ReplyCache:
     def put(self, key: str, reply: Reply) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply.to_json()))
+            self._db.commit()
+
+    def get_route(self, key: str) -> tuple[str, str] | None:
+        with self._lock:
+            row = self._db.execute("SELECT route, form FROM routes WHERE key = ?", (key,)).fetchone()
+        return (row[0], row[1]) if row and row[0] in ROUTES and row[1] in PROMPT_FORMATS else None
+
+    def put_route(self, key: str, route: str, form: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO routes VALUES (?, ?, ?)", (key, route, form))
             self._db.commit()
 
 
@@ -245,6 +264,7 @@ class ServedClient:
     calls: int = 0
     retries: int = 0
     cache_hits: int = 0
+    cache_misses: int = 0
 
     def __post_init__(self) -> None:
         self.route = "" if self.cfg.route == "auto" else self.cfg.route
@@ -257,6 +277,11 @@ class ServedClient:
         self.prompt_format = fmt
         self._limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
         self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
+        # route: auto: the route read back from the cache, used until a probe of this run confirms it
+        self._recalled = False
+        self._route_key_format = self.prompt_format  # what a probe starts from ('' : ids, then text)
+        what = [self.root, self.cfg.model, self.prompt_format, list(self.verdict_ids), self.cfg.top_logprobs]
+        self._route_key = hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
     @property
     def root(self) -> str:
@@ -488,14 +513,26 @@ class ServedClient:
         gate = asyncio.Semaphore(self.cfg.concurrency)
         limiter = self._limiter
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
+        at = list(starts) if starts is not None else [None] * len(prompts)
+        first: Reply | None = None
         async with httpx.AsyncClient(limits=limits) as http:
             if not self.route:
-                self.route, self.prompt_format = await self._probe(http, gate, limiter, prompts[0], token_ids)
+                self.route, self.prompt_format, first = await self._probe(
+                    http, gate, limiter, prompts[0], token_ids
+                )
+            if first is not None and at[0] is None:  # the probe's answer is the first prompt's judgement
+                rest = await asyncio.gather(
+                    *(
+                        self._post(http, gate, limiter, self.route, p, token_ids, "", s)
+                        for p, s in zip(prompts[1:], at[1:])
+                    )
+                )
+                return [first, *rest]
             return list(
                 await asyncio.gather(
                     *(
                         self._post(http, gate, limiter, self.route, p, token_ids, "", s)
-                        for p, s in zip(prompts, starts or [None] * len(prompts))
+                        for p, s in zip(prompts, at)
                     )
                 )
             )
@@ -550,9 +587,10 @@ class ServedClient:
         limiter: _RateLimiter,
         ids: Sequence[int],
         token_ids: dict[str, int],
-    ) -> tuple[str, str]:
-        """``(route, prompt format)``: the best this server answers for ``ids``, the route ``text`` when none
-        returns log-probabilities, ids before text."""
+    ) -> tuple[str, str, Reply | None]:
+        """``(route, prompt format, reply)``: the best this server answers for ``ids`` and its answer there
+        (the judgement of ``ids``, so it is not asked twice), the route ``text`` and no reply when none
+        returns log-probabilities; ids before text."""
         tries = [(r, f) for f in PROMPT_FORMATS for r in ROUTES[:-1]] + [("text", f) for f in PROMPT_FORMATS]
         for route, form in tries:
             if self.prompt_format and form != self.prompt_format:
@@ -568,8 +606,8 @@ class ServedClient:
             if route in ("top_logprobs", "text") or all(
                 t in (reply.logprobs or {}) for t in self.verdict_ids
             ):
-                return route, form
-        return "text", self.prompt_format or "ids"
+                return route, form, reply
+        return "text", self.prompt_format or "ids", None
 
     def replies(
         self,
@@ -581,13 +619,62 @@ class ServedClient:
         read from the cache, successful new ones written to it. ``token_ids``: token string -> id, for
         servers that key ``top_logprobs`` by token text. ``starts``: ask each prompt's own tokens'
         log-probabilities from ``starts[i]`` on (:attr:`Reply.prompt_logprobs`) instead of the next
-        token's (call :meth:`find_prompt_route` first)."""
+        token's (call :meth:`find_prompt_route` first).
+
+        Under ``route: auto`` with a cache, the route found on an earlier run is read back from it, so
+        judgements already cached are read without a request; the first request of the run probes the
+        server again (its answer is kept as a judgement), and if the server now answers on another route
+        the cached judgements of this call are asked again on it (a run never mixes two routes)."""
         at: list[int | None] = list(starts) if starts is not None else [None] * len(prompts)
+        if not self.route and self._cache is not None:
+            recalled = self._cache.get_route(self._route_key)
+            if recalled is not None:
+                self.route, self.prompt_format = recalled
+                self._recalled = True
         out: list[Reply | None] = [None] * len(prompts)
+        todo = self._lookup(prompts, at, out)
+        if todo:
+            recalled = (self.route, self.prompt_format)
+            if self._recalled:  # not confirmed this run: the first request probes the server
+                self.route, self.prompt_format = "", self._route_key_format
+            self._ask(prompts, token_ids, at, todo, out)
+            if self._recalled:
+                self._recalled = False
+                if (self.route, self.prompt_format) != recalled:
+                    asked = set(todo)
+                    hits = [i for i in range(len(prompts)) if i not in asked]
+                    logger.warning(
+                        "served judge: %s now answers on route %r (%s prompts), not the %r (%s) its cached "
+                        "judgements came from; asking the %d of this call again",
+                        self.cfg.base_url,
+                        self.route,
+                        self.prompt_format,
+                        *recalled,
+                        len(hits),
+                    )
+                    self.cache_hits -= len(hits)
+                    again = self._lookup(prompts, at, out, hits)
+                    if again:
+                        self._ask(prompts, token_ids, at, again, out)
+            answered = any(out[i] is not None and not out[i].error for i in todo)  # type: ignore[union-attr]
+            if self._cache is not None and self.cfg.route == "auto" and answered:
+                # remembered for the next run (a route found while the server failed every call is not)
+                self._cache.put_route(self._route_key, self.route, self.prompt_format)
+        return [r for r in out if r is not None]
+
+    def _lookup(
+        self,
+        prompts: Sequence[Sequence[int]],
+        at: Sequence[int | None],
+        out: list[Reply | None],
+        among: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Fill ``out`` from the cache on the current route (all prompts, or those ``among``); the indices
+        still to ask. Without a route yet (``route: auto`` before its probe) nothing is looked up."""
         todo = []
-        for i, p in enumerate(prompts):
+        for i in range(len(prompts)) if among is None else among:
             hit = (
-                self._cache.get(self._key(self.route, p, at[i]))
+                self._cache.get(self._key(self.route, prompts[i], at[i]))
                 if self._cache is not None and self.route
                 else None
             )
@@ -595,14 +682,26 @@ class ServedClient:
                 out[i] = hit
                 self.cache_hits += 1
             else:
+                out[i] = None
                 todo.append(i)
-        if todo:
-            new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo]))
-            for i, reply in zip(todo, new):
-                out[i] = reply
-                if self._cache is not None and not reply.error:
-                    self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
-        return [r for r in out if r is not None]
+                self.cache_misses += self._cache is not None
+        return todo
+
+    def _ask(
+        self,
+        prompts: Sequence[Sequence[int]],
+        token_ids: dict[str, int],
+        at: Sequence[int | None],
+        todo: Sequence[int],
+        out: list[Reply | None],
+    ) -> None:
+        """Ask the server the prompts ``todo`` (probing the route first when there is none yet); successful
+        replies go to ``out`` and the cache."""
+        new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo]))
+        for i, reply in zip(todo, new):
+            out[i] = reply
+            if self._cache is not None and not reply.error:
+                self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
 
 
 def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int], start: int) -> Reply:
