@@ -68,3 +68,22 @@ def test_a_connect_time_error_is_one_line_and_exit_2_leaving_no_folder(
     err = [line for line in done.stderr.splitlines() if not line[:8].replace(":", "").isdigit()]
     assert len(err) == 1 and err[0].startswith(f"judgeloop calibrate: error: {message}"), err
     assert not out.exists()  # nothing half-written
+
+
+def test_the_bench_refuses_without_summeval_naming_the_path_and_the_flag(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_served_judge", ROOT / "scripts" / "bench_served_judge.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    missing = tmp_path / "summeval_dev.jsonl"
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--summeval", str(missing), "--base-url", "http://127.0.0.1:9", "--model", TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1
+    assert f"--summeval {missing} is not a file" in err[0] and "--embedded-articles" in err[0]
+    # the embedded articles, chosen explicitly: distinct pairs, each of an article and two of its sentences
+    pairs = bench.summeval_pairs(3, 0, None)
+    assert len(pairs) == 3 and all(a in art and b in art for art, a, b in pairs)
