@@ -329,6 +329,97 @@ def test_every_judgeloop_line_of_the_served_docs_loads(monkeypatch, capsys):
     capsys.readouterr()
 
 
+VLLM_LINE = ".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server"
+
+
+def _vllm_lines() -> list[str]:
+    """The docs' vLLM launch lines as written (``\\`` continuations joined)."""
+    from launch_lines import launch_lines
+
+    lines = (ROOT / "docs" / "served.md").read_text().splitlines()
+    texts = []
+    for i, line in enumerate(lines):
+        if line.startswith(VLLM_LINE):
+            text = line
+            while text.endswith("\\"):
+                i += 1
+                text = text[:-1] + " " + lines[i].strip()
+            texts.append(text)
+    assert len(texts) == len(launch_lines("served.md", VLLM_LINE))
+    return texts
+
+
+def test_the_docs_vllm_line_serves_the_id_the_shipped_config_asks_for():
+    """The line runs where ``make vllm`` built vLLM (``python -m``, not the failing ``vllm`` command), and
+    its ``--served-model-name`` is the config's ``judge.server.model`` (a folder path would be the id)."""
+    import shlex
+
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs/calibrate/summeval_served.yaml").read_text())
+    texts = _vllm_lines()
+    assert len(texts) >= 2  # the page's opening block and the vLLM section
+    assert not any(
+        line.startswith("vllm serve") for line in (ROOT / "docs/served.md").read_text().splitlines()
+    )
+    for text in texts:
+        args = shlex.split(text)[len(shlex.split(VLLM_LINE)) :]
+        assert args[args.index("--served-model-name") + 1] == config["judge"]["server"]["model"]
+        assert args[args.index("--model") + 1].startswith("$(.venv/bin/python -m judgeloop.models ")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not ((ROOT / ".venv-vllm/bin/python").is_file() and (ROOT / ".venv/bin/python").is_file()),
+    reason="no .venv-vllm beside .venv in this checkout (make vllm builds it: 3.5 GB, see docs/vllm.md)",
+)
+def test_the_docs_vllm_line_runs_as_written_and_serves_the_judge(tmp_path):
+    """The docs' line run by bash in the checkout (only the port changed, to a free one); the shipped
+    config's model id then judges on the exact-id route."""
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    text = _vllm_lines()[0]
+    port = _free_port()
+    assert " --port 8000 " in text
+    with open(tmp_path / "vllm.log", "w") as log:
+        proc = subprocess.Popen(
+            ["bash", "-c", "exec " + text.replace(" --port 8000 ", f" --port {port} ")],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the documented vLLM line did not serve within 600 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        judge = _judge(f"http://127.0.0.1:{port}", model=smol, tokenizer=smol)
+        out = judge(ARTICLES[:2], A[:2], B[:2])
+        assert judge.route == "vllm" and out.status == ["ok", "ok"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 def test_served_config_errors():
     with pytest.raises(ValueError, match="judge.type=served needs judge.server.base_url"):
         JudgeConfig(type="served")
