@@ -5,18 +5,25 @@ on the tiny Llama), scripted where a real server cannot produce the fault on dem
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from judgeloop.serving.openai_compat import LocalModel
+from judgeloop.errors import UserError
+from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
+from judgeloop.serving.openai_compat import Handler, LocalModel
 from served_common import calibrate_served_tiny_args, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "judgeloop-tiny/causal-lm"
+ARTICLE, A, B = ["The cat sat on the mat today. It was warm."], ["A cat sat."], ["It was warm."]
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +94,141 @@ def test_the_bench_refuses_without_summeval_naming_the_path_and_the_flag(tmp_pat
     # the embedded articles, chosen explicitly: distinct pairs, each of an article and two of its sentences
     pairs = bench.summeval_pairs(3, 0, None)
     assert len(pairs) == 3 and all(a in art and b in art for art, a, b in pairs)
+
+
+class _Faulty(Handler):
+    """Answers each judgement request with the next scripted fault (``(status, body, headers)``, or
+    ``"drip"``: a body sent a byte at a time), then for real; ``repeat``: the last fault for ever.
+    ``models``: the body of ``GET /v1/models`` instead of the real one."""
+
+    script: list = []
+    repeat = False
+    models: str | None = None
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.path == "/v1/models" and self.models is not None:
+            self._send(200, self.models)
+        else:
+            super().do_GET()
+
+    def fault(self) -> bool:
+        if not self.script:
+            return False
+        kind = self.script[0] if self.repeat and len(self.script) == 1 else self.script.pop(0)
+        if kind == "drip":
+            raw = b'{"choices": [{"text": "A"}]}' + b" " * 40
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            for byte in raw:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.1)
+            return True
+        status, body, headers = kind
+        self._send(status, body, headers)
+        return True
+
+
+@pytest.fixture
+def faulty(tiny_lm):
+    srv, url = start_server(tiny_lm, handler=_Faulty)
+    yield srv, url
+    _Faulty.script, _Faulty.repeat, _Faulty.models = [], False, None
+    stop_server(srv)
+
+
+def _judge(url, **server):
+    return build_judge(
+        JudgeConfig(
+            type="served",
+            model=TINY,
+            position_debias=False,
+            server=ServerConfig(base_url=url, model=TINY, **server),
+        )
+    )
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result, failing the test if it takes more than ``seconds`` (a hang, not a slow run)."""
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still running after {seconds} s: a hang"
+    return box[0]
+
+
+@pytest.mark.parametrize(
+    "after", ["99999999", "1e9", "-5", "soon", "nan", "inf", "Wed, 21 Oct 2099 07:28:00 GMT", "0.05"]
+)
+def test_any_retry_after_waits_at_most_the_timeout(faulty, after):
+    srv, url = faulty
+    judge = _judge(url, route="vllm", timeout_s=1.0, max_retries=1, backoff_s=0.01)
+    _Faulty.script[:] = [(429, {"error": "slow down"}, {"Retry-After": after})]
+    t0 = time.monotonic()
+    out = _within(20, lambda: judge(ARTICLE, A, B))
+    assert out.status == ["ok"] and judge.client.retries == 1
+    assert time.monotonic() - t0 < 10
+
+
+def _verdicts(judge, values):
+    a, b = judge.verdict_ids
+    return {f"token_id:{a}": values[0], f"token_id:{b}": values[1]}
+
+
+WRONG_SHAPES = {
+    "not JSON": lambda j: "{not json",
+    "a list": lambda j: "[]",
+    "a string choice": lambda j: json.dumps({"choices": ["A"]}),
+    "a list of log-probabilities": lambda j: json.dumps(
+        {"choices": [{"text": "A", "logprobs": {"top_logprobs": [[1]]}}]}
+    ),
+    "no log-probabilities": lambda j: json.dumps({"choices": [{"text": "A", "logprobs": None}]}),
+    "a NaN log-probability": lambda j: json.dumps(
+        {"choices": [{"text": "A", "logprobs": {"top_logprobs": [_verdicts(j, [float("nan"), -1.0])]}}]}
+    ),
+    "a positive log-probability": lambda j: json.dumps(
+        {"choices": [{"text": "A", "logprobs": {"top_logprobs": [_verdicts(j, [3.0, -1.0])]}}]}
+    ),
+    "a string log-probability": lambda j: json.dumps(
+        {"choices": [{"text": "A", "logprobs": {"top_logprobs": [_verdicts(j, ["x", -1.0])]}}]}
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(WRONG_SHAPES))
+def test_a_reply_of_the_wrong_shape_or_values_is_failed_never_scored_nor_cached(faulty, tmp_path, shape):
+    srv, url = faulty
+    db = str(tmp_path / "j.sqlite")
+    judge = _judge(url, route="vllm", timeout_s=2.0, max_retries=1, backoff_s=0.01, cache_path=db)
+    _Faulty.script[:], _Faulty.repeat = [(200, WRONG_SHAPES[shape](judge), None)], True
+    out = _within(20, lambda: judge(ARTICLE, A, B))
+    assert out.status == ["failed"] and np.isnan(out.scores).all() and judge.failures
+    _Faulty.script[:], _Faulty.repeat = [], False
+    again = _judge(url, route="vllm", cache_path=db)
+    assert again(ARTICLE, A, B).status == ["ok"] and again.client.cache_hits == 0  # nothing was cached
+
+
+def test_a_reply_that_trickles_in_fails_within_the_timeout(faulty):
+    srv, url = faulty
+    judge = _judge(url, route="vllm", timeout_s=1.0, max_retries=0)
+    _Faulty.script[:] = ["drip"]  # 68 bytes at 0.1 s each: no read waits 1 s, the whole takes 7
+    t0 = time.monotonic()
+    out = _within(20, lambda: judge(ARTICLE, A, B))
+    assert out.status == ["failed"] and time.monotonic() - t0 < 4
+
+
+@pytest.mark.parametrize(
+    "models",
+    ["<html>502 Bad Gateway</html>", "[1, 2]", '{"data": "x"}', '{"data": [{"name": "m"}]}', '{"data": [1]}'],
+)
+def test_a_models_answer_that_is_no_model_list_is_one_line(faulty, models):
+    srv, url = faulty
+    _Faulty.models = models
+    with pytest.raises(
+        UserError, match=r"/v1/models answered something that is not an OpenAI model list"
+    ) as err:
+        _judge(url)
+    assert "\n" not in str(err.value)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import sqlite3
 import threading
@@ -415,20 +416,22 @@ class ServedClient:
             entries = (meta.get("output_token_ids_logprobs") or [None])[0]
             n = meta.get("prompt_tokens")
             if not entries:
-                return Reply(None, None, data.get("text", ""), n_prompt=n)
-            return Reply({int(e[1]): float(e[0]) for e in entries}, None, data.get("text", ""), n_prompt=n)
+                return _no_logprobs(route)
+            return Reply({int(e[1]): _logprob(e[0]) for e in entries}, None, data.get("text", ""), n_prompt=n)
         choice = data["choices"][0]
         text = choice.get("text", "")
         n = (data.get("usage") or {}).get("prompt_tokens")
-        tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
-        if route == "text" or not tops or not tops[0]:
+        if route == "text":
             return Reply(None, None, text, n_prompt=n)
+        tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if not tops or not tops[0]:
+            return _no_logprobs(route)
         out: dict[int, float] = {}
         for key, value in tops[0].items():
             tid = int(key[9:]) if key.startswith("token_id:") else token_ids.get(key)
             if tid is not None:
-                out[tid] = float(value)
-        bound = min(float(v) for v in tops[0].values()) if route == "top_logprobs" else None
+                out[tid] = _logprob(value)
+        bound = min(_logprob(v) for v in tops[0].values()) if route == "top_logprobs" else None
         return Reply(out, bound, text, n_prompt=n)
 
     async def _post_once(
@@ -444,28 +447,49 @@ class ServedClient:
 
         path, body = self._request(route, ids, form, start)
         try:
-            r = await http.post(
-                self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s
+            # httpx's timeout bounds each read; wait_for bounds the whole answer (a reply that trickles in)
+            r = await asyncio.wait_for(
+                http.post(self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s),
+                self.cfg.timeout_s,
             )
+        except TimeoutError:
+            raise _Retryable(f"no whole answer within judge.server.timeout_s={self.cfg.timeout_s}") from None
         except (httpx.TimeoutException, httpx.TransportError) as err:
             raise _Retryable(f"{type(err).__name__}: {err}") from None
         if r.status_code == 429:
-            after = r.headers.get("retry-after")
-            raise _Retryable("HTTP 429", float(after) if after and after.replace(".", "").isdigit() else None)
+            raise _Retryable("HTTP 429", self._retry_after(r.headers.get("retry-after")))
         if r.status_code >= 500:
-            raise _Retryable(f"HTTP {r.status_code}: {r.text[:120]}")
+            raise _Retryable(f"HTTP {r.status_code}: {_one_line(r.text, 120)}")
         if r.status_code != 200:
-            return Reply(error=f"HTTP {r.status_code}: {r.text[:200]}")
+            return Reply(error=f"HTTP {r.status_code}: {_one_line(r.text)}")
         try:
             reply = self._parse(route, r.json(), token_ids, ids, start)
-        except (ValueError, KeyError, TypeError, IndexError) as err:
-            raise _Retryable(f"malformed reply ({type(err).__name__}: {err})") from None
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            raise _Retryable(f"malformed reply ({type(err).__name__}: {_one_line(str(err), 120)})") from None
         if form == "text" and reply.n_prompt is not None and reply.n_prompt != len(ids):
             # the server tokenized the text otherwise: its log-probabilities are of another prompt
             return Reply(
                 error=f"the server read the prompt text as {reply.n_prompt} tokens, not the {len(ids)} sent"
             )
         return reply
+
+    def _retry_after(self, value: str | None) -> float | None:
+        """The wait a 429's ``Retry-After`` asks (seconds or an HTTP date), at most ``timeout_s`` so no
+        answer holds a call longer than the settings allow; ``None`` (the backoff) when it is unreadable."""
+        if not value:
+            return None
+        try:
+            wait = float(value)
+        except ValueError:
+            from email.utils import parsedate_to_datetime
+
+            try:
+                wait = parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError, IndexError, OverflowError):
+                return None
+        if not math.isfinite(wait):
+            return None
+        return min(max(wait, 0.0), self.cfg.timeout_s)
 
     async def _post(
         self,
@@ -704,6 +728,25 @@ class ServedClient:
                 self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
 
 
+def _logprob(value: Any) -> float:
+    """``value`` as a log-probability: a finite number <= 0 (a little above 0 is rounding); a ``ValueError``
+    (a malformed reply) otherwise, never a NaN or a positive score passed on as a judgement."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a log-probability {value!r} that is not a number")
+    if not math.isfinite(value) or value > 1e-3:
+        raise ValueError(f"a log-probability {value!r} that is not a finite number <= 0")
+    return float(value)
+
+
+def _no_logprobs(route: str) -> Reply:
+    """The reply to a request on a log-probability route that came back without them: ``failed`` (not
+    retried: the server answers so), never the sampled text scored as a hard verdict."""
+    return Reply(
+        error=f"the server returned no log-probabilities on route {route!r}; set judge.server.route=auto to find "
+        "the route it answers"
+    )
+
+
 def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int], start: int) -> Reply:
     """The log-probabilities of ``ids[start:]`` in a ``vllm`` or ``sglang`` answer (see the module
     docstring); a reply with ``error`` set when the server's prompt tokens are not ``ids``."""
@@ -736,7 +779,7 @@ def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int],
             error=f"the server's prompt tokens differ from the ids sent (from position {bad} of the scored "
             "span): its tokenizer or prompt handling is not the judge's"
         )
-    return Reply(None, None, "", n_prompt=n, prompt_logprobs=[float(v) for v in values])
+    return Reply(None, None, "", n_prompt=n, prompt_logprobs=[_logprob(v) for v in values])
 
 
 def _run(coro: Any) -> Any:
