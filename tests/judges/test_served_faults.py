@@ -232,3 +232,74 @@ def test_a_models_answer_that_is_no_model_list_is_one_line(faulty, models):
     ) as err:
         _judge(url)
     assert "\n" not in str(err.value)
+
+
+def _foreign(path):
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE replies (id INTEGER, payload BLOB)")
+    db.commit()
+    db.close()
+
+
+def _read_only(path):
+    path.write_bytes(b"")
+    path.chmod(0o444)
+
+
+CACHE_FAULTS = {
+    "not a database": (lambda p: p.write_bytes(b"\x00garbage" * 500), "is not an SQLite judgement cache"),
+    "another program's database": (_foreign, "is not an SQLite judgement cache"),
+    "a read-only file": (_read_only, "cannot be written"),
+    "a folder": (lambda p: p.mkdir(), "cannot be opened"),
+}
+
+
+@pytest.mark.parametrize("fault", list(CACHE_FAULTS))
+def test_a_cache_file_that_cannot_serve_is_one_line_before_any_judging(tiny_server, tmp_path, fault):
+    if fault == "a read-only file" and os.geteuid() == 0:
+        pytest.skip("root writes a read-only file")
+    damage, message = CACHE_FAULTS[fault]
+    path = tmp_path / "judgements.sqlite"
+    damage(path)
+    with pytest.raises(UserError, match=rf"judge.server.cache_path={path}: .*{message}") as err:
+        _judge(tiny_server, route="vllm", cache_path=str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_a_damaged_cached_judgement_is_asked_again_and_replaced(tiny_server, tmp_path):
+    import sqlite3
+
+    path = tmp_path / "judgements.sqlite"
+    first = _judge(tiny_server, route="vllm", cache_path=str(path))
+    ok = first(ARTICLE, A, B)
+    db = sqlite3.connect(path)
+    db.execute("UPDATE replies SET reply = ?", ('{"logprobs": [1, 2',))
+    db.commit()
+    db.close()
+    again = _judge(tiny_server, route="vllm", cache_path=str(path))
+    out = again(ARTICLE, A, B)
+    assert out.status == ["ok"] and again.client.cache_hits == 0 and again.client.calls == 1
+    np.testing.assert_array_equal(out.scores, ok.scores)
+    third = _judge(tiny_server, route="vllm", cache_path=str(path))
+    assert third(ARTICLE, A, B).status == ["ok"] and third.client.cache_hits == 1  # replaced
+
+
+def test_a_cache_that_fails_mid_run_loses_no_judgement(tiny_server, tmp_path, caplog):
+    """The disk fills or the file is taken away during a run: the judgements already paid for are used,
+    one warning says they were not kept."""
+    path = tmp_path / "judgements.sqlite"
+    judge = _judge(tiny_server, route="vllm", cache_path=str(path))
+    judge.client._cache._db.close()  # every later read or write of the file fails
+    out = judge(ARTICLE * 3, A * 3, ["It was warm.", "Warm.", "A mat."])
+    assert out.status == ["ok"] * 3
+    assert "judge.server.cache_path" in caplog.text and "not kept" in caplog.text
+
+
+def test_another_top_logprobs_k_is_not_served_from_the_cache(tiny_server, tmp_path):
+    db = str(tmp_path / "j.sqlite")
+    _judge(tiny_server, route="top_logprobs", top_logprobs=5, cache_path=db)(ARTICLE, A, B)
+    wider = _judge(tiny_server, route="top_logprobs", top_logprobs=50, cache_path=db)
+    wider(ARTICLE, A, B)
+    assert wider.client.cache_hits == 0 and wider.client.calls == 1  # k=5's bound is not k=50's answer

@@ -157,9 +157,17 @@ class Reply:
 
     @classmethod
     def from_json(cls, raw: str) -> Reply:
+        """The reply :meth:`to_json` wrote; a ``ValueError``/``KeyError``/``TypeError``/``AttributeError`` for
+        anything else (a damaged cache row is then a miss)."""
         d = json.loads(raw)
-        lp = None if d["logprobs"] is None else {int(k): float(v) for k, v in d["logprobs"].items()}
-        return cls(lp, d["bound"], d["text"], prompt_logprobs=d.get("prompt_logprobs"))
+        lp = None if d["logprobs"] is None else {int(k): _logprob(v) for k, v in d["logprobs"].items()}
+        bound = None if d["bound"] is None else _logprob(d["bound"])
+        prompt = d.get("prompt_logprobs")
+        if not isinstance(d["text"], str):
+            raise TypeError(f"text {d['text']!r} is not a string")
+        return cls(
+            lp, bound, d["text"], prompt_logprobs=None if prompt is None else [_logprob(v) for v in prompt]
+        )
 
 
 class ServerSetupError(UserError):
@@ -198,42 +206,110 @@ class _RateLimiter:
             await asyncio.sleep(max(0.01, self.window_s - (now - self._sent[0][0])))
 
 
+class CacheFileError(UserError):
+    """``judge.server.cache_path`` cannot serve as the judgement cache (not an SQLite file, another
+    program's database, not writable); one line naming the path and the fix, before any judging."""
+
+
 class _ReplyCache:
     """SQLite judgement cache: key (server, model, route, prompt ids, verdict ids) -> reply JSON; and the
     route ``route: auto`` found on a server (key: server, model, settings) -> route and prompt format, so
-    a rerun reads its judgements from the cache without probing the server first."""
+    a rerun reads its judgements from the cache without probing the server first.
+
+    The file is checked when opened (an SQLite file whose tables are these or absent, written to once);
+    later, a row that does not read back as a reply is a miss (asked again and replaced), and a read or
+    write that fails (a full disk, a file taken away) is a miss or a judgement not kept, with one warning:
+    never an error in the middle of a batch."""
+
+    TABLES = {"replies": ["key", "reply"], "routes": ["key", "route", "form"], "meta": ["key", "value"]}
 
     def __init__(self, path: str):
         from pathlib import Path
 
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False)
-        self._db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, reply TEXT NOT NULL)")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS routes (key TEXT PRIMARY KEY, route TEXT NOT NULL, form TEXT NOT NULL)"
-        )
-        self._db.commit()
+        self.path = path
+        fix = "delete it or set judge.server.cache_path to another file"
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # a run beside another on the same file waits for its write (up to 30 s), not fails
+            self._db = sqlite3.connect(path, check_same_thread=False, timeout=30)
+            found = {
+                name: [c[1] for c in self._db.execute(f"PRAGMA table_info({name})")] for name in self.TABLES
+            }
+        except (OSError, sqlite3.Error) as err:
+            what = "is not an SQLite judgement cache" if "not a database" in str(err) else "cannot be opened"
+            raise CacheFileError(f"judge.server.cache_path={path}: {what} ({err}); {fix}") from None
+        other = [n for n, cols in found.items() if cols and cols != self.TABLES[n]]
+        if other:
+            raise CacheFileError(
+                f"judge.server.cache_path={path}: is not an SQLite judgement cache (its table {other[0]!r} has "
+                f"columns {found[other[0]]}); {fix}"
+            )
+        try:
+            for name, cols in self.TABLES.items():
+                typed = ", ".join(
+                    f"{c} TEXT PRIMARY KEY" if c == "key" else f"{c} TEXT NOT NULL" for c in cols
+                )
+                self._db.execute(f"CREATE TABLE IF NOT EXISTS {name} ({typed})")
+            self._db.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('opened', ?)", (time.strftime("%Y-%m-%dT%H:%M:%S"),)
+            )
+            self._db.commit()
+        except sqlite3.Error as err:
+            raise CacheFileError(
+                f"judge.server.cache_path={path}: cannot be written ({err}); make it writable or {fix}"
+            ) from None
         self._lock = threading.Lock()
+        self._warned = False
+
+    def _failed(self, doing: str, err: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "judge.server.cache_path=%s: %s failed (%s); judgements are still used but not kept in it "
+                "from now on: check the disk and the file",
+                self.path,
+                doing,
+                " ".join(str(err).split()),
+            )
 
     def get(self, key: str) -> Reply | None:
-        with self._lock:
-            row = self._db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
-        return Reply.from_json(row[0]) if row else None
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as err:
+            self._failed("a read", err)
+            return None
+        if row is None:
+            return None
+        try:
+            return Reply.from_json(row[0])
+        except (ValueError, KeyError, TypeError, AttributeError):  # a damaged row: asked again, replaced
+            return None
 
     def put(self, key: str, reply: Reply) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply.to_json()))
-            self._db.commit()
+        try:
+            with self._lock:
+                self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply.to_json()))
+                self._db.commit()
+        except sqlite3.Error as err:
+            self._failed("a write", err)
 
     def get_route(self, key: str) -> tuple[str, str] | None:
-        with self._lock:
-            row = self._db.execute("SELECT route, form FROM routes WHERE key = ?", (key,)).fetchone()
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT route, form FROM routes WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as err:
+            self._failed("a read", err)
+            return None
         return (row[0], row[1]) if row and row[0] in ROUTES and row[1] in PROMPT_FORMATS else None
 
     def put_route(self, key: str, route: str, form: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO routes VALUES (?, ?, ?)", (key, route, form))
-            self._db.commit()
+        try:
+            with self._lock:
+                self._db.execute("INSERT OR REPLACE INTO routes VALUES (?, ?, ?)", (key, route, form))
+                self._db.commit()
+        except sqlite3.Error as err:
+            self._failed("a write", err)
 
 
 class _Retryable(Exception):
@@ -520,8 +596,11 @@ class ServedClient:
         return Reply(error=f"{error} (after {self.cfg.max_retries} retries)")
 
     def _key(self, route: str, ids: Sequence[int], start: int | None = None) -> str:
-        # a text prompt is tokenized by the server: kept apart from the same ids sent as ids
+        # a text prompt is tokenized by the server: kept apart from the same ids sent as ids; the top k
+        # decides which tokens a top_logprobs reply holds and its bound
         tag = route if self.prompt_format != "text" else f"{route}+text"
+        if route == "top_logprobs":
+            tag += f"@{self.cfg.top_logprobs}"
         what: list[Any] = list(self.verdict_ids) if start is None else ["prompt_logprobs", start]
         raw = json.dumps([self.root, self.cfg.model, tag, what, list(ids)])
         return hashlib.sha256(raw.encode()).hexdigest()
@@ -832,6 +911,7 @@ def read_api_key(cfg: ServerConfig) -> str:
 __all__ = [
     "PROMPT_ROUTES",
     "ROUTES",
+    "CacheFileError",
     "Reply",
     "ServedClient",
     "ServedJudgeFailed",
