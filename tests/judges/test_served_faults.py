@@ -303,3 +303,12 @@ def test_another_top_logprobs_k_is_not_served_from_the_cache(tiny_server, tmp_pa
     wider = _judge(tiny_server, route="top_logprobs", top_logprobs=50, cache_path=db)
     wider(ARTICLE, A, B)
     assert wider.client.cache_hits == 0 and wider.client.calls == 1  # k=5's bound is not k=50's answer
+
+
+def test_a_server_that_failed_the_first_call_is_probed_again_not_judged_on_text(faulty, tmp_path):
+    srv, url = faulty
+    judge = _judge(url, max_retries=0)  # route: auto
+    _Faulty.script[:], _Faulty.repeat = [(503, {"error": "starting"}, None)], True
+    assert judge(ARTICLE, A, B).status == ["failed"] and judge.route == ""
+    _Faulty.script[:], _Faulty.repeat = [], False  # the server is up now
+    assert judge(ARTICLE, ["Cat."], B).status == ["ok"] and judge.route == "vllm"

@@ -740,8 +740,14 @@ class ServedClient:
             recalled = (self.route, self.prompt_format)
             if self._recalled:  # not confirmed this run: the first request probes the server
                 self.route, self.prompt_format = "", self._route_key_format
+            probed = not self.route
             self._ask(prompts, token_ids, at, todo, out)
-            if self._recalled:
+            answered = any(out[i] is not None and not out[i].error for i in todo)  # type: ignore[union-attr]
+            if probed and not answered:
+                # a probe of a server that answered nothing found no route (it fell to text): probe again
+                # next call, and keep the cached judgements and the route they came from
+                self.route, self.prompt_format = recalled
+            elif self._recalled:
                 self._recalled = False
                 if (self.route, self.prompt_format) != recalled:
                     asked = set(todo)
@@ -759,7 +765,6 @@ class ServedClient:
                     again = self._lookup(prompts, at, out, hits)
                     if again:
                         self._ask(prompts, token_ids, at, again, out)
-            answered = any(out[i] is not None and not out[i].error for i in todo)  # type: ignore[union-attr]
             if self._cache is not None and self.cfg.route == "auto" and answered:
                 # remembered for the next run (a route found while the server failed every call is not)
                 self._cache.put_route(self._route_key, self.route, self.prompt_format)
