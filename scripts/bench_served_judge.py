@@ -7,7 +7,9 @@
 
 It starts ``python -m llama_cpp.server`` over SmolLM2-135M-Instruct's F32 GGUF (one thread,
 ``llamacpp.start_server``), then judges ``--pairs`` SummEval pairs (distinct prompts per run, so no run is
-served by another's judgements) at 1, 4 and 16 pairs in flight, in four arms:
+served by another's judgements) at 1, 4 and 16 pairs in flight, in four arms. Without the SummEval file
+(``--summeval``, default ``../shared/data/summeval/summeval_dev.jsonl``) it stops in one line (exit status
+2) unless ``--embedded-articles`` chooses the embedded corpus's short articles:
 
 * ``logprobs/batched``: the served judge's ``top_logprobs`` route, both orders of a pair sent together;
 * ``logprobs/sequential``: the same, the second order sent once the first has answered;
@@ -37,20 +39,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SUMMEVAL = ROOT.parent / "shared" / "data" / "summeval" / "summeval_dev.jsonl"
 
 
-def summeval_pairs(n: int, offset: int) -> list[tuple[str, str, str]]:
-    """``n`` distinct (article, a, b) pairs: 12 systems per article make 66 pairs of each. Without the
-    shared SummEval file (a lent GPU machine), the embedded corpus's articles, each with its first and last
-    sentence as the two summaries."""
-    if not SUMMEVAL.is_file():
+def summeval_pairs(n: int, offset: int, path: Path | None) -> list[tuple[str, str, str]]:
+    """``n`` distinct (article, a, b) pairs from the SummEval file at ``path``: 12 systems per article make
+    66 pairs of each, shortest articles first. ``path=None`` (``--embedded-articles``): the embedded
+    corpus's short articles, each with its first and last sentence as the two summaries (figures not
+    comparable with the SummEval ones in docs/served.md)."""
+    if path is None:
         from judgeloop.data.summarization import DataConfig, load_examples
 
         out = []
         for e in load_examples(DataConfig(format="embedded", embedded_size=max(40, n + offset))):
-            sents = [x.strip() + "." for x in e.article.split(". ") if x.strip()]
+            sents = [x.strip().rstrip(".") + "." for x in e.article.split(". ") if x.strip()]
             if len(sents) >= 2:
                 out.append((e.article, sents[0], sents[-1]))
         return out[offset : offset + n]
-    rows = [json.loads(line) for line in SUMMEVAL.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: len(r["article"]))
     out = []
     for row in rows:
@@ -117,7 +120,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--route", default="top_logprobs", help="the logprob arm's route (vllm, sglang, ...)")
     ap.add_argument("--prompt-format", default="", help="ids or text (llama.cpp: text; else ids)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--summeval", type=Path, default=SUMMEVAL, help="the SummEval JSONL the pairs come from")
+    ap.add_argument(
+        "--embedded-articles",
+        action="store_true",
+        help="judge the embedded corpus's short articles instead of SummEval (not comparable with the docs)",
+    )
     args = ap.parse_args(argv)
+    if not args.embedded_articles and not args.summeval.is_file():
+        sys.stderr.write(
+            f"bench_served_judge: error: --summeval {args.summeval} is not a file; put SummEval there (the "
+            "docs' figures are on it), pass --summeval PATH, or --embedded-articles for the short embedded "
+            "articles (figures not comparable)\n"
+        )
+        raise SystemExit(2)
+    articles = None if args.embedded_articles else args.summeval
 
     from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
     from judgeloop.serving import llamacpp
@@ -152,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         offset = 0
         for k, c in enumerate(args.concurrency):
             for route, batched in arms if k % 2 == 0 else arms[::-1]:
-                pairs = summeval_pairs(args.pairs, offset)
+                pairs = summeval_pairs(args.pairs, offset, articles)
                 offset += args.pairs
                 name = f"{'text' if route == 'text' else 'logprobs'}/{'batched' if batched else 'sequential'}"
                 results[f"{name}@{c}"] = r = asyncio.run(run_arm(judge, pairs, route, c, batched, form))
@@ -174,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         "threads": args.threads,
         "pairs": args.pairs,
+        "articles": "embedded" if articles is None else str(articles),
         "max_length": args.max_length,
         "cpus": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),

@@ -80,9 +80,12 @@ if [ "${SERVED:-1}" = 1 ]; then
   $PY scripts/served_parity.py --base-url "http://127.0.0.1:$PORT" --model "$SMOL" --route vllm \
       --device "$DEVICE" --pairs "$SPAIRS" --out "$OUT/served_parity.json"
   echo "== served judge: bench against the running server (logprob route vs text, batched vs sequential)"
-  # shellcheck disable=SC2086 # SCONC is a list of levels
+  # without SummEval beside the clone (a lent machine), the short embedded articles, said so in the JSON
+  ARTICLES=""
+  [ -f ../shared/data/summeval/summeval_dev.jsonl ] || ARTICLES=--embedded-articles
+  # shellcheck disable=SC2086 # SCONC is a list of levels; ARTICLES is empty or one flag
   $PY scripts/bench_served_judge.py --base-url "http://127.0.0.1:$PORT" --model "$SMOL" --route vllm \
-      --prompt-format ids --pairs "$SPAIRS" --concurrency $SCONC --out "$OUT/bench_served.json"
+      --prompt-format ids --pairs "$SPAIRS" --concurrency $SCONC --out "$OUT/bench_served.json" $ARTICLES
   kill "$SERVER_PID" 2>/dev/null || true
   wait "$SERVER_PID" 2>/dev/null || true
   trap - EXIT

@@ -24,26 +24,29 @@ def stop_server(srv: Any) -> None:
 def calibrate_served_tiny(base_url: str, out: Any, *extra: str) -> int:
     """``judgeloop calibrate`` of the tiny model served at ``base_url`` on a small embedded corpus with
     ROUGE labels (the served-judge tests' calibration run) into ``out``; ``extra``: more overrides."""
-    from pathlib import Path
-
     from judgeloop.cli import main as cli
+
+    return cli(calibrate_served_tiny_args(base_url, out, *extra))
+
+
+def calibrate_served_tiny_args(base_url: str, out: Any, *extra: str) -> list[str]:
+    """The command line (after ``judgeloop``) of :func:`calibrate_served_tiny`."""
+    from pathlib import Path
 
     config = Path(__file__).resolve().parents[1] / "configs/calibrate/summeval_served.yaml"
     tiny = "judgeloop-tiny/causal-lm"
-    return cli(
-        [
-            "calibrate",
-            "--config",
-            str(config),
-            "data.format=embedded",
-            "data.path=null",
-            "data.embedded_size=40",
-            "labels.type=rouge",
-            f"judge.model={tiny}",
-            f"judge.server.model={tiny}",
-            f"judge.server.base_url={base_url}",
-            "max_pairs_per_article=3",
-            *extra,
-            f"output_dir={out}",
-        ]
-    )
+    return [
+        "calibrate",
+        "--config",
+        str(config),
+        "data.format=embedded",
+        "data.path=null",
+        "data.embedded_size=40",
+        "labels.type=rouge",
+        f"judge.model={tiny}",
+        f"judge.server.model={tiny}",
+        f"judge.server.base_url={base_url}",
+        "max_pairs_per_article=3",
+        *extra,
+        f"output_dir={out}",
+    ]

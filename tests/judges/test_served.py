@@ -219,6 +219,83 @@ def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_pat
     np.testing.assert_array_equal(s1, s2)
 
 
+def test_a_rerun_under_route_auto_is_served_from_the_cache_with_no_request(tiny_lm, tmp_path):
+    srv, url = start_server(tiny_lm)
+    try:
+        db = str(tmp_path / "j.sqlite")
+        first = _judge(url, cache_path=db)  # route: auto, the default
+        before = srv.requests
+        s1 = first(ARTICLES, A, B).scores
+        # 8 judgements; the probe's answer is the first of them, not asked twice
+        assert first.route == "vllm" and srv.requests - before == 8 and first.client.cache_misses == 8
+        again = _judge(url, cache_path=db)
+        before = srv.requests
+        s2 = again(ARTICLES, A, B).scores
+        assert srv.requests == before and again.client.cache_hits == 8 and again.client.cache_misses == 0
+        assert again.route == "vllm"
+        np.testing.assert_array_equal(s1, s2)
+    finally:
+        stop_server(srv)
+
+
+def test_a_server_that_answers_on_another_route_since_is_asked_again_never_mixed(tiny_lm, tmp_path, caplog):
+    srv, url = start_server(tiny_lm)
+    try:
+        db = str(tmp_path / "j.sqlite")
+        _judge(url, cache_path=db)(ARTICLES[:2], A[:2], B[:2])  # 4 prompts cached on vllm
+        srv.routes = {"sglang"}  # the same URL now answers /generate only
+        again = _judge(url, cache_path=db)
+        before = srv.requests
+        out = again(ARTICLES, A, B)  # 4 prompts cached on vllm, 4 new
+        assert out.status == ["ok"] * 4 and again.route == "sglang"
+        assert "now answers on route 'sglang'" in caplog.text
+        # the vllm probe (404), the 4 new on sglang (the probe's answer one of them), the 4 cached asked again
+        assert srv.requests - before == 9 and again.client.cache_hits == 0
+        third = _judge(url, cache_path=db)
+        before = srv.requests
+        assert third(ARTICLES, A, B).status == ["ok"] * 4 and third.route == "sglang"
+        assert srv.requests == before
+    finally:
+        stop_server(srv)
+
+
+def test_a_recalibration_reads_every_judgement_from_the_cache_file_and_says_so(tiny_lm, tmp_path):
+    srv, url = start_server(tiny_lm)
+    try:
+        db = f"judge.server.cache_path={tmp_path / 'judgements.sqlite'}"
+        assert calibrate_served_tiny(url, tmp_path / "first", db) == 0
+        before = srv.requests
+        assert calibrate_served_tiny(url, tmp_path / "second", db) == 0
+        assert srv.requests == before  # route: auto, and not one request
+        first, second = (
+            json.loads((tmp_path / r / "report.json").read_text())["judge"] for r in ("first", "second")
+        )
+        sent = first["stored_cache"]["misses"]
+        assert sent > 0 and first["stored_cache"]["hits"] == 0
+        assert second["stored_cache"] == {"hits": sent, "misses": 0} and second["status"] == first["status"]
+    finally:
+        stop_server(srv)
+
+
+def test_a_run_where_every_pair_failed_gives_and_writes_the_status_counts(tiny_lm, tmp_path, capsys):
+    srv, url = start_server(tiny_lm, routes=())  # /v1/models answers, every judgement is a 404
+    try:
+        out = tmp_path / "run"
+        assert calibrate_served_tiny(url, out) == 2
+    finally:
+        stop_server(srv)
+    err = capsys.readouterr().err.strip().splitlines()
+    written = json.loads((out / "judge_status.json").read_text())["judge"]
+    n_fit, n_test = (sum(written["status"][s].values()) for s in ("calibration", "test"))
+    assert written["status"] == {"calibration": {"failed": n_fit}, "test": {"failed": n_test}} and n_fit > 0
+    assert [line for line in err if line.startswith("judgeloop")] == [
+        f"judgeloop calibrate: error: every calibration pair failed judging (judge statuses: calibration "
+        f"{{failed: {n_fit}}}, test {{failed: {n_test}}}); nothing to fit: see the warnings above for why; "
+        f"the counts are in {out / 'judge_status.json'}"
+    ]
+    assert json.loads((out / "run.json").read_text())["state"] == "stopped"
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -250,6 +327,97 @@ def test_every_judgeloop_line_of_the_served_docs_loads(monkeypatch, capsys):
     for args in lines:
         assert cli([*args, "--print-config"]) == 0, args
     capsys.readouterr()
+
+
+VLLM_LINE = ".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server"
+
+
+def _vllm_lines() -> list[str]:
+    """The docs' vLLM launch lines as written (``\\`` continuations joined)."""
+    from launch_lines import launch_lines
+
+    lines = (ROOT / "docs" / "served.md").read_text().splitlines()
+    texts = []
+    for i, line in enumerate(lines):
+        if line.startswith(VLLM_LINE):
+            text = line
+            while text.endswith("\\"):
+                i += 1
+                text = text[:-1] + " " + lines[i].strip()
+            texts.append(text)
+    assert len(texts) == len(launch_lines("served.md", VLLM_LINE))
+    return texts
+
+
+def test_the_docs_vllm_line_serves_the_id_the_shipped_config_asks_for():
+    """The line runs where ``make vllm`` built vLLM (``python -m``, not the failing ``vllm`` command), and
+    its ``--served-model-name`` is the config's ``judge.server.model`` (a folder path would be the id)."""
+    import shlex
+
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs/calibrate/summeval_served.yaml").read_text())
+    texts = _vllm_lines()
+    assert len(texts) >= 2  # the page's opening block and the vLLM section
+    assert not any(
+        line.startswith("vllm serve") for line in (ROOT / "docs/served.md").read_text().splitlines()
+    )
+    for text in texts:
+        args = shlex.split(text)[len(shlex.split(VLLM_LINE)) :]
+        assert args[args.index("--served-model-name") + 1] == config["judge"]["server"]["model"]
+        assert args[args.index("--model") + 1].startswith("$(.venv/bin/python -m judgeloop.models ")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not ((ROOT / ".venv-vllm/bin/python").is_file() and (ROOT / ".venv/bin/python").is_file()),
+    reason="no .venv-vllm beside .venv in this checkout (make vllm builds it: 3.5 GB, see docs/vllm.md)",
+)
+def test_the_docs_vllm_line_runs_as_written_and_serves_the_judge(tmp_path):
+    """The docs' line run by bash in the checkout (only the port changed, to a free one); the shipped
+    config's model id then judges on the exact-id route."""
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    text = _vllm_lines()[0]
+    port = _free_port()
+    assert " --port 8000 " in text
+    with open(tmp_path / "vllm.log", "w") as log:
+        proc = subprocess.Popen(
+            ["bash", "-c", "exec " + text.replace(" --port 8000 ", f" --port {port} ")],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the documented vLLM line did not serve within 600 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        judge = _judge(f"http://127.0.0.1:{port}", model=smol, tokenizer=smol)
+        out = judge(ARTICLES[:2], A[:2], B[:2])
+        assert judge.route == "vllm" and out.status == ["ok", "ok"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def test_served_config_errors():

@@ -3,7 +3,9 @@
 The lab is :mod:`judgeloop.studies.calibration_lab`; this shell runs it and writes ``report.json``,
 ``report.md``, ``reliability.png``, ``predictions.jsonl``, ``calibrators/<method>.json``, one calibrated
 judge per method (``calibrated_judge/<method>/``, raw included: ``CalibratedJudge.from_pretrained`` loads
-it) and the resolved ``config.yaml`` under ``output_dir``.
+it) and the resolved ``config.yaml`` under ``output_dir``. A run where every pair of a split failed judging
+(a server that never answered) stops in one line giving the judge's status counts, and writes them to
+``judge_status.json`` there.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from typing import Any
 
 from judgeloop.calibration import IdentityCalibrator
 from judgeloop.calibration.reliability import reliability_diagram
+from judgeloop.io import DataError, atomic_write_json
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.logging import get_logger
 from judgeloop.reports import write_report
 from judgeloop.rundir import run_dir
 from judgeloop.studies.calibration_lab import (
     CalibrateConfig,
+    NothingJudged,
     calibration_lab,
     judge_card,
     render_markdown,
@@ -26,6 +30,8 @@ from judgeloop.studies.calibration_lab import (
 )
 
 logger = get_logger(__name__)
+
+JUDGE_STATUS_FILE = "judge_status.json"  # a run where every pair of a split failed judging: its counts
 
 __all__ = ["CalibrateConfig", "run"]
 
@@ -37,8 +43,13 @@ def run(cfg: CalibrateConfig) -> dict[str, Any]:
 
 
 def _run(cfg: CalibrateConfig) -> dict[str, Any]:
-    lab = calibration_lab(cfg)
     out_dir = Path(cfg.output_dir)
+    try:
+        lab = calibration_lab(cfg)
+    except NothingJudged as err:  # the counts the message points to, written where it says
+        path = out_dir / JUDGE_STATUS_FILE
+        atomic_write_json(path, {"judge": err.counts})
+        raise DataError(f"{err}; the counts are in {path}") from None
     for method, cal in lab.calibrators.items():
         cal.save(out_dir / "calibrators" / f"{method}.json")
     # one calibrated judge per method (and raw: p = sigmoid(logit)), loadable by CalibratedJudge.from_pretrained

@@ -95,11 +95,17 @@ class JudgeOutput:
 
 @dataclass
 class JudgeStats:
-    """Running counts a judge reports: statuses, cache hits, truncations."""
+    """Running counts a judge reports: statuses, cache hits, truncations.
+
+    ``cache_hits`` / ``cache_misses`` count the in-memory cache of judged pairs; ``stored_hits`` /
+    ``stored_misses`` the judgements read from (or not found in) a cache kept across runs, where the judge
+    has one (the served judge's ``judge.server.cache_path``: one per prompt sent, both orders counted)."""
 
     status: Counter = field(default_factory=Counter)
     cache_hits: int = 0
     cache_misses: int = 0
+    stored_hits: int = 0
+    stored_misses: int = 0
 
 
 def combine_orders(forward: np.ndarray, reverse: np.ndarray) -> np.ndarray:

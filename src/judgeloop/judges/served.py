@@ -137,6 +137,14 @@ class _ServedParts:
         self._token_ids.update({self.tokenizer.decode([t]): t for t in token_ids})
         self.failures: list[str] = []
 
+    def _ask_server(
+        self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int], starts: Sequence[int] | None = None
+    ) -> list[Reply]:
+        """The client's replies to ``prompts``; the judge's stats count the ones its cache file held."""
+        replies = self.client.replies(prompts, token_ids, starts)
+        self.stats.stored_hits, self.stats.stored_misses = self.client.cache_hits, self.client.cache_misses  # type: ignore[attr-defined]
+        return replies
+
     def _detokenize(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` with special tokens as written (for a server that takes text prompts)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -207,8 +215,9 @@ class ServedJudge(_ServedParts, Judge):
             ``choice`` judge.
 
     Raises:
-        ValueError: before any judging, one line each: no ``base_url`` or ``model``, an unset API key, no
-            server at the URL, a model it does not serve, a verdict that is not one token.
+        ServerSetupError: before any judging, one line each: an unset API key, no server at the URL, an
+            answer that is not a model list, a model it does not serve.
+        ValueError: no ``base_url`` or ``model``, a verdict that is not one token.
     """
 
     def __init__(
@@ -256,7 +265,7 @@ class ServedJudge(_ServedParts, Judge):
                 if ids is not None and tuple(ids) not in self._replies:
                     todo.append(ids)
         if todo:
-            self._replies.update(zip(map(tuple, todo), self.client.replies(todo, self._token_ids)))
+            self._replies.update(zip(map(tuple, todo), self._ask_server(todo, self._token_ids)))
         try:
             out = super()._score(pairs)
         finally:
@@ -275,7 +284,7 @@ class ServedJudge(_ServedParts, Judge):
                 continue
             reply = self._replies.get(tuple(ids))
             if reply is None:
-                reply = self.client.replies([ids], self._token_ids)[0]
+                reply = self._ask_server([ids], self._token_ids)[0]
             if reply.error:
                 self.failures.append(reply.error)
             score, st = verdict_score(reply, self.verdict_ids, self.labels)
@@ -338,7 +347,7 @@ class GradedJudge(_ServedPointwise):
         """Every summary of the chunk in flight together; its expected grade and status."""
         built = [self.prompt_ids(article, summary) for article, summary, _ in points]
         sendable = [ids for ids, _ in built if ids is not None]
-        replies = iter(self.client.replies(sendable, self._token_ids) if sendable else [])
+        replies = iter(self._ask_server(sendable, self._token_ids) if sendable else [])
         values, statuses = [], []
         for ids, fit in built:
             if ids is None:
@@ -370,8 +379,8 @@ class ServedLikelihoodJudge(_ServedPointwise):
             flight together).
 
     Raises:
-        ValueError: before any judging, one line each: the base checks of a served judge, and a server that
-            returns no prompt log-probabilities on the routes tried.
+        ServerSetupError: before any judging, one line each: the base checks of a served judge, and a server
+            that returns no prompt log-probabilities on the routes tried.
     """
 
     extractor = "likelihood"
@@ -403,7 +412,7 @@ class ServedLikelihoodJudge(_ServedPointwise):
         built = [self.summary_ids(article, summary) for article, summary, _ in points]
         sendable = [(ids, len(ids) - n) for ids, n, _ in built if ids is not None]
         replies = iter(
-            self.client.replies([i for i, _ in sendable], {}, [s for _, s in sendable]) if sendable else []
+            self._ask_server([i for i, _ in sendable], {}, [s for _, s in sendable]) if sendable else []
         )
         values, statuses = [], []
         for ids, _, fit in built:

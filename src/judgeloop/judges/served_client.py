@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import sqlite3
 import threading
@@ -51,7 +52,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from judgeloop.errors import ServiceFailed
+from judgeloop.errors import ServiceFailed, UserError
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
 
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
 PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
@@ -153,9 +157,24 @@ class Reply:
 
     @classmethod
     def from_json(cls, raw: str) -> Reply:
+        """The reply :meth:`to_json` wrote; a ``ValueError``/``KeyError``/``TypeError``/``AttributeError`` for
+        anything else (a damaged cache row is then a miss)."""
         d = json.loads(raw)
-        lp = None if d["logprobs"] is None else {int(k): float(v) for k, v in d["logprobs"].items()}
-        return cls(lp, d["bound"], d["text"], prompt_logprobs=d.get("prompt_logprobs"))
+        lp = None if d["logprobs"] is None else {int(k): _logprob(v) for k, v in d["logprobs"].items()}
+        bound = None if d["bound"] is None else _logprob(d["bound"])
+        prompt = d.get("prompt_logprobs")
+        if not isinstance(d["text"], str):
+            raise TypeError(f"text {d['text']!r} is not a string")
+        return cls(
+            lp, bound, d["text"], prompt_logprobs=None if prompt is None else [_logprob(v) for v in prompt]
+        )
+
+
+class ServerSetupError(UserError):
+    """The ``judge.server`` settings do not reach a usable server, found before any judging: no server at
+    ``base_url``, a refused or unset key, a model it does not serve, an answer that is not an OpenAI model
+    list, no prompt log-probabilities for the likelihood extractor. One line naming the key, the value and
+    the fix (the command line prints it and exits with status 2)."""
 
 
 class ServedJudgeFailed(ServiceFailed):
@@ -187,26 +206,110 @@ class _RateLimiter:
             await asyncio.sleep(max(0.01, self.window_s - (now - self._sent[0][0])))
 
 
+class CacheFileError(UserError):
+    """``judge.server.cache_path`` cannot serve as the judgement cache (not an SQLite file, another
+    program's database, not writable); one line naming the path and the fix, before any judging."""
+
+
 class _ReplyCache:
-    """SQLite judgement cache: key (server, model, route, prompt ids, verdict ids) -> reply JSON."""
+    """SQLite judgement cache: key (server, model, route, prompt ids, verdict ids) -> reply JSON; and the
+    route ``route: auto`` found on a server (key: server, model, settings) -> route and prompt format, so
+    a rerun reads its judgements from the cache without probing the server first.
+
+    The file is checked when opened (an SQLite file whose tables are these or absent, written to once);
+    later, a row that does not read back as a reply is a miss (asked again and replaced), and a read or
+    write that fails (a full disk, a file taken away) is a miss or a judgement not kept, with one warning:
+    never an error in the middle of a batch."""
+
+    TABLES = {"replies": ["key", "reply"], "routes": ["key", "route", "form"], "meta": ["key", "value"]}
 
     def __init__(self, path: str):
         from pathlib import Path
 
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False)
-        self._db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, reply TEXT NOT NULL)")
+        self.path = path
+        fix = "delete it or set judge.server.cache_path to another file"
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # a run beside another on the same file waits for its write (up to 30 s), not fails
+            self._db = sqlite3.connect(path, check_same_thread=False, timeout=30)
+            found = {
+                name: [c[1] for c in self._db.execute(f"PRAGMA table_info({name})")] for name in self.TABLES
+            }
+        except (OSError, sqlite3.Error) as err:
+            what = "is not an SQLite judgement cache" if "not a database" in str(err) else "cannot be opened"
+            raise CacheFileError(f"judge.server.cache_path={path}: {what} ({err}); {fix}") from None
+        other = [n for n, cols in found.items() if cols and cols != self.TABLES[n]]
+        if other:
+            raise CacheFileError(
+                f"judge.server.cache_path={path}: is not an SQLite judgement cache (its table {other[0]!r} has "
+                f"columns {found[other[0]]}); {fix}"
+            )
+        try:
+            for name, cols in self.TABLES.items():
+                typed = ", ".join(
+                    f"{c} TEXT PRIMARY KEY" if c == "key" else f"{c} TEXT NOT NULL" for c in cols
+                )
+                self._db.execute(f"CREATE TABLE IF NOT EXISTS {name} ({typed})")
+            self._db.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('opened', ?)", (time.strftime("%Y-%m-%dT%H:%M:%S"),)
+            )
+            self._db.commit()
+        except sqlite3.Error as err:
+            raise CacheFileError(
+                f"judge.server.cache_path={path}: cannot be written ({err}); make it writable or {fix}"
+            ) from None
         self._lock = threading.Lock()
+        self._warned = False
+
+    def _failed(self, doing: str, err: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "judge.server.cache_path=%s: %s failed (%s); judgements are still used but not kept in it "
+                "from now on: check the disk and the file",
+                self.path,
+                doing,
+                " ".join(str(err).split()),
+            )
 
     def get(self, key: str) -> Reply | None:
-        with self._lock:
-            row = self._db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
-        return Reply.from_json(row[0]) if row else None
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as err:
+            self._failed("a read", err)
+            return None
+        if row is None:
+            return None
+        try:
+            return Reply.from_json(row[0])
+        except (ValueError, KeyError, TypeError, AttributeError):  # a damaged row: asked again, replaced
+            return None
 
     def put(self, key: str, reply: Reply) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply.to_json()))
-            self._db.commit()
+        try:
+            with self._lock:
+                self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply.to_json()))
+                self._db.commit()
+        except sqlite3.Error as err:
+            self._failed("a write", err)
+
+    def get_route(self, key: str) -> tuple[str, str] | None:
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT route, form FROM routes WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as err:
+            self._failed("a read", err)
+            return None
+        return (row[0], row[1]) if row and row[0] in ROUTES and row[1] in PROMPT_FORMATS else None
+
+    def put_route(self, key: str, route: str, form: str) -> None:
+        try:
+            with self._lock:
+                self._db.execute("INSERT OR REPLACE INTO routes VALUES (?, ?, ?)", (key, route, form))
+                self._db.commit()
+        except sqlite3.Error as err:
+            self._failed("a write", err)
 
 
 class _Retryable(Exception):
@@ -238,6 +341,7 @@ class ServedClient:
     calls: int = 0
     retries: int = 0
     cache_hits: int = 0
+    cache_misses: int = 0
 
     def __post_init__(self) -> None:
         self.route = "" if self.cfg.route == "auto" else self.cfg.route
@@ -250,6 +354,11 @@ class ServedClient:
         self.prompt_format = fmt
         self._limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
         self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
+        # route: auto: the route read back from the cache, used until a probe of this run confirms it
+        self._recalled = False
+        self._route_key_format = self.prompt_format  # what a probe starts from ('' : ids, then text)
+        what = [self.root, self.cfg.model, self.prompt_format, list(self.verdict_ids), self.cfg.top_logprobs]
+        self._route_key = hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
     @property
     def root(self) -> str:
@@ -263,7 +372,8 @@ class ServedClient:
         """Check the server serves ``cfg.model`` and record what it says of itself; one-line errors.
 
         Raises:
-            ValueError: no server at ``base_url``, a refused key, or a model the server does not serve.
+            ServerSetupError: no server at ``base_url``, a refused key, an answer that is not a model list,
+                or a model the server does not serve.
         """
         import httpx
 
@@ -272,24 +382,33 @@ class ServedClient:
                 f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10)
             )
         except httpx.HTTPError as err:
-            raise ValueError(
-                f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: {err}); "
-                "start it (docs/served.md) or fix the URL"
+            raise ServerSetupError(
+                f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: "
+                f"{_one_line(str(err))}); start it (docs/served.md) or fix the URL"
             ) from None
         if r.status_code in (401, 403):
-            raise ValueError(
+            raise ServerSetupError(
                 f"judge.server.base_url={self.cfg.base_url!r} refused the API key (HTTP {r.status_code}); set "
                 f"the key in ${self.cfg.api_key_env or 'judge.server.api_key_env'}"
             )
         if r.status_code != 200:
-            raise ValueError(f"{self.root}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
-        served = [m.get("id", "") for m in r.json().get("data", [])]
-        if self.cfg.model not in served:
-            raise ValueError(
-                f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
-                f"{served}); set judge.server.model to one of them"
+            raise ServerSetupError(
+                f"judge.server.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered HTTP "
+                f"{r.status_code} ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
             )
-        entry = next(m for m in r.json()["data"] if m.get("id") == self.cfg.model)
+        models = _model_list(r)
+        if models is None:
+            raise ServerSetupError(
+                f"judge.server.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered something that is "
+                f"not an OpenAI model list ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
+            )
+        served = [m["id"] for m in models]
+        if self.cfg.model not in served:
+            raise ServerSetupError(
+                f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
+                f"{served[:20]}); set judge.server.model to one of them"
+            )
+        entry = next(m for m in models if m["id"] == self.cfg.model)
         self.info = {"model": self.cfg.model, "served_models": served}
         for path in ("/version", "/get_server_info"):
             try:
@@ -373,20 +492,22 @@ class ServedClient:
             entries = (meta.get("output_token_ids_logprobs") or [None])[0]
             n = meta.get("prompt_tokens")
             if not entries:
-                return Reply(None, None, data.get("text", ""), n_prompt=n)
-            return Reply({int(e[1]): float(e[0]) for e in entries}, None, data.get("text", ""), n_prompt=n)
+                return _no_logprobs(route)
+            return Reply({int(e[1]): _logprob(e[0]) for e in entries}, None, data.get("text", ""), n_prompt=n)
         choice = data["choices"][0]
         text = choice.get("text", "")
         n = (data.get("usage") or {}).get("prompt_tokens")
-        tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
-        if route == "text" or not tops or not tops[0]:
+        if route == "text":
             return Reply(None, None, text, n_prompt=n)
+        tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if not tops or not tops[0]:
+            return _no_logprobs(route)
         out: dict[int, float] = {}
         for key, value in tops[0].items():
             tid = int(key[9:]) if key.startswith("token_id:") else token_ids.get(key)
             if tid is not None:
-                out[tid] = float(value)
-        bound = min(float(v) for v in tops[0].values()) if route == "top_logprobs" else None
+                out[tid] = _logprob(value)
+        bound = min(_logprob(v) for v in tops[0].values()) if route == "top_logprobs" else None
         return Reply(out, bound, text, n_prompt=n)
 
     async def _post_once(
@@ -402,28 +523,49 @@ class ServedClient:
 
         path, body = self._request(route, ids, form, start)
         try:
-            r = await http.post(
-                self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s
+            # httpx's timeout bounds each read; wait_for bounds the whole answer (a reply that trickles in)
+            r = await asyncio.wait_for(
+                http.post(self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s),
+                self.cfg.timeout_s,
             )
+        except TimeoutError:
+            raise _Retryable(f"no whole answer within judge.server.timeout_s={self.cfg.timeout_s}") from None
         except (httpx.TimeoutException, httpx.TransportError) as err:
             raise _Retryable(f"{type(err).__name__}: {err}") from None
         if r.status_code == 429:
-            after = r.headers.get("retry-after")
-            raise _Retryable("HTTP 429", float(after) if after and after.replace(".", "").isdigit() else None)
+            raise _Retryable("HTTP 429", self._retry_after(r.headers.get("retry-after")))
         if r.status_code >= 500:
-            raise _Retryable(f"HTTP {r.status_code}: {r.text[:120]}")
+            raise _Retryable(f"HTTP {r.status_code}: {_one_line(r.text, 120)}")
         if r.status_code != 200:
-            return Reply(error=f"HTTP {r.status_code}: {r.text[:200]}")
+            return Reply(error=f"HTTP {r.status_code}: {_one_line(r.text)}")
         try:
             reply = self._parse(route, r.json(), token_ids, ids, start)
-        except (ValueError, KeyError, TypeError, IndexError) as err:
-            raise _Retryable(f"malformed reply ({type(err).__name__}: {err})") from None
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            raise _Retryable(f"malformed reply ({type(err).__name__}: {_one_line(str(err), 120)})") from None
         if form == "text" and reply.n_prompt is not None and reply.n_prompt != len(ids):
             # the server tokenized the text otherwise: its log-probabilities are of another prompt
             return Reply(
                 error=f"the server read the prompt text as {reply.n_prompt} tokens, not the {len(ids)} sent"
             )
         return reply
+
+    def _retry_after(self, value: str | None) -> float | None:
+        """The wait a 429's ``Retry-After`` asks (seconds or an HTTP date), at most ``timeout_s`` so no
+        answer holds a call longer than the settings allow; ``None`` (the backoff) when it is unreadable."""
+        if not value:
+            return None
+        try:
+            wait = float(value)
+        except ValueError:
+            from email.utils import parsedate_to_datetime
+
+            try:
+                wait = parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError, IndexError, OverflowError):
+                return None
+        if not math.isfinite(wait):
+            return None
+        return min(max(wait, 0.0), self.cfg.timeout_s)
 
     async def _post(
         self,
@@ -454,8 +596,11 @@ class ServedClient:
         return Reply(error=f"{error} (after {self.cfg.max_retries} retries)")
 
     def _key(self, route: str, ids: Sequence[int], start: int | None = None) -> str:
-        # a text prompt is tokenized by the server: kept apart from the same ids sent as ids
+        # a text prompt is tokenized by the server: kept apart from the same ids sent as ids; the top k
+        # decides which tokens a top_logprobs reply holds and its bound
         tag = route if self.prompt_format != "text" else f"{route}+text"
+        if route == "top_logprobs":
+            tag += f"@{self.cfg.top_logprobs}"
         what: list[Any] = list(self.verdict_ids) if start is None else ["prompt_logprobs", start]
         raw = json.dumps([self.root, self.cfg.model, tag, what, list(ids)])
         return hashlib.sha256(raw.encode()).hexdigest()
@@ -471,14 +616,26 @@ class ServedClient:
         gate = asyncio.Semaphore(self.cfg.concurrency)
         limiter = self._limiter
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
+        at = list(starts) if starts is not None else [None] * len(prompts)
+        first: Reply | None = None
         async with httpx.AsyncClient(limits=limits) as http:
             if not self.route:
-                self.route, self.prompt_format = await self._probe(http, gate, limiter, prompts[0], token_ids)
+                self.route, self.prompt_format, first = await self._probe(
+                    http, gate, limiter, prompts[0], token_ids
+                )
+            if first is not None and at[0] is None:  # the probe's answer is the first prompt's judgement
+                rest = await asyncio.gather(
+                    *(
+                        self._post(http, gate, limiter, self.route, p, token_ids, "", s)
+                        for p, s in zip(prompts[1:], at[1:])
+                    )
+                )
+                return [first, *rest]
             return list(
                 await asyncio.gather(
                     *(
                         self._post(http, gate, limiter, self.route, p, token_ids, "", s)
-                        for p, s in zip(prompts, starts or [None] * len(prompts))
+                        for p, s in zip(prompts, at)
                     )
                 )
             )
@@ -488,13 +645,13 @@ class ServedClient:
         returns the log-probabilities of ``ids[start:]``, before any judging.
 
         Raises:
-            ValueError: one line naming the routes tried, the last answer and the fix, when none returns
+            ServerSetupError: one line naming the routes tried, the last answer and the fix, when none returns
                 them (a server that returns no prompt log-probabilities: the likelihood has no text fallback).
         """
         route, form, last = _run(self._probe_prompt(ids, start))
         if not route:
             tried = [self.cfg.route] if self.cfg.route != "auto" else list(PROMPT_ROUTES)
-            raise ValueError(
+            raise ServerSetupError(
                 f"judge.extractor=likelihood needs prompt log-probabilities, and {self.cfg.base_url} returned none "
                 f"on route {tried} ({last}); serve the model with vLLM (/v1/completions with prompt_logprobs) or "
                 "SGLang (/generate with logprob_start_len) and set judge.server.route to auto, vllm or sglang"
@@ -533,9 +690,10 @@ class ServedClient:
         limiter: _RateLimiter,
         ids: Sequence[int],
         token_ids: dict[str, int],
-    ) -> tuple[str, str]:
-        """``(route, prompt format)``: the best this server answers for ``ids``, the route ``text`` when none
-        returns log-probabilities, ids before text."""
+    ) -> tuple[str, str, Reply | None]:
+        """``(route, prompt format, reply)``: the best this server answers for ``ids`` and its answer there
+        (the judgement of ``ids``, so it is not asked twice), the route ``text`` and no reply when none
+        returns log-probabilities; ids before text."""
         tries = [(r, f) for f in PROMPT_FORMATS for r in ROUTES[:-1]] + [("text", f) for f in PROMPT_FORMATS]
         for route, form in tries:
             if self.prompt_format and form != self.prompt_format:
@@ -551,8 +709,8 @@ class ServedClient:
             if route in ("top_logprobs", "text") or all(
                 t in (reply.logprobs or {}) for t in self.verdict_ids
             ):
-                return route, form
-        return "text", self.prompt_format or "ids"
+                return route, form, reply
+        return "text", self.prompt_format or "ids", None
 
     def replies(
         self,
@@ -564,13 +722,67 @@ class ServedClient:
         read from the cache, successful new ones written to it. ``token_ids``: token string -> id, for
         servers that key ``top_logprobs`` by token text. ``starts``: ask each prompt's own tokens'
         log-probabilities from ``starts[i]`` on (:attr:`Reply.prompt_logprobs`) instead of the next
-        token's (call :meth:`find_prompt_route` first)."""
+        token's (call :meth:`find_prompt_route` first).
+
+        Under ``route: auto`` with a cache, the route found on an earlier run is read back from it, so
+        judgements already cached are read without a request; the first request of the run probes the
+        server again (its answer is kept as a judgement), and if the server now answers on another route
+        the cached judgements of this call are asked again on it (a run never mixes two routes)."""
         at: list[int | None] = list(starts) if starts is not None else [None] * len(prompts)
+        if not self.route and self._cache is not None:
+            recalled = self._cache.get_route(self._route_key)
+            if recalled is not None:
+                self.route, self.prompt_format = recalled
+                self._recalled = True
         out: list[Reply | None] = [None] * len(prompts)
+        todo = self._lookup(prompts, at, out)
+        if todo:
+            recalled = (self.route, self.prompt_format)
+            if self._recalled:  # not confirmed this run: the first request probes the server
+                self.route, self.prompt_format = "", self._route_key_format
+            probed = not self.route
+            self._ask(prompts, token_ids, at, todo, out)
+            answered = any(out[i] is not None and not out[i].error for i in todo)  # type: ignore[union-attr]
+            if probed and not answered:
+                # a probe of a server that answered nothing found no route (it fell to text): probe again
+                # next call, and keep the cached judgements and the route they came from
+                self.route, self.prompt_format = recalled
+            elif self._recalled:
+                self._recalled = False
+                if (self.route, self.prompt_format) != recalled:
+                    asked = set(todo)
+                    hits = [i for i in range(len(prompts)) if i not in asked]
+                    logger.warning(
+                        "served judge: %s now answers on route %r (%s prompts), not the %r (%s) its cached "
+                        "judgements came from; asking the %d of this call again",
+                        self.cfg.base_url,
+                        self.route,
+                        self.prompt_format,
+                        *recalled,
+                        len(hits),
+                    )
+                    self.cache_hits -= len(hits)
+                    again = self._lookup(prompts, at, out, hits)
+                    if again:
+                        self._ask(prompts, token_ids, at, again, out)
+            if self._cache is not None and self.cfg.route == "auto" and answered:
+                # remembered for the next run (a route found while the server failed every call is not)
+                self._cache.put_route(self._route_key, self.route, self.prompt_format)
+        return [r for r in out if r is not None]
+
+    def _lookup(
+        self,
+        prompts: Sequence[Sequence[int]],
+        at: Sequence[int | None],
+        out: list[Reply | None],
+        among: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Fill ``out`` from the cache on the current route (all prompts, or those ``among``); the indices
+        still to ask. Without a route yet (``route: auto`` before its probe) nothing is looked up."""
         todo = []
-        for i, p in enumerate(prompts):
+        for i in range(len(prompts)) if among is None else among:
             hit = (
-                self._cache.get(self._key(self.route, p, at[i]))
+                self._cache.get(self._key(self.route, prompts[i], at[i]))
                 if self._cache is not None and self.route
                 else None
             )
@@ -578,14 +790,45 @@ class ServedClient:
                 out[i] = hit
                 self.cache_hits += 1
             else:
+                out[i] = None
                 todo.append(i)
-        if todo:
-            new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo]))
-            for i, reply in zip(todo, new):
-                out[i] = reply
-                if self._cache is not None and not reply.error:
-                    self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
-        return [r for r in out if r is not None]
+                self.cache_misses += self._cache is not None
+        return todo
+
+    def _ask(
+        self,
+        prompts: Sequence[Sequence[int]],
+        token_ids: dict[str, int],
+        at: Sequence[int | None],
+        todo: Sequence[int],
+        out: list[Reply | None],
+    ) -> None:
+        """Ask the server the prompts ``todo`` (probing the route first when there is none yet); successful
+        replies go to ``out`` and the cache."""
+        new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo]))
+        for i, reply in zip(todo, new):
+            out[i] = reply
+            if self._cache is not None and not reply.error:
+                self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
+
+
+def _logprob(value: Any) -> float:
+    """``value`` as a log-probability: a finite number <= 0 (a little above 0 is rounding); a ``ValueError``
+    (a malformed reply) otherwise, never a NaN or a positive score passed on as a judgement."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a log-probability {value!r} that is not a number")
+    if not math.isfinite(value) or value > 1e-3:
+        raise ValueError(f"a log-probability {value!r} that is not a finite number <= 0")
+    return float(value)
+
+
+def _no_logprobs(route: str) -> Reply:
+    """The reply to a request on a log-probability route that came back without them: ``failed`` (not
+    retried: the server answers so), never the sampled text scored as a hard verdict."""
+    return Reply(
+        error=f"the server returned no log-probabilities on route {route!r}; set judge.server.route=auto to find "
+        "the route it answers"
+    )
 
 
 def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int], start: int) -> Reply:
@@ -620,7 +863,7 @@ def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int],
             error=f"the server's prompt tokens differ from the ids sent (from position {bad} of the scored "
             "span): its tokenizer or prompt handling is not the judge's"
         )
-    return Reply(None, None, "", n_prompt=n, prompt_logprobs=[float(v) for v in values])
+    return Reply(None, None, "", n_prompt=n, prompt_logprobs=[_logprob(v) for v in values])
 
 
 def _run(coro: Any) -> Any:
@@ -637,13 +880,33 @@ def _run(coro: Any) -> Any:
     return result[0]
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line, cut to ``limit`` characters (a server's error page has many)."""
+    return " ".join(text.split())[:limit]
+
+
+def _model_list(r: Any) -> list[dict[str, Any]] | None:
+    """The entries of an OpenAI ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``), each a dict with a
+    string ``id``; ``None`` when the answer is not that."""
+    try:
+        data = r.json()
+    except ValueError:
+        return None
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("id"), str) for m in models
+    ):
+        return None
+    return models
+
+
 def read_api_key(cfg: ServerConfig) -> str:
     """The key in ``$cfg.api_key_env`` ('' when no variable is named); a one-line error when it is unset."""
     if not cfg.api_key_env:
         return ""
     key = os.environ.get(cfg.api_key_env, "")
     if not key:
-        raise ValueError(
+        raise ServerSetupError(
             f"judge.server.api_key_env={cfg.api_key_env!r} but ${cfg.api_key_env} is not set; export the key "
             "(it is never written to a config or a saved judge)"
         )
@@ -653,9 +916,11 @@ def read_api_key(cfg: ServerConfig) -> str:
 __all__ = [
     "PROMPT_ROUTES",
     "ROUTES",
+    "CacheFileError",
     "Reply",
     "ServedClient",
     "ServedJudgeFailed",
     "ServerConfig",
+    "ServerSetupError",
     "read_api_key",
 ]

@@ -144,6 +144,34 @@ def _valid(scored: dict[str, Any]) -> np.ndarray:
     return ok & np.isfinite(scored["forward"]) & np.isfinite(scored["reverse"])
 
 
+class NothingJudged(DataError):
+    """Every pair of a split failed judging; ``counts`` holds the judge's status and cache counts (what
+    :func:`judge_counts` returns), which the command writes beside its one-line message."""
+
+    def __init__(self, message: str, counts: dict[str, Any]):
+        super().__init__(message)
+        self.counts = counts
+
+
+def judge_counts(judge: Judge, fit_scored: dict[str, Any], eval_scored: dict[str, Any]) -> dict[str, Any]:
+    """The judge's counts in the report: statuses per split, its in-memory cache (``cache``), the
+    judgements read from a cache kept across runs (``stored_cache``: the served judge's
+    ``judge.server.cache_path``; 0 without one) and what a served judge says of its server."""
+    return {
+        "status": {
+            "calibration": dict(Counter(fit_scored["status"])),
+            "test": dict(Counter(eval_scored["status"])),
+        },
+        "cache": {"hits": judge.stats.cache_hits, "misses": judge.stats.cache_misses},
+        "stored_cache": {"hits": judge.stats.stored_hits, "misses": judge.stats.stored_misses},
+        **({"served": judge.describe()} if hasattr(judge, "describe") else {}),
+    }
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + "}"
+
+
 @dataclass
 class CalibrationLab:
     """What :func:`calibration_lab` found: the report, and what the command writes beside it."""
@@ -239,8 +267,15 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
     y_eval = np.concatenate([y_e, 1 - y_e])
     f_eval = both_orientations(pair_feature_matrix(kept_eval))
     orient = ["ab"] * len(kept_eval) + ["ba"] * len(kept_eval)
-    if s_eval.size == 0:
-        raise DataError("every test pair failed judging (see the judge status counts); nothing to evaluate")
+    if s_fit.size == 0 or s_eval.size == 0:
+        split = "calibration" if s_fit.size == 0 else "test"
+        counts = judge_counts(judge, fit_scored, eval_scored)
+        raise NothingJudged(
+            f"every {split} pair failed judging (judge statuses: calibration "
+            f"{_counts_text(counts['status']['calibration'])}, test {_counts_text(counts['status']['test'])}); "
+            f"nothing to {'fit' if split == 'calibration' else 'evaluate'}: see the warnings above for why",
+            counts,
+        )
     probs, calibrators = fit_calibrators(cfg, s_fit, y_fit, f_fit, s_eval, f_eval)
 
     report: dict[str, Any] = {
@@ -266,12 +301,7 @@ def calibration_lab(cfg: CalibrateConfig) -> CalibrationLab:
                 "calibration": fit_scored["position_bias"],
                 "test": eval_scored["position_bias"],
             },
-            "status": {
-                "calibration": dict(Counter(fit_scored["status"])),
-                "test": dict(Counter(eval_scored["status"])),
-            },
-            "cache": {"hits": judge.stats.cache_hits, "misses": judge.stats.cache_misses},
-            **({"served": judge.describe()} if hasattr(judge, "describe") else {}),
+            **judge_counts(judge, fit_scored, eval_scored),
         },
         "labels": {
             "type": cfg.labels.type,
