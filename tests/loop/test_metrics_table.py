@@ -36,6 +36,7 @@ def test_the_outputs_read_the_lists_they_always_had():
     from judgeloop.loop.curve import ROW_KEYS
     from judgeloop.loop.model_card import CARD_METRICS
     from judgeloop.studies import ablation_report as rep
+    from judgeloop.studies.ablation_config import STYLE_METRICS
     from judgeloop.studies.stats import PREMISE_METRICS
 
     text = ("rouge_1_neutral", "rouge_2_neutral", "rouge_l_neutral", "rouge_l_extractive", "copy_rate")
@@ -114,6 +115,8 @@ def test_the_outputs_read_the_lists_they_always_had():
         "novel_bigram_rate",
         "rouge_l_neutral",
     )
+    assert STYLE_METRICS == ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
+    assert rep.RECOVERED_METRIC == "rouge_l_neutral"
     assert rep.glossary() == (
         "rouge_l_neutral: the task's real target; rouge_l_extractive / copy_rate: the judge's style; "
         "kl: KL(pi || pi_ref) per summary; win: the judge's preference for the policy over the reference "

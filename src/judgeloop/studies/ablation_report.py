@@ -18,7 +18,7 @@ import numpy as np
 
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
-from judgeloop.loop.metrics_table import keys, shown_in
+from judgeloop.loop.metrics_table import TARGET, keys, shown_in
 from judgeloop.studies.ablation import job_dir, jobs
 from judgeloop.studies.ablation_config import AblateConfig
 from judgeloop.studies.stats import (
@@ -188,7 +188,7 @@ def paired_comparisons(
     return paired, vs_start, premise
 
 
-RECOVERED_METRIC = "rouge_l_neutral"
+RECOVERED_METRIC = TARGET
 
 
 def recovered_fractions(
