@@ -27,15 +27,8 @@ from judgeloop.logging import setup_logging
 from judgeloop.loop.alarms import watch_divergence
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.recalibration import maybe_recalibrate
-from judgeloop.loop.run import (
-    after_step,
-    close_run,
-    curve_when_due,
-    evaluate_when_due,
-    record_update,
-    stepping,
-)
-from judgeloop.loop.setup import open_run
+from judgeloop.loop.run import after_step, close_run, record_update, stepping
+from judgeloop.loop.setup import curve_when_due, evaluate_when_due, open_run
 from judgeloop.loop.state import next_batch, peek_batch
 from judgeloop.loop.steps import (
     PairBatch,

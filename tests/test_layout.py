@@ -267,3 +267,22 @@ def test_the_readme_map_names_what_exists_and_every_top_level_module_and_package
     top |= {f"{p.name}/" for p in SRC.iterdir() if (p / "__init__.py").is_file()}
     unnamed = sorted(top - named)
     assert not unnamed, f"the README's map does not name {unnamed}; add each where it sits in the house"
+
+
+def test_a_module_that_reads_the_metrics_table_spells_no_list_of_metrics():
+    """A metric is one row of ``loop/metrics_table.py``; the evaluation, the curve, the model card and the
+    ablation's report read their lists of metrics from it. A tuple, list or set of two or more metric keys
+    written out in one of them would be a second list that the table no longer governs."""
+    from judgeloop.loop.metrics_table import METRICS
+
+    names = {m.name for m in METRICS} | {m.per_article for m in METRICS if m.per_article}
+    spelled = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "metrics_table.py" or "judgeloop.loop.metrics_table" not in _imports(path):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                found = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+                if len(found) >= 2:
+                    spelled.append(f"{path.relative_to(SRC)}:{node.lineno} {found}")
+    assert not spelled, f"lists of metrics outside the metrics table: {spelled}; add a column to the table"

@@ -34,14 +34,16 @@ from judgeloop.hashing import derive_seed
 from judgeloop.intervals import bootstrap_mean_interval
 from judgeloop.io import finite_or_none
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.evaluation import greedy_summaries, sampled_kl
+from judgeloop.loop.evaluation import greedy_text_metrics, sampled_kl
+from judgeloop.loop.metrics_table import keys
 from judgeloop.loop.policy import eval_mode
 from judgeloop.loop.rollout import GenerationBackend, PromptBuilder
 from judgeloop.loop.state import LoopState
-from judgeloop.metrics.text import copy_rate, rouge_max, tokens
+from judgeloop.metrics.text import rouge_max
 
 #: per-article values of a curve point: greedy summary's metrics, the sample's neutral ROUGE-L, its KL
-ROW_KEYS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "sampled_rouge_l_neutral", "kl")
+#: (the metrics table's ``curve`` column)
+ROW_KEYS = keys("curve", per_article=True)
 #: the judge's signal in a step's training row, per objective
 SIGNAL_KEYS = ("target_margin", "advantage_abs_mean")
 
@@ -76,22 +78,16 @@ def curve_rows(
     seed = derive_seed(cfg.seed, "curve", accelerator.process_index)  # the same at every point
     rows: list[dict[str, Any]] = []
     if mine:
+        _, texts = greedy_text_metrics(unwrapped, tokenizer, build_prompt, mine, gen, bs, backend)
         with eval_mode(unwrapped):
-            greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, mine, gen, bs, backend)
             kls, samples = sampled_kl(unwrapped, ref, tokenizer, build_prompt, mine, gen, bs, seed, backend)
-        for ex, g, s, k in zip(mine, greedy, samples, kls):
-            rows.append(
-                {
-                    "step": step,
-                    "id": ex.id,
-                    "rouge_l_neutral": rouge_max(g, ex.neutral)["rougeL"] if ex.neutral else np.nan,
-                    "rouge_l_extractive": rouge_max(g, ex.extractive)["rougeL"] if ex.extractive else np.nan,
-                    "copy_rate": copy_rate(g, ex.article),
-                    "length": float(len(tokens(g))),
-                    "sampled_rouge_l_neutral": rouge_max(s, ex.neutral)["rougeL"] if ex.neutral else np.nan,
-                    "kl": np.nan if k is None else float(k),
-                }
-            )
+        for ex, t, s, k in zip(mine, texts, samples, kls):
+            values = {
+                **t,
+                "sampled_rouge_l_neutral": rouge_max(s, ex.neutral)["rougeL"] if ex.neutral else np.nan,
+                "kl": np.nan if k is None else float(k),
+            }
+            rows.append({"step": step, "id": ex.id, **{key: values[key] for key in ROW_KEYS}})
     return [finite_or_none(r) for r in gather_object(real_part(rows, len(examples), accelerator))]
 
 
@@ -122,7 +118,7 @@ def curve_point(
     for key in ROW_KEYS:
         point[key] = _mean_ci(_values(rows, key), seed)
     start = {r["id"]: r for r in start_rows}
-    for key in ("rouge_l_neutral", "sampled_rouge_l_neutral"):
+    for key in keys("gain", per_article=True):
         diffs = np.array(
             [
                 (r[key] if r.get(key) is not None else np.nan)

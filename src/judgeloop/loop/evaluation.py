@@ -11,7 +11,7 @@ policy's, and the calibrator's ECE on (greedy, sampled) pairs labeled by neutral
 The loop's glue is here too, taking the run's parts: :func:`run_evaluation` (one evaluation of a run,
 sharded over processes), :func:`reference_summaries` (the reference policy's, once) and
 :func:`early_stopping` (the best validation policy, and patience); the run schedules them
-(:func:`judgeloop.loop.run.evaluate_when_due`).
+(:func:`judgeloop.loop.setup.evaluate_when_due`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from judgeloop.distributed import real_part, shard
 from judgeloop.hashing import derive_seed
 from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, references_for
-from judgeloop.judges.hacking import HACK_KINDS, detect_hacks
+from judgeloop.judges.hacking import detect_hacks
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
 from judgeloop.loop.losses import kl_per_sequence
+from judgeloop.loop.metrics_table import Metric, evaluated, shown_in
 from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, judge_and_label_pairs, pair_ece
 from judgeloop.loop.policy import eval_mode, reference_logprobs
 from judgeloop.loop.rollout import (
@@ -99,6 +100,25 @@ def hack_flags(article: str, summary: str) -> dict[str, float]:
     return {**{f"hack_{k}": float(v) for k, v in flags.as_dict().items()}, "hack_any": float(flags.any)}
 
 
+def greedy_text_metrics(
+    model: Any,
+    tokenizer: Any,
+    build_prompt: PromptBuilder,
+    examples: Sequence[SummExample],
+    gen: GenerationConfig,
+    batch_size: int,
+    backend: GenerationBackend = IN_PROCESS,
+    greedy: Sequence[str] | None = None,
+) -> tuple[list[str], list[dict[str, float]]]:
+    """The policy's greedy summaries of ``examples`` (in eval mode, generated where ``backend`` says;
+    ``greedy``: already made, e.g. the starting policy's from the start cache) and each one's
+    :func:`text_metrics`: what the evaluation, the validation slice and the curve all measure."""
+    if greedy is None:
+        with eval_mode(model):
+            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size, backend)
+    return list(greedy), [text_metrics(e, g) for e, g in zip(examples, greedy)]
+
+
 @torch.no_grad()
 def sampled_kl(
     model: Any,
@@ -148,10 +168,11 @@ def evaluate_shard(
     """
     if not examples:
         return []
-    with eval_mode(model):
-        if greedy is None:
-            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size, backend)
-        if sampled is None:
+    greedy, texts = greedy_text_metrics(
+        model, tokenizer, build_prompt, examples, gen, batch_size, backend, greedy
+    )
+    if sampled is None:
+        with eval_mode(model):
             sampled = sampled_kl(
                 model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed, backend
             )
@@ -160,52 +181,50 @@ def evaluate_shard(
         [e.article for e in examples], list(greedy), list(ref_summaries), references_for(judge, examples)
     )
     rows = []
-    for ex, g, s, k, w, ok in zip(examples, greedy, samples, kls, wins.scores, wins.valid):
+    for ex, g, t, s, k, w, ok in zip(examples, greedy, texts, samples, kls, wins.scores, wins.valid):
         k = float("nan") if k is None else float(k)
-        row: dict[str, Any] = {"id": ex.id, "summary": g, "sample": s, "kl": k, **text_metrics(ex, g)}
+        row: dict[str, Any] = {"id": ex.id, "summary": g, "sample": s, "kl": k, **t}
         # win = 1, tie = 0.5, loss = 0; a failed judgement (e.g. an empty summary) is None, never a loss
         row["win"] = (1.0 if w > 0 else 0.5 if w == 0 else 0.0) if ok else None
         rows.append(row)
     return rows
 
 
+def aggregate_metric(
+    metric: Metric,
+    rows: Sequence[dict[str, Any]],
+    pairs: CalibrationPairs | None = None,
+    calibrator: Calibrator | None = None,
+    n_bins: int = 0,
+) -> float:
+    """``metric`` over the per-article ``rows`` as its row of the metrics table says
+    (:data:`judgeloop.loop.metrics_table.AGGREGATES`); ECE and its pair count from ``pairs``."""
+    if metric.aggregate == "pairs":
+        assert pairs is not None and calibrator is not None
+        return pair_ece(calibrator, pairs, n_bins)
+    if metric.aggregate == "pair_count":
+        assert pairs is not None
+        return float(len(pairs))
+    values = [r[metric.per_article] for r in rows]
+    if metric.aggregate == "nanmean":
+        vals = np.array(values, dtype=float)
+        return float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+    if metric.aggregate == "mean":
+        return float(np.mean(values)) if values else float("nan")
+    if metric.aggregate == "judged":
+        judged = [v for v in values if v is not None]
+        return float(np.mean(judged)) if judged else float("nan")
+    assert metric.aggregate == "failures", metric
+    return float(sum(v is None for v in values))
+
+
 def evaluation_metrics(
     rows: Sequence[dict[str, Any]], pairs: CalibrationPairs, calibrator: Calibrator, n_bins: int
 ) -> dict[str, float]:
-    """Mean metrics over all gathered rows, plus the calibrator's ECE on the labeled (greedy, sample)
-    ``pairs`` (judged by each process on its own share: :func:`shard_pairs`)."""
-    out: dict[str, float] = {}
-    keys = [
-        "rouge_1_neutral",
-        "rouge_2_neutral",
-        "rouge_l_neutral",
-        "rouge_l_extractive",
-        "copy_rate",
-        "novel_bigram_rate",
-        "length",
-        "kl",
-    ]
-    for k in keys:
-        vals = np.array([r[k] for r in rows], dtype=float)
-        out[k] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
-    for kind in (
-        *HACK_KINDS,
-        "any",
-    ):  # the share of the policy's summaries each reward-hacking detector flags
-        flags = [r[f"hack_{kind}"] for r in rows]
-        out[f"hack_{kind}_rate"] = float(np.mean(flags)) if flags else float("nan")
-    wins = [r["win"] for r in rows if r["win"] is not None]
-    out["win_rate"] = float(np.mean(wins)) if wins else float("nan")
-    out["judge_failures"] = float(sum(r["win"] is None for r in rows))
-    out["ece"] = pair_ece(calibrator, pairs, n_bins)
-    out["ece_pairs"] = float(len(pairs))
-    return out
-
-
-def validation_metrics(examples: Sequence[SummExample], greedy: Sequence[str]) -> list[dict[str, float]]:
-    """Per-article text metrics of the policy's greedy summaries of the validation slice: neutral ROUGE-L
-    (the early-stopping criterion) and the style metrics, so settings can be chosen without the test split."""
-    return [text_metrics(e, g) for e, g in zip(examples, greedy)]
+    """Mean metrics over all gathered rows (each as its row of :mod:`judgeloop.loop.metrics_table` says),
+    plus the calibrator's ECE on the labeled (greedy, sample) ``pairs`` (judged by each process on its own
+    share: :func:`shard_pairs`)."""
+    return {m.name: aggregate_metric(m, rows, pairs, calibrator, n_bins) for m in evaluated()}
 
 
 def shard_pairs(
@@ -294,16 +313,11 @@ def run_evaluation(
     rows = gather_object(rows)
     state.per_article.extend(finite_or_none({"step": step, **r}) for r in rows)
     metrics = evaluation_metrics(rows, pairs, calibrator, cfg.calibration.num_bins)
-    if splits.validation:
+    if splits.validation:  # the early-stopping criterion and the style metrics, without the test split
         vexs = shard(splits.validation, accelerator)
-        if val_greedy is None:
-            with eval_mode(unwrapped):
-                val_greedy = greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs, backend)
-        n_val = len(splits.validation)
-        val = gather_object(real_part(validation_metrics(vexs, val_greedy), n_val, accelerator))
-        for key in ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length"):
-            vals = np.array([v[key] for v in val], dtype=float)
-            metrics[f"val_{key}"] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+        _, val = greedy_text_metrics(unwrapped, tokenizer, build_prompt, vexs, gen, bs, backend, val_greedy)
+        val = gather_object(real_part(val, len(splits.validation), accelerator))
+        metrics |= {f"val_{m.name}": aggregate_metric(m, val) for m in shown_in("validation")}
     metrics["step"] = step
     metrics["num_refits"] = sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial")
     return finite_or_none(metrics)

@@ -18,16 +18,10 @@ import numpy as np
 import judgeloop
 from judgeloop.hashing import derive_seed
 from judgeloop.loop.config import FeedbackLoopConfig
+from judgeloop.loop.metrics_table import shown_in
 
-CARD_METRICS = (
-    ("rouge_l_neutral", "ROUGE-L against the neutral references"),
-    ("rouge_1_neutral", "ROUGE-1 against the neutral references"),
-    ("rouge_l_extractive", "ROUGE-L against the extractive references (the judge's style)"),
-    ("copy_rate", "copy rate (3-grams copied from the article)"),
-    ("length", "length in words"),
-    ("win", "judge's win rate against the reference policy"),
-    ("kl", "KL(pi || pi_ref), k1 on one sample"),
-)
+#: ``(per-article key, what it is)`` of each final metric on the card: the metrics table's ``card`` column
+CARD_METRICS = tuple((m.per_article, m.label) for m in shown_in("card"))
 
 
 def bootstrap_mean(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float]:

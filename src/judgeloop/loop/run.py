@@ -1,7 +1,9 @@
 """The run around the steps: the step numbers still to run (:func:`stepping`, with the judge's prefetch
-thread and the progress bar), the run's record of each step (:func:`record_update`), the scheduled
-evaluation (:func:`evaluate_when_due`), stop signals between steps, the scheduled checkpoint
-(:func:`after_step`), and the end (:func:`close_run`: the kept policy, its final metrics, ``report.json``).
+thread and the progress bar), the run's record of each step (:func:`record_update`), stop signals between
+steps, the scheduled checkpoint (:func:`after_step`), and the end (:func:`close_run`: the kept policy, its
+final metrics, ``report.json``). The scheduled evaluation and curve point
+(:func:`~judgeloop.loop.setup.evaluate_when_due`, :func:`~judgeloop.loop.setup.curve_when_due`) sit beside
+the run in :mod:`judgeloop.loop.setup`, whose step 0 runs them too.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from judgeloop.config import to_yaml
 from judgeloop.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, finite_or_none
 from judgeloop.logging import get_logger
 from judgeloop.loop.arms import arm
-from judgeloop.loop.curve import curve_articles, curve_due, curve_table, plot_curve
-from judgeloop.loop.evaluation import early_stopping
+from judgeloop.loop.curve import curve_articles, curve_table, plot_curve
 from judgeloop.loop.model_card import policy_card
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.run_state_files import (
@@ -92,27 +93,6 @@ def judged_stats(batch: PairBatch) -> dict[str, float]:
     }
 
 
-def evaluate_when_due(run: LoopRun, step: int) -> None:
-    """Every ``eval_every_n_steps``: the test and validation metrics of the current policy (into the
-    history and the trackers), and the early-stopping check on validation ROUGE-L."""
-    cfg, state, acc = run.cfg, run.state, run.accelerator
-    if not (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0):
-        return
-    metrics = run.evaluate(step)
-    state.history.append(metrics)
-    acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-    if early_stopping(metrics, state, cfg, acc, run.model):
-        state.stopped_early = True
-        logger.info(
-            "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
-            "(best %.4f at step %d)",
-            step,
-            cfg.early_stopping_patience,
-            state.best_val,
-            state.best_step,
-        )
-
-
 def stop_requested(run: LoopRun) -> bool:
     """Between two steps: when a stop signal came (on any process), write the checkpoint of the state
     after the step that finished (unless it was just written) and mark the run interrupted."""
@@ -123,12 +103,6 @@ def stop_requested(run: LoopRun) -> bool:
         save_run(run, run.state.step)
     run.stopped_by, run.interrupted = signum, True
     return True
-
-
-def curve_when_due(run: LoopRun, step: int) -> None:
-    """Every ``curve.every_n_steps`` (and at the last step): the validation curve's point."""
-    if curve_due(run.cfg, step):
-        run.curve(step)
 
 
 def after_step(run: LoopRun, batch: PairBatch) -> None:

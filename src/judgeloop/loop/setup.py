@@ -1,6 +1,7 @@
 """Set-up of one run of the loop: checks before any work, the accelerator, the data, the models, the
 generation backend, then step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first
-calibrator fit, the step-0 evaluation) or a resume (:func:`resume_run`).
+calibrator fit, the step-0 evaluation) or a resume (:func:`resume_run`); the scheduled evaluation and curve
+point (:func:`evaluate_when_due`, :func:`curve_when_due`), which step 0 and every step run.
 
 :func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds. Only the run's
 own rooms (this module, :mod:`judgeloop.loop.run`, :mod:`judgeloop.loop.alarms`) take a ``LoopRun``; they
@@ -389,6 +390,33 @@ class LoopRun:
             )
 
 
+def evaluate_when_due(run: LoopRun, step: int) -> None:
+    """Every ``eval_every_n_steps``: the test and validation metrics of the current policy (into the
+    history and the trackers), and the early-stopping check on validation ROUGE-L."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    if not (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0):
+        return
+    metrics = run.evaluate(step)
+    state.history.append(metrics)
+    acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+    if early_stopping(metrics, state, cfg, acc, run.model):
+        state.stopped_early = True
+        logger.info(
+            "early stopping at step %d: validation ROUGE-L has not improved for %d evaluations "
+            "(best %.4f at step %d)",
+            step,
+            cfg.early_stopping_patience,
+            state.best_val,
+            state.best_step,
+        )
+
+
+def curve_when_due(run: LoopRun, step: int) -> None:
+    """Every ``curve.every_n_steps`` (and at the last step): the validation curve's point."""
+    if curve_due(run.cfg, step):
+        run.curve(step)
+
+
 def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> None:
     """Before any work: check a resume against its checkpoint, clean up after a killed run (orphan
     checkpoint folders, log rows past the checkpoint), record the config that runs."""
@@ -586,10 +614,5 @@ def start_run(run: LoopRun) -> None:
                 }
             )
         )
-    if curve_due(cfg, 0):
-        run.curve(0)
-    if cfg.eval_every_n_steps:
-        metrics = run.evaluate(0)
-        state.history.append(metrics)
-        early_stopping(metrics, state, cfg, run.accelerator, run.model)
-        run.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=0)
+    curve_when_due(run, 0)
+    evaluate_when_due(run, 0)

@@ -14,8 +14,10 @@ from typing import Any, ClassVar, Literal
 
 from judgeloop.config import check_at_least
 from judgeloop.loop.config import ARMS, RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.loop.metrics_table import TARGET, keys
 
-STYLE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate")
+#: what ``ablation.style_metric`` may name: the premise check's metrics but the task's target
+STYLE_METRICS = tuple(k for k in keys("premise") if k != TARGET)
 
 
 @dataclass

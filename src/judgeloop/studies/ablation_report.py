@@ -18,6 +18,7 @@ import numpy as np
 
 from judgeloop.io import atomic_path, atomic_write_json, atomic_write_text
 from judgeloop.logging import get_logger
+from judgeloop.loop.metrics_table import TARGET, keys, shown_in
 from judgeloop.studies.ablation import job_dir, jobs
 from judgeloop.studies.ablation_config import AblateConfig
 from judgeloop.studies.stats import (
@@ -32,26 +33,14 @@ from judgeloop.studies.stats import (
 logger = get_logger(__name__)
 
 
-FINAL_METRICS = (
-    "rouge_l_neutral",
-    "rouge_1_neutral",
-    "rouge_2_neutral",
-    "rouge_l_extractive",
-    "copy_rate",
-    "novel_bigram_rate",
-    "length",
-    "kl",
-    "win_rate",
-    "ece",
-)
-# Per-article metrics (paired comparisons); ``win`` is the per-article form of ``win_rate``. ECE is a
-# property of a set of pairs, not of an article, and is reported per arm only.
-PAIRED_METRICS = (*(m for m in FINAL_METRICS if m not in ("win_rate", "ece")), "win")
-TABLE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "length", "kl", "win_rate", "ece")
-DELTA_TABLE = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "novel_bigram_rate", "length", "win")
-
-
-ARTICLE_KEY = {**{m: m for m in PAIRED_METRICS if m != "win"}, "win_rate": "win"}
+# The metrics table's columns (:mod:`judgeloop.loop.metrics_table`). Per-article metrics are compared
+# paired, by their per-article key (``win`` for ``win_rate``); ECE is a property of a set of pairs, not of
+# an article, and is reported per arm only.
+FINAL_METRICS = keys("final")
+PAIRED_METRICS = tuple(m.per_article for m in shown_in("final") if m.per_article)
+TABLE_METRICS = keys("table")
+DELTA_TABLE = keys("delta", per_article=True)
+ARTICLE_KEY = {m.name: m.per_article for m in shown_in("final") if m.per_article}
 # Below this many seeds, a metric with one value per seed (ECE) gets no interval: a bootstrap over 2-4
 # values has 3-35 distinct replicates, and a t-interval over 2 seeds (t = 12.7) leaves the metric's range.
 MIN_SEEDS_FOR_INTERVAL = 5
@@ -118,7 +107,7 @@ def _values(per_seed: dict[int, dict[str, dict[str, Any]]], metric: str) -> dict
     return {s: {i: r.get(metric) for i, r in arts.items()} for s, arts in per_seed.items()}
 
 
-CURVE_METRICS = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate", "kl", "ece", "win_rate")
+CURVE_METRICS = keys("curves")
 
 
 def summarize_arm(
@@ -199,7 +188,7 @@ def paired_comparisons(
     return paired, vs_start, premise
 
 
-RECOVERED_METRIC = "rouge_l_neutral"
+RECOVERED_METRIC = TARGET
 
 
 def recovered_fractions(
@@ -606,9 +595,7 @@ def results_table(results: dict[str, Any]) -> str:
     b = results["bootstrap"]
     lines += [
         "",
-        "rouge_l_neutral: the task's real target; rouge_l_extractive / copy_rate: the judge's style; "
-        "kl: KL(pi || pi_ref) per summary; win: the judge's preference for the policy over the reference "
-        "policy; ece: the arm's calibrator on fresh (greedy, sampled) pairs.",
+        glossary(),
         "",
         f"Method: {b['method']}; {b['samples']} replicates, seed {b['seed']}. "
         + (
@@ -621,6 +608,18 @@ def results_table(results: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines + alarm_lines(results))
+
+
+def glossary() -> str:
+    """The line under ``results.md``'s table of absolute values: what each metric tells (the metrics table's
+    ``legend`` column; side-by-side metrics with the same gloss share an entry)."""
+    groups: list[tuple[list[str], str]] = []
+    for m in shown_in("legend"):
+        if groups and groups[-1][1] == m.gloss:
+            groups[-1][0].append(m.per_article or m.name)
+        else:
+            groups.append(([m.per_article or m.name], m.gloss))
+    return "; ".join(f"{' / '.join(names)}: {gloss}" for names, gloss in groups) + "."
 
 
 def numerics_lines(numerics: dict[str, Any] | None) -> list[str]:
@@ -677,17 +676,13 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = (
-        ("rouge_l_neutral", "neutral ROUGE-L (task target)"),
-        ("rouge_l_extractive", "extractive ROUGE-L (judge's style)"),
-        ("copy_rate", "copy rate"),
-    )
+    panels = [(m.name, m.title) for m in shown_in("figure")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for i, (arm, res) in enumerate(results["arms"].items()):
         if not res["curves"]:
             continue
         steps = sorted({s for c in res["curves"] for s in c["steps"]})
-        for ax, (key, title) in zip(axes, keys):
+        for ax, (key, title) in zip(axes, panels):
             table = np.full((len(res["curves"]), len(steps)), np.nan)
             for r, c in enumerate(res["curves"]):
                 for s, v in zip(c["steps"], c[key]):
@@ -715,7 +710,6 @@ def plot_deltas(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ("rouge_l_neutral", "rouge_l_extractive", "copy_rate")
     rows = (
         [("premise: " + results["baseline"] + " final - step 0", results["premise"]["metrics"])]
         if results["premise"]
@@ -723,7 +717,7 @@ def plot_deltas(results: dict[str, Any], path: Path) -> None:
     )
     rows += [(f"{arm} - {res['vs']}", res) for arm, res in results["paired"].items()]
     fig, axes = plt.subplots(1, 3, figsize=(15, 1.2 + 0.5 * max(len(rows), 1)), sharey=True)
-    for ax, key in zip(axes, keys):
+    for ax, key in zip(axes, keys("figure", per_article=True)):
         for y, (_label, res) in enumerate(rows):
             d = res.get(key)
             if not d or d["delta"] is None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from judgeloop.loop.metrics_table import keys, shown_in
+
 # Power of the minimum detectable difference: z(0.975) + z(0.80) = 1.960 + 0.842.
 MDD_FACTOR = 2.8
 
@@ -94,14 +96,9 @@ def paired_bootstrap(diffs: np.ndarray, n_boot: int = 4000, seed: int = 0) -> Pa
 
 # --- the premise check ------------------------------------------------------------------------------
 
-PREMISE_METRICS = ("copy_rate", "rouge_l_extractive", "length", "novel_bigram_rate", "rouge_l_neutral")
-STYLE_WORDS = {
-    "copy_rate": "copying",
-    "rouge_l_extractive": "the extractive references",
-    "length": "longer summaries",
-    "novel_bigram_rate": "novel wording",
-    "rouge_l_neutral": "the neutral references",
-}
+#: the premise check's metrics and the words for a drift in each (the metrics table's ``premise`` column)
+PREMISE_METRICS = keys("premise")
+STYLE_WORDS = {m.name: m.style_word for m in shown_in("premise")}
 
 
 def premise_check(
