@@ -98,6 +98,7 @@ def test_conformal_command_end_to_end(tmp_path):
         + [
             "data.group_field=task",
             "conformal.top_k=20",
+            "conformal.max_set_size=null",
             "conformal.min_group_size=10",
             "num_trials=5",
             f"output_dir={out}",

@@ -545,11 +545,22 @@ def _why_infinite(
         return None
     missing = int(rq.num_missing.sum())
     total = int(rq.relevant.sum() + missing)
-    return (
+    head = (
         f"{missing} of {total} relevant documents ({missing / total:.1%}) lie outside the top-"
-        f"{cfg.conformal.top_k}; they score +inf, so when more than about alpha={alpha} of a calibration "
-        "set is missing (or n is too small for ceil((n+1)(1-alpha)) <= n), the only set with the guarantee "
-        "is the whole corpus (coverage 1). Raise conformal.top_k or alpha."
+        f"{cfg.conformal.top_k}; they score +inf. "
+    )
+    if cfg.conformal.threshold == "base_rate":
+        return head + (
+            f"tau(alpha, beta) asks a group's k in-pool points for level (1 - alpha) / pi_low; when pi_low, the low "
+            f"end of the base rate's beta={cfg.conformal.beta} interval, is below 1 - alpha = {1 - alpha:.2f}, or "
+            "ceil((k+1)(1-alpha')) > k (few points: a wide interval), the only set with the guarantee is the whole "
+            "corpus (coverage 1). Raise alpha, lower conformal.beta, raise conformal.top_k, or calibrate on more "
+            "queries per group."
+        )
+    return head + (
+        f"When more than about alpha={alpha} of a calibration set is missing (or n is too small for "
+        "ceil((n+1)(1-alpha)) <= n), the only set with the guarantee is the whole corpus (coverage 1). "
+        "Raise conformal.top_k or alpha."
     )
 
 
@@ -624,11 +635,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [
             "| group | mean n_cal |"
             + (" base rate | pi_low | alpha' |" if base else "")
-            + " coverage | ± 2 se | expected | in band | mean set size | threshold | source (trials) |"
+            + " coverage | ± 2 se | expected | in band | mean set size | threshold | trials inf | source (trials) |"
             + (" capped coverage | cost | capped set size |" if capped else ""),
             "|---|---|"
             + ("---|---|---|" if base else "")
-            + "---|---|---|---|---|---|---|"
+            + "---|---|---|---|---|---|---|---|"
             + ("---|---|---|" if capped else ""),
         ]
         for g, s in r["groups"].items():
@@ -639,7 +650,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 row += f" {_fmt(b['rate'], 4)} | {_fmt(b['low'], 4)} | {_fmt(b['alpha_eff'], 4)} |"
             row += (
                 f" {_fmt(s['coverage'], 4)} | {_fmt(2 * s['coverage_se'], 4)} | {_fmt(s['expected_coverage'], 4)} | "
-                f"{'yes' if s['in_band'] else '**no**'} | {_fmt(s['mean_set_size'], 1)} | {_fmt(s['threshold'])} | {src} |"
+                f"{'yes' if s['in_band'] else '**no**'} | {_fmt(s['mean_set_size'], 1)} | {_fmt(s['threshold'])} | "
+                f"{_fmt(s['frac_trials_infinite_threshold'], 2)} | {src} |"
             )
             if capped:
                 c = s.get("cap")
