@@ -184,6 +184,32 @@ def _weighted_mean(x: np.ndarray, w: np.ndarray) -> float:
     return float((x * w).sum() / w.sum()) if w.sum() > 0 else math.nan
 
 
+def _spread(x: list[float]) -> dict[str, float]:
+    a = np.asarray(x, dtype=float)
+    return {
+        "std": float(a.std()),
+        "min": float(a.min()),
+        "p05": float(np.quantile(a, 0.05)),
+        "p95": float(np.quantile(a, 0.95)),
+        "max": float(a.max()),
+    }
+
+
+def _finite_mean(x: list[float]) -> float:
+    a = np.asarray(x, dtype=float)
+    return float(a.mean()) if np.isfinite(a).all() else math.inf
+
+
+def _nan_mean(x: list[float]) -> float:
+    a = np.asarray(x, dtype=float)
+    a = a[~np.isnan(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
+GROUP_KEYS = ("coverage", "size", "threshold", "n_cal", "source", "rate", "low", "alpha_eff", "expected")
+CAP_KEYS = ("coverage_capped", "size_capped", "capped")
+
+
 def run_trials(
     scores: np.ndarray,
     relevant: np.ndarray,
@@ -218,11 +244,10 @@ def run_trials(
         )
     cap = section.max_set_size
     labels = sorted(set(groups.tolist()))
-    cov, size, thr, full, cov_cap, size_cap, frac_cap = [], [], [], [], [], [], []
-    keys = ("coverage", "size", "threshold", "n_cal", "source", "rate", "low", "alpha_eff", "expected")
-    g_stats: dict[str, dict[str, list[Any]]] = {
-        g: {k: [] for k in keys + ("coverage_capped", "size_capped", "capped")} for g in labels
+    glob: dict[str, list[float]] = {
+        k: [] for k in ("cov", "size", "thr", "full", "cov_cap", "size_cap", "capped")
     }
+    g_stats: dict[str, dict[str, list[Any]]] = {g: {k: [] for k in GROUP_KEYS + CAP_KEYS} for g in labels}
     for _ in range(num_trials):
         perm = rng.permutation(pool)
         cal, test = perm[:n_cal], np.concatenate([perm[n_cal:], held])
@@ -238,56 +263,19 @@ def run_trials(
         q = model.thresholds_for(test.size, groups[test].tolist())
         args = (scores[test], relevant[test], num_missing[test], q, section.guarantee, corpus_size)
         out = coverage_and_size(*args)  # type: ignore[arg-type]
-        cov.append(_weighted_mean(out["covered"], out["weight"]))
-        size.append(float(out["size"].mean()))
-        thr.append(model.threshold_)
-        full.append(float(out["full"].mean()))
+        glob["cov"].append(_weighted_mean(out["covered"], out["weight"]))
+        glob["size"].append(float(out["size"].mean()))
+        glob["thr"].append(model.threshold_)
+        glob["full"].append(float(out["full"].mean()))
         capped = coverage_and_size(*args, max_set_size=cap) if cap is not None else None  # type: ignore[arg-type]
         if capped is not None:
-            cov_cap.append(_weighted_mean(capped["covered"], capped["weight"]))
-            size_cap.append(float(capped["size"].mean()))
-            frac_cap.append(float(capped["capped"].mean()))
+            glob["cov_cap"].append(_weighted_mean(capped["covered"], capped["weight"]))
+            glob["size_cap"].append(float(capped["size"].mean()))
+            glob["capped"].append(float(capped["capped"].mean()))
         for g in labels:
-            st = g_stats[g]
-            mask = groups[test] == g
-            t, src = model.group_threshold(g)
-            fit = model.groups_.get(g)
-            st["n_cal"].append(fit.n_cal if fit else 0)
-            st["threshold"].append(t)
-            st["source"].append(src)
-            info = getattr(model, "base_rates_", {}).get(g) if src == "own" else None
-            for k in ("rate", "low", "alpha_eff"):
-                st[k].append(info[k] if info else math.nan)
-            st["expected"].append(_expected_coverage(model, g, src, alpha, info))
-            if mask.any() and out["weight"][mask].sum() > 0:
-                st["coverage"].append(_weighted_mean(out["covered"][mask], out["weight"][mask]))
-                st["size"].append(float(out["size"][mask].mean()))
-                if capped is not None:
-                    st["coverage_capped"].append(
-                        _weighted_mean(capped["covered"][mask], capped["weight"][mask])
-                    )
-                    st["size_capped"].append(float(capped["size"][mask].mean()))
-                    st["capped"].append(float(capped["capped"][mask].mean()))
+            _record_group(g_stats[g], model, g, groups[test] == g, out, capped, alpha)
 
-    def spread(x: list[float]) -> dict[str, float]:
-        a = np.asarray(x, dtype=float)
-        return {
-            "std": float(a.std()),
-            "min": float(a.min()),
-            "p05": float(np.quantile(a, 0.05)),
-            "p95": float(np.quantile(a, 0.95)),
-            "max": float(a.max()),
-        }
-
-    def finite_mean(x: list[float]) -> float:
-        a = np.asarray(x, dtype=float)
-        return float(a.mean()) if np.isfinite(a).all() else math.inf
-
-    def mean(x: list[float]) -> float:
-        a = np.asarray(x, dtype=float)
-        a = a[~np.isnan(a)]
-        return float(a.mean()) if a.size else math.nan
-
+    cov, thr = glob["cov"], glob["thr"]
     result: dict[str, Any] = {
         "alpha": alpha,
         "guarantee": section.guarantee,
@@ -297,75 +285,100 @@ def run_trials(
         "n_cal_queries": n_cal,
         "n_test_queries": int(n - n_cal),
         "coverage": float(np.mean(cov)),
-        "coverage_spread": spread(cov),
-        "mean_set_size": float(np.mean(size)),
-        "set_size_spread": spread(size),
-        "threshold": finite_mean(thr),
+        "coverage_spread": _spread(cov),
+        "mean_set_size": float(np.mean(glob["size"])),
+        "set_size_spread": _spread(glob["size"]),
+        "threshold": _finite_mean(thr),
         "frac_trials_infinite_threshold": float(np.mean(~np.isfinite(thr))),
-        "frac_test_queries_full_corpus": float(np.mean(full)),
-        "groups": {},
+        "frac_test_queries_full_corpus": float(np.mean(glob["full"])),
+        "groups": {g: _group_entry(g_stats[g], g, alpha, section, num_trials) for g in labels},
     }
     if cap is not None:
         result["cap"] = {
             "max_set_size": cap,
-            "coverage": float(np.mean(cov_cap)),
-            "mean_set_size": float(np.mean(size_cap)),
-            "coverage_cost": float(np.mean(cov) - np.mean(cov_cap)),
-            "frac_test_queries_capped": float(np.mean(frac_cap)),
+            "coverage": float(np.mean(glob["cov_cap"])),
+            "mean_set_size": float(np.mean(glob["size_cap"])),
+            "coverage_cost": float(np.mean(cov) - np.mean(glob["cov_cap"])),
+            "frac_test_queries_capped": float(np.mean(glob["capped"])),
         }
-    for g in labels:
-        st = g_stats[g]
-        sources: dict[str, int] = {}
-        for src in st["source"]:
-            sources[src] = sources.get(src, 0) + 1
-        c = np.asarray(st["coverage"], dtype=float)
-        se = float(c.std() / math.sqrt(c.size)) if c.size else math.nan
-        entry: dict[str, Any] = {
-            "n_cal": float(np.mean(st["n_cal"])),
-            "coverage": float(c.mean()) if c.size else math.nan,
-            "coverage_std": float(c.std()) if c.size else math.nan,
-            # the standard error of the mean over trials; the band's low end is 1 - alpha - 2 se
-            "coverage_se": se,
-            "in_band": bool(c.size and c.mean() >= 1.0 - alpha - 2 * se),
-            "expected_coverage": mean(st["expected"]),
-            "mean_set_size": float(np.mean(st["size"])) if st["size"] else math.nan,
-            "threshold": finite_mean(st["threshold"]),
-            "frac_trials_infinite_threshold": float(
-                np.mean(~np.isfinite(np.asarray(st["threshold"], dtype=float)))
-            ),
-            "threshold_source": sources,
-        }
-        if section.threshold == "base_rate":
-            entry["base_rate"] = {
-                "rate": mean(st["rate"]),
-                "low": mean(st["low"]),
-                "alpha_eff": mean(st["alpha_eff"]),
-            }
-        if cap is not None and st["coverage_capped"]:
-            entry["cap"] = {
-                "coverage": float(np.mean(st["coverage_capped"])),
-                "mean_set_size": float(np.mean(st["size_capped"])),
-                "coverage_cost": float(c.mean() - np.mean(st["coverage_capped"])),
-                "frac_test_queries_capped": float(np.mean(st["capped"])),
-            }
-        result["groups"][g] = entry
-        unseen = sources.get(MOST_CONSERVATIVE, 0)
-        if unseen:
-            logger.info(
-                "alpha=%s: unseen group %r (no calibration data in %d of %d trials) gets the most conservative "
-                "threshold, tau=%s (mean over those trials)",
-                alpha,
-                g,
-                unseen,
-                num_trials,
-                _fmt(
-                    finite_mean(
-                        [t for t, src in zip(st["threshold"], st["source"]) if src == MOST_CONSERVATIVE]
-                    ),
-                    4,
-                ),
-            )
     return result
+
+
+def _record_group(
+    st: dict[str, list[Any]],
+    model: ConformalRetriever,
+    group: str,
+    mask: np.ndarray,
+    out: dict[str, np.ndarray],
+    capped: dict[str, np.ndarray] | None,
+    alpha: float,
+) -> None:
+    """One trial's figures for one group: its threshold, where it came from, its base rate, and its test
+    queries' (``mask``) coverage and set size, free (``out``) and capped."""
+    t, src = model.group_threshold(group)
+    fit = model.groups_.get(group)
+    st["n_cal"].append(fit.n_cal if fit else 0)
+    st["threshold"].append(t)
+    st["source"].append(src)
+    info = model.base_rates_.get(group) if src == "own" else None
+    for k in ("rate", "low", "alpha_eff"):
+        st[k].append(info[k] if info else math.nan)
+    st["expected"].append(_expected_coverage(model, group, src, alpha, info))
+    if mask.any() and out["weight"][mask].sum() > 0:
+        st["coverage"].append(_weighted_mean(out["covered"][mask], out["weight"][mask]))
+        st["size"].append(float(out["size"][mask].mean()))
+        if capped is not None:
+            st["coverage_capped"].append(_weighted_mean(capped["covered"][mask], capped["weight"][mask]))
+            st["size_capped"].append(float(capped["size"][mask].mean()))
+            st["capped"].append(float(capped["capped"][mask].mean()))
+
+
+def _group_entry(
+    st: dict[str, list[Any]], group: str, alpha: float, section: ConformalSection, num_trials: int
+) -> dict[str, Any]:
+    """One group's report entry over the trials; logs one line if it was unseen in some trials."""
+    sources: dict[str, int] = {}
+    for src in st["source"]:
+        sources[src] = sources.get(src, 0) + 1
+    c = np.asarray(st["coverage"], dtype=float)
+    se = float(c.std() / math.sqrt(c.size)) if c.size else math.nan
+    entry: dict[str, Any] = {
+        "n_cal": float(np.mean(st["n_cal"])),
+        "coverage": float(c.mean()) if c.size else math.nan,
+        "coverage_std": float(c.std()) if c.size else math.nan,
+        # the standard error of the mean over trials; the band's low end is 1 - alpha - 2 se
+        "coverage_se": se,
+        "in_band": bool(c.size and c.mean() >= 1.0 - alpha - 2 * se),
+        "expected_coverage": _nan_mean(st["expected"]),
+        "mean_set_size": float(np.mean(st["size"])) if st["size"] else math.nan,
+        "threshold": _finite_mean(st["threshold"]),
+        "frac_trials_infinite_threshold": float(
+            np.mean(~np.isfinite(np.asarray(st["threshold"], dtype=float)))
+        ),
+        "threshold_source": sources,
+    }
+    if section.threshold == "base_rate":
+        entry["base_rate"] = {k: _nan_mean(st[k]) for k in ("rate", "low", "alpha_eff")}
+    if section.max_set_size is not None and st["coverage_capped"]:
+        entry["cap"] = {
+            "coverage": float(np.mean(st["coverage_capped"])),
+            "mean_set_size": float(np.mean(st["size_capped"])),
+            "coverage_cost": float(c.mean() - np.mean(st["coverage_capped"])),
+            "frac_test_queries_capped": float(np.mean(st["capped"])),
+        }
+    unseen = sources.get(MOST_CONSERVATIVE, 0)
+    if unseen:
+        taus = [t for t, src in zip(st["threshold"], st["source"]) if src == MOST_CONSERVATIVE]
+        logger.info(
+            "alpha=%s: unseen group %r (no calibration data in %d of %d trials) gets the most conservative "
+            "threshold, tau=%s (mean over those trials)",
+            alpha,
+            group,
+            unseen,
+            num_trials,
+            _fmt(_finite_mean(taus), 4),
+        )
+    return entry
 
 
 def _expected_coverage(
@@ -630,39 +643,51 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         if r.get("why_infinite"):
             lines += [f"**Infinite thresholds:** {r['why_infinite']}", ""]
-        base = r.get("threshold_rule") == "base_rate"
-        capped = "cap" in r
-        lines += [
-            "| group | mean n_cal |"
-            + (" base rate | pi_low | alpha' |" if base else "")
-            + " coverage | ± 2 se | expected | in band | mean set size | threshold | trials inf | source (trials) |"
-            + (" capped coverage | cost | capped set size |" if capped else ""),
-            "|---|---|"
-            + ("---|---|---|" if base else "")
-            + "---|---|---|---|---|---|---|---|"
-            + ("---|---|---|" if capped else ""),
-        ]
-        for g, s in r["groups"].items():
-            src = ", ".join(f"{k}: {v}" for k, v in s["threshold_source"].items())
-            row = f"| {g} | {s['n_cal']:.1f} |"
-            if base:
-                b = s["base_rate"]
-                row += f" {_fmt(b['rate'], 4)} | {_fmt(b['low'], 4)} | {_fmt(b['alpha_eff'], 4)} |"
+        lines += _group_table(r)
+    lines += _rates_and_online(report)
+    return "\n".join(lines) + "\n"
+
+
+def _group_table(r: dict[str, Any]) -> list[str]:
+    """One alpha's per-group table (markdown lines)."""
+    base = r.get("threshold_rule") == "base_rate"
+    capped = "cap" in r
+    lines = [
+        "| group | mean n_cal |"
+        + (" base rate | pi_low | alpha' |" if base else "")
+        + " coverage | ± 2 se | expected | in band | mean set size | threshold | trials inf | source (trials) |"
+        + (" capped coverage | cost | capped set size |" if capped else ""),
+        "|---|---|"
+        + ("---|---|---|" if base else "")
+        + "---|---|---|---|---|---|---|---|"
+        + ("---|---|---|" if capped else ""),
+    ]
+    for g, s in r["groups"].items():
+        src = ", ".join(f"{k}: {v}" for k, v in s["threshold_source"].items())
+        row = f"| {g} | {s['n_cal']:.1f} |"
+        if base:
+            b = s["base_rate"]
+            row += f" {_fmt(b['rate'], 4)} | {_fmt(b['low'], 4)} | {_fmt(b['alpha_eff'], 4)} |"
+        row += (
+            f" {_fmt(s['coverage'], 4)} | {_fmt(2 * s['coverage_se'], 4)} | {_fmt(s['expected_coverage'], 4)} | "
+            f"{'yes' if s['in_band'] else '**no**'} | {_fmt(s['mean_set_size'], 1)} | {_fmt(s['threshold'])} | "
+            f"{_fmt(s['frac_trials_infinite_threshold'], 2)} | {src} |"
+        )
+        if capped:
+            c = s.get("cap")
             row += (
-                f" {_fmt(s['coverage'], 4)} | {_fmt(2 * s['coverage_se'], 4)} | {_fmt(s['expected_coverage'], 4)} | "
-                f"{'yes' if s['in_band'] else '**no**'} | {_fmt(s['mean_set_size'], 1)} | {_fmt(s['threshold'])} | "
-                f"{_fmt(s['frac_trials_infinite_threshold'], 2)} | {src} |"
+                f" {_fmt(c['coverage'], 4)} | {_fmt(c['coverage_cost'], 4)} | {_fmt(c['mean_set_size'], 1)} |"
+                if c
+                else " - | - | - |"
             )
-            if capped:
-                c = s.get("cap")
-                row += (
-                    f" {_fmt(c['coverage'], 4)} | {_fmt(c['coverage_cost'], 4)} | {_fmt(c['mean_set_size'], 1)} |"
-                    if c
-                    else " - | - | - |"
-                )
-            lines.append(row)
+        lines.append(row)
+    return lines
+
+
+def _rates_and_online(report: dict[str, Any]) -> list[str]:
+    """The success-rate table and the online tables (markdown lines)."""
     rates_key = next(k for k in report if k.startswith("base_rate_at_"))
-    lines += [
+    lines = [
         "",
         f"## Success rates ({rates_key.replace('_', ' ')}, calibration half of split 0; reported, not used "
         "by the threshold)",
@@ -713,4 +738,4 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"| {o['stream']} | {sz(o['static'])} | {sz(w)} | {sz(a)} | {w['num_size_alarm_steps']} | "
                     f"{a['num_size_alarm_steps']} |"
                 )
-    return "\n".join(lines) + "\n"
+    return lines
