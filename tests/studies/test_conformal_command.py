@@ -421,3 +421,21 @@ def test_a_group_field_of_the_wrong_kind_stops_before_any_encoding(tmp_path):
     assert str(err.value).startswith(
         f"{paths['queries']}:4: field 'task' must be a string or an integer, got list ['qa']"
     )
+
+
+@pytest.mark.parametrize("folder", ["conformal_scifact", "conformal_debian"])
+def test_the_published_conformal_runs_cover_within_their_band_per_group(folder):
+    """The committed runs of docs/retrieval.md section 4: tau(alpha, beta) at three alphas, every group's mean
+    coverage at least 1 - alpha - 2 se, and the unseen-group rule in the docs in its own words."""
+    report = json.loads((ROOT / "docs" / "retrieval" / folder / "report.json").read_text())
+    assert report["threshold_setting"]["rule"] == "base_rate"
+    assert [r["alpha"] for r in report["results"]] == [0.05, 0.1, 0.2]
+    for r in report["results"]:
+        assert r["num_trials"] == 100
+        for g in r["groups"].values():
+            assert g["in_band"] and g["coverage"] >= r["target"] - 2 * g["coverage_se"]
+    if report["holdout_groups"]:
+        for r in report["results"]:
+            for g in report["holdout_groups"]:
+                assert r["groups"][g]["threshold_source"] == {"most_conservative": 100}
+    assert "gets the most conservative threshold**" in (ROOT / "docs" / "retrieval.md").read_text()
