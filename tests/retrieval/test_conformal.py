@@ -351,8 +351,8 @@ def test_base_rate_threshold_errors():
         base_rate_threshold([0.1], 0.1, beta=1.0)
     with pytest.raises(ValueError, match="interval='exact' is not one of"):
         base_rate_threshold([0.1], 0.1, interval="exact")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="threshold='mean' is not one of"):
-        ConformalRetriever(0.1, threshold="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="threshold_rule='mean' is not one of"):
+        ConformalRetriever(0.1, threshold_rule="mean")  # type: ignore[arg-type]
 
 
 def _one_candidate(n: int, base_rate: float, rng: np.random.Generator):
@@ -380,7 +380,7 @@ def test_base_rate_coverage_lies_in_its_band_per_group():
         groups = np.repeat(list(rates), 600)
         perm = rng.permutation(1200)
         cal, test = perm[:600], perm[600:]
-        model = ConformalRetriever(alpha, "any", threshold="base_rate", beta=0.9).fit(
+        model = ConformalRetriever(alpha, "any", threshold_rule="base_rate", beta=0.9).fit(
             s[cal], r[cal], m[cal], groups[cal].tolist()
         )
         out = coverage_and_size(
@@ -405,7 +405,7 @@ def test_unseen_group_gets_the_most_conservative_threshold_and_it_is_logged():
     s, r, m = _synthetic(300, 10, rng)
     s[200:] = s[200:] * 0.7  # group "c" scores lower: the largest threshold
     groups = ["a"] * 100 + ["b"] * 100 + ["c"] * 100
-    model = ConformalRetriever(0.2, "any", min_group_size=50, threshold="base_rate").fit(s, r, m, groups)
+    model = ConformalRetriever(0.2, "any", min_group_size=50, threshold_rule="base_rate").fit(s, r, m, groups)
     own = {g: model.groups_[g].threshold for g in "abc"}
     assert max(own, key=own.__getitem__) == "c" and own["c"] > model.threshold_
 

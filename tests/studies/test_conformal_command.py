@@ -154,7 +154,7 @@ def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
         _data_overrides(paths)
         + [
             "data.group_field=task",
-            "conformal.threshold=base_rate",
+            "conformal.threshold_rule=base_rate",
             "conformal.alphas=[0.2,0.3]",
             "conformal.holdout_groups=[chat]",
             "conformal.top_k=20",
@@ -187,7 +187,7 @@ def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
     finally:
         log.removeHandler(seen)
         log.setLevel(level)
-    assert report["threshold_setting"] == {"rule": "base_rate", "beta": 0.95, "interval": "wilson"}
+    assert report["tau"] == {"threshold_rule": "base_rate", "beta": 0.95, "interval": "wilson"}
     for r in report["results"]:
         chat, own = r["groups"]["chat"], [r["groups"][g] for g in ("qa/a", "qa/b")]
         assert chat["threshold_source"] == {"most_conservative": 4} and chat["n_cal"] == 0
@@ -215,7 +215,7 @@ def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
             "conformal.beta=1.5 must be in (0, 1) (the base rate interval's confidence level)",
         ),
         ("conformal.confidence=0.9", "config key 'conformal.confidence' is now 'conformal.beta'"),
-        ("conformal.threshold=mean", "conformal.threshold"),
+        ("conformal.threshold_rule=mean", "conformal.threshold_rule"),
         ("conformal.max_set_size=0", "conformal.max_set_size=0 must be >= 1 or null (no cap)"),
         ("conformal.max_set_size=5000", "conformal.max_set_size=5000 exceeds conformal.top_k=1000"),
         ("conformal.holdout_groups=[top1/9]", "conformal.holdout_groups=['top1/9']: no group ['top1/9']"),
@@ -428,7 +428,7 @@ def test_the_published_conformal_runs_cover_within_their_band_per_group(folder):
     """The committed runs of docs/retrieval.md section 4: tau(alpha, beta) at three alphas, every group's mean
     coverage at least 1 - alpha - 2 se, and the unseen-group rule in the docs in its own words."""
     report = json.loads((ROOT / "docs" / "retrieval" / folder / "report.json").read_text())
-    assert report["threshold_setting"]["rule"] == "base_rate"
+    assert report["tau"]["threshold_rule"] == "base_rate"
     assert [r["alpha"] for r in report["results"]] == [0.05, 0.1, 0.2]
     for r in report["results"]:
         assert r["num_trials"] == 100

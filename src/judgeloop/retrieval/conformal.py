@@ -23,7 +23,7 @@ Guarantees (``guarantee=``):
 * ``"labels"``: every (query, candidate) pair with its label; the per-document label set is
   ``{y : score(y) <= q}``, i.e. ``{1}``, ``{0}`` or ``{0, 1}`` (or empty).
 
-Two threshold rules (``threshold=``):
+Two threshold rules (``threshold_rule=``):
 
 * ``"quantile"``: the ``ceil((n+1)(1-alpha))``-th smallest calibration score (Vovk et al. 2005;
   Angelopoulos & Bates 2021, eq. 1), ``+inf`` when that index exceeds ``n``: then the only set with the
@@ -364,17 +364,17 @@ class ConformalRetriever:
             groups use their parent's (``parent_fn``), and failing that the global threshold. A group with
             no calibration data gets the most conservative fitted threshold (:meth:`group_threshold`).
         parent_fn: group -> parent group or ``None`` (default: :func:`parent_group`, split on ``/``).
-        threshold: ``"quantile"`` (the split-conformal quantile) or ``"base_rate"`` (``tau(alpha, beta)``,
+        threshold_rule: ``"quantile"`` (the split-conformal quantile) or ``"base_rate"`` (``tau(alpha, beta)``,
             :func:`base_rate_threshold`).
-        beta: confidence level of the base rate's interval (``threshold="base_rate"`` only).
-        interval: ``"wilson"`` or ``"clopper_pearson"`` (``threshold="base_rate"`` only).
+        beta: confidence level of the base rate's interval (``threshold_rule="base_rate"`` only).
+        interval: ``"wilson"`` or ``"clopper_pearson"`` (``threshold_rule="base_rate"`` only).
         max_set_size: :meth:`predict` keeps at most this many candidates per query (its best ones);
             ``None``: no cap. The cap costs coverage (:func:`coverage_and_size` measures it).
         log_unseen: log one line the first time a group with no calibration data asks for its threshold.
 
     Learned attributes: ``threshold_`` (global), ``groups_`` (label -> :class:`GroupFit`),
     ``n_cal_`` (global number of calibration scores), ``scores_`` (the sorted global calibration scores),
-    ``base_rates_`` (label -> the :func:`base_rate_threshold` info, ``threshold="base_rate"`` only; global
+    ``base_rates_`` (label -> the :func:`base_rate_threshold` info, ``threshold_rule="base_rate"`` only; global
     under :data:`GLOBAL`), ``unseen_`` (label -> threshold of the unseen groups asked for so far).
     """
 
@@ -384,7 +384,7 @@ class ConformalRetriever:
         guarantee: Guarantee = "document",
         min_group_size: int = 50,
         parent_fn: Callable[[str], str | None] | None = None,
-        threshold: ThresholdRule = "quantile",
+        threshold_rule: ThresholdRule = "quantile",
         beta: float = 0.95,
         interval: Interval = "wilson",
         max_set_size: int | None = None,
@@ -396,8 +396,8 @@ class ConformalRetriever:
             raise ValueError(f"guarantee={guarantee!r} is not one of {list(GUARANTEES)}")
         if min_group_size < 1:
             raise ValueError(f"min_group_size={min_group_size} must be >= 1")
-        if threshold not in THRESHOLD_RULES:
-            raise ValueError(f"threshold={threshold!r} is not one of {list(THRESHOLD_RULES)}")
+        if threshold_rule not in THRESHOLD_RULES:
+            raise ValueError(f"threshold_rule={threshold_rule!r} is not one of {list(THRESHOLD_RULES)}")
         if not 0.0 < beta < 1.0:
             raise ValueError(
                 f"beta={beta} must be in (0, 1); it is the base rate interval's confidence level"
@@ -412,7 +412,7 @@ class ConformalRetriever:
         self.guarantee: Guarantee = guarantee
         self.min_group_size = min_group_size
         self.parent_fn = parent_fn or parent_group
-        self.threshold: ThresholdRule = threshold
+        self.threshold_rule: ThresholdRule = threshold_rule
         self.beta = beta
         self.interval: Interval = interval
         self.max_set_size = max_set_size
@@ -420,7 +420,7 @@ class ConformalRetriever:
 
     def _tau(self, values: np.ndarray, alpha: float, label: str | None = None) -> float:
         """The rule's threshold on one set of calibration scores (and, for the base-rate rule, its record)."""
-        if self.threshold == "quantile":
+        if self.threshold_rule == "quantile":
             return conformal_quantile(values, alpha)
         tau, info = base_rate_threshold(values, alpha, self.beta, self.interval)
         if label is not None:
@@ -560,7 +560,7 @@ class ConformalRetriever:
 
     def threshold_at(self, coverage: float) -> float:
         """The global threshold of the ``coverage`` (= 1 - alpha) set, from the kept calibration scores
-        (by the fitted rule, ``threshold``)."""
+        (by the fitted rule, ``threshold_rule``)."""
         if not hasattr(self, "scores_"):
             raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
         return self._tau(self.scores_, 1.0 - coverage)
@@ -598,7 +598,7 @@ class ConformalRetriever:
             "alpha": self.alpha,
             "guarantee": self.guarantee,
             "min_group_size": self.min_group_size,
-            "threshold": self.threshold,
+            "threshold_rule": self.threshold_rule,
             "beta": self.beta,
             "interval": self.interval,
             "max_set_size": self.max_set_size,
@@ -614,7 +614,7 @@ class ConformalRetriever:
         self.guarantee = state["guarantee"]
         self.min_group_size = int(state["min_group_size"])
         # files written before the base-rate rule have the plain quantile's thresholds
-        self.threshold = state.get("threshold", "quantile")
+        self.threshold_rule = state.get("threshold_rule", "quantile")
         self.beta = float(state.get("beta", 0.95))
         self.interval = state.get("interval", "wilson")
         self.max_set_size = state.get("max_set_size")
@@ -805,7 +805,9 @@ class AdaptiveConformal:
     ) -> dict[str, np.ndarray]:
         """Process a whole stream; returns per-step ``threshold``, ``covered``, ``alpha_t``, ``alarm``, and
         with ``candidates`` (per step, ``1 - s`` of the point's candidates) ``size`` and ``size_alarm``."""
-        keys = ["threshold", "covered", "alpha_t", "alarm"] + (["size", "size_alarm"] if candidates is not None else [])
+        keys = ["threshold", "covered", "alpha_t", "alarm"] + (
+            ["size", "size_alarm"] if candidates is not None else []
+        )
         out: dict[str, list[float]] = {k: [] for k in keys}
         for i, x in enumerate(scores):
             r = self.update(float(x), None if candidates is None else candidates[i])

@@ -4,7 +4,7 @@ the online (static / sliding window / ACI) comparison, and the report.
 :func:`conformal_study` retrieves the top-K candidates once, then, for each of ``num_trials`` random
 calibration/test splits of the queries, fits the (Mondrian) conformal threshold on the calibration
 queries and measures coverage and set size on the test queries. The threshold is ``tau(alpha, beta)``
-from each group's base rate (``conformal.threshold=base_rate``, the default) or the plain split-conformal
+from each group's base rate (``conformal.threshold_rule=base_rate``, the default) or the plain split-conformal
 quantile (``quantile``); groups in ``conformal.holdout_groups`` never calibrate, so they are tested as
 unseen groups (the most conservative threshold); ``conformal.max_set_size`` caps the sets and the report
 gives what the cap costs in coverage.
@@ -56,7 +56,7 @@ class ConformalSection:
     # "base_rate": tau(alpha, beta) from each group's base rate (the share of its calibration points whose
     # relevant document is among the top_k candidates) and that rate's beta interval; "quantile": the plain
     # split-conformal quantile (judgeloop.retrieval.conformal)
-    threshold: Literal["quantile", "base_rate"] = "base_rate"
+    threshold_rule: Literal["quantile", "base_rate"] = "base_rate"
     min_group_size: int = 50
     base_rate_k: int = 10  # the reported success rate = P(a relevant document in the top base_rate_k)
     RENAMED: ClassVar[dict[str, str]] = {"confidence": "beta"}
@@ -230,7 +230,7 @@ def run_trials(
 
     Returns the report entry for one ``alpha``: global and per-group mean coverage / set size over
     trials, their spread, thresholds and where each group's threshold came from, the base rate behind
-    each threshold (``threshold=base_rate``), the rule's expected coverage, and the cap's cost.
+    each threshold (``threshold_rule=base_rate``), the rule's expected coverage, and the cap's cost.
     """
 
     rng = np.random.default_rng(seed)
@@ -255,7 +255,7 @@ def run_trials(
             alpha,
             section.guarantee,
             section.min_group_size,
-            threshold=section.threshold,
+            threshold_rule=section.threshold_rule,
             beta=section.beta,
             interval=section.interval,
             log_unseen=False,  # one line per group and alpha below, not one per trial
@@ -279,7 +279,7 @@ def run_trials(
     result: dict[str, Any] = {
         "alpha": alpha,
         "guarantee": section.guarantee,
-        "threshold_rule": section.threshold,
+        "threshold_rule": section.threshold_rule,
         "target": 1.0 - alpha,
         "num_trials": num_trials,
         "n_cal_queries": n_cal,
@@ -357,7 +357,7 @@ def _group_entry(
         ),
         "threshold_source": sources,
     }
-    if section.threshold == "base_rate":
+    if section.threshold_rule == "base_rate":
         entry["base_rate"] = {k: _nan_mean(st[k]) for k in ("rate", "low", "alpha_eff")}
     if section.max_set_size is not None and st["coverage_capped"]:
         entry["cap"] = {
@@ -536,7 +536,7 @@ def conformal_study(cfg: ConformalConfig) -> dict[str, Any]:
         "pooling": cfg.encoder.pooling,
         "score_map": c.score_map,
         "top_k": c.top_k,
-        "threshold_setting": {"rule": c.threshold, "beta": c.beta, "interval": c.interval},
+        "tau": {"threshold_rule": c.threshold_rule, "beta": c.beta, "interval": c.interval},
         "max_set_size": c.max_set_size,
         "holdout_groups": list(c.holdout_groups),
         f"recall_at_{c.top_k}": recall_k,
@@ -562,7 +562,7 @@ def _why_infinite(
         f"{missing} of {total} relevant documents ({missing / total:.1%}) lie outside the top-"
         f"{cfg.conformal.top_k}; they score +inf. "
     )
-    if cfg.conformal.threshold == "base_rate":
+    if cfg.conformal.threshold_rule == "base_rate":
         return head + (
             f"tau(alpha, beta) asks a group's k in-pool points for level (1 - alpha) / pi_low; when pi_low, the low "
             f"end of the base rate's beta={cfg.conformal.beta} interval, is below 1 - alpha = {1 - alpha:.2f}, or "
@@ -593,15 +593,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"top-K = {report['top_k']}, recall@K = {_fmt(report['recall_at_' + str(report['top_k'])], 4)}",
         f"- groups: `{d['grouping']}`",
     ]
-    rule = report.get("threshold_setting", {"rule": "quantile"})
-    if rule["rule"] == "base_rate":
+    rule = report.get("tau", {"threshold_rule": "quantile"})
+    if rule["threshold_rule"] == "base_rate":
         lines.append(
-            f"- threshold: `base_rate`, tau(alpha, beta) with beta = {rule['beta']} ({rule['interval']} interval "
+            f"- threshold rule: `base_rate`, tau(alpha, beta) with beta = {rule['beta']} ({rule['interval']} interval "
             "of each group's base rate: the share of its calibration points whose relevant document is among the "
             "top-K candidates; the conditional level is (1 - alpha) / pi_low)"
         )
     else:
-        lines.append("- threshold: `quantile`, the plain split-conformal quantile per group")
+        lines.append("- threshold rule: `quantile`, the plain split-conformal quantile per group")
     if report.get("holdout_groups"):
         lines.append(
             f"- held out of calibration (unseen groups, given the most conservative threshold): "
