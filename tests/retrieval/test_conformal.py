@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 from judgeloop.retrieval.conformal import (
     AdaptiveConformal,
     ConformalRetriever,
+    base_rate_alpha,
+    base_rate_threshold,
     base_rates,
     clopper_pearson_interval,
     conformal_quantile,
@@ -176,9 +179,10 @@ def test_mondrian_fallback_to_parent_then_global():
     assert model.groups_["chat"].source == "global"
     assert model.group_threshold("chat")[0] == model.threshold_ == conformal_quantile(values, 0.1)
     assert model.groups_["code"].source == "own"
-    # an unseen group at test time falls back too
-    assert model.group_threshold("qa/new") == (model.groups_["qa"].threshold, "parent:qa")
-    assert model.group_threshold("unknown") == (model.threshold_, "global")
+    # a group with no calibration data does not fall back: it gets the most conservative threshold
+    top = max(model.threshold_, *(f.threshold for f in model.groups_.values() if f.source == "own"))
+    assert model.group_threshold("qa/new") == (top, "most_conservative")
+    assert model.group_threshold("unknown") == (top, "most_conservative")
 
 
 def test_mondrian_gives_group_conditional_coverage():
@@ -288,6 +292,200 @@ def test_base_rates_per_group():
     assert rates["a"]["rate"] == pytest.approx(2 / 3)
     assert rates["b"]["successes"] == 1
     assert rates["a"]["low"] < rates["a"]["rate"] < rates["a"]["high"]
+
+
+# ---------------------------------------------------------------------------------------------- tau(alpha, beta)
+
+
+def test_base_rate_threshold_hand_computed():
+    # 99 scores 0.01 ... 0.99, all candidates (base rate 99/99). Clopper-Pearson at beta = 0.5 with k = n has
+    # the closed form pi_low = ((1 - 0.5) / 2)^(1/99) = 0.25^(1/99) = exp(-1.386294 / 99) = 0.986095;
+    # alpha = 0.1: alpha' = 1 - 0.9 / 0.986095 = 0.087309; index ceil(100 * 0.912691) = 92 -> 0.92
+    # (the plain rule: ceil(100 * 0.9) = 90 -> 0.90).
+    v = np.arange(1, 100) / 100
+    tau, info = base_rate_threshold(v, 0.1, beta=0.5, interval="clopper_pearson")
+    assert info["low"] == pytest.approx(0.986095, abs=1e-6)
+    assert info["alpha_eff"] == pytest.approx(0.087309, abs=1e-6)
+    assert tau == pytest.approx(0.92) and conformal_quantile(v, 0.1) == pytest.approx(0.90)
+
+
+def test_a_low_base_rate_needs_a_larger_threshold():
+    # The same 45 finite scores 0.02 ... 0.90; group "low" also has 5 relevant documents outside the top-K.
+    finite = np.arange(1, 46) * 0.02
+    # "high": k = n = 45, Wilson at beta = 0.9 (z = 1.644854, z^2 = 2.705545): centre (1 + z^2/90) / (1 + z^2/45)
+    # = 1.030062 / 1.060123 = 0.971644, half-width (z^2 / 90) / 1.060123 = 0.028357 -> pi_low = 0.943287;
+    # alpha = 0.3: alpha' = 1 - 0.7 / 0.943287 = 0.257914; index ceil(46 * 0.742086) = ceil(34.14) = 35 -> 0.70.
+    tau_high, info = base_rate_threshold(finite, 0.3, beta=0.9)
+    assert info["low"] == pytest.approx(0.943287, abs=1e-6) and tau_high == pytest.approx(0.70)
+    # "low": k = 45 of n = 50 (rate 0.9): denominator 1 + z^2/50 = 1.054111, centre (0.9 + z^2/100) / 1.054111
+    # = 0.879458, half-width z * sqrt(0.9 * 0.1 / 50 + z^2 / 10000) / 1.054111 = 0.070996 -> pi_low = 0.808462;
+    # alpha' = 1 - 0.7 / 0.808462 = 0.134159; index ceil(46 * 0.865841) = ceil(39.83) = 40 -> 0.80.
+    low_values = np.concatenate([finite, np.full(5, math.inf)])
+    tau_low, info = base_rate_threshold(low_values, 0.3, beta=0.9)
+    assert info["rate"] == 0.9 and info["low"] == pytest.approx(0.808462, abs=1e-6)
+    assert info["alpha_eff"] == pytest.approx(0.134159, abs=1e-6) and tau_low == pytest.approx(0.80)
+    # the plain quantile of the same 50 points is smaller: ceil(51 * 0.7) = 36 -> 0.72
+    assert conformal_quantile(low_values, 0.3) == pytest.approx(0.72)
+    # alpha = 0.2 asks for 0.8 / 0.808462 = 0.9895 of the candidates: index ceil(46 * 0.9895) = 46 > 45
+    assert base_rate_threshold(low_values, 0.2, beta=0.9)[0] == math.inf
+    # a wider interval (higher beta) is more conservative, and the base rate below 1 - alpha is infeasible
+    assert base_rate_threshold(low_values, 0.3, beta=0.99)[0] >= tau_low
+    assert base_rate_alpha(0.1, 0.85) < 0 and base_rate_alpha(0.1, 0.0) == -math.inf
+
+
+@pytest.mark.parametrize("interval", ["wilson", "clopper_pearson"])
+def test_base_rate_threshold_is_never_below_the_plain_quantile(interval):
+    """pi_low <= k / n and (k + 1) n / k >= n + 1, so the index is never below the plain rule's."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(1, 200))
+        v = rng.uniform(0, 1, n)
+        v[rng.random(n) < rng.uniform(0, 0.3)] = math.inf
+        alpha, beta = float(rng.uniform(0.02, 0.5)), float(rng.uniform(0.05, 0.99))
+        tau, _ = base_rate_threshold(v, alpha, beta, interval)  # type: ignore[arg-type]
+        assert tau >= conformal_quantile(v, alpha)
+
+
+def test_base_rate_threshold_errors():
+    with pytest.raises(ValueError, match="beta=1.0 must be in"):
+        base_rate_threshold([0.1], 0.1, beta=1.0)
+    with pytest.raises(ValueError, match="interval='exact' is not one of"):
+        base_rate_threshold([0.1], 0.1, interval="exact")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="threshold_rule='mean' is not one of"):
+        ConformalRetriever(0.1, threshold_rule="mean")  # type: ignore[arg-type]
+
+
+def _one_candidate(n: int, base_rate: float, rng: np.random.Generator):
+    """Exchangeable queries with one candidate: the relevant document's nonconformity is U(0, 1) when it is
+    a candidate (probability ``base_rate``), +inf when it is not. Given a threshold t, coverage is
+    ``base_rate * min(t, 1)`` exactly."""
+    scores = rng.uniform(0, 1, (n, 1))
+    lost = rng.random(n) >= base_rate
+    rel = ~lost[:, None]
+    return scores, rel, lost.astype(int)
+
+
+def test_base_rate_coverage_lies_in_its_band_per_group():
+    """Two groups with base rates 0.98 and 0.90, exchangeable within each. Per group, mean test coverage over
+    300 splits lies within 0.01 (> 4 standard errors) of the rule's exact expected coverage
+    ``base_rate * min(tau, 1)``, averaged over the same splits, and that expectation is at least 1 - alpha."""
+    rng = np.random.default_rng(11)
+    alpha, rates = 0.2, {"easy": 0.98, "hard": 0.90}
+    covs: dict[str, list[float]] = {g: [] for g in rates}
+    expect: dict[str, list[float]] = {g: [] for g in rates}
+    taus: dict[str, list[float]] = {g: [] for g in rates}
+    for _ in range(300):
+        parts = [_one_candidate(600, r, rng) for r in rates.values()]
+        s, r, m = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        groups = np.repeat(list(rates), 600)
+        perm = rng.permutation(1200)
+        cal, test = perm[:600], perm[600:]
+        model = ConformalRetriever(alpha, "any", threshold_rule="base_rate", beta=0.9).fit(
+            s[cal], r[cal], m[cal], groups[cal].tolist()
+        )
+        out = coverage_and_size(
+            s[test], r[test], m[test], model.thresholds_for(600, groups[test].tolist()), "any", 1000
+        )
+        for g, rate in rates.items():
+            tau = model.groups_[g].threshold
+            assert model.groups_[g].source == "own"
+            covs[g].append(out["covered"][groups[test] == g].mean())
+            expect[g].append(rate * min(tau, 1.0))
+            taus[g].append(tau)
+    for g in rates:
+        band = float(np.mean(expect[g]))
+        assert band >= 1 - alpha
+        assert abs(np.mean(covs[g]) - band) <= 0.01, (g, np.mean(covs[g]), band)
+    # the lower base rate needs the larger threshold
+    assert np.mean(taus["hard"]) > np.mean(taus["easy"]) + 0.05
+
+
+def test_unseen_group_gets_the_most_conservative_threshold_and_it_is_logged():
+    rng = np.random.default_rng(12)
+    s, r, m = _synthetic(300, 10, rng)
+    s[200:] = s[200:] * 0.7  # group "c" scores lower: the largest threshold
+    groups = ["a"] * 100 + ["b"] * 100 + ["c"] * 100
+    model = ConformalRetriever(0.2, "any", min_group_size=50, threshold_rule="base_rate").fit(s, r, m, groups)
+    own = {g: model.groups_[g].threshold for g in "abc"}
+    assert max(own, key=own.__getitem__) == "c" and own["c"] > model.threshold_
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    log, seen = logging.getLogger("judgeloop.retrieval.conformal"), Lines()
+    level = log.level
+    log.addHandler(seen)
+    log.setLevel(logging.INFO)
+    try:
+        assert model.group_threshold("d") == (own["c"], "most_conservative")
+        assert model.group_threshold("d") == (own["c"], "most_conservative")  # logged once
+        q = model.thresholds_for(3, ["a", "d", "b"])
+    finally:
+        log.removeHandler(seen)
+        log.setLevel(level)
+    np.testing.assert_allclose(q, [own["a"], own["c"], own["b"]])
+    assert seen.lines == [
+        f"unseen group 'd' (no calibration data): the most conservative threshold, tau={own['c']:.4f} "
+        "(from group 'c')"
+    ]
+    assert model.unseen_ == {"d": own["c"]}
+    # not the global threshold, and a seen group keeps its own
+    assert model.group_threshold("d")[0] != model.threshold_ and model.group_threshold("a") == (
+        own["a"],
+        "own",
+    )
+
+
+def test_set_size_cap_and_its_coverage_cost():
+    scores = np.array([[0.9, 0.8, 0.7, 0.2], [0.6, 0.5, 0.4, 0.3]])
+    rel = np.array([[False, False, True, False], [True, False, False, False]])
+    missing = np.array([0, 1])
+    q = np.array([0.35, math.inf])  # row 0: {0.9, 0.8, 0.7}; row 1: the whole corpus
+    free = coverage_and_size(scores, rel, missing, q, "document", corpus_size=100)
+    np.testing.assert_allclose(free["covered"], [1.0, 1.0])
+    np.testing.assert_allclose(free["size"], [3.0, 100.0])
+    capped = coverage_and_size(scores, rel, missing, q, "document", corpus_size=100, max_set_size=2)
+    # row 0 keeps {0.9, 0.8}: loses its relevant third; row 1 keeps its top 2: 1 of its 2 relevant documents
+    np.testing.assert_allclose(capped["covered"], [0.0, 0.5])
+    np.testing.assert_allclose(capped["size"], [2.0, 2.0])
+    np.testing.assert_array_equal(capped["capped"], [True, True])
+    np.testing.assert_array_equal(capped["full"], [False, False])
+    # a cap the sets never reach changes nothing
+    same = coverage_and_size(scores, rel, missing, np.array([0.35, 0.35]), "document", 100, max_set_size=3)
+    np.testing.assert_array_equal(same["capped"], [False, False])
+    model = ConformalRetriever(0.5, "document", max_set_size=1).fit(scores, rel, np.zeros(2, int))
+    assert model.predict(scores).sum(axis=1).max() <= 1
+    with pytest.raises(ValueError, match="max_set_size=2 caps a retrieval set"):
+        coverage_and_size(scores, rel, missing, q, "labels", 100, max_set_size=2)
+    with pytest.raises(ValueError, match="max_set_size=0 must be >= 1"):
+        ConformalRetriever(0.1, max_set_size=0)
+
+
+def test_aci_set_size_alarm():
+    """Scores drift up at t = 300: ACI widens its sets to keep coverage, and the set-size alarm says so."""
+    rng = np.random.default_rng(13)
+    stream = np.concatenate([rng.uniform(0, 0.5, 300), rng.uniform(0.4, 0.9, 700)])
+    # each point's 50 candidates: nonconformity spread evenly over [0, 1], so size = 50 * threshold
+    cands = [np.linspace(0, 1, 50)] * stream.size
+    aci = AdaptiveConformal(0.1, 0.05, window=100, warmup=0, monitor_window=50, max_mean_set_size=30).fit(
+        rng.uniform(0, 0.5, 100)
+    )
+    r = aci.run(stream, cands)
+    assert r["size"][:300].mean() < 30 and r["size_alarm"][:300].sum() == 0
+    assert r["size"][-300:].mean() > 30 and r["size_alarm"][-300:].all()
+    quiet = AdaptiveConformal(0.1, 0.05, window=100, warmup=0, monitor_window=50).fit(
+        rng.uniform(0, 0.5, 100)
+    )
+    assert quiet.run(stream, cands)["size_alarm"].sum() == 0
+    clone = AdaptiveConformal().load_state_dict(aci.state_dict())
+    assert clone.max_mean_set_size == 30 and clone.size_alarm
+    with pytest.raises(ValueError, match="max_mean_set_size=0 must be > 0"):
+        AdaptiveConformal(max_mean_set_size=0)
 
 
 def test_quantile_buckets():

@@ -98,6 +98,7 @@ def test_conformal_command_end_to_end(tmp_path):
         + [
             "data.group_field=task",
             "conformal.top_k=20",
+            "conformal.max_set_size=null",
             "conformal.min_group_size=10",
             "num_trials=5",
             f"output_dir={out}",
@@ -136,6 +137,140 @@ def test_conformal_command_end_to_end(tmp_path):
         )
     )
     assert one["alpha"] == 0.2 and set(one["groups"]) == {"all"} and 0.0 <= one["coverage"] <= 1.0
+
+
+def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
+    """tau(alpha, beta) per group, a held-out group tested as unseen (the most conservative threshold, one
+    log line per alpha), the cap's cost and the online set-size alarm, end to end."""
+    import logging
+
+    from judgeloop.commands.conformal import ConformalConfig, run
+
+    paths = _beir(tmp_path, n_queries=90)
+    out = tmp_path / "out"
+    cfg = load_config(
+        ConformalConfig,
+        ROOT / "configs" / "conformal" / "scifact.yaml",
+        _data_overrides(paths)
+        + [
+            "data.group_field=task",
+            "conformal.threshold_rule=base_rate",
+            "conformal.alphas=[0.2,0.3]",
+            "conformal.holdout_groups=[chat]",
+            "conformal.top_k=20",
+            "conformal.min_group_size=10",
+            "conformal.max_set_size=2",
+            "online.warmup=10",
+            "online.window=20",
+            "online.monitor_window=10",
+            "online.max_mean_set_size=1.5",
+            "num_trials=4",
+            f"output_dir={out}",
+            f"cache_dir={tmp_path / 'cache'}",
+        ],
+    )
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    log, seen = logging.getLogger("judgeloop.studies.conformal"), Lines()
+    level = log.level
+    log.addHandler(seen)
+    log.setLevel(logging.INFO)
+    try:
+        report = run(cfg)
+    finally:
+        log.removeHandler(seen)
+        log.setLevel(level)
+    assert report["tau"] == {"threshold_rule": "base_rate", "beta": 0.95, "interval": "wilson"}
+    for r in report["results"]:
+        chat, own = r["groups"]["chat"], [r["groups"][g] for g in ("qa/a", "qa/b")]
+        assert chat["threshold_source"] == {"most_conservative": 4} and chat["n_cal"] == 0
+        assert chat["threshold"] >= max(g["threshold"] for g in own)  # the most conservative threshold
+        assert 0.0 <= chat["coverage"] <= 1.0
+        for g in own:
+            assert 0.0 < g["base_rate"]["low"] <= g["base_rate"]["rate"] <= 1.0
+        assert r["cap"]["max_set_size"] == 2 and r["cap"]["mean_set_size"] <= 2
+        assert r["cap"]["coverage_cost"] == pytest.approx(r["coverage"] - r["cap"]["coverage"])
+        assert r["cap"]["coverage_cost"] >= 0
+    unseen = [x for x in seen.lines if "unseen group 'chat'" in x]
+    assert len(unseen) == 2 and all("the most conservative threshold, tau=" in x for x in unseen)
+    for o in report["online"]:
+        for arm in ("sliding_window", "aci"):
+            assert {"median_set_size", "frac_whole_corpus", "num_size_alarm_steps"} <= set(o[arm])
+    md = (out / "report.md").read_text()
+    assert "tau(alpha, beta)" in md and "most conservative threshold" in md and "capped coverage" in md
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        (
+            "conformal.beta=1.5",
+            "conformal.beta=1.5 must be in (0, 1) (the base rate interval's confidence level)",
+        ),
+        ("conformal.confidence=0.9", "config key 'conformal.confidence' is now 'conformal.beta'"),
+        ("conformal.threshold_rule=mean", "conformal.threshold_rule"),
+        ("conformal.max_set_size=0", "conformal.max_set_size=0 must be >= 1 or null (no cap)"),
+        ("conformal.max_set_size=5000", "conformal.max_set_size=5000 exceeds conformal.top_k=1000"),
+        ("conformal.holdout_groups=[top1/9]", "conformal.holdout_groups=['top1/9']: no group ['top1/9']"),
+        (
+            "conformal.holdout_groups=[top1/1,top1/2,top1/3]",
+            "holds out every group under data.grouping=base_rate",
+        ),
+        ("online.max_mean_set_size=0", "online.max_mean_set_size=0.0 must be > 0 (documents) or null"),
+    ],
+)
+def test_conformal_config_errors_are_one_line_before_any_work(tmp_path, capsys, override, line):
+    from judgeloop.cli import main
+
+    out = tmp_path / "o"
+    rc = main(
+        ["conformal", "--config", str(ROOT / "configs/conformal/scifact.yaml"), override, f"output_dir={out}"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("judgeloop conformal: config error: ")
+    assert line in err[0]
+    assert not out.exists()
+
+
+def test_conformal_labels_with_a_cap_is_refused():
+    from judgeloop.commands.conformal import ConformalConfig
+    from judgeloop.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="conformal.max_set_size=5 caps a retrieval set, but conformal.guarantee=labels"
+    ):
+        load_config(ConformalConfig, None, ["conformal.guarantee=labels", "conformal.max_set_size=5"])
+
+
+def test_conformal_holdout_of_a_missing_field_group_stops_before_encoding(tmp_path):
+    from judgeloop.commands.conformal import ConformalConfig, run
+    from judgeloop.io import DataError
+
+    paths = _beir(tmp_path, n_queries=12, n_docs=30)
+    cfg = load_config(
+        ConformalConfig,
+        None,
+        _data_overrides(paths)
+        + [
+            "data.group_field=task",
+            "conformal.holdout_groups=[code]",
+            f"output_dir={tmp_path / 'o'}",
+            f"cache_dir={tmp_path / 'cache'}",
+        ],
+    )
+    with pytest.raises(
+        DataError,
+        match=r"conformal.holdout_groups=\['code'\]: no group \['code'\] under data.group_field=task",
+    ):
+        run(cfg)
+    assert not list((tmp_path / "cache").glob("*.pt"))  # nothing was encoded
 
 
 def test_conformal_command_missing_group_field(tmp_path):
@@ -286,3 +421,21 @@ def test_a_group_field_of_the_wrong_kind_stops_before_any_encoding(tmp_path):
     assert str(err.value).startswith(
         f"{paths['queries']}:4: field 'task' must be a string or an integer, got list ['qa']"
     )
+
+
+@pytest.mark.parametrize("folder", ["conformal_scifact", "conformal_debian"])
+def test_the_published_conformal_runs_cover_within_their_band_per_group(folder):
+    """The committed runs of docs/retrieval.md section 4: tau(alpha, beta) at three alphas, every group's mean
+    coverage at least 1 - alpha - 2 se, and the unseen-group rule in the docs in its own words."""
+    report = json.loads((ROOT / "docs" / "retrieval" / folder / "report.json").read_text())
+    assert report["tau"]["threshold_rule"] == "base_rate"
+    assert [r["alpha"] for r in report["results"]] == [0.05, 0.1, 0.2]
+    for r in report["results"]:
+        assert r["num_trials"] == 100
+        for g in r["groups"].values():
+            assert g["in_band"] and g["coverage"] >= r["target"] - 2 * g["coverage_se"]
+    if report["holdout_groups"]:
+        for r in report["results"]:
+            for g in report["holdout_groups"]:
+                assert r["groups"][g]["threshold_source"] == {"most_conservative": 100}
+    assert "gets the most conservative threshold**" in (ROOT / "docs" / "retrieval.md").read_text()

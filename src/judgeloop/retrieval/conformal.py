@@ -23,13 +23,29 @@ Guarantees (``guarantee=``):
 * ``"labels"``: every (query, candidate) pair with its label; the per-document label set is
   ``{y : score(y) <= q}``, i.e. ``{1}``, ``{0}`` or ``{0, 1}`` (or empty).
 
-The threshold is the ``ceil((n+1)(1-alpha))``-th smallest calibration score (Vovk et al. 2005;
-Angelopoulos & Bates 2021, eq. 1), ``+inf`` when that index exceeds ``n``: then the only set with the
-guarantee is the whole corpus. Mondrian thresholds (Vovk et al. 2005, ch. 4.5) are fitted per group;
-groups with fewer than ``min_group_size`` calibration points fall back to their parent group, then to
-the global threshold. :class:`AdaptiveConformal` implements adaptive conformal inference
+Two threshold rules (``threshold_rule=``):
+
+* ``"quantile"``: the ``ceil((n+1)(1-alpha))``-th smallest calibration score (Vovk et al. 2005;
+  Angelopoulos & Bates 2021, eq. 1), ``+inf`` when that index exceeds ``n``: then the only set with the
+  guarantee is the whole corpus.
+* ``"base_rate"``: ``tau(alpha, beta)`` (:func:`base_rate_threshold`). A calibration point is covered only if
+  its relevant document is among the top-K candidates at all (the group's *base rate* ``pi``: the share of
+  its points with a finite score) *and* scores within the threshold, so
+  ``coverage = pi * P(score <= tau | in the top-K)``. The rule asks the conditional quantile for level
+  ``(1 - alpha) / pi_low``, with ``pi_low`` the lower end of the base rate's ``beta`` interval (Wilson or
+  Clopper-Pearson, as :func:`base_rates` reports it): a group with a low base rate needs a higher
+  conditional level, and a wide interval (few points) moves the threshold to the conservative side.
+  Since ``pi_low <= k/n``, ``tau(alpha, beta)`` is never below the ``"quantile"`` threshold on the same
+  points, so it keeps that rule's guarantee (coverage >= 1 - alpha).
+
+Mondrian thresholds (Vovk et al. 2005, ch. 4.5) are fitted per group; groups with fewer than
+``min_group_size`` calibration points fall back to their parent group, then to the global threshold. A
+group with no calibration data at all (unseen) gets **the most conservative threshold** among the fitted
+groups (the largest of their own thresholds and the global one), and the fit logs one line naming the group
+and the threshold. ``max_set_size`` caps a set at its best candidates (what that costs in coverage is
+measured by :func:`coverage_and_size`). :class:`AdaptiveConformal` implements adaptive conformal inference
 (Gibbs & Candes 2021, "Adaptive conformal inference under distribution shift", eq. 2) on a sliding
-window, with a rolling-coverage alarm.
+window, with a rolling-coverage alarm and a set-size alarm.
 
 A fitted retriever keeps its sorted calibration scores (``scores_``), so one fit answers every level:
 :meth:`ConformalRetriever.levels` gives, per candidate, the tightest of several coverage levels whose set
@@ -49,17 +65,29 @@ from typing import Any, Literal
 import numpy as np
 
 from judgeloop.intervals import clopper_pearson_interval, wilson_interval
+from judgeloop.logging import get_logger
+
+logger = get_logger(__name__)
 
 Guarantee = Literal["document", "any", "all", "labels"]
 ScoreMap = Literal["affine", "softmax", "identity"]
+ThresholdRule = Literal["quantile", "base_rate"]
+Interval = Literal["wilson", "clopper_pearson"]
 GUARANTEES = ("document", "any", "all", "labels")
+THRESHOLD_RULES = ("quantile", "base_rate")
+INTERVALS = ("wilson", "clopper_pearson")
 GLOBAL = "__global__"
+MOST_CONSERVATIVE = "most_conservative"  # the source of an unseen group's threshold
 
 __all__ = [
     "GLOBAL",
     "GUARANTEES",
     "AdaptiveConformal",
     "ConformalRetriever",
+    "MOST_CONSERVATIVE",
+    "THRESHOLD_RULES",
+    "base_rate_alpha",
+    "base_rate_threshold",
     "base_rates",
     "conformal_file_info",
     "corpus_fingerprint",
@@ -130,6 +158,62 @@ def conformal_quantile(scores: Sequence[float] | np.ndarray, alpha: float) -> fl
     return float(s[max(k, 1) - 1])
 
 
+def _interval(method: Interval) -> Callable[[int, int, float], tuple[float, float]]:
+    if method not in INTERVALS:
+        raise ValueError(f"interval={method!r} is not one of {list(INTERVALS)}")
+    return wilson_interval if method == "wilson" else clopper_pearson_interval
+
+
+def base_rate_alpha(alpha: float, base_rate_low: float) -> float:
+    """The conditional miscoverage that reaches ``1 - alpha`` overall at base rate ``base_rate_low``.
+
+    Coverage is ``pi * (1 - alpha')`` (the relevant document must be a candidate, then inside the set), so
+    ``alpha' = 1 - (1 - alpha) / pi``. ``alpha' <= 0`` (``pi < 1 - alpha``): no threshold on the candidates
+    reaches the level; the caller's threshold is then ``+inf`` (the whole corpus).
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha={alpha} must be in (0, 1); e.g. alpha=0.1 for 90% coverage")
+    if base_rate_low <= 0.0:
+        return -math.inf
+    return 1.0 - (1.0 - alpha) / base_rate_low
+
+
+def base_rate_threshold(
+    values: Sequence[float] | np.ndarray, alpha: float, beta: float = 0.95, interval: Interval = "wilson"
+) -> tuple[float, dict[str, float]]:
+    """``tau(alpha, beta)``: one group's threshold from its base rate and the base rate's interval.
+
+    Args:
+        values: the group's calibration nonconformity scores; ``+inf`` marks a relevant document outside
+            the top-K (not a candidate), so the base rate is ``k / n`` with ``k`` the finite ones.
+        alpha: target miscoverage.
+        beta: confidence level of the base rate's two-sided interval (``interval``: ``"wilson"`` or
+            ``"clopper_pearson"``, the ones :func:`base_rates` reports); its lower end ``pi_low`` sets the level.
+        interval: which interval.
+
+    Returns:
+        ``(tau, info)``: ``tau`` is the split-conformal quantile of the ``k`` finite scores at
+        ``alpha' = 1 - (1 - alpha) / pi_low`` (:func:`base_rate_alpha`), ``+inf`` when ``alpha' <= 0`` or
+        the index exceeds ``k``; ``info`` holds ``n``, ``k``, ``rate`` (``k / n``), ``low``, ``high`` and
+        ``alpha_eff`` (``alpha'``).
+
+    Because ``pi_low <= k / n`` and ``(k + 1) n / k >= n + 1``, the index ``ceil((k+1)(1-alpha'))`` is never
+    below the plain rule's ``ceil((n+1)(1-alpha))``: ``tau`` is at least :func:`conformal_quantile` of all
+    ``n`` scores, so its coverage is at least ``1 - alpha``. Needs exchangeable calibration and test points
+    within the group, as the plain rule does.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta={beta} must be in (0, 1); it is the base rate interval's confidence level")
+    finite = v[np.isfinite(v)]
+    n, k = int(v.size), int(finite.size)
+    low, high = _interval(interval)(k, n, beta)
+    a = base_rate_alpha(alpha, low)
+    tau = conformal_quantile(finite, a) if 0.0 < a < 1.0 else math.inf
+    info = {"n": n, "k": k, "rate": k / n if n else math.nan, "low": low, "high": high, "alpha_eff": a}
+    return tau, info
+
+
 def nonconformity(
     scores: np.ndarray, relevant: np.ndarray, num_missing: np.ndarray, guarantee: Guarantee = "document"
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -186,11 +270,14 @@ def coverage_and_size(
     thresholds: np.ndarray,
     guarantee: Guarantee,
     corpus_size: int,
+    max_set_size: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-query outcomes of the sets ``{d in top-K : 1 - s_d <= q}`` (the whole corpus if ``q = inf``).
 
     Args:
         thresholds: ``(Q,)`` the threshold applied to each query (its group's).
+        max_set_size: cap every set at its best ``max_set_size`` candidates (rows are best first); a
+            whole-corpus set becomes the top ``max_set_size``. ``None``: no cap. Not for ``"labels"``.
 
     Returns:
         ``covered`` ``(Q,)`` float: fraction of the query's relevant documents in the set
@@ -198,7 +285,7 @@ def coverage_and_size(
         set holds the true label (``"labels"``); ``weight`` ``(Q,)``: how many calibration-style points
         the query stands for (relevant documents for ``"document"``, K for ``"labels"``, else 1);
         ``size`` ``(Q,)``: set size (documents; for ``"labels"``, the mean label-set size);
-        ``full`` ``(Q,)`` bool: the set is the whole corpus.
+        ``full`` ``(Q,)`` bool: the set is the whole corpus; ``capped`` ``(Q,)`` bool: the cap cut the set.
     """
     s = np.asarray(scores, dtype=np.float64)
     rel = np.asarray(relevant, dtype=bool)
@@ -206,6 +293,11 @@ def coverage_and_size(
     q = np.asarray(thresholds, dtype=np.float64)[:, None]  # (Q, 1)
     full = ~np.isfinite(q[:, 0])
     if guarantee == "labels":
+        if max_set_size is not None:
+            raise ValueError(
+                f"max_set_size={max_set_size} caps a retrieval set; a label set (guarantee='labels') holds at "
+                "most 2 labels, so there is nothing to cap; unset max_set_size"
+            )
         has1 = (1.0 - s) <= q
         has0 = s <= q
         ok = np.where(rel, has1, has0)
@@ -214,8 +306,17 @@ def coverage_and_size(
             "weight": np.full(s.shape[0], float(s.shape[1])),
             "size": (has1.astype(float) + has0.astype(float)).mean(axis=1),
             "full": full,
+            "capped": np.zeros(s.shape[0], dtype=bool),
         }
     inside = (1.0 - s) <= q  # (Q, K)
+    capped = np.zeros(s.shape[0], dtype=bool)
+    if max_set_size is not None:
+        if max_set_size < 1:
+            raise ValueError(f"max_set_size={max_set_size} must be >= 1 or None (no cap)")
+        keep = np.arange(s.shape[1]) < max_set_size  # (K,) the best max_set_size candidates
+        capped = full | (inside & ~keep).any(axis=1)
+        inside = (inside | full[:, None]) & keep  # a whole-corpus set becomes its top max_set_size
+        full = np.zeros_like(full)
     size = np.where(full, float(corpus_size), inside.sum(axis=1).astype(float))
     n_rel = rel.sum(axis=1) + miss
     hit = (inside & rel).sum(axis=1) + np.where(full, miss, 0)
@@ -230,7 +331,7 @@ def coverage_and_size(
         weight = (n_rel > 0).astype(float)
     else:
         raise ValueError(f"guarantee={guarantee!r} is not one of {list(GUARANTEES)}")
-    return {"covered": covered, "weight": weight, "size": size, "full": full}
+    return {"covered": covered, "weight": weight, "size": size, "full": full, "capped": capped}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,11 +346,12 @@ def parent_group(group: str) -> str | None:
 
 @dataclass
 class GroupFit:
-    """One group's conformal threshold and where it came from (its own data, a parent, global)."""
+    """One group's conformal threshold and where it came from (its own data, a parent, global, or, for a
+    group with no calibration data, the most conservative of the fitted thresholds)."""
 
     n_cal: int
     threshold: float
-    source: str  # "own", "parent:<label>" or "global"
+    source: str  # "own", "parent:<label>", "global" or "most_conservative"
 
 
 class ConformalRetriever:
@@ -259,11 +361,21 @@ class ConformalRetriever:
         alpha: miscoverage level.
         guarantee: ``"document"``, ``"any"``, ``"all"`` or ``"labels"`` (module docstring).
         min_group_size: a group needs this many calibration scores for its own threshold; smaller
-            groups use their parent's (``parent_fn``), and failing that the global threshold.
+            groups use their parent's (``parent_fn``), and failing that the global threshold. A group with
+            no calibration data gets the most conservative fitted threshold (:meth:`group_threshold`).
         parent_fn: group -> parent group or ``None`` (default: :func:`parent_group`, split on ``/``).
+        threshold_rule: ``"quantile"`` (the split-conformal quantile) or ``"base_rate"`` (``tau(alpha, beta)``,
+            :func:`base_rate_threshold`).
+        beta: confidence level of the base rate's interval (``threshold_rule="base_rate"`` only).
+        interval: ``"wilson"`` or ``"clopper_pearson"`` (``threshold_rule="base_rate"`` only).
+        max_set_size: :meth:`predict` keeps at most this many candidates per query (its best ones);
+            ``None``: no cap. The cap costs coverage (:func:`coverage_and_size` measures it).
+        log_unseen: log one line the first time a group with no calibration data asks for its threshold.
 
     Learned attributes: ``threshold_`` (global), ``groups_`` (label -> :class:`GroupFit`),
-    ``n_cal_`` (global number of calibration scores), ``scores_`` (the sorted global calibration scores).
+    ``n_cal_`` (global number of calibration scores), ``scores_`` (the sorted global calibration scores),
+    ``base_rates_`` (label -> the :func:`base_rate_threshold` info, ``threshold_rule="base_rate"`` only; global
+    under :data:`GLOBAL`), ``unseen_`` (label -> threshold of the unseen groups asked for so far).
     """
 
     def __init__(
@@ -272,6 +384,11 @@ class ConformalRetriever:
         guarantee: Guarantee = "document",
         min_group_size: int = 50,
         parent_fn: Callable[[str], str | None] | None = None,
+        threshold_rule: ThresholdRule = "quantile",
+        beta: float = 0.95,
+        interval: Interval = "wilson",
+        max_set_size: int | None = None,
+        log_unseen: bool = True,
     ) -> None:
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"alpha={alpha} must be in (0, 1); e.g. alpha=0.1 for 90% coverage")
@@ -279,10 +396,36 @@ class ConformalRetriever:
             raise ValueError(f"guarantee={guarantee!r} is not one of {list(GUARANTEES)}")
         if min_group_size < 1:
             raise ValueError(f"min_group_size={min_group_size} must be >= 1")
+        if threshold_rule not in THRESHOLD_RULES:
+            raise ValueError(f"threshold_rule={threshold_rule!r} is not one of {list(THRESHOLD_RULES)}")
+        if not 0.0 < beta < 1.0:
+            raise ValueError(
+                f"beta={beta} must be in (0, 1); it is the base rate interval's confidence level"
+            )
+        _interval(interval)
+        if max_set_size is not None and (max_set_size < 1 or guarantee == "labels"):
+            raise ValueError(
+                f"max_set_size={max_set_size} must be >= 1 or None (no cap), and only caps retrieval sets, "
+                "not the label sets of guarantee='labels'"
+            )
         self.alpha = alpha
         self.guarantee: Guarantee = guarantee
         self.min_group_size = min_group_size
         self.parent_fn = parent_fn or parent_group
+        self.threshold_rule: ThresholdRule = threshold_rule
+        self.beta = beta
+        self.interval: Interval = interval
+        self.max_set_size = max_set_size
+        self.log_unseen = log_unseen
+
+    def _tau(self, values: np.ndarray, alpha: float, label: str | None = None) -> float:
+        """The rule's threshold on one set of calibration scores (and, for the base-rate rule, its record)."""
+        if self.threshold_rule == "quantile":
+            return conformal_quantile(values, alpha)
+        tau, info = base_rate_threshold(values, alpha, self.beta, self.interval)
+        if label is not None:
+            self.base_rates_[label] = info
+        return tau
 
     def fit(
         self,
@@ -299,7 +442,9 @@ class ConformalRetriever:
             )
         self.n_cal_ = int(values.size)
         self.scores_ = np.sort(values)
-        self.threshold_ = conformal_quantile(values, self.alpha)
+        self.base_rates_: dict[str, dict[str, float]] = {}
+        self.unseen_: dict[str, float] = {}
+        self.threshold_ = self._tau(values, self.alpha, GLOBAL)
         self.groups_: dict[str, GroupFit] = {}
         if groups is None:
             return self
@@ -322,7 +467,9 @@ class ConformalRetriever:
             by_group[label] = values[mask]
         self._by_group_n = {k: int(v.size) for k, v in by_group.items()}
         own = {
-            k: conformal_quantile(v, self.alpha) for k, v in by_group.items() if v.size >= self.min_group_size
+            k: self._tau(v, self.alpha, k)
+            for k, v in sorted(by_group.items())
+            if v.size >= self.min_group_size
         }
         for label in sorted(labels):
             self.groups_[label] = self._resolve(label, own)
@@ -347,18 +494,47 @@ class ConformalRetriever:
             p = self.parent_fn(p)
         return GroupFit(n, self.threshold_, "global")
 
+    def most_conservative(self) -> tuple[float, str]:
+        """The largest fitted threshold (the largest sets): over every group's own threshold and the
+        global one; returns ``(threshold, label)`` (:data:`GLOBAL` when the global one is the largest)."""
+        if not hasattr(self, "threshold_"):
+            raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
+        best, label = self.threshold_, GLOBAL
+        for name, fit in sorted(self.groups_.items()):
+            if fit.source == "own" and fit.threshold > best:
+                best, label = fit.threshold, name
+        return best, label
+
     def group_threshold(self, group: str | None) -> tuple[float, str]:
-        """Threshold and its source for ``group`` (unseen groups fall back like small ones)."""
+        """Threshold and its source for ``group``.
+
+        A group seen in calibration has its own threshold or its parent's / the global one (fewer than
+        ``min_group_size`` points). A group with **no calibration data** gets **the most conservative
+        threshold** (:meth:`most_conservative`), source ``"most_conservative"``: nothing says how its scores
+        are spread, and the largest fitted set is the one least likely to under-cover it. The first time
+        an unseen group asks, one line is logged naming the group and the threshold (``log_unseen``).
+        """
         if not hasattr(self, "threshold_"):
             raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
         if group is None:
             return self.threshold_, "global"
         fit = self.groups_.get(group)
-        if fit is None:
-            own = {k: v.threshold for k, v in self.groups_.items() if v.source == "own"}
-            self._by_group_n = getattr(self, "_by_group_n", {})
-            fit = self._resolve(group, own)
-        return fit.threshold, fit.source
+        if fit is not None:
+            return fit.threshold, fit.source
+        tau, label = self.most_conservative()
+        unseen = getattr(self, "unseen_", None)
+        if unseen is None:
+            unseen = self.unseen_ = {}
+        if group not in unseen:
+            unseen[group] = tau
+            if self.log_unseen:
+                logger.info(
+                    "unseen group %r (no calibration data): the most conservative threshold, tau=%s (from %s)",
+                    group,
+                    f"{tau:.4f}",
+                    "the global fit" if label == GLOBAL else f"group {label!r}",
+                )
+        return tau, MOST_CONSERVATIVE
 
     def thresholds_for(self, num_queries: int, groups: Sequence[str] | None = None) -> np.ndarray:
         """``(Q,)`` threshold applied to each query."""
@@ -377,13 +553,17 @@ class ConformalRetriever:
         q = self.thresholds_for(s.shape[0], groups)[:, None]
         if self.guarantee == "labels":
             return np.stack([s <= q, (1.0 - s) <= q], axis=-1)
-        return (1.0 - s) <= q
+        inside = (1.0 - s) <= q
+        if self.max_set_size is not None:  # the best max_set_size candidates (rows are best first)
+            inside &= np.arange(s.shape[1]) < self.max_set_size
+        return inside
 
     def threshold_at(self, coverage: float) -> float:
-        """The global threshold of the ``coverage`` (= 1 - alpha) set, from the kept calibration scores."""
+        """The global threshold of the ``coverage`` (= 1 - alpha) set, from the kept calibration scores
+        (by the fitted rule, ``threshold_rule``)."""
         if not hasattr(self, "scores_"):
             raise RuntimeError("ConformalRetriever is not fitted; call fit(...) first")
-        return conformal_quantile(self.scores_, 1.0 - coverage)
+        return self._tau(self.scores_, 1.0 - coverage)
 
     def pvalue(self, scores: np.ndarray) -> np.ndarray:
         """Conformal p-values of candidates with scores ``s`` (same shape): ``(1 + #{i : S_i >= 1 - s}) /
@@ -418,6 +598,11 @@ class ConformalRetriever:
             "alpha": self.alpha,
             "guarantee": self.guarantee,
             "min_group_size": self.min_group_size,
+            "threshold_rule": self.threshold_rule,
+            "beta": self.beta,
+            "interval": self.interval,
+            "max_set_size": self.max_set_size,
+            "base_rates_": dict(getattr(self, "base_rates_", {})),
             "n_cal_": getattr(self, "n_cal_", None),
             "threshold_": getattr(self, "threshold_", None),
             "groups_": {k: vars(v) for k, v in getattr(self, "groups_", {}).items()},
@@ -428,6 +613,13 @@ class ConformalRetriever:
         self.alpha = float(state["alpha"])
         self.guarantee = state["guarantee"]
         self.min_group_size = int(state["min_group_size"])
+        # files written before the base-rate rule have the plain quantile's thresholds
+        self.threshold_rule = state.get("threshold_rule", "quantile")
+        self.beta = float(state.get("beta", 0.95))
+        self.interval = state.get("interval", "wilson")
+        self.max_set_size = state.get("max_set_size")
+        self.base_rates_ = {k: dict(v) for k, v in state.get("base_rates_", {}).items()}
+        self.unseen_ = {}
         self.n_cal_ = state["n_cal_"]
         thr = state["threshold_"]
         self.threshold_ = math.inf if thr is None else float(thr)  # JSON stores inf as null
@@ -506,7 +698,10 @@ class AdaptiveConformal:
     ``alpha_t <= 0`` means an infinite threshold (whole corpus), ``alpha_t >= 1`` an empty set.
 
     The monitor keeps the last ``monitor_window`` outcomes; :attr:`alarm` is on while their mean
-    coverage is below ``1 - alpha - tolerance`` (only once the monitor window is full).
+    coverage is below ``1 - alpha - tolerance`` (only once the monitor window is full). :attr:`size_alarm`
+    is on while the mean set size of the last ``monitor_window`` steps that logged one (``update`` with
+    ``candidate_nonconformity``) exceeds ``max_mean_set_size`` (a whole-corpus set counts as infinite):
+    ACI buys coverage back under drift by widening the sets, and this says when they grow too large to use.
     """
 
     def __init__(
@@ -517,9 +712,12 @@ class AdaptiveConformal:
         warmup: int = 20,
         monitor_window: int = 100,
         tolerance: float = 0.05,
+        max_mean_set_size: float | None = None,
     ) -> None:
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"alpha={alpha} must be in (0, 1)")
+        if max_mean_set_size is not None and not max_mean_set_size > 0:
+            raise ValueError(f"max_mean_set_size={max_mean_set_size} must be > 0 or None (no set-size alarm)")
         if gamma < 0:
             raise ValueError(f"gamma={gamma} must be >= 0 (0 = sliding-window recalibration only)")
         if window is not None and window < 1:
@@ -530,6 +728,7 @@ class AdaptiveConformal:
         self.warmup = warmup
         self.monitor_window = monitor_window
         self.tolerance = tolerance
+        self.max_mean_set_size = max_mean_set_size
         self.reset()
 
     def reset(self) -> None:
@@ -590,15 +789,35 @@ class AdaptiveConformal:
             return False
         return self.rolling_coverage < 1.0 - self.alpha - self.tolerance
 
-    def run(self, scores: Sequence[float]) -> dict[str, np.ndarray]:
-        """Process a whole stream; returns per-step ``threshold``, ``covered``, ``alpha_t``, ``alarm``."""
-        out: dict[str, list[float]] = {"threshold": [], "covered": [], "alpha_t": [], "alarm": []}
-        for x in scores:
-            r = self.update(float(x))
+    @property
+    def size_alarm(self) -> bool:
+        """On while the rolling mean set size exceeds ``max_mean_set_size`` (once ``monitor_window`` sizes
+        are logged; never without ``max_mean_set_size``)."""
+        if self.max_mean_set_size is None:
+            return False
+        logged = [x for x in self.sizes_[-self.monitor_window :] if not math.isnan(x)]
+        if len(logged) < self.monitor_window:
+            return False
+        return self.rolling_set_size > self.max_mean_set_size
+
+    def run(
+        self, scores: Sequence[float], candidates: Sequence[np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Process a whole stream; returns per-step ``threshold``, ``covered``, ``alpha_t``, ``alarm``, and
+        with ``candidates`` (per step, ``1 - s`` of the point's candidates) ``size`` and ``size_alarm``."""
+        keys = ["threshold", "covered", "alpha_t", "alarm"] + (
+            ["size", "size_alarm"] if candidates is not None else []
+        )
+        out: dict[str, list[float]] = {k: [] for k in keys}
+        for i, x in enumerate(scores):
+            r = self.update(float(x), None if candidates is None else candidates[i])
             out["threshold"].append(r["threshold"])
             out["covered"].append(r["covered"])
             out["alpha_t"].append(r["alpha_t"])
             out["alarm"].append(float(self.alarm))
+            if candidates is not None:
+                out["size"].append(r["size"])
+                out["size_alarm"].append(float(self.size_alarm))
         return {k: np.asarray(v) for k, v in out.items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -609,6 +828,7 @@ class AdaptiveConformal:
             "warmup": self.warmup,
             "monitor_window": self.monitor_window,
             "tolerance": self.tolerance,
+            "max_mean_set_size": self.max_mean_set_size,
             "alpha_t_": self.alpha_t_,
             "history_": list(self.history_),
             "outcomes_": list(self.outcomes_),
@@ -619,6 +839,7 @@ class AdaptiveConformal:
     def load_state_dict(self, state: Mapping[str, Any]) -> AdaptiveConformal:
         for key in ("alpha", "gamma", "window", "warmup", "monitor_window", "tolerance", "alpha_t_", "t_"):
             setattr(self, key, state[key])
+        self.max_mean_set_size = state.get("max_mean_set_size")
         self.history_ = [math.inf if x is None else float(x) for x in state["history_"]]
         self.outcomes_ = list(state["outcomes_"])
         self.sizes_ = [math.nan if x is None else float(x) for x in state["sizes_"]]
