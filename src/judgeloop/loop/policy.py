@@ -114,19 +114,24 @@ def load_policy(
             len(sft_data[0]),
             sum(map(len, sft_data[0])),
         )
+        # in this process, a warm start is reused only at the numerics it was made with: the same weights
+        # warmed up at another thread count (or autocast, or forward path) differ by float rounding, so a
+        # run after another in one process (a test session, a notebook) would start where a fresh process
+        # at its own settings does not (issue 54)
+        local = (key, *warmup_numerics(lean_cpu))
         shared = _read_warm_start(sft_file, key) if sft_file is not None else None
         if shared is not None:
             _SFT_CACHE.clear()
-            _SFT_CACHE[key] = shared
-        if key not in _SFT_CACHE:  # the ablation runs many arms and seeds from the same warm start
+            _SFT_CACHE[local] = shared
+        if local not in _SFT_CACHE:  # the ablation runs many arms and seeds from the same warm start
             losses = sft_warmup(model, tokenizer, sft_data[0], sft_data[1], cfg, cfg.sft_seed)
             logger.info("SFT warm-up: %d steps, loss %.3f -> %.3f", cfg.sft_steps, losses[0], losses[-1])
             _SFT_CACHE.clear()
-            _SFT_CACHE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            _SFT_CACHE[local] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             if sft_file is not None:
                 with atomic_path(sft_file) as tmp:
-                    torch.save({"key": repr(key), "state": _SFT_CACHE[key]}, tmp)
-        model.load_state_dict(_SFT_CACHE[key])
+                    torch.save({"key": repr(key), "state": _SFT_CACHE[local]}, tmp)
+        model.load_state_dict(_SFT_CACHE[local])
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -146,6 +151,16 @@ def load_policy(
             p.requires_grad_(False)
     model.train()
     return model, tokenizer, ref
+
+
+def warmup_numerics(lean_cpu: bool) -> tuple:
+    """What, besides its settings and data, decides the warm start's float rounding in this process: the
+    intra-op thread count (a reduction split over more threads sums in another order), the autocast in
+    force (device and dtype) and the forward path (``lean_cpu``)."""
+    autocast = tuple(
+        (dev, str(torch.get_autocast_dtype(dev))) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)
+    )
+    return torch.get_num_threads(), autocast, lean_cpu
 
 
 def _read_warm_start(path: Path, key: tuple) -> dict[str, torch.Tensor] | None:
