@@ -13,8 +13,10 @@ The rows, by what they need from a user:
 - few labels (the calibration pairs, ``calibration.num_articles`` x ``pairs_per_article`` per refit):
   ``platt``, ``isotonic``, ``temperature`` (monotone maps: they change how sure the judge is, never which
   summary it prefers), ``feature_platt`` (reorders: discounts the style features it is shown),
-  ``feature_platt_cw`` (``feature_platt``'s ordering used at full strength: hard targets, each pair's
-  DPO term weighted by its calibrated confidence ``|2p - 1|``), ``panel``;
+  ``feature_platt_cw`` (``feature_platt``'s ordering as hard targets, each pair's DPO term weighted by its
+  calibrated confidence ``|2p - 1|``: near a zero margin its gradient equals the soft target's, so it
+  differs as the margins grow), ``feature_platt_sharp`` (``feature_platt``'s targets sharpened,
+  ``loss.target_temperature`` 0.4: the same order at about the oracle's signal size), ``panel``;
 - no labels: ``style_residual`` (the style term of the judge's logit, linear, subtracted) and
   ``bias_curve`` (the same with a monotone curve per feature);
 - the ceiling of this judge: ``ceiling``, ``feature_platt`` fitted on oracle labels of the calibration
@@ -82,6 +84,10 @@ ARM_TABLE: tuple[ArmSpec, ...] = (
     ArmSpec("temperature", "temperature"),
     ArmSpec("feature_platt", "feature_platt"),
     ArmSpec("feature_platt_cw", "feature_platt", loss=(("target", "hard"), ("pair_weighting", "confidence"))),
+    # T = 0.4: the temperature at which feature_platt's step-0 targets have the oracle arm's mean signal size
+    # (|p - 0.5| = 0.29) on the 48-step study's calibration pairs (0.29-0.49 over its three seeds), fixed
+    # before the arm ran; for another judge set loss.target_temperature on calibration.method=feature_platt
+    ArmSpec("feature_platt_sharp", "feature_platt", loss=(("target_temperature", 0.4),)),
     ArmSpec("style_residual", "style_residual", labels="none", accept="always"),
     ArmSpec("bias_curve", "bias_curve", labels="none", accept="always"),
     ArmSpec("ceiling", "feature_platt", labels="all"),

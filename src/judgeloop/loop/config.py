@@ -25,6 +25,7 @@ Arm = Literal[
     "temperature",
     "feature_platt",
     "feature_platt_cw",
+    "feature_platt_sharp",
     "style_residual",
     "bias_curve",
     "ceiling",

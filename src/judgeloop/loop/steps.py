@@ -164,9 +164,11 @@ def sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
     NaN (a failed judgement) stays NaN, and 0 or 1 stay where they are."""
     if temperature == 1.0:
         return p
+    from scipy.special import expit
+
     with np.errstate(divide="ignore", invalid="ignore"):
         logit = np.log(p) - np.log1p(-p)
-    return 1.0 / (1.0 + np.exp(-logit / temperature))
+    return expit(logit / temperature)
 
 
 def make_advantages(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:
