@@ -39,7 +39,6 @@ from judgeloop.distributed import (
     accelerator_kwargs,
     check_launch,
     configure_deepspeed,
-    generation_context,
     is_zero3,
     load_trainable_state,
     new_accelerator,
@@ -67,7 +66,7 @@ from judgeloop.loop.pairs import (
     initial_calibration_pairs,
     judge_coupling,
 )
-from judgeloop.loop.policy import load_policy
+from judgeloop.loop.policy import Policy, generation_backend, load_policy
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.recalibration import (
     build_calibrator,
@@ -76,12 +75,7 @@ from judgeloop.loop.recalibration import (
     needs_fit,
     refit,
 )
-from judgeloop.loop.rollout import (
-    IN_PROCESS,
-    GenerationBackend,
-    PromptBuilder,
-    prefix_reusable,
-)
+from judgeloop.loop.rollout import PromptBuilder, prefix_reusable
 from judgeloop.loop.run_state_files import (
     checked_resume,
     latest_checkpoint,
@@ -91,7 +85,7 @@ from judgeloop.loop.run_state_files import (
 from judgeloop.loop.start_cache import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
-from judgeloop.loop.vllm_backend import check_backend, policy_engine
+from judgeloop.loop.vllm_backend import check_backend
 from judgeloop.models import load_tokenizer
 from judgeloop.rundir import run_dir
 from judgeloop.signals import StopRequest, stop_signals
@@ -271,30 +265,13 @@ def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
         run = setup_run(cfg, accelerator, out_dir, splits)
         run.auto_resume = auto
         # where the policy generates; under vllm its engine is started here and ended with the run
-        with generation_backend(
-            cfg, accelerator.unwrap_model(run.model), run.tokenizer, out_dir, run.learner.optimizer
-        ) as backend:
-            run.backend = backend
+        with generation_backend(cfg, run.policy, out_dir, run.learner.optimizer) as backend:
+            run.policy.backend = backend
             if cfg.resume_from:
                 resume_run(run)
             else:
                 start_run(run)
             yield run
-
-
-@contextlib.contextmanager
-def generation_backend(
-    cfg: FeedbackLoopConfig, policy: Any, tokenizer: Any, out_dir: Path, optimizer: Any
-) -> Iterator[GenerationBackend]:
-    """The run's generation backend for the block (``generation.backend``): ``hf``, the policy generates
-    in this process; ``vllm``, an engine serves ``policy`` (the unwrapped model the steps generate with),
-    synced after every step of ``optimizer``, started here and ended on leaving
-    (:func:`judgeloop.loop.vllm_backend.policy_engine`)."""
-    if cfg.generation.backend != "vllm":
-        yield IN_PROCESS
-        return
-    with policy_engine(cfg, policy, tokenizer, out_dir, optimizer) as engine:
-        yield GenerationBackend(engine, policy)
 
 
 @dataclass
@@ -305,8 +282,9 @@ class LoopRun:
     accelerator: Accelerator
     out_dir: Path
     splits: Splits
-    tokenizer: Any
-    build_prompt: PromptBuilder
+    # the policy: its model, reference, tokenizer, prompts and where it generates (policy.backend: hf, or
+    # the vLLM engine of generation.backend, set by open_run)
+    policy: Policy
     learner: Learner
     judge: Judge  # the configured judge (evaluation reports it)
     train_judge: Judge  # the judge whose preferences train the policy (the oracle in the oracle arm)
@@ -324,28 +302,18 @@ class LoopRun:
     saved_step: int | None = None  # the step of the last checkpoint this run wrote
     auto_resume: bool = False  # the config says resume_from: auto
     collected: tuple[int, CalibrationPairs] | None = None  # the last step's fresh calibration pairs
-    # where the policy generates: hf, or the vLLM engine (generation.backend); set by open_run, passed to
-    # every step that generates
-    backend: GenerationBackend = IN_PROCESS
 
     @property
     def model(self) -> Any:
-        return self.learner.model
+        """The prepared policy model (the one the optimizer steps)."""
+        return self.policy.model
 
     def collect(self, step: int) -> CalibrationPairs:
         """Fresh calibration pairs from the current policy (step 0: the starting policy); drawn once per
         step, so the ECE monitor, a refit and the divergence check of one step share them."""
         if self.collected is None or self.collected[0] != step:
             pairs = collect_calibration_pairs(
-                self.accelerator,
-                self.model,
-                self.backend,
-                self.tokenizer,
-                self.build_prompt,
-                self.train_judge,
-                self.splits.calibration,
-                self.cfg,
-                step,
+                self.policy, self.train_judge, self.splits.calibration, self.cfg, step
             )
             self.collected = (step, pairs)
         return self.collected[1]
@@ -353,32 +321,17 @@ class LoopRun:
     def curve(self, step: int) -> dict[str, Any]:
         """The validation curve's point at ``step`` (:mod:`judgeloop.loop.curve`), into the state and
         the trackers."""
-        with generation_context(self.model):
-            rows = curve_rows(
-                self.accelerator,
-                self.model,
-                self.backend,
-                self.learner.ref,
-                self.tokenizer,
-                self.build_prompt,
-                curve_articles(self.splits.validation, self.cfg),
-                self.cfg,
-                step,
-            )
+        with self.policy.generating():
+            rows = curve_rows(self.policy, curve_articles(self.splits.validation, self.cfg), self.cfg, step)
         point = record_curve_point(self.state, rows, step, self.cfg.seed)
         self.accelerator.log({f"curve/{k}": v for k, v in curve_log(point).items()}, step=step)
         return point
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Test and validation metrics of the current policy at ``step``."""
-        with generation_context(self.model):
+        with self.policy.generating():
             return run_evaluation(
-                self.accelerator,
-                self.model,
-                self.backend,
-                self.learner.ref,
-                self.tokenizer,
-                self.build_prompt,
+                self.policy,
                 self.splits,
                 self.state,
                 self.judge,
@@ -499,14 +452,14 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
     )
-    start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
+    policy = Policy(accelerator, model, ref, tokenizer, build_prompt)
+    start = StartWork(cfg, policy, splits.test[0].article)
     return LoopRun(
         cfg,
         accelerator,
         out_dir,
         splits,
-        tokenizer,
-        build_prompt,
+        policy,
         learner,
         judge,
         train_judge,
@@ -552,7 +505,7 @@ def resume_run(run: LoopRun) -> None:
     run.kl_ctl.coef = run.state.kl_coef
     run.train_judge.stats.status.update(run.state.judge_status)
     run.train_judge.stats.cache_hits += run.state.judge_cache_hits
-    run.build_prompt.truncated.update(run.state.truncated_articles)
+    run.policy.build_prompt.truncated.update(run.state.truncated_articles)
     logger.info("resumed from %s at step %d", cfg.resume_from, run.state.step)
     now = run_numerics(run)
     changed = numerics_differences(run.state.numerics[-1] if run.state.numerics else None, now)
@@ -576,17 +529,8 @@ def start_run(run: LoopRun) -> None:
     starting policy, and the step-0 evaluation."""
     cfg, state = run.cfg, run.state
     state.numerics = [{"from_step": 0, **run_numerics(run)}]
-    with generation_context(run.model):
-        state.ref_summaries = reference_summaries(
-            run.accelerator,
-            run.model,
-            run.learner.ref,
-            run.tokenizer,
-            run.build_prompt,
-            run.splits.test,
-            cfg,
-            run.start,
-        )
+    with run.policy.generating():
+        state.ref_summaries = reference_summaries(run.policy, run.splits.test, cfg, run.start)
     if (
         arm(cfg.calibration.method).judge != "oracle"
     ):  # samples of the initial policy: coupling, the first fit
