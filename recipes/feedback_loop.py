@@ -22,7 +22,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from judgeloop.config import ConfigError, load_config
-from judgeloop.distributed import generation_context
 from judgeloop.logging import setup_logging
 from judgeloop.loop.alarms import watch_divergence
 from judgeloop.loop.config import FeedbackLoopConfig
@@ -53,8 +52,8 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
     """One run of the loop; returns (and writes) its report. ``phase(name)`` wraps the rollout, the
     judging, the update and the evaluation of every step (``scripts/bench_loop.py`` times them)."""
     # Phase A. Set-up: the config checked before any work (output folder, models, devices, trackers), the
-    #    accelerator, the data splits, the policy (after its SFT warm start), the reference, the judges,
-    #    the optimizer, the generation backend (run.backend, from generation.backend: hf, the policy
+    #    accelerator, the data splits, the policy (after its SFT warm start) and its reference, the judges,
+    #    the optimizer, the generation backend (run.policy.backend, from generation.backend: hf, the policy
     #    generates in this process; vllm, an engine serves it); then a resume from a checkpoint, or
     #    step 0 (reference summaries, the first calibrator fit on samples of the starting policy, the
     #    step-0 evaluation).
@@ -65,17 +64,9 @@ def train(cfg: FeedbackLoopConfig, phase: Phase = untimed) -> dict[str, Any]:
         with stepping(run) as steps:
             for step in steps:
                 batch = PairBatch(step, next_batch(run.state, run.splits.train, cfg, acc))
-                with phase("rollout"), generation_context(run.model):  # step 1. samples per article
-                    rollout_step(
-                        acc.unwrap_model(run.model),
-                        run.backend,  # where it samples (the run's evaluations and refits use it too)
-                        run.tokenizer,
-                        run.build_prompt,
-                        batch,
-                        cfg,
-                        acc.process_index,
-                        run.learner.reuses_prompt_pass(len(batch.examples)),
-                    )
+                with phase("rollout"), run.policy.generating():  # step 1. samples per article
+                    # where run.policy.backend says (the run's evaluations and refits sample there too)
+                    rollout_step(run.policy, batch, cfg, run.learner.reuses_prompt_pass(len(batch.examples)))
                 with phase("judge"):
                     run.prefetch.wait()  # the article-side judge work, done during the last update
                     if grpo:  # steps 2-3. each group's comparisons, judged and calibrated in one call

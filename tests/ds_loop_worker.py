@@ -14,9 +14,9 @@ import torch
 from accelerate.utils import gather_object
 
 from judgeloop.config import load_config
-from judgeloop.distributed import full_state_dict, generation_context, is_zero3, trainable_names
+from judgeloop.distributed import full_state_dict, is_zero3, trainable_names
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.rollout import Rollout, rollout
+from judgeloop.loop.rollout import Rollout
 from judgeloop.loop.run_state_files import export_policy, load_checkpoint, save_checkpoint
 from judgeloop.loop.setup import make_accelerator, setup_run
 from judgeloop.loop.state import load_splits
@@ -49,17 +49,15 @@ def job(out, mode, extra):
     per = 4 // world
     cfg.batch_size = per
     run = setup_run(cfg, acc, out, load_splits(cfg, world))
-    model, tok = run.model, run.tokenizer
+    model, tok = run.model, run.policy.tokenizer
     policy = acc.unwrap_model(model)
     articles = [e.article for e in run.splits.train[:4]]
     # 1. rollouts: each 2-article chunk sampled with its own seed (on one process: both chunks in turn)
     chunks = [rank] if world > 1 else [0, 1]
     rolls = []
-    with generation_context(model):
+    with run.policy.generating():
         for c in chunks:
-            rolls.append(
-                rollout(policy, tok, run.build_prompt, articles[2 * c : 2 * c + 2], cfg.generation, 100 + c)
-            )
+            rolls.append(run.policy.sample(articles[2 * c : 2 * c + 2], cfg.generation, 100 + c))
     roll = Rollout(
         *[
             sum((getattr(r, f) for r in rolls), [])

@@ -389,6 +389,26 @@ def test_a_checkpoint_cut_between_its_two_renames_is_restored(tmp_path):
     assert (ck / "step_2" / "state.json").is_file()
 
 
+def test_a_checkpoint_the_clean_up_will_restore_counts_for_resume_from_auto_before_anything_moves(tmp_path):
+    """``resume_from: auto`` decides whether to keep a folder before the run cleans it (once, after the
+    accelerator exists): a checkpoint cut between its two renames counts, and nothing is moved to see it."""
+    from judgeloop.loop.run_state_files import has_checkpoint, killed_writes
+
+    ck = tmp_path / "checkpoints"
+    (ck / ".step_4.abc.tmp").mkdir(parents=True)  # half written: no checkpoint
+    assert not has_checkpoint(tmp_path)
+    (ck / ".step_2.old").mkdir()  # moved aside, its new copy never landed, but without its state
+    assert not has_checkpoint(tmp_path)
+    (ck / ".step_2.old" / "state.json").write_text("{}")
+    before = sorted(p.name for p in ck.iterdir())
+    assert has_checkpoint(tmp_path)
+    assert sorted(p.name for p in ck.iterdir()) == before  # read only
+    assert {p.name: what for p, what in killed_writes(tmp_path)} == {
+        ".step_2.old": "restored",
+        ".step_4.abc.tmp": "removed",
+    }
+
+
 # --- config values checked at load time ----------------------------------------------------------------
 
 

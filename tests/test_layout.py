@@ -286,3 +286,19 @@ def test_a_module_that_reads_the_metrics_table_spells_no_list_of_metrics():
                 if len(found) >= 2:
                     spelled.append(f"{path.relative_to(SRC)}:{node.lineno} {found}")
     assert not spelled, f"lists of metrics outside the metrics table: {spelled}; add a column to the table"
+
+
+def test_no_loop_function_takes_the_policys_parts_apart():
+    """The policy is one object (``loop/policy.py``'s ``Policy``: model, reference, tokenizer, prompt
+    builder, backend); a loop function that took both ``tokenizer`` and ``build_prompt`` would be spelling
+    its parts out again. Lower pieces take what they use: ``generate`` the model and tokenizer, the prompt
+    builder its tokenizer."""
+    spelled = []
+    for path in sorted((SRC / "loop").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+                if {"tokenizer", "build_prompt"} <= names:
+                    spelled.append(f"{path.relative_to(SRC)}:{node.name}")
+    assert not spelled, f"{spelled} take tokenizer and build_prompt; take the Policy (loop/policy.py)"

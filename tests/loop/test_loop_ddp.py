@@ -193,7 +193,7 @@ from accelerate.utils import gather_object
 from judgeloop.config import load_config
 from judgeloop.data import load_examples
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.evaluation import greedy_summaries
+from judgeloop.loop.policy import Policy
 from judgeloop.loop.rollout import PromptBuilder
 from judgeloop.loop.setup import make_accelerator
 from judgeloop.distributed import real_part, shard
@@ -210,7 +210,7 @@ calls = []
 model.register_forward_hook(lambda *a: calls.append(1))
 exs = load_examples(cfg.data)[:5]
 mine = shard(exs, acc)
-texts = greedy_summaries(model, tok, PromptBuilder(tok, cfg.policy), mine, cfg.generation, 2)
+texts = Policy(acc, model, None, tok, PromptBuilder(tok, cfg.policy)).greedy(mine, cfg.generation, 2)
 counts = gather_object([len(calls)])
 ids = gather_object(real_part([e.id for e in mine], len(exs), acc))
 # 2. a whole run with odd test / validation / calibration counts finishes on both ranks

@@ -62,8 +62,8 @@ def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pair
 
     from judgeloop.judges import build_judge
     from judgeloop.loop.pairs import collect_calibration_pairs
-    from judgeloop.loop.policy import load_policy
-    from judgeloop.loop.rollout import IN_PROCESS, PromptBuilder
+    from judgeloop.loop.policy import Policy, load_policy
+    from judgeloop.loop.rollout import PromptBuilder
     from judgeloop.loop.state import load_splits
 
     def collect(*over: str):
@@ -81,17 +81,8 @@ def test_calibration_collection_draws_more_articles_when_ties_leave_too_few_pair
         splits = load_splits(cfg)
         model, tok, _ = load_policy(cfg.policy, 0)
         judge = build_judge(cfg.judge)
-        pairs = collect_calibration_pairs(
-            Accelerator(cpu=True),
-            model,
-            IN_PROCESS,
-            tok,
-            PromptBuilder(tok, cfg.policy),
-            judge,
-            splits.calibration,
-            cfg,
-            1,
-        )
+        policy = Policy(Accelerator(cpu=True), model, None, tok, PromptBuilder(tok, cfg.policy))
+        pairs = collect_calibration_pairs(policy, judge, splits.calibration, cfg, 1)
         calib_ids = {e.id for e in splits.calibration}
         assert set(pairs.article_ids) <= calib_ids  # only calibration articles, in every round
         return pairs

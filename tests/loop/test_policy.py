@@ -1,62 +1,125 @@
-"""The policy and its SFT warm start (judgeloop.loop.policy)."""
+"""The Policy (loop/policy.py): its rollout under hf is the loop's rollout as it was before the policy was one
+object (a verbatim copy below is the reference), its greedy and reference decodes, its KL on its samples."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-
-@pytest.fixture
-def warmups(monkeypatch):
-    """The thread counts the SFT warm-up ran at, with the in-process warm-start cache emptied before and
-    after (it holds one entry, which other tests' runs would otherwise meet)."""
-    from judgeloop.loop import policy
-
-    calls: list[int] = []
-    real = policy.sft_warmup
-
-    def counted(*args, **kwargs):
-        calls.append(torch.get_num_threads())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(policy, "sft_warmup", counted)
-    policy._SFT_CACHE.clear()
-    yield calls
-    policy._SFT_CACHE.clear()
+from judgeloop.config import load_config
+from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
+from judgeloop.loop.rollout import (
+    IN_PROCESS,
+    GenerationBackend,
+    PromptBuilder,
+    PromptPrefix,
+    Rollout,
+    decode,
+    generate,
+)
+from judgeloop.loop.state import load_splits
+from loop_common import FAST, TINY
 
 
-def test_a_warm_start_is_reused_in_one_process_only_at_the_numerics_it_was_made_with(warmups):
-    """Issue 54: the in-process warm-start cache was keyed by the settings and the data alone. A run at
-    2 threads (a test at the machine's default) then one at threads=1 in the same process started from
-    the 2-thread warm start, which differs from a fresh process's 1-thread one by float rounding (on
-    some machines: measured on 3 and 16 threads here, not on 2); the resume tests compared such a run
-    with a child process's and failed at rel 2.6e-5. Now another thread count or another autocast
-    warms up again, and the same numerics still share it."""
-    from judgeloop.devices import intra_op_threads
-    from judgeloop.loop.config import PolicyConfig
-    from judgeloop.loop.policy import load_policy
-    from judgeloop.models import load_tokenizer
+def rollout_before_policy(
+    model,
+    tokenizer,
+    build_prompt: PromptBuilder,
+    articles: Sequence[str],
+    gen: GenerationConfig,
+    seed: int,
+    num_pairs: int = 1,
+    keep_prefix: bool = False,
+    num_samples: int = 2,
+    backend: GenerationBackend = IN_PROCESS,
+) -> Rollout:
+    """``judgeloop.loop.rollout.rollout`` as of a9127de (before Policy.sample took its place), verbatim."""
+    if num_samples != 2 and num_pairs != 1:
+        raise ValueError(
+            f"num_samples={num_samples} with num_pairs={num_pairs}: a group rollout has one group"
+        )
+    prompts = [build_prompt(a) for a in articles]
+    kept: list[PromptPrefix] | None = [] if keep_prefix and num_pairs == 1 else None
+    k = num_samples * num_pairs
+    comps = generate(
+        model, tokenizer, prompts, gen, num_samples=k, seed=seed, keep_prefix=kept, backend=backend
+    )
+    samples = [comps[j::num_samples] for j in range(num_samples)]  # sample j of each article (or pair)
+    a_ids, b_ids = samples[0], samples[1]
+    rep_articles = [a for a in articles for _ in range(num_pairs)]
+    rep_prompts = [p for p in prompts for _ in range(num_pairs)]
+    return Rollout(
+        rep_articles,
+        rep_prompts,
+        a_ids,
+        b_ids,
+        decode(tokenizer, a_ids),
+        decode(tokenizer, b_ids),
+        kept[0] if kept else None,
+        samples[2:],
+        [decode(tokenizer, c) for c in samples[2:]],
+    )
 
-    cfg = PolicyConfig(model="judgeloop-tiny/causal-lm", sft_steps=2, sft_batch_size=2)
-    tok = load_tokenizer(cfg.model)
-    articles = ["the council met and voted today.", "rain is expected over the weekend.", "a cat sat."]
-    sft = ([tok.encode(f"Summarize: {a}") for a in articles], ["the council voted", "rain soon", "a cat"])
 
-    def warm(threads: int, autocast: bool = False) -> dict[str, torch.Tensor]:
-        with intra_op_threads(threads), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model, _, _ = load_policy(cfg, 0, sft, lean_cpu=True)
-        return model.state_dict()
+@pytest.fixture(scope="module", params=[False, True], ids=["full", "lora"])
+def tiny(request):
+    """A prepared tiny policy (full fine-tuning with its frozen copy, or LoRA), its Policy and articles."""
+    from accelerate import Accelerator
 
-    at_two = warm(2)
-    assert warmups == [2]
-    again = warm(2)  # the same numerics: shared, as the ablation's arms share it
-    assert warmups == [2] and all(torch.equal(again[k], at_two[k]) for k in at_two)
-    at_one = warm(1)
-    assert warmups == [2, 1]  # not the 2-thread warm start
-    warm(1, autocast=True)
-    assert warmups == [2, 1, 1]  # nor the fp32 one under bf16 autocast
-    from judgeloop.loop import policy
+    from judgeloop.loop.policy import Policy, load_policy
 
-    policy._SFT_CACHE.clear()
-    fresh = warm(1)  # what a fresh process at threads=1 starts from
-    assert all(torch.equal(fresh[k], at_one[k]) for k in fresh)
+    lora = request.param
+    cfg = load_config(
+        FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", f"policy.lora={str(lora).lower()}"]
+    )
+    model, tok, ref = load_policy(cfg.policy, 0)
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(model)
+    policy = Policy(acc, model, ref, tok, PromptBuilder(tok, cfg.policy))
+    return cfg, policy, load_splits(cfg, 1).test[:3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"num_pairs": 3}, {"num_samples": 4}, {"keep_prefix": True}],
+    ids=["pair", "pairs", "group", "prefix"],
+)
+def test_the_policys_sample_under_hf_is_the_rollout_before_it(tiny, kwargs):
+    cfg, policy, examples = tiny
+    articles = [e.article for e in examples]
+    got = policy.sample(articles, cfg.generation, 7, **kwargs)
+    want = rollout_before_policy(
+        policy.unwrapped,
+        policy.tokenizer,
+        PromptBuilder(policy.tokenizer, cfg.policy),
+        articles,
+        cfg.generation,
+        7,
+        **kwargs,
+    )
+    for name in ("articles", "prompts", "a_ids", "b_ids", "a_text", "b_text", "more_ids", "more_text"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert len({tuple(c) for c in got.a_ids + got.b_ids}) > 1  # really sampled
+    assert (got.prefix is None) == (want.prefix is None) == (not kwargs.get("keep_prefix"))
+    if got.prefix is not None:
+        assert torch.equal(got.prefix.ids, want.prefix.ids) and torch.equal(got.prefix.mask, want.prefix.mask)
+    with pytest.raises(ValueError, match="a group rollout has one group"):
+        policy.sample(articles, cfg.generation, 7, num_pairs=2, num_samples=4)
+
+
+def test_greedy_decodes_and_the_kl_of_a_policy_that_is_its_reference(tiny):
+    """Greedy is the model's own generate (greedy) on the built prompts; before any update the policy is
+    its reference (a frozen copy of the same weights, or LoRA adapters that start at zero), so both
+    decode the same and the sampled k1 KL is 0 on every article."""
+    cfg, policy, examples = tiny
+    prompts = [policy.build_prompt(e.article) for e in examples]
+    by_hand = decode(
+        policy.tokenizer, generate(policy.unwrapped, policy.tokenizer, prompts, cfg.generation, greedy=True)
+    )
+    assert policy.greedy(examples, cfg.generation, 2) == by_hand
+    assert policy.reference_greedy(examples, cfg.generation, 2) == by_hand
+    kls, samples = policy.sampled_kl(examples, cfg.generation, 2, seed=3)
+    assert kls == pytest.approx([0.0] * 3, abs=1e-6) and len(samples) == 3
+    assert policy.unwrapped.training  # back in the mode it was in

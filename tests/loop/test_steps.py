@@ -203,8 +203,8 @@ def test_bf16_loop_context_serves_updated_weights():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from judgeloop.loop.policy import load_policy
-    from judgeloop.loop.rollout import PromptBuilder, rollout, token_logprobs
+    from judgeloop.loop.policy import Policy, load_policy
+    from judgeloop.loop.rollout import PromptBuilder, token_logprobs
     from judgeloop.loop.setup import make_optimizer, mixed_precision_kwargs
     from judgeloop.loop.steps import Learner, PairBatch, policy_update
 
@@ -218,8 +218,8 @@ def test_bf16_loop_context_serves_updated_weights():
         model, opt, sched = acc.prepare(model, opt, sched)
         articles = ["The council met on Tuesday and voted to close the old bridge for repairs."] * 2
         with acc.autocast():
-            roll = rollout(
-                acc.unwrap_model(model), tok, PromptBuilder(tok, cfg.policy), articles, cfg.generation, 3
+            roll = Policy(acc, model, ref, tok, PromptBuilder(tok, cfg.policy)).sample(
+                articles, cfg.generation, 3
             )
             comps, prompts = roll.a_ids + roll.b_ids, roll.prompts * 2
             before, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)

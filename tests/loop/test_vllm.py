@@ -235,6 +235,36 @@ def test_the_backend_serves_the_policy_with_its_adapters_on_and_nothing_else():
         generate(policy, tok, [[5, 6, 7]], gen, num_samples=2, seed=1, keep_prefix=[], backend=backend)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_policys_reference_never_reaches_the_engine(lora):
+    """A Policy whose backend is a vllm engine sends the engine its own samples and greedy summaries, and
+    keeps the reference in this process: the frozen copy under full fine-tuning, the policy with its
+    adapters disabled under LoRA (then the engine's model itself)."""
+    from accelerate import Accelerator
+
+    from judgeloop.loop.policy import Policy, load_policy
+    from judgeloop.loop.rollout import GenerationBackend
+
+    cfg = load_config(
+        FeedbackLoopConfig, TINY, [*FAST, "policy.sft_steps=0", f"policy.lora={str(lora).lower()}"]
+    )
+    model, tok, ref = load_policy(cfg.policy, 0)
+    assert (ref is None) == lora
+    engine = StandInEngine()
+    policy = Policy(Accelerator(cpu=True), model, ref, tok, PromptBuilder(tok, cfg.policy))
+    policy.backend = GenerationBackend(engine, policy.unwrapped)
+    examples = load_splits(cfg, 1).test[:3]
+    gen = cfg.generation
+    assert len(policy.reference_greedy(examples, gen, 2)) == 3
+    assert engine.calls == []  # the reference generated here
+    policy.greedy(examples, gen, 2)
+    policy.sample([e.article for e in examples], gen, seed=1)
+    kls, _ = policy.sampled_kl(examples, gen, 2, seed=1)  # the sample on the engine, the log-probs here
+    assert engine.calls == [(True, 1), (True, 1), (False, 2), (False, 1), (False, 1)]
+    assert len(kls) == 3 and all(math.isfinite(k) for k in kls)
+    assert policy.reference_greedy(examples, gen, 2) and len(engine.calls) == 5  # still here after
+
+
 @pytest.mark.slow
 def test_a_runs_backend_reaches_every_generation_of_the_policy(tmp_path, monkeypatch):
     """Under generation.backend: vllm every generation of the policy in a run (the rollouts, the
@@ -243,6 +273,7 @@ def test_a_runs_backend_reaches_every_generation_of_the_policy(tmp_path, monkeyp
     stay in this process. A stand-in engine that generates in process takes vLLM's place."""
     import contextlib
 
+    from judgeloop.loop import policy as policy_module
     from judgeloop.loop import rollout as rollout_module
     from judgeloop.loop import setup
     from judgeloop.recipes import train
@@ -268,7 +299,7 @@ def test_a_runs_backend_reaches_every_generation_of_the_policy(tmp_path, monkeyp
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(setup, "check_backend", lambda cfg: None)  # no vLLM environment needed
-    monkeypatch.setattr(setup, "policy_engine", stand_in)
+    monkeypatch.setattr(policy_module, "policy_engine", stand_in)
     monkeypatch.setattr(rollout_module, "_generate", watched)
     over = [*FAST, "max_steps=2", "policy.lora=true", "curve.every_n_steps=2", "generation.backend=vllm"]
     report = train(load_config(FeedbackLoopConfig, TINY, [*over, f"output_dir={tmp_path}"]))

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from judgeloop.data import SummExample
@@ -34,10 +33,9 @@ from judgeloop.hashing import derive_seed
 from judgeloop.intervals import bootstrap_mean_interval
 from judgeloop.io import finite_or_none
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.evaluation import greedy_text_metrics, sampled_kl
+from judgeloop.loop.evaluation import greedy_text_metrics
 from judgeloop.loop.metrics_table import keys
-from judgeloop.loop.policy import eval_mode
-from judgeloop.loop.rollout import GenerationBackend, PromptBuilder
+from judgeloop.loop.policy import Policy
 from judgeloop.loop.state import LoopState
 from judgeloop.metrics.text import rouge_max
 
@@ -60,27 +58,18 @@ def curve_due(cfg: FeedbackLoopConfig, step: int) -> bool:
 
 
 def curve_rows(
-    accelerator: Accelerator,
-    model: Any,
-    backend: GenerationBackend,
-    ref: Any | None,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    examples: Sequence[SummExample],
-    cfg: FeedbackLoopConfig,
-    step: int,
+    policy: Policy, examples: Sequence[SummExample], cfg: FeedbackLoopConfig, step: int
 ) -> list[dict[str, Any]]:
     """Per-article rows of the curve at ``step`` (every process summarizes its shard, the policy
-    generating where ``backend`` says; all rows returned on every process, in article order)."""
-    unwrapped = accelerator.unwrap_model(model)
+    generating where its backend says; all rows returned on every process, in article order)."""
+    accelerator = policy.accelerator
     mine = shard(examples, accelerator)
     gen, bs = cfg.generation, cfg.eval_batch_size
     seed = derive_seed(cfg.seed, "curve", accelerator.process_index)  # the same at every point
     rows: list[dict[str, Any]] = []
     if mine:
-        _, texts = greedy_text_metrics(unwrapped, tokenizer, build_prompt, mine, gen, bs, backend)
-        with eval_mode(unwrapped):
-            kls, samples = sampled_kl(unwrapped, ref, tokenizer, build_prompt, mine, gen, bs, seed, backend)
+        _, texts = greedy_text_metrics(policy, mine, gen, bs)
+        kls, samples = policy.sampled_kl(mine, gen, bs, seed)
         for ex, t, s, k in zip(mine, texts, samples, kls):
             values = {
                 **t,

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
@@ -34,18 +33,9 @@ from judgeloop.judges import Judge, references_for
 from judgeloop.judges.hacking import detect_hacks
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig
-from judgeloop.loop.losses import kl_per_sequence
 from judgeloop.loop.metrics_table import Metric, evaluated, shown_in
 from judgeloop.loop.pairs import CalibrationPairs, gather_pairs, judge_and_label_pairs, pair_ece
-from judgeloop.loop.policy import eval_mode, reference_logprobs
-from judgeloop.loop.rollout import (
-    IN_PROCESS,
-    GenerationBackend,
-    PromptBuilder,
-    decode,
-    generate,
-    token_logprobs,
-)
+from judgeloop.loop.policy import Policy
 from judgeloop.loop.run_state_files import save_policy
 from judgeloop.loop.state import LoopState, Splits
 from judgeloop.metrics.text import copy_rate, novel_ngram_rate, rouge_max, tokens
@@ -54,24 +44,6 @@ if TYPE_CHECKING:
     from judgeloop.loop.start_cache import StartWork
 
 logger = get_logger(__name__)
-
-
-def greedy_summaries(
-    model: Any,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    examples: Sequence[SummExample],
-    gen: GenerationConfig,
-    batch_size: int,
-    backend: GenerationBackend = IN_PROCESS,
-) -> list[str]:
-    """Greedy summaries of ``examples`` by ``model``, in batches (eval mode), generated where ``backend``
-    says (:class:`judgeloop.loop.rollout.GenerationBackend`)."""
-    out: list[str] = []
-    for i in range(0, len(examples), batch_size):
-        prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
-        out += decode(tokenizer, generate(model, tokenizer, prompts, gen, greedy=True, backend=backend))
-    return out
 
 
 def text_metrics(ex: SummExample, summary: str) -> dict[str, float]:
@@ -101,55 +73,22 @@ def hack_flags(article: str, summary: str) -> dict[str, float]:
 
 
 def greedy_text_metrics(
-    model: Any,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
+    policy: Policy,
     examples: Sequence[SummExample],
     gen: GenerationConfig,
     batch_size: int,
-    backend: GenerationBackend = IN_PROCESS,
     greedy: Sequence[str] | None = None,
 ) -> tuple[list[str], list[dict[str, float]]]:
-    """The policy's greedy summaries of ``examples`` (in eval mode, generated where ``backend`` says;
-    ``greedy``: already made, e.g. the starting policy's from the start cache) and each one's
-    :func:`text_metrics`: what the evaluation, the validation slice and the curve all measure."""
+    """The policy's greedy summaries of ``examples`` (:meth:`Policy.greedy`; ``greedy``: already made, e.g.
+    the starting policy's from the start cache) and each one's :func:`text_metrics`: what the evaluation,
+    the validation slice and the curve all measure."""
     if greedy is None:
-        with eval_mode(model):
-            greedy = greedy_summaries(model, tokenizer, build_prompt, examples, gen, batch_size, backend)
+        greedy = policy.greedy(examples, gen, batch_size)
     return list(greedy), [text_metrics(e, g) for e, g in zip(examples, greedy)]
 
 
-@torch.no_grad()
-def sampled_kl(
-    model: Any,
-    ref: Any | None,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    examples: Sequence[SummExample],
-    gen: GenerationConfig,
-    batch_size: int,
-    seed: int,
-    backend: GenerationBackend = IN_PROCESS,
-) -> tuple[list[float], list[str]]:
-    """k1 estimate of KL(pi || pi_ref) per article from one sample of pi each (drawn where ``backend``
-    says; the log-probs are the training model's); also returns the samples."""
-    kls: list[float] = []
-    texts: list[str] = []
-    for i in range(0, len(examples), batch_size):
-        prompts = [build_prompt(e.article) for e in examples[i : i + batch_size]]
-        comps = generate(model, tokenizer, prompts, gen, num_samples=1, seed=seed + i, backend=backend)
-        pol, mask = token_logprobs(model, prompts, comps, tokenizer.pad_token_id)
-        refl, _ = reference_logprobs(model, ref, prompts, comps, tokenizer.pad_token_id)
-        kls += kl_per_sequence(pol, refl, mask, "k1").tolist()
-        texts += decode(tokenizer, comps)
-    return kls, texts
-
-
 def evaluate_shard(
-    model: Any,
-    ref: Any | None,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
+    policy: Policy,
     examples: Sequence[SummExample],
     ref_summaries: Sequence[str],
     judge: Judge,
@@ -158,24 +97,18 @@ def evaluate_shard(
     seed: int,
     greedy: Sequence[str] | None = None,
     sampled: tuple[Sequence[float], Sequence[str]] | None = None,
-    backend: GenerationBackend = IN_PROCESS,
 ) -> list[dict[str, Any]]:
     """Per-article evaluation rows for this process's shard of ``examples`` (gathered by the caller).
 
     ``greedy`` (the greedy summaries) and ``sampled`` (k1 KL and the sample, per article) may be given
     when already computed (the starting policy's, shared across the runs of an ablation); the others are
-    generated where ``backend`` says.
+    generated where the policy's backend says.
     """
     if not examples:
         return []
-    greedy, texts = greedy_text_metrics(
-        model, tokenizer, build_prompt, examples, gen, batch_size, backend, greedy
-    )
+    greedy, texts = greedy_text_metrics(policy, examples, gen, batch_size, greedy)
     if sampled is None:
-        with eval_mode(model):
-            sampled = sampled_kl(
-                model, ref, tokenizer, build_prompt, examples, gen, batch_size, seed, backend
-            )
+        sampled = policy.sampled_kl(examples, gen, batch_size, seed)
     kls, samples = sampled
     wins = judge(
         [e.article for e in examples], list(greedy), list(ref_summaries), references_for(judge, examples)
@@ -237,12 +170,7 @@ def shard_pairs(
 
 
 def run_evaluation(
-    accelerator: Accelerator,
-    model: Any,
-    backend: GenerationBackend,
-    ref: Any | None,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
+    policy: Policy,
     splits: Splits,
     state: LoopState,
     judge: Judge,
@@ -255,11 +183,11 @@ def run_evaluation(
     """Test-split metrics (reported, never used to choose a checkpoint) and validation ROUGE-L.
 
     The per-article rows (summary, sample, every text metric, win, KL) are kept in
-    ``state.per_article`` with their step. The policy generates where ``backend`` says (the run's
+    ``state.per_article`` with their step. The policy generates where its backend says (the run's
     :class:`judgeloop.loop.rollout.GenerationBackend`). ``start``: at step 0, the starting policy's
     shared outputs.
     """
-    unwrapped = accelerator.unwrap_model(model)
+    accelerator = policy.accelerator
     ids = list(range(len(splits.test)))
     mine = shard(ids, accelerator)
     exs = [splits.test[i] for i in mine]
@@ -267,37 +195,18 @@ def run_evaluation(
     greedy = sampled = val_greedy = None
     gen, bs = cfg.generation, cfg.eval_batch_size
     if start is not None and start.cache is not None:
-        with eval_mode(unwrapped):
-            greedy = start.greedy(
-                "policy",
-                exs,
-                lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, exs, gen, bs, backend),
-            )
-            kls, samples = start.get(
-                "sampled",
-                {
-                    "policy": start.policy_fp,
-                    "reference": start.ref_fp,
-                    "seed": seed,
-                    "ids": [e.id for e in exs],
-                },
-                lambda: list(
-                    sampled_kl(unwrapped, ref, tokenizer, build_prompt, exs, gen, bs, seed, backend)
-                ),
-            )
-            sampled = ([float("nan") if k is None else k for k in kls], samples)
-            vexs = shard(splits.validation, accelerator)
-            if vexs:
-                val_greedy = start.greedy(
-                    "policy",
-                    vexs,
-                    lambda: greedy_summaries(unwrapped, tokenizer, build_prompt, vexs, gen, bs, backend),
-                )
+        greedy = start.greedy("policy", exs, lambda: policy.greedy(exs, gen, bs))
+        kls, samples = start.get(
+            "sampled",
+            {"policy": start.policy_fp, "reference": start.ref_fp, "seed": seed, "ids": [e.id for e in exs]},
+            lambda: list(policy.sampled_kl(exs, gen, bs, seed)),
+        )
+        sampled = ([float("nan") if k is None else k for k in kls], samples)
+        vexs = shard(splits.validation, accelerator)
+        if vexs:
+            val_greedy = start.greedy("policy", vexs, lambda: policy.greedy(vexs, gen, bs))
     rows = evaluate_shard(
-        unwrapped,
-        ref,
-        tokenizer,
-        build_prompt,
+        policy,
         exs,
         [state.ref_summaries[i] for i in mine],
         judge,
@@ -306,7 +215,6 @@ def run_evaluation(
         seed=seed,
         greedy=greedy,
         sampled=sampled,
-        backend=backend,
     )
     rows = real_part(rows, len(ids), accelerator)
     pairs = gather_pairs(shard_pairs(rows, {e.id: e for e in exs}, train_judge))
@@ -315,7 +223,7 @@ def run_evaluation(
     metrics = evaluation_metrics(rows, pairs, calibrator, cfg.calibration.num_bins)
     if splits.validation:  # the early-stopping criterion and the style metrics, without the test split
         vexs = shard(splits.validation, accelerator)
-        _, val = greedy_text_metrics(unwrapped, tokenizer, build_prompt, vexs, gen, bs, backend, val_greedy)
+        _, val = greedy_text_metrics(policy, vexs, gen, bs, val_greedy)
         val = gather_object(real_part(val, len(splits.validation), accelerator))
         metrics |= {f"val_{m.name}": aggregate_metric(m, val) for m in shown_in("validation")}
     metrics["step"] = step
@@ -346,29 +254,15 @@ def early_stopping(
 
 
 def reference_summaries(
-    accelerator: Accelerator,
-    model: Any,
-    ref: Any | None,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    test: Sequence[SummExample],
-    cfg: FeedbackLoopConfig,
-    start: StartWork | None = None,
+    policy: Policy, test: Sequence[SummExample], cfg: FeedbackLoopConfig, start: StartWork | None = None
 ) -> list[str]:
     """Greedy summaries of the reference policy on the test articles (computed once: pi_ref never changes),
-    in this process under either backend (the frozen copy, or the policy with its adapters disabled, is
-    not the engine's model)."""
-    unwrapped = accelerator.unwrap_model(model)
-    mine = shard(list(range(len(test))), accelerator)
+    in this process under either backend (:meth:`Policy.reference_greedy`)."""
+    mine = shard(list(range(len(test))), policy.accelerator)
     exs = [test[i] for i in mine]
 
     def compute() -> list[str]:
-        if ref is not None:
-            return greedy_summaries(ref, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size)
-        with unwrapped.disable_adapter():
-            return greedy_summaries(
-                unwrapped, tokenizer, build_prompt, exs, cfg.generation, cfg.eval_batch_size
-            )
+        return policy.reference_greedy(exs, cfg.generation, cfg.eval_batch_size)
 
     out = start.greedy("reference", exs, compute) if start is not None else compute()
     pairs = list(zip(mine, out))

@@ -18,20 +18,19 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from judgeloop.calibration import Calibrator, ece, features_for, rouge_label
 from judgeloop.data import LeakageError, SummExample, check_disjoint
-from judgeloop.distributed import generation_context, real_part, shard
+from judgeloop.distributed import real_part, shard
 from judgeloop.hashing import derive_seed
 from judgeloop.intervals import bootstrap_intervals
 from judgeloop.judges import Judge, Pair, references_for
 from judgeloop.loop.arms import arm
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.rollout import GenerationBackend, PromptBuilder, rollout
 
 if TYPE_CHECKING:
+    from judgeloop.loop.policy import Policy
     from judgeloop.loop.start_cache import StartWork
 
 
@@ -227,18 +226,10 @@ def gather_pairs(mine: CalibrationPairs) -> CalibrationPairs:
 
 
 def collect_calibration_pairs(
-    accelerator: Accelerator,
-    model: Any,
-    backend: GenerationBackend,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    judge: Judge,
-    calibration: Sequence[SummExample],
-    cfg: FeedbackLoopConfig,
-    step: int,
+    policy: Policy, judge: Judge, calibration: Sequence[SummExample], cfg: FeedbackLoopConfig, step: int
 ) -> CalibrationPairs:
     """Fresh pairs for the calibrator: two samples of the *current* policy per calibration article (drawn
-    where ``backend`` says), judged and ROUGE-labeled (articles drawn from the calibration split only).
+    where its backend says), judged and ROUGE-labeled (articles drawn from the calibration split only).
 
     ``calibration.num_articles`` articles are drawn in a seeded order. Pairs whose two summaries tie on
     ROUGE-L carry no label and are dropped; when that leaves fewer than ``calibration.min_points`` pairs
@@ -246,7 +237,7 @@ def collect_calibration_pairs(
     ``num_articles`` articles are drawn from the same order, so a weak policy whose samples often tie
     still gets a calibrator.
     """
-    ccfg = cfg.calibration
+    ccfg, accelerator = cfg.calibration, policy.accelerator
     order = np.random.RandomState(derive_seed(cfg.seed, "calib_articles", step)).permutation(len(calibration))
     out = CalibrationPairs()
     for round_ in range(ccfg.extra_rounds + 1):
@@ -257,11 +248,7 @@ def collect_calibration_pairs(
         tag: tuple[Any, ...] = (step, accelerator.process_index) + ((round_,) if round_ else ())
         picked = [calibration[i] for i in sorted(pick)]
         mine = _label_own_share(
-            accelerator,
-            model,
-            backend,
-            tokenizer,
-            build_prompt,
+            policy,
             judge,
             (shard(picked, accelerator), len(real_part(picked, len(picked), accelerator))),
             cfg,
@@ -275,11 +262,7 @@ def collect_calibration_pairs(
 
 
 def _label_own_share(
-    accelerator: Accelerator,
-    model: Any,
-    backend: GenerationBackend,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
+    policy: Policy,
     judge: Judge,
     share: tuple[Sequence[SummExample], int],
     cfg: FeedbackLoopConfig,
@@ -291,19 +274,10 @@ def _label_own_share(
     mine, num_real = share
     if not mine:
         return CalibrationPairs()
-    with generation_context(model):
-        roll = rollout(
-            accelerator.unwrap_model(model),
-            tokenizer,
-            build_prompt,
-            [e.article for e in mine],
-            cfg.generation,
-            seed=seed,
-            num_pairs=cfg.calibration.pairs_per_article,
-            backend=backend,
-        )
     k = cfg.calibration.pairs_per_article
-    exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as rollout returns them
+    with policy.generating():
+        roll = policy.sample([e.article for e in mine], cfg.generation, seed=seed, num_pairs=k)
+    exs = [e for e in mine[:num_real] for _ in range(k)]  # article-major, as the rollout returns them
     return judge_and_label_pairs(exs, roll.a_text[: len(exs)], roll.b_text[: len(exs)], judge)
 
 

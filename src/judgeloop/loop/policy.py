@@ -2,6 +2,12 @@
 
 With LoRA (peft) the reference is the same base weights with the adapters switched off, so no second
 copy of the model is held. Only trainable parameters (the adapters, or everything) are checkpointed.
+
+:class:`Policy` is the policy as the loop uses it, one object: the model, its reference, how an article
+becomes a prompt, the tokenizer and where it generates. It samples (step 1 and the calibration pairs),
+decodes greedily (itself, or the reference) and measures KL(pi || pi_ref) on its own samples; the loop's
+functions take it instead of its parts. :func:`load_policy` loads the model and its reference (after the
+SFT warm start), :func:`generation_backend` starts where it generates.
 """
 
 from __future__ import annotations
@@ -9,15 +15,30 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 
+from judgeloop.data import SummExample
+from judgeloop.distributed import generation_context
 from judgeloop.io import atomic_path
 from judgeloop.logging import get_logger
-from judgeloop.loop.config import PolicyConfig
-from judgeloop.loop.rollout import token_logprobs
+from judgeloop.loop.config import FeedbackLoopConfig, GenerationConfig, PolicyConfig
+from judgeloop.loop.losses import kl_per_sequence
+from judgeloop.loop.rollout import (
+    IN_PROCESS,
+    GenerationBackend,
+    PromptBuilder,
+    PromptPrefix,
+    Rollout,
+    decode,
+    generate,
+    token_logprobs,
+)
+from judgeloop.loop.vllm_backend import policy_engine
 from judgeloop.models import load_causal_lm, load_tokenizer
 from judgeloop.models.lean import lean_cpu_forward
 
@@ -190,3 +211,155 @@ def reference_logprobs(
     if was_training:
         policy.train()
     return out
+
+
+@dataclass
+class Policy:
+    """The policy the loop trains, as one object: its model and reference, the tokenizer, the prompt
+    builder and where it generates (the run's :class:`~judgeloop.loop.rollout.GenerationBackend`).
+
+    It samples (:meth:`sample`: step 1's rollout, the calibration pairs), decodes greedily (:meth:`greedy`,
+    with its adapters; :meth:`reference_greedy`, the reference: the frozen copy, or the policy with its
+    LoRA adapters disabled) and measures KL(pi || pi_ref) on one sample per article (:meth:`sampled_kl`).
+    Only the policy's own calls reach a vLLM engine: the reference always runs in this process.
+    """
+
+    accelerator: Accelerator
+    model: Any  # the prepared policy (wrapped under DDP / FSDP / ZeRO-3): the weights the optimizer steps
+    ref: Any | None  # the frozen reference copy; None under LoRA (the policy with its adapters disabled)
+    tokenizer: Any
+    build_prompt: PromptBuilder  # article -> prompt token ids
+    backend: GenerationBackend = IN_PROCESS  # where the policy generates: hf (here) or its vLLM engine
+
+    @property
+    def unwrapped(self) -> Any:
+        """The model itself, out of its DDP / FSDP wrapper: the one that generates and is served."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def generating(self) -> contextlib.AbstractContextManager[None]:
+        """Around generation and scoring outside the update (:func:`judgeloop.distributed.generation_context`):
+        the parameters gathered once under ZeRO-3 / FSDP."""
+        return generation_context(self.model)
+
+    @contextlib.contextmanager
+    def as_reference(self) -> Iterator[Any]:
+        """The reference model for the block: the frozen copy, or the policy with its adapters disabled."""
+        if self.ref is not None:
+            yield self.ref
+            return
+        unwrapped = self.unwrapped
+        with unwrapped.disable_adapter():
+            yield unwrapped
+
+    def sample(
+        self,
+        articles: Sequence[str],
+        gen: GenerationConfig,
+        seed: int,
+        num_pairs: int = 1,
+        keep_prefix: bool = False,
+        num_samples: int = 2,
+    ) -> Rollout:
+        """The rollout: two samples per article (``2 * num_pairs`` for calibration data, giving
+        ``num_pairs`` pairs per article, each article repeated in the output), or a group of
+        ``num_samples`` (GRPO; one draw, so the first two are the samples a k = 2 rollout gives), drawn
+        where :attr:`backend` says. ``keep_prefix``: keep the policy's prompt pass for the update
+        (:class:`~judgeloop.loop.rollout.PromptPrefix`)."""
+        if num_samples != 2 and num_pairs != 1:
+            raise ValueError(
+                f"num_samples={num_samples} with num_pairs={num_pairs}: a group rollout has one group"
+            )
+        tokenizer = self.tokenizer
+        prompts = [self.build_prompt(a) for a in articles]
+        kept: list[PromptPrefix] | None = [] if keep_prefix and num_pairs == 1 else None
+        k = num_samples * num_pairs
+        comps = generate(
+            self.unwrapped,
+            tokenizer,
+            prompts,
+            gen,
+            num_samples=k,
+            seed=seed,
+            keep_prefix=kept,
+            backend=self.backend,
+        )
+        samples = [comps[j::num_samples] for j in range(num_samples)]  # sample j of each article (or pair)
+        a_ids, b_ids = samples[0], samples[1]
+        return Rollout(
+            [a for a in articles for _ in range(num_pairs)],
+            [p for p in prompts for _ in range(num_pairs)],
+            a_ids,
+            b_ids,
+            decode(tokenizer, a_ids),
+            decode(tokenizer, b_ids),
+            kept[0] if kept else None,
+            samples[2:],
+            [decode(tokenizer, c) for c in samples[2:]],
+        )
+
+    def greedy(self, examples: Sequence[SummExample], gen: GenerationConfig, batch_size: int) -> list[str]:
+        """The policy's greedy summaries of ``examples`` (eval mode, in batches), generated where
+        :attr:`backend` says."""
+        with eval_mode(self.unwrapped) as model:
+            return self._greedy(model, examples, gen, batch_size, self.backend)
+
+    def reference_greedy(
+        self, examples: Sequence[SummExample], gen: GenerationConfig, batch_size: int
+    ) -> list[str]:
+        """The reference's greedy summaries of ``examples``, in this process under either backend (the frozen
+        copy, or the policy with its adapters disabled, is not the engine's model)."""
+        with self.as_reference() as ref:
+            return self._greedy(ref, examples, gen, batch_size, IN_PROCESS)
+
+    def _greedy(
+        self,
+        model: Any,
+        examples: Sequence[SummExample],
+        gen: GenerationConfig,
+        batch_size: int,
+        backend: GenerationBackend,
+    ) -> list[str]:
+        out: list[str] = []
+        for i in range(0, len(examples), batch_size):
+            prompts = [self.build_prompt(e.article) for e in examples[i : i + batch_size]]
+            out += decode(
+                self.tokenizer, generate(model, self.tokenizer, prompts, gen, greedy=True, backend=backend)
+            )
+        return out
+
+    @torch.no_grad()
+    def sampled_kl(
+        self, examples: Sequence[SummExample], gen: GenerationConfig, batch_size: int, seed: int
+    ) -> tuple[list[float], list[str]]:
+        """k1 estimate of KL(pi || pi_ref) per article from one sample of pi each (eval mode; drawn where
+        :attr:`backend` says, the log-probs are the training model's); also returns the samples."""
+        kls: list[float] = []
+        texts: list[str] = []
+        pad_id = self.tokenizer.pad_token_id
+        with eval_mode(self.unwrapped) as model:
+            for i in range(0, len(examples), batch_size):
+                prompts = [self.build_prompt(e.article) for e in examples[i : i + batch_size]]
+                comps = generate(
+                    model, self.tokenizer, prompts, gen, num_samples=1, seed=seed + i, backend=self.backend
+                )
+                pol, mask = token_logprobs(model, prompts, comps, pad_id)
+                refl, _ = reference_logprobs(model, self.ref, prompts, comps, pad_id)
+                kls += kl_per_sequence(pol, refl, mask, "k1").tolist()
+                texts += decode(self.tokenizer, comps)
+        return kls, texts
+
+
+@contextlib.contextmanager
+def generation_backend(
+    cfg: FeedbackLoopConfig, policy: Policy, out_dir: Path, optimizer: Any
+) -> Iterator[GenerationBackend]:
+    """The run's generation backend for the block (``generation.backend``): ``hf``, the policy generates
+    in this process; ``vllm``, an engine serves the policy (its unwrapped model, the one that generates),
+    synced after every step of ``optimizer``, started here and ended on leaving
+    (:func:`judgeloop.loop.vllm_backend.policy_engine`)."""
+    if cfg.generation.backend != "vllm":
+        yield IN_PROCESS
+        return
+    unwrapped = policy.unwrapped
+    with policy_engine(cfg, unwrapped, policy.tokenizer, out_dir, optimizer) as engine:
+        yield GenerationBackend(engine, unwrapped)

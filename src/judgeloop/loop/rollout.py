@@ -1,4 +1,5 @@
-"""Rollout: prompts from articles, batched KV-cached sampling, and per-token log-probs of summaries.
+"""Rollout's parts: prompts from articles, batched KV-cached sampling, and per-token log-probs of summaries
+(the policy's rollout, :meth:`judgeloop.loop.policy.Policy.sample`, puts them together).
 
 Prompts are left-padded and summaries right-padded, so one forward pass over ``prompt + summary``
 scores a whole batch; only the last ``T + 1`` positions' logits are computed (``logits_to_keep``),
@@ -6,8 +7,8 @@ and log-probs are taken as ``logit[y] - logsumexp(logits)`` so no (N, T, V) log-
 The two samples of an article share one pass over its prompt (``samples_per_prompt=2``), and the
 training rollout can keep the policy's pass over its prompts, with its autograd graph, for the update
 (:class:`PromptPrefix`): sampling and the update then run the prompts through the policy once between them.
-Where the policy generates is an argument, the run's :class:`GenerationBackend`: in this process, or on
-the vLLM engine that serves it.
+Where the policy generates is an argument, the run's :class:`GenerationBackend` (the policy's
+``backend``): in this process, or on the vLLM engine that serves it.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ class GenerationBackend:
     to ``engine``, :mod:`judgeloop.loop.vllm_backend`). Any other model (a frozen reference), and the
     policy with its adapters disabled (then it is the reference), generate in this process under either.
 
-    The run makes one in its set-up (:func:`judgeloop.loop.setup.open_run`: ``run.backend``) and passes
-    it to every step that generates; the default :data:`IN_PROCESS` is ``hf``.
+    The run makes one in its set-up (:func:`judgeloop.loop.policy.generation_backend`) and its policy
+    holds it (``run.policy.backend``) for every generation; the default :data:`IN_PROCESS` is ``hf``.
     """
 
     engine: VllmEngine | None = None  # the vLLM engine serving the policy; None under hf
@@ -329,50 +330,6 @@ def _detached_copy(cache: Any) -> Any:
 def decode(tokenizer: Any, completions: Sequence[Sequence[int]]) -> list[str]:
     """Completions as text (special tokens dropped, whitespace stripped)."""
     return [tokenizer.decode(c, skip_special_tokens=True).strip() for c in completions]
-
-
-def rollout(
-    model: Any,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    articles: Sequence[str],
-    gen: GenerationConfig,
-    seed: int,
-    num_pairs: int = 1,
-    keep_prefix: bool = False,
-    num_samples: int = 2,
-    backend: GenerationBackend = IN_PROCESS,
-) -> Rollout:
-    """The loop's rollout_step: the policy samples two summaries per article (``2 * num_pairs`` for
-    calibration data, giving ``num_pairs`` pairs per article, each article repeated in the output), or
-    a group of ``num_samples`` (GRPO; one draw, so the first two are the samples a k = 2 rollout gives).
-    ``keep_prefix``: keep the policy's prompt pass for the update (:class:`PromptPrefix`); ``backend``:
-    where the policy samples (:class:`GenerationBackend`)."""
-    if num_samples != 2 and num_pairs != 1:
-        raise ValueError(
-            f"num_samples={num_samples} with num_pairs={num_pairs}: a group rollout has one group"
-        )
-    prompts = [build_prompt(a) for a in articles]
-    kept: list[PromptPrefix] | None = [] if keep_prefix and num_pairs == 1 else None
-    k = num_samples * num_pairs
-    comps = generate(
-        model, tokenizer, prompts, gen, num_samples=k, seed=seed, keep_prefix=kept, backend=backend
-    )
-    samples = [comps[j::num_samples] for j in range(num_samples)]  # sample j of each article (or pair)
-    a_ids, b_ids = samples[0], samples[1]
-    rep_articles = [a for a in articles for _ in range(num_pairs)]
-    rep_prompts = [p for p in prompts for _ in range(num_pairs)]
-    return Rollout(
-        rep_articles,
-        rep_prompts,
-        a_ids,
-        b_ids,
-        decode(tokenizer, a_ids),
-        decode(tokenizer, b_ids),
-        kept[0] if kept else None,
-        samples[2:],
-        [decode(tokenizer, c) for c in samples[2:]],
-    )
 
 
 def token_logprobs(

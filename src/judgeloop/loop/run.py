@@ -124,7 +124,7 @@ def save_run(run: LoopRun, step: int) -> None:
     state = run.state
     state.judge_status = dict(run.train_judge.stats.status)
     state.judge_cache_hits = run.train_judge.stats.cache_hits
-    state.truncated_articles = sorted(run.build_prompt.truncated)
+    state.truncated_articles = sorted(run.policy.build_prompt.truncated)
     state.judge_state = run.train_judge.state_dict() if run.train_judge.learns_from_labels else None
     save_checkpoint(
         run.accelerator,
@@ -201,7 +201,7 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         "curve": state.curve,
         "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
         "judge_stats": {"status": dict(judge_stats.status), "cache_hits": judge_stats.cache_hits},
-        "prompts_truncated": run.build_prompt.num_truncated,
+        "prompts_truncated": run.policy.build_prompt.num_truncated,
         "per_article": "per_article.jsonl",
         "numerics": state.numerics,
         "start_cache": None
@@ -213,7 +213,7 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
             out_dir / "policy",
             acc,
             run.model,
-            run.tokenizer,
+            run.policy.tokenizer,
             run.calibrator.state_dict(),
             cfg.policy.model,
             policy_card(cfg, report, state.per_article),

@@ -1,5 +1,12 @@
-"""The run's state on disk: atomic checkpoints of everything the loop needs to resume exactly (in the one
-scheme of :mod:`judgeloop.checkpointing` that the retriever uses too), and the policy's weight files.
+"""The run's state on disk: its output folder (opened, cleaned after a killed write, resumed), atomic
+checkpoints of everything the loop needs to resume exactly (in the one scheme of
+:mod:`judgeloop.checkpointing` that the retriever uses too), and the policy's weight files.
+
+A run opens its folder in three moves, each made once: :func:`open_output` (before any work: the
+folder's hold, and a checkpoint named by ``resume_from`` checked against the config,
+:func:`checked_resume_step`), :func:`resolve_resume` (after the accelerator exists: the clean-up after a
+killed checkpoint write, :func:`remove_orphans`, then ``resume_from: auto`` made concrete) and
+:func:`prepare_output` (the log rows past the checkpoint dropped, the config recorded).
 
 A checkpoint directory holds accelerate's state (``model.safetensors``: the trainable parameters,
 adapters under LoRA, all weights otherwise; ``optimizer.bin``, ``scheduler.bin``,
@@ -11,6 +18,8 @@ saving leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -18,11 +27,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from judgeloop.checkpointing import load_training_checkpoint, save_training_checkpoint
+from judgeloop.config import ConfigError, default_dict, to_yaml
 from judgeloop.distributed import gathered_state_dict, is_fsdp, load_trainable_state, trainable_state
-from judgeloop.io import DataError, atomic_dir, atomic_write_json, read_json
+from judgeloop.io import DataError, atomic_dir, atomic_write_json, atomic_write_text, read_json
+from judgeloop.logging import get_logger
+from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.rundir import run_dir
+from judgeloop.tracking import truncate_jsonl_log
+
+logger = get_logger(__name__)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -121,36 +138,63 @@ def save_checkpoint(
     save_training_checkpoint(accelerator, path, files)
 
 
-def remove_orphans(out_dir: str | Path) -> list[tuple[Path, str]]:
-    """Clean up after a checkpoint write that was killed; returns ``(path, "removed" | "restored")``.
+def killed_writes(out_dir: str | Path) -> list[tuple[Path, str]]:
+    """What a checkpoint write that was killed left behind, and what :func:`remove_orphans` does with each:
+    ``(path, "removed" | "restored")``. Reads only.
 
     ``.NAME.*.tmp`` folders are half-written and removed. ``.NAME.old`` is the previous copy of a folder
     being replaced (:func:`judgeloop.io.atomic_dir`): it is removed when ``NAME`` exists, and moved
     back to ``NAME`` when the kill came between the two renames, so no finished checkpoint is lost.
     """
-    import os
-    import shutil
-
     out_dir = Path(out_dir)
     found: list[tuple[Path, str]] = []
     for folder in (out_dir / "checkpoints", out_dir):
         if not folder.is_dir():
             continue
         for p in sorted(folder.glob(".*.old")):
-            if not p.is_dir():
-                continue
-            target = p.with_name(p.name[1 : -len(".old")])
-            if target.exists():
-                shutil.rmtree(p, ignore_errors=True)
-                found.append((p, "removed"))
-            else:
-                os.replace(p, target)
-                found.append((p, "restored"))
-        for p in sorted(folder.glob(".*.tmp")):
             if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-                found.append((p, "removed"))
+                found.append((p, "removed" if _replaced(p).exists() else "restored"))
+        found += [(p, "removed") for p in sorted(folder.glob(".*.tmp")) if p.is_dir()]
     return found
+
+
+def _replaced(old: Path) -> Path:
+    """The folder ``.NAME.old`` is the previous copy of: ``NAME``."""
+    return old.with_name(old.name[1 : -len(".old")])
+
+
+def remove_orphans(out_dir: str | Path) -> list[tuple[Path, str]]:
+    """Clean up after a checkpoint write that was killed (:func:`killed_writes` says what is done with
+    each left-over folder); returns ``(path, "removed" | "restored")``."""
+    import os
+    import shutil
+
+    found = killed_writes(out_dir)
+    for p, what in found:
+        if what == "restored":
+            os.replace(p, _replaced(p))
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def has_checkpoint(out_dir: str | Path) -> bool:
+    """Whether ``out_dir`` holds a complete checkpoint to resume, counting one that :func:`remove_orphans`
+    will move back into place (a write killed between its two renames). Reads only."""
+    if latest_checkpoint(out_dir) is not None:
+        return True
+    root = Path(out_dir) / "checkpoints"
+    return any(
+        what == "restored" and p.parent == root and _is_checkpoint(p, _replaced(p).name)
+        for p, what in killed_writes(out_dir)
+    )
+
+
+def _is_checkpoint(path: Path, name: str) -> bool:
+    """Whether ``path``, named ``name`` (``step_N``), is a complete checkpoint folder."""
+    return (
+        path.is_dir() and name.startswith("step_") and name[5:].isdigit() and (path / "state.json").is_file()
+    )
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -158,9 +202,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     place whole (:func:`judgeloop.io.replace_dir`), so a ``step_N`` with its ``state.json`` is complete;
     half-written ``.step_N.*`` folders are never taken."""
     root = Path(out_dir) / "checkpoints"
-    found = [
-        p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / "state.json").is_file()
-    ]
+    found = [p for p in root.glob("step_*") if _is_checkpoint(p, p.name)]
     return max(found, key=lambda p: int(p.name[5:]), default=None)
 
 
@@ -202,6 +244,68 @@ def checked_resume(
             + ". Resume with the checkpoint's values (see its config.yaml) or start a new run"
         )
     return step
+
+
+def checked_resume_step(cfg: FeedbackLoopConfig) -> int | None:
+    """The step of the checkpoint ``resume_from`` names, checked against ``cfg`` (:func:`checked_resume`);
+    None for a fresh start, or for ``auto`` before :func:`resolve_resume` has found its checkpoint."""
+    if not cfg.resume_from or cfg.resume_from == "auto":
+        return None
+    return checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
+
+
+def open_output(cfg: FeedbackLoopConfig, out_dir: Path) -> contextlib.AbstractContextManager[Any]:
+    """The run's hold on ``output_dir`` (:mod:`judgeloop.rundir`): a folder of this run is kept for a
+    resume (``resume_from: auto`` keeps it when it holds a checkpoint, and starts it clean when it holds
+    none), refused without ``resume_from``; one of another run is refused."""
+    return run_dir(
+        out_dir,
+        "train",
+        cfg,
+        on_match="keep" if cfg.resume_from else "refuse",
+        can_resume=has_checkpoint if cfg.resume_from == "auto" else None,
+        hint="continue it with resume_from=auto",
+    )
+
+
+def resolve_resume(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> FeedbackLoopConfig:
+    """The main process cleans up after a killed checkpoint write (:func:`remove_orphans`, which may
+    restore a checkpoint); then ``resume_from: auto`` is made concrete: the newest complete checkpoint
+    under ``output_dir``, or null for a fresh start; the log says which. Any other value is returned as
+    it is."""
+    if accelerator.is_main_process:
+        for orphan, what in remove_orphans(out_dir):
+            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
+    accelerator.wait_for_everyone()  # the main process has opened and cleaned output_dir
+    if cfg.resume_from != "auto":
+        return cfg
+    found = latest_checkpoint(out_dir)
+    if found is None:
+        logger.info("resume_from=auto: no checkpoint under %s; starting fresh", out_dir / "checkpoints")
+    else:
+        logger.info("resume_from=auto: resuming from %s, the newest checkpoint", found)
+    return dataclasses.replace(cfg, resume_from=None if found is None else str(found))
+
+
+def prepare_output(
+    cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, ckpt_step: int | None
+) -> None:
+    """Before any work: refuse a resume past ``max_steps`` (``ckpt_step``: the step of the checkpoint it
+    continues, :func:`checked_resume_step`), drop the log rows written after that checkpoint by the run
+    that was stopped, record the config that runs."""
+    if ckpt_step is not None and ckpt_step > cfg.max_steps:  # else the loop runs no step and exits 0
+        raise ConfigError(
+            f"resume_from={cfg.resume_from} is at step {ckpt_step}, past max_steps={cfg.max_steps}: nothing to "
+            f"run; set max_steps above {ckpt_step} to continue it (or resume an earlier checkpoint)"
+        )
+    if accelerator.is_main_process:
+        if ckpt_step is not None:
+            dropped = truncate_jsonl_log(out_dir / "metrics.jsonl", ckpt_step)
+            if dropped:
+                logger.info(
+                    "metrics.jsonl: dropped %d rows logged after the checkpoint's step %d", dropped, ckpt_step
+                )
+        atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
 
 
 def load_checkpoint(accelerator: Any, path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,7 +1,9 @@
-"""Set-up of one run of the loop: checks before any work, the accelerator, the data, the models, the
-generation backend, then step 0 (:func:`start_run`: reference summaries, the judge's coupling, the first
-calibrator fit, the step-0 evaluation) or a resume (:func:`resume_run`); the scheduled evaluation and curve
-point (:func:`evaluate_when_due`, :func:`curve_when_due`), which step 0 and every step run.
+"""Set-up of one run of the loop: checks before any work, the accelerator, the output folder (opened,
+cleaned and resumed by :mod:`judgeloop.loop.run_state_files`), the data, the policy
+(:mod:`judgeloop.loop.policy`) and the judges, the generation backend, then step 0 (:func:`start_run`:
+reference summaries, the judge's coupling, the first calibrator fit, the step-0 evaluation) or a resume
+(:func:`resume_run`); the scheduled evaluation and curve point (:func:`evaluate_when_due`,
+:func:`curve_when_due`), which step 0 and every step run.
 
 :func:`open_run` is the ``with`` block that holds a run; :class:`LoopRun` is what it holds. Only the run's
 own rooms (this module, :mod:`judgeloop.loop.run`, :mod:`judgeloop.loop.alarms`) take a ``LoopRun``; they
@@ -25,7 +27,7 @@ from accelerate.utils import DistributedType
 from judgeloop.calibration import Calibrator, calibrator_from_state
 from judgeloop.calibration.coupling import coupling_line
 from judgeloop.checkpointing import save_only_trainable
-from judgeloop.config import ConfigError, check_output_places, default_dict, to_dict, to_yaml
+from judgeloop.config import ConfigError, check_output_places, to_dict
 from judgeloop.devices import (
     check_device,
     intra_op_threads,
@@ -39,7 +41,6 @@ from judgeloop.distributed import (
     accelerator_kwargs,
     check_launch,
     configure_deepspeed,
-    generation_context,
     is_zero3,
     load_trainable_state,
     new_accelerator,
@@ -47,11 +48,11 @@ from judgeloop.distributed import (
     trainable_state,
     whole_models,
 )
-from judgeloop.io import atomic_write_text, finite_or_none
+from judgeloop.io import finite_or_none
 from judgeloop.judges import Judge, build_judge, members_models, models_of
 from judgeloop.logging import get_logger
 from judgeloop.loop.arms import arm
-from judgeloop.loop.config import RESUME_FREE_KEYS, FeedbackLoopConfig
+from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.curve import curve_articles, curve_due, curve_log, curve_rows, record_curve_point
 from judgeloop.loop.evaluation import (
     early_stopping,
@@ -67,7 +68,7 @@ from judgeloop.loop.pairs import (
     initial_calibration_pairs,
     judge_coupling,
 )
-from judgeloop.loop.policy import load_policy
+from judgeloop.loop.policy import Policy, generation_backend, load_policy
 from judgeloop.loop.prefetch import JudgePrefetch
 from judgeloop.loop.recalibration import (
     build_calibrator,
@@ -76,26 +77,21 @@ from judgeloop.loop.recalibration import (
     needs_fit,
     refit,
 )
-from judgeloop.loop.rollout import (
-    IN_PROCESS,
-    GenerationBackend,
-    PromptBuilder,
-    prefix_reusable,
-)
+from judgeloop.loop.rollout import PromptBuilder, prefix_reusable
 from judgeloop.loop.run_state_files import (
-    checked_resume,
-    latest_checkpoint,
+    checked_resume_step,
     load_checkpoint,
-    remove_orphans,
+    open_output,
+    prepare_output,
+    resolve_resume,
 )
 from judgeloop.loop.start_cache import StartWork
 from judgeloop.loop.state import LoopState, Splits, load_splits
 from judgeloop.loop.steps import Learner
-from judgeloop.loop.vllm_backend import check_backend, policy_engine
+from judgeloop.loop.vllm_backend import check_backend
 from judgeloop.models import load_tokenizer
-from judgeloop.rundir import run_dir
 from judgeloop.signals import StopRequest, stop_signals
-from judgeloop.tracking import check_trackers, init_trackers, make_trackers, truncate_jsonl_log
+from judgeloop.tracking import check_trackers, init_trackers, make_trackers
 
 logger = get_logger(__name__)
 
@@ -191,12 +187,14 @@ def open_run(cfg: FeedbackLoopConfig) -> Iterator[LoopRun]:
     check_launch(cfg.batch_size, "batch_size", cfg.optim.max_grad_norm, "optim.max_grad_norm")
     check_models(cfg)
     warn_hard_monotone(cfg)
+    # a checkpoint that resume_from names is checked before the folder: the error names the keys that differ
+    ckpt_step = checked_resume_step(cfg)
     # the stop signals are caught from here on: one during set-up stops the run after step 0 or the resume
     with (
         open_output(cfg, out_dir),
         stop_signals(cfg.stop_signals) as stop,
         intra_op_threads(cfg.threads),
-        _opened(cfg, out_dir) as run,
+        _opened(cfg, out_dir, ckpt_step) as run,
     ):
         run.stop = stop
         yield run
@@ -215,86 +213,30 @@ def warn_hard_monotone(cfg: FeedbackLoopConfig) -> None:
         )
 
 
-def open_output(cfg: FeedbackLoopConfig, out_dir: Path) -> contextlib.AbstractContextManager[Any]:
-    """The run's hold on ``output_dir`` (:mod:`judgeloop.rundir`): a folder of this run is kept for a
-    resume (``resume_from: auto`` keeps it when it holds a checkpoint, and starts it clean when it holds
-    none), refused without ``resume_from``; one of another run is refused."""
-
-    if cfg.resume_from and cfg.resume_from != "auto":  # its own check first: it names the keys that differ
-        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
-
-    def has_checkpoint(folder: Path) -> bool:
-        remove_orphans(folder)  # a write killed between its two renames leaves the checkpoint as .NAME.old
-        return latest_checkpoint(folder) is not None
-
-    return run_dir(
-        out_dir,
-        "train",
-        cfg,
-        on_match="keep" if cfg.resume_from else "refuse",
-        can_resume=has_checkpoint if cfg.resume_from == "auto" else None,
-        hint="continue it with resume_from=auto",
-    )
-
-
-def resolve_resume(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> FeedbackLoopConfig:
-    """``resume_from: auto`` made concrete: the newest complete checkpoint under ``output_dir`` (after the
-    main process has cleaned up a killed write, which may restore one), or null for a fresh start; the
-    log says which. Any other value is returned as it is."""
-    if cfg.resume_from != "auto":
-        return cfg
-    if accelerator.is_main_process:
-        for orphan, what in remove_orphans(out_dir):
-            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
-    accelerator.wait_for_everyone()
-    found = latest_checkpoint(out_dir)
-    if found is None:
-        logger.info("resume_from=auto: no checkpoint under %s; starting fresh", out_dir / "checkpoints")
-    else:
-        logger.info("resume_from=auto: resuming from %s, the newest checkpoint", found)
-    return dataclasses.replace(cfg, resume_from=None if found is None else str(found))
-
-
 @contextlib.contextmanager
-def _opened(cfg: FeedbackLoopConfig, out_dir: Path) -> Iterator[LoopRun]:
+def _opened(cfg: FeedbackLoopConfig, out_dir: Path, ckpt_step: int | None) -> Iterator[LoopRun]:
     accelerator = make_accelerator(cfg, out_dir)
-    accelerator.wait_for_everyone()  # the main process has opened (and maybe cleaned) output_dir
     auto = cfg.resume_from == "auto"
-    cfg = resolve_resume(cfg, accelerator, out_dir)
+    cfg = resolve_resume(cfg, accelerator, out_dir)  # after a killed checkpoint write, cleaned up once
+    if auto:  # the checkpoint it found, checked once as one named by resume_from is
+        ckpt_step = checked_resume_step(cfg)
     # the data next: a split too small for the batch on these processes stops here, before any output
     splits = load_splits(cfg, accelerator.num_processes)
     check_calibration_budget(cfg.calibration, [e.id for e in splits.calibration], cfg.seed)
     with accelerator.autocast():
-        prepare_output(cfg, accelerator, out_dir)
+        prepare_output(cfg, accelerator, out_dir, ckpt_step)
         run_name = cfg.run_name or f"{cfg.calibration.method}-seed{cfg.seed}"
         init_trackers(accelerator, cfg.project_name, run_name, cfg.run_group, to_dict(cfg))
         run = setup_run(cfg, accelerator, out_dir, splits)
         run.auto_resume = auto
         # where the policy generates; under vllm its engine is started here and ended with the run
-        with generation_backend(
-            cfg, accelerator.unwrap_model(run.model), run.tokenizer, out_dir, run.learner.optimizer
-        ) as backend:
-            run.backend = backend
+        with generation_backend(cfg, run.policy, out_dir, run.learner.optimizer) as backend:
+            run.policy.backend = backend
             if cfg.resume_from:
                 resume_run(run)
             else:
                 start_run(run)
             yield run
-
-
-@contextlib.contextmanager
-def generation_backend(
-    cfg: FeedbackLoopConfig, policy: Any, tokenizer: Any, out_dir: Path, optimizer: Any
-) -> Iterator[GenerationBackend]:
-    """The run's generation backend for the block (``generation.backend``): ``hf``, the policy generates
-    in this process; ``vllm``, an engine serves ``policy`` (the unwrapped model the steps generate with),
-    synced after every step of ``optimizer``, started here and ended on leaving
-    (:func:`judgeloop.loop.vllm_backend.policy_engine`)."""
-    if cfg.generation.backend != "vllm":
-        yield IN_PROCESS
-        return
-    with policy_engine(cfg, policy, tokenizer, out_dir, optimizer) as engine:
-        yield GenerationBackend(engine, policy)
 
 
 @dataclass
@@ -305,8 +247,9 @@ class LoopRun:
     accelerator: Accelerator
     out_dir: Path
     splits: Splits
-    tokenizer: Any
-    build_prompt: PromptBuilder
+    # the policy: its model, reference, tokenizer, prompts and where it generates (policy.backend: hf, or
+    # the vLLM engine of generation.backend, set by open_run)
+    policy: Policy
     learner: Learner
     judge: Judge  # the configured judge (evaluation reports it)
     train_judge: Judge  # the judge whose preferences train the policy (the oracle in the oracle arm)
@@ -324,28 +267,18 @@ class LoopRun:
     saved_step: int | None = None  # the step of the last checkpoint this run wrote
     auto_resume: bool = False  # the config says resume_from: auto
     collected: tuple[int, CalibrationPairs] | None = None  # the last step's fresh calibration pairs
-    # where the policy generates: hf, or the vLLM engine (generation.backend); set by open_run, passed to
-    # every step that generates
-    backend: GenerationBackend = IN_PROCESS
 
     @property
     def model(self) -> Any:
-        return self.learner.model
+        """The prepared policy model (the one the optimizer steps)."""
+        return self.policy.model
 
     def collect(self, step: int) -> CalibrationPairs:
         """Fresh calibration pairs from the current policy (step 0: the starting policy); drawn once per
         step, so the ECE monitor, a refit and the divergence check of one step share them."""
         if self.collected is None or self.collected[0] != step:
             pairs = collect_calibration_pairs(
-                self.accelerator,
-                self.model,
-                self.backend,
-                self.tokenizer,
-                self.build_prompt,
-                self.train_judge,
-                self.splits.calibration,
-                self.cfg,
-                step,
+                self.policy, self.train_judge, self.splits.calibration, self.cfg, step
             )
             self.collected = (step, pairs)
         return self.collected[1]
@@ -353,32 +286,17 @@ class LoopRun:
     def curve(self, step: int) -> dict[str, Any]:
         """The validation curve's point at ``step`` (:mod:`judgeloop.loop.curve`), into the state and
         the trackers."""
-        with generation_context(self.model):
-            rows = curve_rows(
-                self.accelerator,
-                self.model,
-                self.backend,
-                self.learner.ref,
-                self.tokenizer,
-                self.build_prompt,
-                curve_articles(self.splits.validation, self.cfg),
-                self.cfg,
-                step,
-            )
+        with self.policy.generating():
+            rows = curve_rows(self.policy, curve_articles(self.splits.validation, self.cfg), self.cfg, step)
         point = record_curve_point(self.state, rows, step, self.cfg.seed)
         self.accelerator.log({f"curve/{k}": v for k, v in curve_log(point).items()}, step=step)
         return point
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Test and validation metrics of the current policy at ``step``."""
-        with generation_context(self.model):
+        with self.policy.generating():
             return run_evaluation(
-                self.accelerator,
-                self.model,
-                self.backend,
-                self.learner.ref,
-                self.tokenizer,
-                self.build_prompt,
+                self.policy,
                 self.splits,
                 self.state,
                 self.judge,
@@ -415,31 +333,6 @@ def curve_when_due(run: LoopRun, step: int) -> None:
     """Every ``curve.every_n_steps`` (and at the last step): the validation curve's point."""
     if curve_due(run.cfg, step):
         run.curve(step)
-
-
-def prepare_output(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path) -> None:
-    """Before any work: check a resume against its checkpoint, clean up after a killed run (orphan
-    checkpoint folders, log rows past the checkpoint), record the config that runs."""
-    ckpt_step = (
-        checked_resume(to_yaml(cfg), cfg.resume_from, RESUME_FREE_KEYS, default_dict(type(cfg)), type(cfg))
-        if cfg.resume_from
-        else None
-    )
-    if ckpt_step is not None and ckpt_step > cfg.max_steps:  # else the loop runs no step and exits 0
-        raise ConfigError(
-            f"resume_from={cfg.resume_from} is at step {ckpt_step}, past max_steps={cfg.max_steps}: nothing to "
-            f"run; set max_steps above {ckpt_step} to continue it (or resume an earlier checkpoint)"
-        )
-    if accelerator.is_main_process:
-        for orphan, what in remove_orphans(out_dir):
-            logger.info("%s %s, left by a killed checkpoint write", what, orphan)
-        if ckpt_step is not None:
-            dropped = truncate_jsonl_log(out_dir / "metrics.jsonl", ckpt_step)
-            if dropped:
-                logger.info(
-                    "metrics.jsonl: dropped %d rows logged after the checkpoint's step %d", dropped, ckpt_step
-                )
-        atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
 
 
 def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, splits: Splits) -> LoopRun:
@@ -499,14 +392,14 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
     )
-    start = StartWork(cfg, accelerator, model, ref, tokenizer, build_prompt, splits.test[0].article)
+    policy = Policy(accelerator, model, ref, tokenizer, build_prompt)
+    start = StartWork(cfg, policy, splits.test[0].article)
     return LoopRun(
         cfg,
         accelerator,
         out_dir,
         splits,
-        tokenizer,
-        build_prompt,
+        policy,
         learner,
         judge,
         train_judge,
@@ -552,7 +445,7 @@ def resume_run(run: LoopRun) -> None:
     run.kl_ctl.coef = run.state.kl_coef
     run.train_judge.stats.status.update(run.state.judge_status)
     run.train_judge.stats.cache_hits += run.state.judge_cache_hits
-    run.build_prompt.truncated.update(run.state.truncated_articles)
+    run.policy.build_prompt.truncated.update(run.state.truncated_articles)
     logger.info("resumed from %s at step %d", cfg.resume_from, run.state.step)
     now = run_numerics(run)
     changed = numerics_differences(run.state.numerics[-1] if run.state.numerics else None, now)
@@ -576,17 +469,8 @@ def start_run(run: LoopRun) -> None:
     starting policy, and the step-0 evaluation."""
     cfg, state = run.cfg, run.state
     state.numerics = [{"from_step": 0, **run_numerics(run)}]
-    with generation_context(run.model):
-        state.ref_summaries = reference_summaries(
-            run.accelerator,
-            run.model,
-            run.learner.ref,
-            run.tokenizer,
-            run.build_prompt,
-            run.splits.test,
-            cfg,
-            run.start,
-        )
+    with run.policy.generating():
+        state.ref_summaries = reference_summaries(run.policy, run.splits.test, cfg, run.start)
     if (
         arm(cfg.calibration.method).judge != "oracle"
     ):  # samples of the initial policy: coupling, the first fit

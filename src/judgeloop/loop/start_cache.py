@@ -30,15 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
 
 from judgeloop.data import SummExample
 from judgeloop.hashing import json_digest
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig
-from judgeloop.loop.policy import eval_mode
-from judgeloop.loop.rollout import PromptBuilder
+from judgeloop.loop.policy import Policy, eval_mode
 
 logger = get_logger(__name__)
 
@@ -99,31 +97,19 @@ class StartWork:
     several processes, everything is computed here as always. Either way the values are the same.
     """
 
-    def __init__(
-        self,
-        cfg: FeedbackLoopConfig,
-        accelerator: Accelerator,
-        model: Any,
-        ref: Any | None,
-        tokenizer: Any,
-        build_prompt: PromptBuilder,
-        probe_article: str,
-    ):
+    def __init__(self, cfg: FeedbackLoopConfig, policy: Policy, probe_article: str):
         self.cache: StartCache | None = None
+        accelerator = policy.accelerator
         if cfg.start_cache and accelerator.num_processes == 1:
             self.cache = StartCache(cfg.start_cache)
         elif cfg.start_cache:
             logger.info("start_cache is ignored under %d processes", accelerator.num_processes)
         if self.cache is None:
             return
-        probe = torch.tensor([build_prompt(probe_article)])
-        unwrapped = accelerator.unwrap_model(model)
-        self.policy_fp = model_fingerprint(unwrapped, probe)
-        if ref is not None:
+        probe = torch.tensor([policy.build_prompt(probe_article)])
+        self.policy_fp = model_fingerprint(policy.unwrapped, probe)
+        with policy.as_reference() as ref:
             self.ref_fp = model_fingerprint(ref, probe)
-        else:
-            with unwrapped.disable_adapter():
-                self.ref_fp = model_fingerprint(unwrapped, probe)
         self.base = {
             "policy": dataclasses.asdict(cfg.policy),
             "data": dataclasses.asdict(cfg.data),

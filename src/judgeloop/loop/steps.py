@@ -26,8 +26,8 @@ are the same.
 ``recipes/feedback_loop.py`` calls them in this order, between the set-up (:mod:`judgeloop.loop.setup`:
 the run, step 0, a resume) and the evaluation, checkpoint and report around each step
 (:mod:`judgeloop.loop.run`, over :mod:`judgeloop.loop.evaluation`); ``judgeloop train`` runs that recipe.
-The steps take the run's parts (the model and where it generates, the judge, the calibrator, a
-:class:`Learner`), not the run.
+The steps take the run's parts (the :class:`~judgeloop.loop.policy.Policy`, the judge, the calibrator,
+a :class:`Learner`), not the run.
 Under ``accelerate launch`` each process runs every step on its share of the batch.
 """
 
@@ -49,7 +49,8 @@ from judgeloop.loop.dpo import dpo_update
 from judgeloop.loop.grpo import grpo_update, judge_groups, reward_matrix
 from judgeloop.loop.losses import group_advantages, targets_from_probs
 from judgeloop.loop.pairs import calibrate
-from judgeloop.loop.rollout import GenerationBackend, PromptBuilder, Rollout, rollout
+from judgeloop.loop.policy import Policy
+from judgeloop.loop.rollout import Rollout
 from judgeloop.loop.update import Learner
 
 logger = get_logger(__name__)
@@ -74,28 +75,17 @@ class PairBatch:
 
 
 def rollout_step(
-    model: Any,
-    backend: GenerationBackend,
-    tokenizer: Any,
-    build_prompt: PromptBuilder,
-    batch: PairBatch,
-    cfg: FeedbackLoopConfig,
-    process_index: int,
-    keep_prefix: bool = False,
+    policy: Policy, batch: PairBatch, cfg: FeedbackLoopConfig, keep_prefix: bool = False
 ) -> Rollout:
     """The policy samples two summaries per article, or ``generation.num_samples_per_article``
-    under grpo, where ``backend`` says (the run's: ``hf`` in this process, or its vLLM engine);
+    under grpo, where its backend says (the run's: ``hf`` in this process, or its vLLM engine);
     ``keep_prefix``: and keeps its prompt pass, with gradients, for the update."""
-    batch.rollout = rollout(
-        model,
-        tokenizer,
-        build_prompt,
+    batch.rollout = policy.sample(
         [e.article for e in batch.examples],
         cfg.generation,
-        seed=derive_seed(cfg.seed, "rollout", batch.step, process_index),
+        seed=derive_seed(cfg.seed, "rollout", batch.step, policy.accelerator.process_index),
         keep_prefix=keep_prefix,
         num_samples=cfg.generation.num_samples_per_article if cfg.loss.type == "grpo" else 2,
-        backend=backend,
     )
     return batch.rollout
 
