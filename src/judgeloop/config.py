@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import math
 import numbers
 import types
@@ -93,11 +94,80 @@ ANY_FINITE: Range = (None, None, "()", "")
 
 def infinite_ok(default: float, **kwargs: Any) -> Any:
     """A float field for which infinity means something (``x: float = infinite_ok(math.inf)``): the
-    loader accepts ``inf`` / ``-inf`` there; NaN stays an error."""
+    loader accepts ``inf`` / ``-inf`` there; NaN stays an error (with a range: ``bounded(..., infinite=True)``)."""
     return dataclasses.field(default=default, metadata={"infinite_ok": True}, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The declared range of one numeric setting, read by the loader and by :func:`check_fields` alike
+    (:func:`bounded` makes the field that carries it).
+
+    ``low`` / ``high``: the ends (``None``: open); ``interval``: which ends belong to it, as in maths
+    (``"[)"``: ``low`` in, ``high`` out); ``hint``: appended to the message as written (``" (0 = off)"``,
+    ``"; e.g. 0.2"``). ``shape``: the message's form, one of the two judgeloop has always given:
+    ``"key"``, the loader's ``config key 'SECTION.NAME'=VALUE must be ...`` (a ``ConfigError``), or
+    ``"section"``, ``SECTION.NAME=VALUE must be ...`` (a ``ValueError``, which the loader prefixes with
+    ``invalid config for 'SECTION': ``).
+    """
+
+    low: float | None = None
+    high: float | None = None
+    interval: str = "[]"
+    hint: str = ""
+    shape: Literal["key", "section"] = "key"
+
+    @property
+    def range(self) -> Range:
+        return (self.low, self.high, self.interval, self.hint)
+
+
+def bounded(
+    default: Any = dataclasses.MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    hint: str = "",
+    shape: Literal["key", "section"] = "key",
+    infinite: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """A numeric field with its range declared once (``max_steps: int = bounded(100, ge=0)``), checked
+    by the loader for a value a config sets and by :func:`check_fields` for every value of a config built
+    in Python: the one place a number's bounds are written.
+
+    Args:
+        default: the field's default (or pass ``default_factory=``).
+        ge, gt: the lower end, included (``>=``) or not (``>``); le, lt: the upper end likewise.
+        hint: appended to the message as written: what the value means or how to fix it.
+        shape: the message's form (see :class:`Bound`).
+        infinite: ``inf`` is a setting here ("no limit", :func:`infinite_ok`); it passes the upper end.
+        kwargs: passed on to :func:`dataclasses.field`.
+    """
+    if ge is not None and gt is not None or le is not None and lt is not None:
+        raise TypeError("bounded: give one lower end (ge or gt) and one upper end (le or lt)")
+    interval = ("(" if gt is not None else "[") + (")" if lt is not None else "]")
+    bound = Bound(ge if gt is None else gt, le if lt is None else lt, interval, hint, shape)
+    metadata = {"bound": bound, **({"infinite_ok": True} if infinite else {})}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def _bound_of(cls: type, name: str) -> Bound | None:
+    """The field's declared :class:`Bound`, else (until every schema declares its own) its ``RANGES`` entry
+    or :data:`NAME_RANGES` pattern, in the loader's message shape."""
+    f = cls.__dataclass_fields__.get(name)  # type: ignore[attr-defined]
+    if f is not None and "bound" in f.metadata:
+        return f.metadata["bound"]
+    rng = _range_of(cls, name)
+    return None if rng is None else Bound(*rng)
+
+
 def _range_of(cls: type, name: str) -> Range | None:
+    f = cls.__dataclass_fields__.get(name)  # type: ignore[attr-defined]
+    if f is not None and "bound" in f.metadata:
+        return f.metadata["bound"].range
     own: dict[str, Range] = getattr(cls, "RANGES", {})
     if name in own:
         return own[name]
@@ -122,19 +192,30 @@ def _range_text(rng: Range) -> str:
     return f"in {interval[0]}{_bound(low)}, {_bound(high)}{interval[-1]}"
 
 
-def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str) -> None:
-    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`); ``inf``, where the
-    field is marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is
-    checked like any value: a timeout of -inf is still refused)."""
-    unbounded = {f.name for f in dataclasses.fields(cls) if f.metadata.get("infinite_ok")}  # type: ignore[arg-type]
+def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str, declared: bool | None = None) -> None:
+    """Each number in ``values`` lies in its field's range (:func:`bounded`); ``inf``, where the field is
+    marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is checked like
+    any value: a timeout of -inf is still refused). ``declared``: only the fields that declare their
+    :class:`Bound` (True), only those that do not (False), or every one (None).
+
+    Raises:
+        ConfigError: a key-shape bound; ValueError: a section-shape one (see :class:`Bound`).
+    """
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if name in unbounded and value == math.inf:
+        f = fields.get(name)
+        if f is None or (declared is not None and ("bound" in f.metadata) != declared):
             continue
-        rng = _range_of(cls, name)
-        if rng is not None and not _in_range(value, rng):
-            raise ConfigError(f"config key '{prefix}{name}'={value} must be {_range_text(rng)}{rng[3]}")
+        if f.metadata.get("infinite_ok") and value == math.inf:
+            continue
+        bound = _bound_of(cls, name)
+        if bound is not None and not _in_range(value, bound.range):
+            must = f"must be {_range_text(bound.range)}{bound.hint}"
+            if bound.shape == "section":
+                raise ValueError(f"{prefix}{name}={value} {must}")
+            raise ConfigError(f"config key '{prefix}{name}'={value} {must}")
 
 
 def _bound(x: float) -> str:
@@ -255,7 +336,7 @@ def check_fields(section: str, cfg: Any) -> None:
     Through the loader the values are already checked, so nothing changes there.
     """
     prefix = f"{section}." if section else ""
-    hints = get_type_hints(type(cfg))
+    hints = _hints(type(cfg))
     numbers_set: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -272,6 +353,11 @@ def check_fields(section: str, cfg: Any) -> None:
         _coerce(value, hints[f.name], f"{prefix}{f.name}", bool(f.metadata.get("infinite_ok")))
         numbers_set[f.name] = value
     _check_ranges(type(cfg), numbers_set, prefix)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)  # once per schema: check_fields runs on every construction
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:
@@ -401,13 +487,14 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
         infinite = bool(fields[name].metadata.get("infinite_ok"))
         kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}", infinite)
     try:
+        _check_ranges(cls, kwargs, prefix, declared=True)  # each value alone, before any cross-field check
         built = cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
         where = prefix.rstrip(".") or cls.__name__
         raise ConfigError(f"invalid config for '{where}': {err}") from err
-    _check_ranges(cls, kwargs, prefix)  # after __post_init__, whose own messages say more
+    _check_ranges(cls, kwargs, prefix, declared=False)  # after __post_init__, whose own messages say more
     return built
 
 
