@@ -87,10 +87,6 @@ NAME_RANGES: tuple[tuple[str, Range], ...] = (
     ("*_scale", (0, None, "(", "")),
 )
 
-# a range that admits every finite number: a schema's RANGES gives it to a field where any sign means
-# something (a style weight, a logit offset), so the field is checked on purpose, not forgotten
-ANY_FINITE: Range = (None, None, "()", "")
-
 
 def infinite_ok(default: float, **kwargs: Any) -> Any:
     """A float field for which infinity means something (``x: float = infinite_ok(math.inf)``): the
@@ -108,7 +104,8 @@ class Bound:
     ``"; e.g. 0.2"``). ``shape``: the message's form, one of the two judgeloop has always given:
     ``"key"``, the loader's ``config key 'SECTION.NAME'=VALUE must be ...`` (a ``ConfigError``), or
     ``"section"``, ``SECTION.NAME=VALUE must be ...`` (a ``ValueError``, which the loader prefixes with
-    ``invalid config for 'SECTION': ``).
+    ``invalid config for 'SECTION': ``). ``message``: a message of the field's own, a format string with
+    ``{key}`` and ``{value}`` (raised as a section-shape one), for a bound whose words say more.
     """
 
     low: float | None = None
@@ -116,21 +113,32 @@ class Bound:
     interval: str = "[]"
     hint: str = ""
     shape: Literal["key", "section"] = "key"
+    message: str | None = None
 
     @property
     def range(self) -> Range:
         return (self.low, self.high, self.interval, self.hint)
 
 
+# a bound that admits every finite number, for a field where any sign means something (a style weight, a
+# logit offset): ``bounded(0.0, ANY_FINITE)`` says the field is checked on purpose, not forgotten
+ANY_FINITE = Bound(None, None, "()")
+
+# the range of every wait in seconds / milliseconds (``bounded(30.0, WAIT_S)``): past a week a value is a typo
+WAIT_S = Bound(0, WEEK_S, "[]", " (seconds; at most a week)")
+WAIT_MS = Bound(0, WEEK_S * 1000, "[]", " (milliseconds; at most a week)")
+
+
 def bounded(
     default: Any = dataclasses.MISSING,
-    *,
+    *also: Bound,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
     hint: str = "",
     shape: Literal["key", "section"] = "key",
+    message: str | None = None,
     infinite: bool = False,
     **kwargs: Any,
 ) -> Any:
@@ -140,34 +148,39 @@ def bounded(
 
     Args:
         default: the field's default (or pass ``default_factory=``).
+        also: more bounds, checked after the one the keywords give (a shared one such as :data:`WAIT_S`,
+            whose message names the unit, beside the field's own ``gt=0``).
         ge, gt: the lower end, included (``>=``) or not (``>``); le, lt: the upper end likewise.
         hint: appended to the message as written: what the value means or how to fix it.
-        shape: the message's form (see :class:`Bound`).
+        shape, message: the message's form (see :class:`Bound`).
         infinite: ``inf`` is a setting here ("no limit", :func:`infinite_ok`); it passes the upper end.
         kwargs: passed on to :func:`dataclasses.field`.
     """
     if ge is not None and gt is not None or le is not None and lt is not None:
         raise TypeError("bounded: give one lower end (ge or gt) and one upper end (le or lt)")
     interval = ("(" if gt is not None else "[") + (")" if lt is not None else "]")
-    bound = Bound(ge if gt is None else gt, le if lt is None else lt, interval, hint, shape)
-    metadata = {"bound": bound, **({"infinite_ok": True} if infinite else {})}
+    own = Bound(ge if gt is None else gt, le if lt is None else lt, interval, hint, shape, message)
+    bounds = ((own,) if (ge, gt, le, lt) != (None,) * 4 else ()) + also
+    metadata = {"bounds": bounds, **({"infinite_ok": True} if infinite else {})}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
-def _bound_of(cls: type, name: str) -> Bound | None:
-    """The field's declared :class:`Bound`, else (until every schema declares its own) its ``RANGES`` entry
-    or :data:`NAME_RANGES` pattern, in the loader's message shape."""
+def _bounds_of(cls: type, name: str) -> tuple[Bound, ...]:
+    """The field's declared bounds (:func:`bounded`), else (until every schema declares its own) its
+    ``RANGES`` entry or :data:`NAME_RANGES` pattern, in the loader's message shape."""
     f = cls.__dataclass_fields__.get(name)  # type: ignore[attr-defined]
-    if f is not None and "bound" in f.metadata:
-        return f.metadata["bound"]
+    if f is not None and "bounds" in f.metadata:
+        return f.metadata["bounds"]
     rng = _range_of(cls, name)
-    return None if rng is None else Bound(*rng)
+    return () if rng is None else (Bound(*rng),)
+
+
+def _admits(cls: type, name: str, value: float) -> bool:
+    """Whether every bound of the field admits ``value`` (a field with none admits every number)."""
+    return all(_in_range(value, b.range) for b in _bounds_of(cls, name))
 
 
 def _range_of(cls: type, name: str) -> Range | None:
-    f = cls.__dataclass_fields__.get(name)  # type: ignore[attr-defined]
-    if f is not None and "bound" in f.metadata:
-        return f.metadata["bound"].range
     own: dict[str, Range] = getattr(cls, "RANGES", {})
     if name in own:
         return own[name]
@@ -192,11 +205,12 @@ def _range_text(rng: Range) -> str:
     return f"in {interval[0]}{_bound(low)}, {_bound(high)}{interval[-1]}"
 
 
-def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str, declared: bool | None = None) -> None:
+def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str, before: bool = False) -> None:
     """Each number in ``values`` lies in its field's range (:func:`bounded`); ``inf``, where the field is
     marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is checked like
-    any value: a timeout of -inf is still refused). ``declared``: only the fields that declare their
-    :class:`Bound` (True), only those that do not (False), or every one (None).
+    any value: a timeout of -inf is still refused). ``before``: only the key-shape bounds the fields
+    declare (the loader checks these before the schema's ``__post_init__``; the section-shape ones are
+    its :func:`check_fields`'s, named as the schema names them, and checked again here after it).
 
     Raises:
         ConfigError: a key-shape bound; ValueError: a section-shape one (see :class:`Bound`).
@@ -206,16 +220,20 @@ def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str, declared: b
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         f = fields.get(name)
-        if f is None or (declared is not None and ("bound" in f.metadata) != declared):
+        if f is None or (before and "bounds" not in f.metadata):
             continue
         if f.metadata.get("infinite_ok") and value == math.inf:
             continue
-        bound = _bound_of(cls, name)
-        if bound is not None and not _in_range(value, bound.range):
-            must = f"must be {_range_text(bound.range)}{bound.hint}"
-            if bound.shape == "section":
-                raise ValueError(f"{prefix}{name}={value} {must}")
-            raise ConfigError(f"config key '{prefix}{name}'={value} {must}")
+        for bound in _bounds_of(cls, name):
+            if before and (bound.shape != "key" or bound.message is not None):
+                break  # checked in order: a later key-shape bound waits for the section-shape one
+            if not _in_range(value, bound.range):
+                must = f"must be {_range_text(bound.range)}{bound.hint}"
+                if bound.message is not None:
+                    raise ValueError(bound.message.format(key=f"{prefix}{name}", value=value))
+                if bound.shape == "section":
+                    raise ValueError(f"{prefix}{name}={value} {must}")
+                raise ConfigError(f"config key '{prefix}{name}'={value} {must}")
 
 
 def _bound(x: float) -> str:
@@ -487,14 +505,14 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
         infinite = bool(fields[name].metadata.get("infinite_ok"))
         kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}", infinite)
     try:
-        _check_ranges(cls, kwargs, prefix, declared=True)  # each value alone, before any cross-field check
+        _check_ranges(cls, kwargs, prefix, before=True)  # each value alone, before any cross-field check
         built = cls(**kwargs)
+        _check_ranges(cls, kwargs, prefix)  # the rest, for a schema whose __post_init__ has no check_fields
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
         where = prefix.rstrip(".") or cls.__name__
         raise ConfigError(f"invalid config for '{where}': {err}") from err
-    _check_ranges(cls, kwargs, prefix, declared=False)  # after __post_init__, whose own messages say more
     return built
 
 
