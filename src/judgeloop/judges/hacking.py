@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import bounded, check_at_least, check_fields, check_range
 from judgeloop.text import STOPWORDS
 
 ATTACKS = (
@@ -210,14 +210,14 @@ class AttackOptions:
     repeats: int = 4
     repeat_max_words: int = 30
     lead_sentences: int = 3
-    truncate_fraction: float = 1 / 3
+    truncate_fraction: float = bounded(1 / 3, gt=0, lt=1, hint="; e.g. 0.33", shape="section")
 
     def __post_init__(self) -> None:
+        check_fields("attack_options", self)
         if not self.label.strip():
             raise ValueError("attack label is empty; use the judge's first verdict label, e.g. 'A'")
         for name in ("keywords", "repeats", "repeat_max_words", "lead_sentences"):
             check_at_least("attack_options", self, name, 1)
-        check_range("attack_options", self, "truncate_fraction", 0, 1, "()", "; e.g. 0.33")
 
 
 def build_attack(kind: str, article: str, honest: str, weak: str, opts: AttackOptions | None = None) -> str:

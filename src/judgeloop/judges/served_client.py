@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from judgeloop.config import WAIT_S, bounded, check_fields
 from judgeloop.errors import ServiceFailed, UserError
 from judgeloop.logging import get_logger
 
@@ -93,16 +94,17 @@ class ServerConfig:
     route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
     top_logprobs: int = 20
     prompt_format: Literal["auto", "ids", "text"] = "auto"
-    timeout_s: float = 60.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
+    timeout_s: float = bounded(60.0, WAIT_S)
+    max_retries: int = bounded(3, ge=0)
+    backoff_s: float = bounded(0.5, WAIT_S)
     concurrency: int = 8
-    max_requests_per_minute: int = 0
-    max_tokens_per_minute: int = 0
+    max_requests_per_minute: int = bounded(0, ge=0)
+    max_tokens_per_minute: int = bounded(0, ge=0)
     on_failure: Literal["mask", "stop"] = "mask"
     cache_path: str = ""
 
     def __post_init__(self) -> None:
+        check_fields("judge.server", self)
         if self.route not in ("auto", *ROUTES):
             raise ValueError(f"judge.server.route={self.route!r}; use auto or one of {list(ROUTES)}")
         if self.on_failure not in ("mask", "stop"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from judgeloop.config import WEEK_S, bounded, check_at_least, check_fields, field_order
+from judgeloop.config import WAIT_S, bounded, check_at_least, check_fields, field_order
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
@@ -46,17 +46,13 @@ class PolicyBase:
     lora_alpha: int = bounded(16, gt=0, hint=" (the LoRA scaling numerator)")
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
-    max_article_tokens: int = 128
+    max_article_tokens: int = bounded(128, ge=8, message="{key}={value} is too small; use at least 8")
 
     def __post_init__(self) -> None:
         check_fields("policy", self)
         if "{article}" not in self.prompt_template:
             raise ValueError(
                 f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
-            )
-        if self.max_article_tokens < 8:
-            raise ValueError(
-                f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8"
             )
         if self.lora:
             check_at_least("policy", self, "lora_r", 1)
@@ -137,12 +133,8 @@ class VllmConfig:
     port: int = bounded(0, ge=0, le=65535, hint=" (0: a free port)", shape="section")
     max_model_len: int | None = bounded(None, ge=16, shape="section")
     kv_cache_gib: int = bounded(1, ge=1, shape="section")
-    startup_timeout_s: float = bounded(
-        900.0, gt=0, le=WEEK_S, hint=" (seconds; at most a week)", shape="section"
-    )
-    request_timeout_s: float = bounded(
-        600.0, gt=0, le=WEEK_S, hint=" (seconds; at most a week)", shape="section"
-    )
+    startup_timeout_s: float = bounded(900.0, WAIT_S, gt=0, shape="section")
+    request_timeout_s: float = bounded(600.0, WAIT_S, gt=0, shape="section")
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
