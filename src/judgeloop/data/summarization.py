@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from judgeloop.config import bounded, check_fields
 from judgeloop.io import DataError, check_kind, check_row, first_of_each_id, read_jsonl
 from judgeloop.logging import get_logger
 
@@ -84,7 +85,7 @@ class DataConfig:
     hf_split: str = "train"
     fields: dict[str, str] = field(default_factory=dict)
     embedded_size: int = 600
-    max_articles: int | None = None
+    max_articles: int | None = bounded(None, ge=0)
     lead_sentences: int = 2
     extractive: Literal["lead", "oracle"] = "lead"
     split: SplitConfig = field(default_factory=SplitConfig)
@@ -92,6 +93,7 @@ class DataConfig:
     duplicate_ids: Literal["first", "error"] = "first"
 
     def __post_init__(self) -> None:
+        check_fields("data", self)
         if self.format in ("jsonl", "summeval", "debian", "xsumfaith") and not self.path:
             raise ValueError(f"data.format={self.format} needs data.path=PATH to the JSONL file")
         if self.format == "hf" and not self.name:
