@@ -9,8 +9,11 @@ from typing import Literal
 import pytest
 
 from judgeloop.config import (
+    WAIT_S,
     ConfigError,
+    bounded,
     check_at_least,
+    check_fields,
     check_range,
     field_order,
     infinite_ok,
@@ -174,13 +177,55 @@ def test_every_shipped_config_loads(repo):
 
 @dataclass
 class Numbers:
-    miss_rate: float = 0.5
-    kl_coef: float = 0.1
-    timeout_s: float = infinite_ok(math.inf)
-    port: int = 8000
+    miss_rate: float = bounded(0.5, ge=0, le=1)
+    kl_coef: float = bounded(0.1, ge=0)
+    timeout_s: float = bounded(math.inf, WAIT_S, infinite=True)
+    port: int = bounded(8000, ge=0, le=65535, hint=" (0: any free port)")
     levels: list[float] = field(default_factory=lambda: [0.5])
-    width: float = 1.0
-    RANGES = {"width": (1.0, 4.0, "[]", " (a width)")}
+    width: float = bounded(1.0, ge=1.0, le=4.0, hint=" (a width)")
+    nan_ok: float = infinite_ok(0.0)  # a field with no bound admits every number
+
+
+@dataclass
+class Declared:
+    """Python and the loader check one declaration alike, in both message shapes, in order."""
+
+    steps: int = bounded(1, ge=1, shape="section")
+    wait_s: float = bounded(1.0, WAIT_S, gt=0, shape="section")
+    size: int = bounded(16, ge=8, message="{key}={value} is too small; use at least 8")
+
+    def __post_init__(self) -> None:
+        check_fields("loop", self)
+
+
+@pytest.mark.parametrize(
+    "override, loaded, built",
+    [
+        ("steps=0", "invalid config for 'loop': loop.steps=0 must be >= 1", "loop.steps=0 must be >= 1"),
+        ("wait_s=0", "invalid config for 'loop': loop.wait_s=0.0 must be > 0", "loop.wait_s=0.0 must be > 0"),
+        (
+            "wait_s=1e9",
+            "config key 'loop.wait_s'=1000000000.0 must be in [0, 604800] (seconds; at most a week)",
+            "config key 'loop.wait_s'=1000000000.0 must be in [0, 604800] (seconds; at most a week)",
+        ),
+        (
+            "size=4",
+            "invalid config for 'loop': loop.size=4 is too small; use at least 8",
+            "loop.size=4 is too small",
+        ),
+    ],
+)
+def test_one_declaration_checks_a_loaded_and_a_built_config_alike(override, loaded, built):
+    with pytest.raises(ConfigError, match=re.escape(loaded) + "$"):
+        load_config(Wrap, None, [f"loop.{override}"])
+    key, value = override.split("=")
+    with pytest.raises(ValueError, match=re.escape(built)):
+        Declared(**{key: type(getattr(Declared(), key))(float(value))})
+
+
+@dataclass
+class Wrap:
+    loop: Declared = field(default_factory=Declared)
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,12 @@ YAML file, applies the overrides, and builds the schema recursively, checking ev
 * a value of the wrong type raises :class:`ConfigError` naming the key, the value and the type;
 * every number must be finite (NaN never; infinity only in a field marked :func:`infinite_ok`) and
   every integer must fit in 64 bits;
-* a value must lie in the range its schema's ``RANGES`` table gives it, or, failing that, the range
-  :data:`NAME_RANGES` gives its name by convention (``*_coef >= 0``, ``*_fraction`` in [0, 1],
-  ``port`` in [0, 65535], ...), all before the command does any work;
-* dataclasses may validate values further in ``__post_init__`` (raise ``ValueError``); the common bound
-  and interval checks are :func:`check_at_least` and :func:`check_range`, one message shape for all.
+* a number must lie in the range its field declares, once, with :func:`bounded`
+  (``max_steps: int = bounded(20, ge=1)``), all before the command does any work; the same checks run
+  on a config built in Python, through :func:`check_fields`, which each schema's ``__post_init__`` calls;
+* a ``Literal[...]`` field takes one of its choices;
+* dataclasses check what depends on several keys in ``__post_init__`` (raise ``ValueError``); a bound that
+  depends on another key is :func:`check_at_least` / :func:`check_range` there.
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, ``X | None``,
 ``list[X]``, ``tuple[X, ...]``, ``dict[str, X]``, ``Any`` and nested dataclasses.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import fnmatch
 import functools
 import math
 import numbers
@@ -51,41 +51,6 @@ INT64 = (-(2**63), 2**63 - 1)
 # the longest wait a setting in seconds or milliseconds may ask for: past it a value is a typo (1e300
 # would overflow the waits it reaches: threading, asyncio and socket timeouts raise OverflowError)
 WEEK_S = 7 * 24 * 3600
-
-# ranges by naming convention (fnmatch patterns, first match wins); a schema's own RANGES table wins
-# over these. Only the values a config sets are checked here (the defaults are the schema's own).
-NAME_RANGES: tuple[tuple[str, Range], ...] = (
-    ("learning_rate", (0, None, "(", "")),
-    ("*_learning_rate", (0, None, "(", "")),
-    ("tau", (0, None, "(", " (the softmax temperature)")),
-    ("port", (0, 65535, "[]", " (0: any free port)")),
-    ("seed", (0, 2**32 - 1, "[]", "")),
-    ("*_seed", (0, 2**32 - 1, "[]", "")),
-    ("*_coef", (0, None, "[", "")),
-    ("weight_decay", (0, None, "[", "")),
-    ("*dropout", (0, 1, "[)", "")),
-    ("*_fraction", (0, 1, "[]", "")),
-    ("*_ratio", (0, 1, "[]", "")),
-    ("*_rate", (0, 1, "[]", "")),
-    ("*_s", (0, WEEK_S, "[]", " (seconds; at most a week)")),
-    ("*_ms", (0, WEEK_S * 1000, "[]", " (milliseconds; at most a week)")),
-    ("*_every_n_steps", (0, None, "[", " (0 = off)")),
-    ("*_every_n_epochs", (0, None, "[", " (0 = off)")),
-    ("num_*", (0, None, "[", "")),
-    ("*batch_size", (0, None, "[", "")),
-    ("max_*", (0, None, "[", "")),
-    ("min_*", (0, None, "[", "")),
-    ("*_steps", (0, None, "[", "")),
-    ("temperature", (0, None, "(", " (a sampling / softmax temperature)")),
-    ("top_k", (0, None, "[", "")),
-    ("lora_r", (1, None, "[", " (the LoRA rank)")),
-    ("lora_alpha", (0, None, "(", " (the LoRA scaling numerator)")),
-    ("*_max_length", (1, None, "[", " (tokens)")),
-    ("*_max_tokens", (1, None, "[", " (tokens)")),
-    ("*_eps", (0, None, "[", "")),
-    ("*_l2", (0, None, "[", " (an L2 penalty)")),
-    ("*_scale", (0, None, "(", "")),
-)
 
 
 def infinite_ok(default: float, **kwargs: Any) -> Any:
@@ -166,25 +131,14 @@ def bounded(
 
 
 def _bounds_of(cls: type, name: str) -> tuple[Bound, ...]:
-    """The field's declared bounds (:func:`bounded`), else (until every schema declares its own) its
-    ``RANGES`` entry or :data:`NAME_RANGES` pattern, in the loader's message shape."""
+    """The field's declared bounds (:func:`bounded`), in the order they are checked."""
     f = cls.__dataclass_fields__.get(name)  # type: ignore[attr-defined]
-    if f is not None and "bounds" in f.metadata:
-        return f.metadata["bounds"]
-    rng = _range_of(cls, name)
-    return () if rng is None else (Bound(*rng),)
+    return f.metadata.get("bounds", ()) if f is not None else ()
 
 
 def _admits(cls: type, name: str, value: float) -> bool:
     """Whether every bound of the field admits ``value`` (a field with none admits every number)."""
     return all(_in_range(value, b.range) for b in _bounds_of(cls, name))
-
-
-def _range_of(cls: type, name: str) -> Range | None:
-    own: dict[str, Range] = getattr(cls, "RANGES", {})
-    if name in own:
-        return own[name]
-    return next((r for pattern, r in NAME_RANGES if fnmatch.fnmatchcase(name, pattern)), None)
 
 
 def _in_range(value: float, rng: Range) -> bool:
@@ -220,7 +174,7 @@ def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str, before: boo
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         f = fields.get(name)
-        if f is None or (before and "bounds" not in f.metadata):
+        if f is None:
             continue
         if f.metadata.get("infinite_ok") and value == math.inf:
             continue
@@ -260,7 +214,7 @@ def field_order(*names: str) -> Callable[[type[T]], type[T]]:
             raise TypeError(
                 f"{cls.__name__}: field_order names {sorted(names)}, the fields are {sorted(fields)}"
             )
-        # the ClassVar entries (RENAMED, RANGES, ...) stay, after the fields
+        # the ClassVar entries (RENAMED, RETIRED, ...) stay, after the fields
         cls.__dataclass_fields__ = {  # type: ignore[attr-defined]
             **{name: every[name] for name in names},
             **{name: f for name, f in every.items() if name not in names},
@@ -346,7 +300,7 @@ def check_fields(section: str, cfg: Any) -> None:
     """The loader's checks of each value, for a config built in Python (``RewardConfig(prior=inf)``), so the
     Python constructor refuses what the YAML file and the command line refuse: the type (a string is no
     number here; numpy scalars pass), NaN and infinity (except in an :func:`infinite_ok` field), integers
-    past 64 bits, a ``Literal``'s choices, and the range of ``RANGES`` / :data:`NAME_RANGES`, every value
+    past 64 bits, a ``Literal``'s choices, and the bounds each field declares (:func:`bounded`), every value
     (defaults too); a numpy scalar becomes the Python number the loader would give. Call it first in ``__post_init__``; a nested dataclass field is its own class's check.
 
     Raises ``ConfigError`` (a ``ValueError``) with the loader's one-line message, the key spelled
@@ -507,7 +461,7 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     try:
         _check_ranges(cls, kwargs, prefix, before=True)  # each value alone, before any cross-field check
         built = cls(**kwargs)
-        _check_ranges(cls, kwargs, prefix)  # the rest, for a schema whose __post_init__ has no check_fields
+        _check_ranges(cls, kwargs, prefix)  # the rest, should a schema's __post_init__ not call check_fields
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
