@@ -77,7 +77,7 @@ class LabelPairsConfig:
     data: PairDataConfig = field(default_factory=PairDataConfig)
     min_confidence: float = bounded(0.5, ge=0.5, le=1, hint=" (0.5 keeps every pair)", shape="section")
     keep_order: bool = False
-    batch_size: int = bounded(256, ge=0)
+    batch_size: int = bounded(256, ge=1, message="{key}={value}; it must be at least 1")
     num_bins: int = bounded(10, ge=0)
     output_dir: str = "runs/label_pairs"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
@@ -87,8 +87,6 @@ class LabelPairsConfig:
         check_judge_path(self.judge_path, on_disk=False)
         if not self.data.path:
             raise ValueError("data.path is empty; set data.path=FILE (JSONL) or a saved dataset folder")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size}; it must be at least 1")
         f = self.data.fields
         if (f.a is None) != (f.b is None):
             raise ValueError(

@@ -26,12 +26,10 @@ class LabelConfig:
 
     type: Literal["rouge", "human"] = "rouge"
     dimension: str = "expert_relevance"
-    min_gap: float = bounded(0.0, ge=0)
+    min_gap: float = bounded(0.0, ge=0, message="{key} must be >= 0, got {value}")
 
     def __post_init__(self) -> None:
         check_fields("labels", self)
-        if self.min_gap < 0:
-            raise ValueError(f"labels.min_gap must be >= 0, got {self.min_gap}")
 
 
 @dataclass

@@ -29,7 +29,7 @@ class MineNegativesConfig:
     data: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)
     mining: MiningConfig = field(default_factory=MiningConfig)
     num_bm25: int = bounded(0, ge=0)
-    batch_size: int = bounded(64, ge=0)
+    batch_size: int = bounded(64, ge=1, message="{key}={value} must be >= 1")
     embedding_cache_dir: str | None = None
     precision: Literal["no", "bf16"] = (
         "no"  # "bf16": encode on a bfloat16 copy of the weights (faster with AMX: docs/benchmarks.md)
@@ -41,8 +41,6 @@ class MineNegativesConfig:
             raise ValueError(f"precision={self.precision!r}; use 'no' (float32) or 'bf16'")
         if not self.output_path:
             raise ValueError("output_path is empty; set output_path=outputs/negatives.jsonl")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
 
 
 def run(cfg: MineNegativesConfig) -> dict[str, Any]:

@@ -38,7 +38,7 @@ class PanelConfig:
     combine: Literal["mean_prob", "mean_logit", "stacked"] = "mean_logit"
     weights: list[float] = field(default_factory=list)
     member_calibration: Literal["platt", "isotonic", "temperature", "feature_platt"] = "platt"
-    min_points: int = bounded(10, ge=0)
+    min_points: int = bounded(10, ge=2, message="{key}={value}; it must be at least 2")
 
     def __post_init__(self) -> None:
         check_fields("judge.panel", self)
@@ -60,8 +60,6 @@ class PanelConfig:
             raise ValueError(
                 "judge.panel.members: a member cannot be a panel itself; list its judges instead"
             )
-        if self.min_points < 2:
-            raise ValueError(f"judge.panel.min_points={self.min_points}; it must be at least 2")
 
 
 def member_names(panel: PanelConfig) -> list[str]:
@@ -142,7 +140,7 @@ class JudgeConfig:
     panel: PanelConfig = field(default_factory=lambda: PanelConfig())
     server: ServerConfig = field(default_factory=lambda: ServerConfig())
     extractor: Literal["verdict", "graded", "likelihood"] = "verdict"
-    grades: int = 5
+    grades: int = bounded(5, ge=2, le=9, hint=" (grades 1..K, one digit token each)", shape="section")
     calibrate: bool | None = None
 
     def __post_init__(self) -> None:
@@ -181,10 +179,6 @@ class JudgeConfig:
             raise ValueError(
                 f"judge.server.route={self.server.route!r} with judge.extractor=likelihood: only the vllm and sglang "
                 "routes return prompt log-probabilities; set judge.server.route to auto, vllm or sglang"
-            )
-        if not 2 <= self.grades <= 9:
-            raise ValueError(
-                f"judge.grades={self.grades} must be in [2, 9] (grades 1..K, one digit token each)"
             )
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")

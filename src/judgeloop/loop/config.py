@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from judgeloop.config import WAIT_S, bounded, check_at_least, check_fields, field_order
+from judgeloop.config import WAIT_S, bounded, check_fields, field_order
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
@@ -54,8 +54,6 @@ class PolicyBase:
             raise ValueError(
                 f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
             )
-        if self.lora:
-            check_at_least("policy", self, "lora_r", 1)
 
 
 @field_order(

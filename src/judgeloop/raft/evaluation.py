@@ -63,7 +63,7 @@ class EvalRaftConfig:
     settings: list[str] = field(default_factory=lambda: list(SETTINGS))
     batch_size: int = bounded(4, ge=1, shape="section")
     num_generations: int = bounded(8, ge=0)
-    max_new_tokens: int = bounded(160, ge=0)
+    max_new_tokens: int = bounded(160, ge=1, shape="section")
     max_answer_tokens: int = bounded(24, ge=0)
     marks: EvalMarksConfig = field(default_factory=EvalMarksConfig)
     seed: int = bounded(0, ge=0, le=2**32 - 1)
@@ -73,10 +73,6 @@ class EvalRaftConfig:
     def __post_init__(self) -> None:
         check_fields("", self)
         check_choices("settings", self.settings, SETTINGS)
-        if self.num_generations < 0 or self.max_new_tokens < 1:
-            raise ValueError(
-                f"num_generations={self.num_generations} must be >= 0 and max_new_tokens={self.max_new_tokens} >= 1"
-            )
 
 
 # ------------------------------------------------------------------------------------------ settings

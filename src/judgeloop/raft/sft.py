@@ -37,9 +37,9 @@ class TrainSettings:
 
     num_epochs: float = bounded(1.0, ge=0)
     max_steps: int | None = bounded(None, ge=1, hint=" or null (no cap)", shape="section")
-    batch_size: int = bounded(4, ge=0)
-    grad_accum_steps: int = bounded(2, ge=0)
-    learning_rate: float = bounded(2e-4, gt=0)
+    batch_size: int = bounded(4, ge=1, shape="section")
+    grad_accum_steps: int = bounded(2, ge=1, shape="section")
+    learning_rate: float = bounded(2e-4, gt=0, message="{key}={value} must be positive (LoRA: ~1e-4 to 3e-4)")
     lr_scheduler: str = "cosine"
     warmup_steps: int = bounded(2, ge=0)
     weight_decay: float = bounded(0.0, ge=0)
@@ -50,14 +50,6 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         check_fields("train", self)
-        if self.batch_size < 1 or self.grad_accum_steps < 1:
-            raise ValueError(
-                f"train.batch_size={self.batch_size}, train.grad_accum_steps={self.grad_accum_steps}: both must be >= 1"
-            )
-        if self.learning_rate <= 0:
-            raise ValueError(
-                f"train.learning_rate={self.learning_rate} must be positive (LoRA: ~1e-4 to 3e-4)"
-            )
         if self.num_epochs <= 0 and self.max_steps is None:
             raise ValueError(
                 "train.num_epochs <= 0 and train.max_steps is null: nothing to train; set one of them"

@@ -46,7 +46,7 @@ class TargetConfig:
 
     generator: Literal["template", "lm"] = "template"
     lm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    lm_max_new_tokens: int = 96
+    lm_max_new_tokens: int = bounded(96, ge=8, message="{key}={value} is too small; use >= 8")
     lm_batch_size: int = bounded(4, ge=0)
     max_quotes: int = bounded(1, ge=1, hint="; every answer quotes the oracle", shape="section")
     include_long_answer: bool = True
@@ -55,8 +55,6 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_fields("target", self)
-        if self.lm_max_new_tokens < 8:
-            raise ValueError(f"target.lm_max_new_tokens={self.lm_max_new_tokens} is too small; use >= 8")
         if not self.abstain_text.strip():
             raise ValueError("target.abstain_text is empty; give the sentence the model should say")
 

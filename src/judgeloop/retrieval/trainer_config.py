@@ -105,17 +105,13 @@ class NegativesConfig:
 
     def __post_init__(self) -> None:
         check_fields("negatives", self)
-        if self.remine_every_n_epochs < 0 or self.num_bm25 < 0:
-            raise ValueError(
-                f"negatives.remine_every_n_epochs={self.remine_every_n_epochs}, num_bm25={self.num_bm25} must be >= 0"
-            )
 
 
 @dataclass
 class RetrieverTrainConfig:
     """The retriever's training schedule, precision, checkpoints and resume."""
 
-    batch_size: int = bounded(32, ge=0)
+    batch_size: int = bounded(32, ge=2, message="{key}={value}: in-batch negatives need at least 2")
     gradcache_chunk_size: int = bounded(0, ge=0, hint=" (0 = off)", shape="section")
     num_epochs: int = bounded(1, ge=1, shape="section")
     max_steps: int | None = bounded(None, ge=0)
@@ -136,8 +132,6 @@ class RetrieverTrainConfig:
 
     def __post_init__(self) -> None:
         check_fields("train", self)
-        if self.batch_size < 2:
-            raise ValueError(f"train.batch_size={self.batch_size}: in-batch negatives need at least 2")
 
 
 @dataclass

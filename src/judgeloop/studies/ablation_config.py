@@ -49,7 +49,9 @@ class AblationConfig:
     baseline: str = "raw"
     style_metric: str = "copy_rate"
     style_direction: Literal["increase", "decrease"] = "increase"
-    bootstrap_samples: int = 4000
+    bootstrap_samples: int = bounded(
+        4000, ge=1000, message="{key}={value} is too few for a 95% interval; use >= 1000"
+    )
     bootstrap_seed: int = bounded(0, ge=0, le=2**32 - 1)
     num_workers: int | None = bounded(None, ge=1, hint=", or null for auto", shape="section")
     share_start_work: bool = True
@@ -79,10 +81,6 @@ class AblationConfig:
             )
         if self.style_metric not in STYLE_METRICS:
             raise ValueError(f"ablation.style_metric={self.style_metric!r}; use one of {list(STYLE_METRICS)}")
-        if self.bootstrap_samples < 1000:
-            raise ValueError(
-                f"ablation.bootstrap_samples={self.bootstrap_samples} is too few for a 95% interval; use >= 1000"
-            )
 
 
 @dataclass

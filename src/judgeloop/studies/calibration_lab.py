@@ -63,7 +63,7 @@ class CalibrateConfig:
     max_fit_articles: int | None = bounded(None, ge=0)
     max_eval_articles: int | None = bounded(None, ge=0)
     RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
-    num_bins: int = bounded(15, ge=0)
+    num_bins: int = bounded(15, ge=2, message="{key} must be >= 2, got {value}")
     seed: int = bounded(0, ge=0, le=2**32 - 1)
     output_dir: str = "runs/calibrate"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
@@ -78,8 +78,6 @@ class CalibrateConfig:
             )
         if not self.methods:
             raise ValueError("methods is empty; list at least one calibrator, e.g. methods=[platt,isotonic]")
-        if self.num_bins < 2:
-            raise ValueError(f"num_bins must be >= 2, got {self.num_bins}")
 
 
 def build_calibrator(method: str, opts: CalibratorOptions) -> Calibrator:

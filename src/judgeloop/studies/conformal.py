@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from judgeloop.config import Bound, bounded, check_at_least, check_fields
+from judgeloop.config import Bound, bounded, check_fields
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.conformal import (
@@ -102,9 +102,9 @@ class OnlineConfig:
         hint=" (the ACI step size; 0 = window only)",
         shape="section",
     )
-    window: int = 200
+    window: int = bounded(200, ge=1, shape="section")
     warmup: int = bounded(50, ge=1, hint=" (the static quantile needs points)", shape="section")
-    monitor_window: int = 100
+    monitor_window: int = bounded(100, ge=1, shape="section")
     tolerance: float = bounded(0.05, ge=0.0, lt=1.0, shape="section")
     # set-size alarm: on while the mean set size of the last monitor_window steps exceeds this (null: off)
     max_mean_set_size: float | None = bounded(
@@ -113,8 +113,6 @@ class OnlineConfig:
 
     def __post_init__(self) -> None:
         check_fields("online", self)
-        for name in ("window", "monitor_window"):
-            check_at_least("online", self, name, 1)
 
 
 @dataclass

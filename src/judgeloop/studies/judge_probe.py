@@ -129,10 +129,12 @@ class ProbeConfig:
     attack_options: AttackOptions = field(default_factory=AttackOptions)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     honest_rating: list[str] = field(default_factory=lambda: list(EXPERT_RATINGS))
-    max_test_articles: int | None = bounded(None, ge=0)
+    max_test_articles: int | None = bounded(
+        None, ge=1, message="{key}={value}; it must be at least 1 (null: all)"
+    )
     seed: int = bounded(0, ge=0, le=2**32 - 1)
-    confidence: float = 0.95
-    bootstrap_samples: int = 2000
+    confidence: float = bounded(0.95, gt=0, lt=1, message="{key}={value}; it must be in (0, 1), e.g. 0.95")
+    bootstrap_samples: int = bounded(2000, ge=0, message="{key}={value}; use 0 to skip the bootstrap")
     output_dir: str = "runs/probe"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
@@ -153,12 +155,6 @@ class ProbeConfig:
             )
         if not self.honest_rating:
             raise ValueError(f"honest_rating is empty; name the ratings to rank by, e.g. {EXPERT_RATINGS}")
-        if self.max_test_articles is not None and self.max_test_articles < 1:
-            raise ValueError(f"max_test_articles={self.max_test_articles}; it must be at least 1 (null: all)")
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"confidence={self.confidence}; it must be in (0, 1), e.g. 0.95")
-        if self.bootstrap_samples < 0:
-            raise ValueError(f"bootstrap_samples={self.bootstrap_samples}; use 0 to skip the bootstrap")
 
     @property
     def active_judges(self) -> dict[str, JudgeConfig]:
