@@ -73,7 +73,8 @@ class OpenRLHFConfig:
 
     n_samples_per_prompt: int = bounded(0, ge=0, hint=" (0: group each request's queries)", shape="section")
     group_wait_s: float = bounded(60.0, WAIT_S, gt=0, shape="section")
-    group_idle_s: float = bounded(10.0, WAIT_S)
+    # bounded by group_wait_s (itself at most a week) in __post_init__: a bound set by another key
+    group_idle_s: float = 10.0
     source: Literal["prompt", "label"] = "prompt"
     strip_suffixes: list[str] = field(
         default_factory=lambda: ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"]

@@ -91,8 +91,12 @@ class ProbeCalibrationConfig:
     method: str = "platt"
     split: Literal["calibration", "validation", "train"] = "calibration"
     labels: LabelConfig = field(default_factory=lambda: LabelConfig(type="human"))
-    max_pairs_per_article: int | None = bounded(6, ge=0)
-    max_articles: int | None = bounded(None, ge=0)
+    max_pairs_per_article: int | None = bounded(
+        6, ge=1, message="{key}={value}; it must be at least 1 (null: no limit)"
+    )
+    max_articles: int | None = bounded(
+        None, ge=1, message="{key}={value}; it must be at least 1 (null: no limit)"
+    )
     calibrator: CalibratorOptions = field(default_factory=CalibratorOptions)
 
     def __post_init__(self) -> None:
@@ -100,10 +104,6 @@ class ProbeCalibrationConfig:
         if self.method not in CALIBRATORS or self.method == "raw":
             valid = sorted(set(CALIBRATORS) - {"raw"})
             raise ValueError(f"calibration.method={self.method!r} is not a calibrator; use one of {valid}")
-        for name in ("max_pairs_per_article", "max_articles"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"calibration.{name}={value}; it must be at least 1 (null: no limit)")
 
 
 @dataclass
