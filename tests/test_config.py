@@ -398,3 +398,52 @@ def test_field_order_names_every_field():
         class Two:
             a: int = 0
             b: int = 0
+
+
+def _sections(cls: type, seen: set) -> None:
+    """Every dataclass under ``cls`` (itself included) into ``seen``."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from judgeloop.config import _is_optional
+
+    if cls in seen:
+        return
+    seen.add(cls)
+    for f in dataclasses.fields(cls):
+        tp = _is_optional(get_type_hints(cls)[f.name])[1]
+        if dataclasses.is_dataclass(tp):
+            _sections(tp, seen)
+
+
+def test_a_config_built_in_python_refuses_what_its_declared_bounds_refuse():
+    """Every section of every command with a declared bound calls check_fields: built in Python with a value
+    just outside the bound, it raises naming the key, as the loader would."""
+    import dataclasses
+
+    seen: set = set()
+    for schema in _schemas().values():
+        _sections(schema, seen)
+    required = {"judge_path": "some/judge"}
+    checked, unchecked = 0, []
+    for cls in seen:
+        for f in dataclasses.fields(cls):
+            bounds = f.metadata.get("bounds", ())
+            if not bounds or (bounds[0].low is None and bounds[0].high is None):
+                continue
+            b = bounds[0]
+            step = 1 if isinstance(f.default, int) or f.default is None else 0.5
+            if b.low is not None:
+                bad = b.low if b.interval[0] == "(" else b.low - step
+            else:
+                bad = b.high if b.interval[-1] == ")" else b.high + step
+            base = {k: v for k, v in required.items() if k in {g.name for g in dataclasses.fields(cls)}}
+            try:
+                cls(**base, **{f.name: bad})
+                unchecked.append(f"{cls.__name__}.{f.name}={bad}")
+            except ValueError as err:
+                if f.name not in str(err):
+                    unchecked.append(f"{cls.__name__}.{f.name}={bad}: {err}")
+            checked += 1
+    assert not unchecked, unchecked
+    assert checked > 200

@@ -86,6 +86,7 @@ class AnswerConfig(QAStudyConfig):
     abstain: AbstainSection = field(default_factory=AbstainSection)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.retriever.type != "dense":
             raise ValueError(
                 f"retriever.type={self.retriever.type!r}: the answer step's conformal sets need dense "
