@@ -308,7 +308,7 @@ def check_fields(section: str, cfg: Any) -> None:
     Through the loader the values are already checked, so nothing changes there.
     """
     prefix = f"{section}." if section else ""
-    hints = _hints(type(cfg))
+    hints = _hints(type(cfg))  # type: ignore[arg-type]
     numbers_set: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
