@@ -9,8 +9,11 @@ from typing import Literal
 import pytest
 
 from judgeloop.config import (
+    WAIT_S,
     ConfigError,
+    bounded,
     check_at_least,
+    check_fields,
     check_range,
     field_order,
     infinite_ok,
@@ -174,13 +177,55 @@ def test_every_shipped_config_loads(repo):
 
 @dataclass
 class Numbers:
-    miss_rate: float = 0.5
-    kl_coef: float = 0.1
-    timeout_s: float = infinite_ok(math.inf)
-    port: int = 8000
+    miss_rate: float = bounded(0.5, ge=0, le=1)
+    kl_coef: float = bounded(0.1, ge=0)
+    timeout_s: float = bounded(math.inf, WAIT_S, infinite=True)
+    port: int = bounded(8000, ge=0, le=65535, hint=" (0: any free port)")
     levels: list[float] = field(default_factory=lambda: [0.5])
-    width: float = 1.0
-    RANGES = {"width": (1.0, 4.0, "[]", " (a width)")}
+    width: float = bounded(1.0, ge=1.0, le=4.0, hint=" (a width)")
+    nan_ok: float = infinite_ok(0.0)  # a field with no bound admits every number
+
+
+@dataclass
+class Declared:
+    """Python and the loader check one declaration alike, in both message shapes, in order."""
+
+    steps: int = bounded(1, ge=1, shape="section")
+    wait_s: float = bounded(1.0, WAIT_S, gt=0, shape="section")
+    size: int = bounded(16, ge=8, message="{key}={value} is too small; use at least 8")
+
+    def __post_init__(self) -> None:
+        check_fields("loop", self)
+
+
+@pytest.mark.parametrize(
+    "override, loaded, built",
+    [
+        ("steps=0", "invalid config for 'loop': loop.steps=0 must be >= 1", "loop.steps=0 must be >= 1"),
+        ("wait_s=0", "invalid config for 'loop': loop.wait_s=0.0 must be > 0", "loop.wait_s=0.0 must be > 0"),
+        (
+            "wait_s=1e9",
+            "config key 'loop.wait_s'=1000000000.0 must be in [0, 604800] (seconds; at most a week)",
+            "config key 'loop.wait_s'=1000000000.0 must be in [0, 604800] (seconds; at most a week)",
+        ),
+        (
+            "size=4",
+            "invalid config for 'loop': loop.size=4 is too small; use at least 8",
+            "loop.size=4 is too small",
+        ),
+    ],
+)
+def test_one_declaration_checks_a_loaded_and_a_built_config_alike(override, loaded, built):
+    with pytest.raises(ConfigError, match=re.escape(loaded) + "$"):
+        load_config(Wrap, None, [f"loop.{override}"])
+    key, value = override.split("=")
+    with pytest.raises(ValueError, match=re.escape(built)):
+        Declared(**{key: type(getattr(Declared(), key))(float(value))})
+
+
+@dataclass
+class Wrap:
+    loop: Declared = field(default_factory=Declared)
 
 
 @pytest.mark.parametrize(
@@ -261,10 +306,10 @@ def _numeric_fields(cls: type, prefix: str = ""):
 
 def test_every_numeric_setting_of_every_command_refuses_nonsense():
     """-1 and 1e300 in any number of any command's schema are refused in one line naming the key, unless
-    the field's range (the schema's RANGES, else NAME_RANGES by name) explicitly admits the value; a
+    the field's declared bounds (``bounded``) explicitly admit the value; a
     setting in seconds or milliseconds (``*_s``, ``*_ms``) never admits 1e300 (the waits it reaches raise
     OverflowError)."""
-    from judgeloop.config import _in_range, _range_of
+    from judgeloop.config import _admits, _bounds_of
 
     # the settings a schema requires, so that each number is checked on a config that otherwise loads
     required = {"judge_path": "some/judge"}
@@ -276,7 +321,6 @@ def test_every_numeric_setting_of_every_command_refuses_nonsense():
         base = bases.get(command)
         load_config(schema, None, base=base)  # the defaults load
         for cls, name, key in _numeric_fields(schema):
-            rng = _range_of(cls, name)
             wait = name.endswith(("_s", "_ms"))
             waits += [key] if wait else []
             for value in ("-1", "1e300"):
@@ -287,7 +331,11 @@ def test_every_numeric_setting_of_every_command_refuses_nonsense():
                     if name not in str(err) or "\n" in str(err):
                         unclear.append(f"{command} {key}={value}: {err}")
                     continue
-                if rng is None or not _in_range(float(value), rng) or (wait and value == "1e300"):
+                if (
+                    not _bounds_of(cls, name)
+                    or not _admits(cls, name, float(value))
+                    or (wait and value == "1e300")
+                ):
                     loose.append(f"{command} {key}={value}")
     assert not loose, f"accepted without a range that admits it: {loose}"
     assert len(set(waits)) >= 6, (
@@ -350,3 +398,52 @@ def test_field_order_names_every_field():
         class Two:
             a: int = 0
             b: int = 0
+
+
+def _sections(cls: type, seen: set) -> None:
+    """Every dataclass under ``cls`` (itself included) into ``seen``."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from judgeloop.config import _is_optional
+
+    if cls in seen:
+        return
+    seen.add(cls)
+    for f in dataclasses.fields(cls):
+        tp = _is_optional(get_type_hints(cls)[f.name])[1]
+        if dataclasses.is_dataclass(tp):
+            _sections(tp, seen)
+
+
+def test_a_config_built_in_python_refuses_what_its_declared_bounds_refuse():
+    """Every section of every command with a declared bound calls check_fields: built in Python with a value
+    just outside the bound, it raises naming the key, as the loader would."""
+    import dataclasses
+
+    seen: set = set()
+    for schema in _schemas().values():
+        _sections(schema, seen)
+    required = {"judge_path": "some/judge"}
+    checked, unchecked = 0, []
+    for cls in seen:
+        for f in dataclasses.fields(cls):
+            bounds = f.metadata.get("bounds", ())
+            if not bounds or (bounds[0].low is None and bounds[0].high is None):
+                continue
+            b = bounds[0]
+            step = 1 if isinstance(f.default, int) or f.default is None else 0.5
+            if b.low is not None:
+                bad = b.low if b.interval[0] == "(" else b.low - step
+            else:
+                bad = b.high if b.interval[-1] == ")" else b.high + step
+            base = {k: v for k, v in required.items() if k in {g.name for g in dataclasses.fields(cls)}}
+            try:
+                cls(**base, **{f.name: bad})
+                unchecked.append(f"{cls.__name__}.{f.name}={bad}")
+            except ValueError as err:
+                if f.name not in str(err):
+                    unchecked.append(f"{cls.__name__}.{f.name}={bad}: {err}")
+            checked += 1
+    assert not unchecked, unchecked
+    assert checked > 200

@@ -8,11 +8,12 @@ YAML file, applies the overrides, and builds the schema recursively, checking ev
 * a value of the wrong type raises :class:`ConfigError` naming the key, the value and the type;
 * every number must be finite (NaN never; infinity only in a field marked :func:`infinite_ok`) and
   every integer must fit in 64 bits;
-* a value must lie in the range its schema's ``RANGES`` table gives it, or, failing that, the range
-  :data:`NAME_RANGES` gives its name by convention (``*_coef >= 0``, ``*_fraction`` in [0, 1],
-  ``port`` in [0, 65535], ...), all before the command does any work;
-* dataclasses may validate values further in ``__post_init__`` (raise ``ValueError``); the common bound
-  and interval checks are :func:`check_at_least` and :func:`check_range`, one message shape for all.
+* a number must lie in the range its field declares, once, with :func:`bounded`
+  (``max_steps: int = bounded(20, ge=1)``), all before the command does any work; the same checks run
+  on a config built in Python, through :func:`check_fields`, which each schema's ``__post_init__`` calls;
+* a ``Literal[...]`` field takes one of its choices;
+* dataclasses check what depends on several keys in ``__post_init__`` (raise ``ValueError``); a bound that
+  depends on another key is :func:`check_at_least` / :func:`check_range` there.
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, ``X | None``,
 ``list[X]``, ``tuple[X, ...]``, ``dict[str, X]``, ``Any`` and nested dataclasses.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import fnmatch
+import functools
 import math
 import numbers
 import types
@@ -51,57 +52,93 @@ INT64 = (-(2**63), 2**63 - 1)
 # would overflow the waits it reaches: threading, asyncio and socket timeouts raise OverflowError)
 WEEK_S = 7 * 24 * 3600
 
-# ranges by naming convention (fnmatch patterns, first match wins); a schema's own RANGES table wins
-# over these. Only the values a config sets are checked here (the defaults are the schema's own).
-NAME_RANGES: tuple[tuple[str, Range], ...] = (
-    ("learning_rate", (0, None, "(", "")),
-    ("*_learning_rate", (0, None, "(", "")),
-    ("tau", (0, None, "(", " (the softmax temperature)")),
-    ("port", (0, 65535, "[]", " (0: any free port)")),
-    ("seed", (0, 2**32 - 1, "[]", "")),
-    ("*_seed", (0, 2**32 - 1, "[]", "")),
-    ("*_coef", (0, None, "[", "")),
-    ("weight_decay", (0, None, "[", "")),
-    ("*dropout", (0, 1, "[)", "")),
-    ("*_fraction", (0, 1, "[]", "")),
-    ("*_ratio", (0, 1, "[]", "")),
-    ("*_rate", (0, 1, "[]", "")),
-    ("*_s", (0, WEEK_S, "[]", " (seconds; at most a week)")),
-    ("*_ms", (0, WEEK_S * 1000, "[]", " (milliseconds; at most a week)")),
-    ("*_every_n_steps", (0, None, "[", " (0 = off)")),
-    ("*_every_n_epochs", (0, None, "[", " (0 = off)")),
-    ("num_*", (0, None, "[", "")),
-    ("*batch_size", (0, None, "[", "")),
-    ("max_*", (0, None, "[", "")),
-    ("min_*", (0, None, "[", "")),
-    ("*_steps", (0, None, "[", "")),
-    ("temperature", (0, None, "(", " (a sampling / softmax temperature)")),
-    ("top_k", (0, None, "[", "")),
-    ("lora_r", (1, None, "[", " (the LoRA rank)")),
-    ("lora_alpha", (0, None, "(", " (the LoRA scaling numerator)")),
-    ("*_max_length", (1, None, "[", " (tokens)")),
-    ("*_max_tokens", (1, None, "[", " (tokens)")),
-    ("*_eps", (0, None, "[", "")),
-    ("*_l2", (0, None, "[", " (an L2 penalty)")),
-    ("*_scale", (0, None, "(", "")),
-)
-
-# a range that admits every finite number: a schema's RANGES gives it to a field where any sign means
-# something (a style weight, a logit offset), so the field is checked on purpose, not forgotten
-ANY_FINITE: Range = (None, None, "()", "")
-
 
 def infinite_ok(default: float, **kwargs: Any) -> Any:
     """A float field for which infinity means something (``x: float = infinite_ok(math.inf)``): the
-    loader accepts ``inf`` / ``-inf`` there; NaN stays an error."""
+    loader accepts ``inf`` / ``-inf`` there; NaN stays an error (with a range: ``bounded(..., infinite=True)``)."""
     return dataclasses.field(default=default, metadata={"infinite_ok": True}, **kwargs)
 
 
-def _range_of(cls: type, name: str) -> Range | None:
-    own: dict[str, Range] = getattr(cls, "RANGES", {})
-    if name in own:
-        return own[name]
-    return next((r for pattern, r in NAME_RANGES if fnmatch.fnmatchcase(name, pattern)), None)
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The declared range of one numeric setting, read by the loader and by :func:`check_fields` alike
+    (:func:`bounded` makes the field that carries it).
+
+    ``low`` / ``high``: the ends (``None``: open); ``interval``: which ends belong to it, as in maths
+    (``"[)"``: ``low`` in, ``high`` out); ``hint``: appended to the message as written (``" (0 = off)"``,
+    ``"; e.g. 0.2"``). ``shape``: the message's form, one of the two judgeloop has always given:
+    ``"key"``, the loader's ``config key 'SECTION.NAME'=VALUE must be ...`` (a ``ConfigError``), or
+    ``"section"``, ``SECTION.NAME=VALUE must be ...`` (a ``ValueError``, which the loader prefixes with
+    ``invalid config for 'SECTION': ``). ``message``: a message of the field's own, a format string with
+    ``{key}`` and ``{value}`` (raised as a section-shape one), for a bound whose words say more.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    interval: str = "[]"
+    hint: str = ""
+    shape: Literal["key", "section"] = "key"
+    message: str | None = None
+
+    @property
+    def range(self) -> Range:
+        return (self.low, self.high, self.interval, self.hint)
+
+
+# a bound that admits every finite number, for a field where any sign means something (a style weight, a
+# logit offset): ``bounded(0.0, ANY_FINITE)`` says the field is checked on purpose, not forgotten
+ANY_FINITE = Bound(None, None, "()")
+
+# the range of every wait in seconds / milliseconds (``bounded(30.0, WAIT_S)``): past a week a value is a typo
+WAIT_S = Bound(0, WEEK_S, "[]", " (seconds; at most a week)")
+WAIT_MS = Bound(0, WEEK_S * 1000, "[]", " (milliseconds; at most a week)")
+
+
+def bounded(
+    default: Any = dataclasses.MISSING,
+    *also: Bound,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    hint: str = "",
+    shape: Literal["key", "section"] = "key",
+    message: str | None = None,
+    infinite: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """A numeric field with its range declared once (``max_steps: int = bounded(100, ge=0)``), checked
+    by the loader for a value a config sets and by :func:`check_fields` for every value of a config built
+    in Python: the one place a number's bounds are written.
+
+    Args:
+        default: the field's default (or pass ``default_factory=``).
+        also: more bounds, checked after the one the keywords give (a shared one such as :data:`WAIT_S`,
+            whose message names the unit, beside the field's own ``gt=0``).
+        ge, gt: the lower end, included (``>=``) or not (``>``); le, lt: the upper end likewise.
+        hint: appended to the message as written: what the value means or how to fix it.
+        shape, message: the message's form (see :class:`Bound`).
+        infinite: ``inf`` is a setting here ("no limit", :func:`infinite_ok`); it passes the upper end.
+        kwargs: passed on to :func:`dataclasses.field`.
+    """
+    if ge is not None and gt is not None or le is not None and lt is not None:
+        raise TypeError("bounded: give one lower end (ge or gt) and one upper end (le or lt)")
+    interval = ("(" if gt is not None else "[") + (")" if lt is not None else "]")
+    own = Bound(ge if gt is None else gt, le if lt is None else lt, interval, hint, shape, message)
+    bounds = ((own,) if (ge, gt, le, lt) != (None,) * 4 else ()) + also
+    metadata = {"bounds": bounds, **({"infinite_ok": True} if infinite else {})}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def _bounds_of(cls: type, name: str) -> tuple[Bound, ...]:
+    """The field's declared bounds (:func:`bounded`), in the order they are checked."""
+    f = cls.__dataclass_fields__.get(name)  # type: ignore[attr-defined]
+    return f.metadata.get("bounds", ()) if f is not None else ()
+
+
+def _admits(cls: type, name: str, value: float) -> bool:
+    """Whether every bound of the field admits ``value`` (a field with none admits every number)."""
+    return all(_in_range(value, b.range) for b in _bounds_of(cls, name))
 
 
 def _in_range(value: float, rng: Range) -> bool:
@@ -122,19 +159,35 @@ def _range_text(rng: Range) -> str:
     return f"in {interval[0]}{_bound(low)}, {_bound(high)}{interval[-1]}"
 
 
-def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str) -> None:
-    """Each number a config sets lies in its field's range (see :data:`NAME_RANGES`); ``inf``, where the
-    field is marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is
-    checked like any value: a timeout of -inf is still refused)."""
-    unbounded = {f.name for f in dataclasses.fields(cls) if f.metadata.get("infinite_ok")}  # type: ignore[arg-type]
+def _check_ranges(cls: type, values: Mapping[str, Any], prefix: str, before: bool = False) -> None:
+    """Each number in ``values`` lies in its field's range (:func:`bounded`); ``inf``, where the field is
+    marked :func:`infinite_ok`, means "no limit" and passes the range's upper end (``-inf`` is checked like
+    any value: a timeout of -inf is still refused). ``before``: only the key-shape bounds the fields
+    declare (the loader checks these before the schema's ``__post_init__``; the section-shape ones are
+    its :func:`check_fields`'s, named as the schema names them, and checked again here after it).
+
+    Raises:
+        ConfigError: a key-shape bound; ValueError: a section-shape one (see :class:`Bound`).
+    """
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if name in unbounded and value == math.inf:
+        f = fields.get(name)
+        if f is None:
             continue
-        rng = _range_of(cls, name)
-        if rng is not None and not _in_range(value, rng):
-            raise ConfigError(f"config key '{prefix}{name}'={value} must be {_range_text(rng)}{rng[3]}")
+        if f.metadata.get("infinite_ok") and value == math.inf:
+            continue
+        for bound in _bounds_of(cls, name):
+            if before and (bound.shape != "key" or bound.message is not None):
+                break  # checked in order: a later key-shape bound waits for the section-shape one
+            if not _in_range(value, bound.range):
+                must = f"must be {_range_text(bound.range)}{bound.hint}"
+                if bound.message is not None:
+                    raise ValueError(bound.message.format(key=f"{prefix}{name}", value=value))
+                if bound.shape == "section":
+                    raise ValueError(f"{prefix}{name}={value} {must}")
+                raise ConfigError(f"config key '{prefix}{name}'={value} {must}")
 
 
 def _bound(x: float) -> str:
@@ -161,7 +214,7 @@ def field_order(*names: str) -> Callable[[type[T]], type[T]]:
             raise TypeError(
                 f"{cls.__name__}: field_order names {sorted(names)}, the fields are {sorted(fields)}"
             )
-        # the ClassVar entries (RENAMED, RANGES, ...) stay, after the fields
+        # the ClassVar entries (RENAMED, RETIRED, ...) stay, after the fields
         cls.__dataclass_fields__ = {  # type: ignore[attr-defined]
             **{name: every[name] for name in names},
             **{name: f for name, f in every.items() if name not in names},
@@ -247,7 +300,7 @@ def check_fields(section: str, cfg: Any) -> None:
     """The loader's checks of each value, for a config built in Python (``RewardConfig(prior=inf)``), so the
     Python constructor refuses what the YAML file and the command line refuse: the type (a string is no
     number here; numpy scalars pass), NaN and infinity (except in an :func:`infinite_ok` field), integers
-    past 64 bits, a ``Literal``'s choices, and the range of ``RANGES`` / :data:`NAME_RANGES`, every value
+    past 64 bits, a ``Literal``'s choices, and the bounds each field declares (:func:`bounded`), every value
     (defaults too); a numpy scalar becomes the Python number the loader would give. Call it first in ``__post_init__``; a nested dataclass field is its own class's check.
 
     Raises ``ConfigError`` (a ``ValueError``) with the loader's one-line message, the key spelled
@@ -255,7 +308,7 @@ def check_fields(section: str, cfg: Any) -> None:
     Through the loader the values are already checked, so nothing changes there.
     """
     prefix = f"{section}." if section else ""
-    hints = get_type_hints(type(cfg))
+    hints = _hints(type(cfg))  # type: ignore[arg-type]
     numbers_set: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -272,6 +325,11 @@ def check_fields(section: str, cfg: Any) -> None:
         _coerce(value, hints[f.name], f"{prefix}{f.name}", bool(f.metadata.get("infinite_ok")))
         numbers_set[f.name] = value
     _check_ranges(type(cfg), numbers_set, prefix)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)  # once per schema: check_fields runs on every construction
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:
@@ -401,13 +459,14 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
         infinite = bool(fields[name].metadata.get("infinite_ok"))
         kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}", infinite)
     try:
+        _check_ranges(cls, kwargs, prefix, before=True)  # each value alone, before any cross-field check
         built = cls(**kwargs)
+        _check_ranges(cls, kwargs, prefix)  # the rest, should a schema's __post_init__ not call check_fields
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
         where = prefix.rstrip(".") or cls.__name__
         raise ConfigError(f"invalid config for '{where}': {err}") from err
-    _check_ranges(cls, kwargs, prefix)  # after __post_init__, whose own messages say more
     return built
 
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import ConfigError, check_at_least, check_range
+from judgeloop.config import ConfigError, bounded, check_fields
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import DataError, atomic_dir, atomic_write_jsonl, check_row, read_jsonl
 from judgeloop.judges.calibrated import check_judge_path
@@ -61,11 +61,11 @@ class PairDataConfig:
     path: str = ""
     format: Literal["jsonl", "hf"] = "jsonl"
     fields: PairFields = field(default_factory=PairFields)
-    max_pairs: int | None = None
-    seed: int = 0
+    max_pairs: int | None = bounded(None, ge=1, hint=" (null: every pair)", shape="section")
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
 
     def __post_init__(self) -> None:
-        check_at_least("data", self, "max_pairs", 1, " (null: every pair)", optional=True)
+        check_fields("data", self)
 
 
 @dataclass
@@ -75,20 +75,18 @@ class LabelPairsConfig:
     judge_path: str = ""
     judge_overrides: list[str] = field(default_factory=list)
     data: PairDataConfig = field(default_factory=PairDataConfig)
-    min_confidence: float = 0.5
+    min_confidence: float = bounded(0.5, ge=0.5, le=1, hint=" (0.5 keeps every pair)", shape="section")
     keep_order: bool = False
-    batch_size: int = 256
-    num_bins: int = 10
+    batch_size: int = bounded(256, ge=1, message="{key}={value}; it must be at least 1")
+    num_bins: int = bounded(10, ge=0)
     output_dir: str = "runs/label_pairs"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         check_judge_path(self.judge_path, on_disk=False)
         if not self.data.path:
             raise ValueError("data.path is empty; set data.path=FILE (JSONL) or a saved dataset folder")
-        check_range("", self, "min_confidence", 0.5, 1, "[]", " (0.5 keeps every pair)")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size}; it must be at least 1")
         f = self.data.fields
         if (f.a is None) != (f.b is None):
             raise ValueError(

@@ -32,12 +32,12 @@ import difflib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 from scipy.special import expit
 
-from judgeloop.config import Range, check_fields
+from judgeloop.config import bounded, check_fields
 from judgeloop.deprecation import warn_renamed
 from judgeloop.judges.calibrated import Comparison
 
@@ -112,15 +112,12 @@ class RewardConfig:
 
     scheme: Scheme = "round_robin"
     aggregate: Aggregate = "win_rate"
-    m: int = 2
-    prior: float = 0.1
-    RANGES: ClassVar[dict[str, Range]] = {
-        "m": (1, None, "[", " (round_robin compares each completion with the next m; e.g. 2)"),
-        "prior": (MIN_PRIOR, None, "[", " (the Bradley-Terry prior precision; e.g. 0.1)"),
-    }
+    m: int = bounded(2, ge=1, hint=" (round_robin compares each completion with the next m; e.g. 2)")
+    prior: float = bounded(0.1, ge=MIN_PRIOR, hint=" (the Bradley-Terry prior precision; e.g. 0.1)")
     probability: Probability = "calibrated"
 
     def __post_init__(self) -> None:
+        check_fields("rewards", self)
         check_fields("rewards", self)
 
 

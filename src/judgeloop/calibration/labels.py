@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from judgeloop.config import bounded, check_fields
 from judgeloop.data.summarization import Candidate, SummExample, split_sentences
 from judgeloop.metrics.text import rouge_max
 
@@ -25,11 +26,10 @@ class LabelConfig:
 
     type: Literal["rouge", "human"] = "rouge"
     dimension: str = "expert_relevance"
-    min_gap: float = 0.0
+    min_gap: float = bounded(0.0, ge=0, message="{key} must be >= 0, got {value}")
 
     def __post_init__(self) -> None:
-        if self.min_gap < 0:
-            raise ValueError(f"labels.min_gap must be >= 0, got {self.min_gap}")
+        check_fields("labels", self)
 
 
 @dataclass

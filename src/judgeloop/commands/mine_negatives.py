@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from judgeloop.config import bounded, check_fields
 from judgeloop.io import atomic_write_json
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.encoder import BiEncoder
@@ -27,20 +28,19 @@ class MineNegativesConfig:
     model: RetrieverModelConfig = field(default_factory=RetrieverModelConfig)
     data: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)
     mining: MiningConfig = field(default_factory=MiningConfig)
-    num_bm25: int = 0
-    batch_size: int = 64
+    num_bm25: int = bounded(0, ge=0)
+    batch_size: int = bounded(64, ge=1, message="{key}={value} must be >= 1")
     embedding_cache_dir: str | None = None
     precision: Literal["no", "bf16"] = (
         "no"  # "bf16": encode on a bfloat16 copy of the weights (faster with AMX: docs/benchmarks.md)
     )
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         if self.precision not in ("no", "bf16"):
             raise ValueError(f"precision={self.precision!r}; use 'no' (float32) or 'bf16'")
         if not self.output_path:
             raise ValueError("output_path is empty; set output_path=outputs/negatives.jsonl")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
 
 
 def run(cfg: MineNegativesConfig) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from judgeloop.config import bounded, check_fields
 from judgeloop.io import DataError, check_kind, check_row, first_of_each_id, read_jsonl
 from judgeloop.logging import get_logger
 
@@ -51,16 +52,13 @@ class SummExample:
 class SplitConfig:
     """Fractions of articles per split; the rest is ``train``. Assignment hashes the article id."""
 
-    calibration: float = 0.2
-    test: float = 0.2
-    validation: float = 0.0
+    calibration: float = bounded(0.2, ge=0, lt=1, message="{key} must be in [0, 1), got {value}")
+    test: float = bounded(0.2, ge=0, lt=1, message="{key} must be in [0, 1), got {value}")
+    validation: float = bounded(0.0, ge=0, lt=1, message="{key} must be in [0, 1), got {value}")
     salt: str = "judgeloop"
 
     def __post_init__(self) -> None:
-        for name in ("calibration", "test", "validation"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"split.{name} must be in [0, 1), got {value}")
+        check_fields("split", self)
         if self.calibration + self.test + self.validation > 1.0 + 1e-9:
             raise ValueError(
                 f"split fractions calibration+test+validation = "
@@ -83,27 +81,22 @@ class DataConfig:
     hf_config: str | None = None
     hf_split: str = "train"
     fields: dict[str, str] = field(default_factory=dict)
-    embedded_size: int = 600
-    max_articles: int | None = None
-    lead_sentences: int = 2
+    embedded_size: int = bounded(600, ge=1, message="{key} must be positive, got {value}")
+    max_articles: int | None = bounded(None, ge=1, message="{key} must be positive or null, got {value}")
+    lead_sentences: int = bounded(2, ge=1, message="{key} must be >= 1, got {value}")
     extractive: Literal["lead", "oracle"] = "lead"
     split: SplitConfig = field(default_factory=SplitConfig)
     # an id that comes back with another article: keep the first and warn naming it, or stop
     duplicate_ids: Literal["first", "error"] = "first"
 
     def __post_init__(self) -> None:
+        check_fields("data", self)
         if self.format in ("jsonl", "summeval", "debian", "xsumfaith") and not self.path:
             raise ValueError(f"data.format={self.format} needs data.path=PATH to the JSONL file")
         if self.format == "hf" and not self.name:
             raise ValueError(
                 "data.format=hf needs data.name (e.g. data.name=cnn_dailymail data.hf_config=3.0.0)"
             )
-        if self.embedded_size < 1:
-            raise ValueError(f"data.embedded_size must be positive, got {self.embedded_size}")
-        if self.max_articles is not None and self.max_articles < 1:
-            raise ValueError(f"data.max_articles must be positive or null, got {self.max_articles}")
-        if self.lead_sentences < 1:
-            raise ValueError(f"data.lead_sentences must be >= 1, got {self.lead_sentences}")
 
 
 _SENT_RE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(`])")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from judgeloop.config import Range, check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.loop.config import PolicyBase
@@ -32,28 +32,25 @@ class GrpoTrainConfig:
     """TRL's ``GRPOConfig`` settings the recipe sets (``grpo.*``); ``per_device_train_batch_size`` counts
     completions and must be a multiple of ``num_generations`` (each group on one process)."""
 
-    num_generations: int = 4
-    per_device_train_batch_size: int = 8
-    max_completion_length: int = 24
-    temperature: float = 1.0
-    learning_rate: float = 1e-4
-    beta: float = 0.04
-    max_steps: int = 10
-    logging_steps: int = 1
-    seed: int = 0
-    RANGES: ClassVar[dict[str, Range]] = {
-        "beta": (0, None, "[", " (TRL's KL weight; 0: no reference model)"),
-        "logging_steps": (1, None, "[", ""),
-    }
+    num_generations: int = bounded(
+        4, ge=2, hint=" (a group needs two completions to compare)", shape="section"
+    )
+    per_device_train_batch_size: int = bounded(8, ge=0)
+    max_completion_length: int = bounded(24, ge=0)
+    temperature: float = bounded(1.0, gt=0, hint=" (a sampling / softmax temperature)")
+    learning_rate: float = bounded(1e-4, gt=0)
+    beta: float = bounded(0.04, ge=0, hint=" (TRL's KL weight; 0: no reference model)")
+    max_steps: int = bounded(10, ge=1, shape="section")
+    logging_steps: int = bounded(1, ge=1)
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
 
     def __post_init__(self) -> None:
-        check_at_least("grpo", self, "num_generations", 2, " (a group needs two completions to compare)")
+        check_fields("grpo", self)
         if self.per_device_train_batch_size % self.num_generations:
             raise ValueError(
                 f"grpo.per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
                 f"grpo.num_generations={self.num_generations}; a group's completions must be on one process"
             )
-        check_at_least("grpo", self, "max_steps", 1)
 
 
 @dataclass
@@ -67,12 +64,13 @@ class GrpoTrlConfig:
     rewards: RewardConfig = field(default_factory=RewardConfig)  # anchor: the article's reference summary
     grpo: GrpoTrainConfig = field(default_factory=GrpoTrainConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(split=SplitConfig(calibration=0.2, test=0.1)))
-    max_train_articles: int | None = None
+    max_train_articles: int | None = bounded(None, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "runs/grpo_trl"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         check_judge_path(self.judge_path, on_disk=False)
 
 

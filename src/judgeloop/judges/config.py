@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, Literal, get_args
 
-from judgeloop.config import ANY_FINITE, Range
+from judgeloop.config import ANY_FINITE, bounded, check_fields
 from judgeloop.judges.prompts import get_prompt
 from judgeloop.judges.served_client import ServerConfig
 from judgeloop.judges.styled import STYLE_FEATURES
@@ -38,9 +38,10 @@ class PanelConfig:
     combine: Literal["mean_prob", "mean_logit", "stacked"] = "mean_logit"
     weights: list[float] = field(default_factory=list)
     member_calibration: Literal["platt", "isotonic", "temperature", "feature_platt"] = "platt"
-    min_points: int = 10
+    min_points: int = bounded(10, ge=2, message="{key}={value}; it must be at least 2")
 
     def __post_init__(self) -> None:
+        check_fields("judge.panel", self)
         if self.weights and (len(self.weights) != len(self.members) or any(w < 0 for w in self.weights)):
             raise ValueError(
                 f"judge.panel.weights={self.weights}: give {len(self.members)} non-negative weights (one per "
@@ -59,8 +60,6 @@ class PanelConfig:
             raise ValueError(
                 "judge.panel.members: a member cannot be a panel itself; list its judges instead"
             )
-        if self.min_points < 2:
-            raise ValueError(f"judge.panel.min_points={self.min_points}; it must be at least 2")
 
 
 def member_names(panel: PanelConfig) -> list[str]:
@@ -118,20 +117,22 @@ class JudgeConfig:
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     prompt: str = "neutral"
     position_debias: bool | None = None
-    batch_size: int = 8
-    max_length: int = 2048
+    batch_size: int = bounded(8, ge=1, message="{key}={value}; it must be at least 1")
+    max_length: int = bounded(
+        2048, ge=16, message="{key}={value}; it must be at least 16 tokens (typical: 2048)"
+    )
     embedding_target: Literal["article", "references", "extractive"] = "article"
-    scale: float = 20.0
+    scale: float = bounded(
+        20.0, gt=0, message="{key}={value}; it must be a positive finite number (default 20)"
+    )
     dtype: str = "float32"
     verdict_tokens: list[str] = field(default_factory=lambda: ["A", "B"])
     device: str = "auto"
-    cache_size: int = 100_000
-    style_weight: float = 0.0
+    cache_size: int = bounded(
+        100_000, ge=0, message="{key}={value}; use 0 to disable the cache or a positive size"
+    )
     # a style bias either way is an experiment (negative: the judge leans against the style)
-    RANGES: ClassVar[dict[str, Range]] = {
-        "style_weight": ANY_FINITE,
-        "scale": (0, None, "(", " (the embedding judge's logit per unit of cosine difference)"),
-    }
+    style_weight: float = bounded(0.0, ANY_FINITE)
     style_feature: str = "copy_rate"
     name: str = ""
     signal: Literal["rouge", "length", "copy_rate", "factual"] = "rouge"
@@ -139,7 +140,7 @@ class JudgeConfig:
     panel: PanelConfig = field(default_factory=lambda: PanelConfig())
     server: ServerConfig = field(default_factory=lambda: ServerConfig())
     extractor: Literal["verdict", "graded", "likelihood"] = "verdict"
-    grades: int = 5
+    grades: int = bounded(5, ge=2, le=9, hint=" (grades 1..K, one digit token each)", shape="section")
     calibrate: bool | None = None
 
     def __post_init__(self) -> None:
@@ -179,30 +180,16 @@ class JudgeConfig:
                 f"judge.server.route={self.server.route!r} with judge.extractor=likelihood: only the vllm and sglang "
                 "routes return prompt log-probabilities; set judge.server.route to auto, vllm or sglang"
             )
-        if not 2 <= self.grades <= 9:
-            raise ValueError(
-                f"judge.grades={self.grades} must be in [2, 9] (grades 1..K, one digit token each)"
-            )
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")
         get_prompt(self.prompt)  # raises naming the closest template
-        if self.batch_size < 1:
-            raise ValueError(f"judge.batch_size={self.batch_size}; it must be at least 1")
-        if self.max_length < 16:
-            raise ValueError(
-                f"judge.max_length={self.max_length}; it must be at least 16 tokens (typical: 2048)"
-            )
         if self.embedding_target not in ("article", "references", "extractive"):
             raise ValueError(
                 f"judge.embedding_target={self.embedding_target!r}; use 'article', 'references' or 'extractive'"
             )
-        if not math.isfinite(self.style_weight):
-            raise ValueError(
-                f"judge.style_weight={self.style_weight}; it must be a finite number (0: no bias)"
-            )
         if self.style_feature not in STYLE_FEATURES:
             raise ValueError(f"judge.style_feature={self.style_feature!r}; use one of {list(STYLE_FEATURES)}")
-        if not (math.isfinite(self.scale) and self.scale > 0):
+        if not math.isfinite(self.scale):  # before check_fields: its message names the setting's meaning
             raise ValueError(f"judge.scale={self.scale}; it must be a positive finite number (default 20)")
         if self.dtype not in DTYPES:
             raise ValueError(f"judge.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}")
@@ -220,10 +207,7 @@ class JudgeConfig:
         bad = dev[0] not in ("auto", "cpu", "cuda", "mps") or len(dev) > 2
         if bad or (len(dev) == 2 and (dev[0] != "cuda" or not dev[1].isdigit())):
             raise ValueError(f"judge.device={self.device!r}; use auto, cpu, cuda, cuda:N or mps")
-        if self.cache_size < 0:
-            raise ValueError(
-                f"judge.cache_size={self.cache_size}; use 0 to disable the cache or a positive size"
-            )
+        check_fields("judge", self)  # last: the choices above say more than a Literal's list
 
     @property
     def debias(self) -> bool:

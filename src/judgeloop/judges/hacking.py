@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.text import STOPWORDS
 
 ATTACKS = (
@@ -206,18 +206,16 @@ class AttackOptions:
     """
 
     label: str = "A"
-    keywords: int = 12
-    repeats: int = 4
-    repeat_max_words: int = 30
-    lead_sentences: int = 3
-    truncate_fraction: float = 1 / 3
+    keywords: int = bounded(12, ge=1, shape="section")
+    repeats: int = bounded(4, ge=1, shape="section")
+    repeat_max_words: int = bounded(30, ge=1, shape="section")
+    lead_sentences: int = bounded(3, ge=1, shape="section")
+    truncate_fraction: float = bounded(1 / 3, gt=0, lt=1, hint="; e.g. 0.33", shape="section")
 
     def __post_init__(self) -> None:
+        check_fields("attack_options", self)
         if not self.label.strip():
             raise ValueError("attack label is empty; use the judge's first verdict label, e.g. 'A'")
-        for name in ("keywords", "repeats", "repeat_max_words", "lead_sentences"):
-            check_at_least("attack_options", self, name, 1)
-        check_range("attack_options", self, "truncate_fraction", 0, 1, "()", "; e.g. 0.33")
 
 
 def build_attack(kind: str, article: str, honest: str, weak: str, opts: AttackOptions | None = None) -> str:
@@ -283,29 +281,18 @@ class DetectorConfig:
         keyword_hits: see ``keyword_top``.
     """
 
-    ngram: int = 4
-    repeated_ngram_share: float = 0.3
-    repeated_sentence_words: int = 5
-    lead_sentences: int = 3
-    lead_copy_share: float = 0.8
-    lead_min_ngrams: int = 8
-    keyword_window: int = 9
-    keyword_top: int = 30
-    keyword_hits: int = 7
+    ngram: int = bounded(4, ge=1, shape="section")
+    repeated_ngram_share: float = bounded(0.3, gt=0, le=1, shape="section")
+    repeated_sentence_words: int = bounded(5, ge=1, shape="section")
+    lead_sentences: int = bounded(3, ge=1, shape="section")
+    lead_copy_share: float = bounded(0.8, gt=0, le=1, shape="section")
+    lead_min_ngrams: int = bounded(8, ge=1, shape="section")
+    keyword_window: int = bounded(9, ge=1, shape="section")
+    keyword_top: int = bounded(30, ge=1, shape="section")
+    keyword_hits: int = bounded(7, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        for name in (
-            "ngram",
-            "repeated_sentence_words",
-            "lead_sentences",
-            "lead_min_ngrams",
-            "keyword_window",
-            "keyword_top",
-            "keyword_hits",
-        ):
-            check_at_least("detectors", self, name, 1)
-        for name in ("repeated_ngram_share", "lead_copy_share"):
-            check_range("detectors", self, name, 0, 1, "(]")
+        check_fields("detectors", self)
         if self.keyword_hits > self.keyword_window:
             raise ValueError(
                 f"detectors.keyword_hits={self.keyword_hits} exceeds detectors.keyword_window="

@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from judgeloop.config import WAIT_S, bounded, check_fields
 from judgeloop.errors import ServiceFailed, UserError
 from judgeloop.logging import get_logger
 
@@ -91,14 +92,14 @@ class ServerConfig:
     model: str = ""
     api_key_env: str = ""
     route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
-    top_logprobs: int = 20
+    top_logprobs: int = bounded(20, ge=1, shape="section")
     prompt_format: Literal["auto", "ids", "text"] = "auto"
-    timeout_s: float = 60.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
-    concurrency: int = 8
-    max_requests_per_minute: int = 0
-    max_tokens_per_minute: int = 0
+    timeout_s: float = bounded(60.0, WAIT_S, gt=0, shape="section")
+    max_retries: int = bounded(3, ge=0, shape="section")
+    backoff_s: float = bounded(0.5, WAIT_S)
+    concurrency: int = bounded(8, ge=1, shape="section")
+    max_requests_per_minute: int = bounded(0, ge=0, hint=" (0: no limit)", shape="section")
+    max_tokens_per_minute: int = bounded(0, ge=0, hint=" (0: no limit)", shape="section")
     on_failure: Literal["mask", "stop"] = "mask"
     cache_path: str = ""
 
@@ -109,17 +110,7 @@ class ServerConfig:
             raise ValueError(f"judge.server.on_failure={self.on_failure!r}; use mask or stop")
         if self.prompt_format not in ("auto", *PROMPT_FORMATS):
             raise ValueError(f"judge.server.prompt_format={self.prompt_format!r}; use auto, ids or text")
-        for name, low in (("top_logprobs", 1), ("concurrency", 1), ("max_retries", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"judge.server.{name}={getattr(self, name)} must be >= {low}")
-        for name in ("max_requests_per_minute", "max_tokens_per_minute"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"judge.server.{name}={getattr(self, name)} must be >= 0 (0: no limit)")
-        if not self.timeout_s > 0 or self.backoff_s < 0:
-            raise ValueError(
-                f"judge.server.timeout_s={self.timeout_s}, backoff_s={self.backoff_s}: the timeout must be "
-                "positive and the backoff >= 0"
-            )
+        check_fields("judge.server", self)  # after the choices, whose messages say more than a Literal's list
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from judgeloop.config import Range, check_at_least, check_range, field_order
+from judgeloop.config import WAIT_S, bounded, check_fields, field_order
 from judgeloop.data import DataConfig, SplitConfig
 from judgeloop.devices import Device
 from judgeloop.judges import JudgeConfig, PanelConfig
@@ -43,23 +43,18 @@ class PolicyBase:
 
     model: str = "judgeloop-tiny/causal-lm"
     lora: bool = False
-    lora_r: int = 8
-    lora_alpha: int = 16
+    lora_r: int = bounded(8, ge=1, hint=" (the LoRA rank)")
+    lora_alpha: int = bounded(16, gt=0, hint=" (the LoRA scaling numerator)")
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     prompt_template: str = "Summarize the following text in one short sentence.\n\n{article}"
-    max_article_tokens: int = 128
+    max_article_tokens: int = bounded(128, ge=8, message="{key}={value} is too small; use at least 8")
 
     def __post_init__(self) -> None:
+        check_fields("policy", self)
         if "{article}" not in self.prompt_template:
             raise ValueError(
                 f"policy.prompt_template={self.prompt_template!r} has no '{{article}}' placeholder; add one"
             )
-        if self.max_article_tokens < 8:
-            raise ValueError(
-                f"policy.max_article_tokens={self.max_article_tokens} is too small; use at least 8"
-            )
-        if self.lora:
-            check_at_least("policy", self, "lora_r", 1)
 
 
 @field_order(
@@ -95,18 +90,17 @@ class PolicyConfig(PolicyBase):
     """
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    lora_dropout: float = 0.0
+    lora_dropout: float = bounded(0.0, ge=0, lt=1)
     use_chat_template: bool = True
-    sft_steps: int = 0
+    sft_steps: int = bounded(0, ge=0, shape="section")
     RENAMED: ClassVar[dict[str, str]] = {"sft_lr": "sft_learning_rate"}
-    sft_learning_rate: float = 3e-3
-    sft_batch_size: int = 16
-    sft_max_tokens: int = 32
-    sft_seed: int = 0
+    sft_learning_rate: float = bounded(3e-3, gt=0)
+    sft_batch_size: int = bounded(16, ge=1, shape="section")
+    sft_max_tokens: int = bounded(32, ge=1, hint=" (tokens)")
+    sft_seed: int = bounded(0, ge=0, le=2**32 - 1)
 
     def __post_init__(self) -> None:
-        if self.sft_steps < 0 or self.sft_batch_size < 1:
-            raise ValueError(f"policy.sft_steps={self.sft_steps} must be >= 0 and policy.sft_batch_size >= 1")
+        check_fields("policy", self)
         super().__post_init__()
 
 
@@ -135,23 +129,19 @@ class VllmConfig:
     url: str | None = None
     sync_dir: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    port: int = 0
-    max_model_len: int | None = None
-    kv_cache_gib: int = 1
-    startup_timeout_s: float = 900.0
-    request_timeout_s: float = 600.0
+    port: int = bounded(0, ge=0, le=65535, hint=" (0: a free port)", shape="section")
+    max_model_len: int | None = bounded(None, ge=16, shape="section")
+    kv_cache_gib: int = bounded(1, ge=1, shape="section")
+    startup_timeout_s: float = bounded(900.0, WAIT_S, gt=0, shape="section")
+    request_timeout_s: float = bounded(600.0, WAIT_S, gt=0, shape="section")
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_fields("generation.vllm", self)
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(
                 f"generation.vllm.url={self.url!r} is not an http(s) address; e.g. http://127.0.0.1:8000"
             )
-        check_range("generation.vllm", self, "port", 0, 65535, "[]", " (0: a free port)")
-        check_at_least("generation.vllm", self, "kv_cache_gib", 1)
-        check_at_least("generation.vllm", self, "startup_timeout_s", 0, strict=True)
-        check_at_least("generation.vllm", self, "request_timeout_s", 0, strict=True)
-        check_at_least("generation.vllm", self, "max_model_len", 16, optional=True)
 
 
 @dataclass
@@ -173,21 +163,17 @@ class GenerationConfig:
     while greedy output at float32 is the same.
     """
 
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = bounded(24, ge=1, shape="section")
+    temperature: float = bounded(1.0, gt=0, hint=" (evaluation is the greedy pass)", shape="section")
+    top_p: float = bounded(1.0, gt=0, le=1, shape="section")
+    top_k: int = bounded(0, ge=0, hint=" (0: off)")
     autocast: bool = False
-    RANGES: ClassVar[dict[str, Range]] = {"top_k": (0, None, "[", " (0: off)")}
-    num_samples_per_article: int = 2
+    num_samples_per_article: int = bounded(2, ge=2, hint=" (a group needs two to compare)", shape="section")
     backend: Literal["hf", "vllm"] = "hf"
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
-        check_at_least("generation", self, "max_new_tokens", 1)
-        check_at_least("generation", self, "num_samples_per_article", 2, " (a group needs two to compare)")
-        check_at_least("generation", self, "temperature", 0, " (evaluation is the greedy pass)", strict=True)
-        check_range("generation", self, "top_p", 0, 1, "(]")
+        check_fields("generation", self)
 
 
 @dataclass
@@ -224,46 +210,32 @@ class LossConfig:
         "reward_scheme": "rewards.scheme",
         "reward_aggregate": "rewards.aggregate",
     }
-    epsilon: float = 0.2
-    beta: float = 0.1
+    epsilon: float = bounded(0.2, gt=0, shape="section")
+    beta: float = bounded(0.1, gt=0, shape="section")
     target: Literal["soft", "hard"] = "soft"
-    target_temperature: float = 1.0
+    target_temperature: float = bounded(
+        1.0, gt=0, hint=" (1 keeps p as calibrated; < 1 sharpens)", shape="section"
+    )
     pair_weighting: Literal["none", "confidence"] = "none"
-    margin: float = 0.0
-    max_spread: float = 0.5
+    margin: float = bounded(
+        0.0, ge=0, lt=0.5, hint="; pairs with |p - 0.5| < margin are skipped", shape="section"
+    )
+    max_spread: float = bounded(
+        0.5,
+        gt=0,
+        le=0.5,
+        hint=": a panel's spread is the standard deviation of probabilities (0.5 keeps every pair)",
+        shape="section",
+    )
     spread_weighting: bool = False
-    kl_coef: float = 0.05
+    kl_coef: float = bounded(0.05, ge=0, shape="section")
     kl_estimator: Literal["k1", "k3"] = "k3"
     kl_adaptive: bool = False
-    kl_target: float = 1.0
-    kl_horizon: int = 100
-    RANGES: ClassVar[dict[str, Range]] = {
-        "beta": (0, None, "(", " (the DPO temperature)"),
-        "target_temperature": (0, None, "(", " (1 keeps p as calibrated; < 1 sharpens, > 1 softens)"),
-        "kl_target": (0, None, "(", " (the adaptive KL controller's target, in nats)"),
-    }
+    kl_target: float = bounded(1.0, gt=0, hint=" (the adaptive KL controller's target, in nats)")
+    kl_horizon: int = bounded(100, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        check_at_least("loss", self, "beta", 0, strict=True)
-        check_at_least(
-            "loss", self, "target_temperature", 0, " (1 keeps p as calibrated; < 1 sharpens)", strict=True
-        )
-        check_range("loss", self, "margin", 0, 0.5, "[)", "; pairs with |p - 0.5| < margin are skipped")
-        check_at_least("loss", self, "kl_coef", 0)
-        check_range(
-            "loss",
-            self,
-            "max_spread",
-            0,
-            0.5,
-            "(]",
-            ": a panel's spread is the standard deviation of probabilities (0.5 keeps every pair)",
-        )
-        if self.kl_target <= 0 or self.kl_horizon < 1:
-            raise ValueError(
-                f"loss.kl_target={self.kl_target} must be > 0 and loss.kl_horizon={self.kl_horizon} >= 1"
-            )
-        check_at_least("loss", self, "epsilon", 0, strict=True)
+        check_fields("loss", self)
         if self.type == "grpo":
             dpo_only = [k for k in DPO_ONLY_KEYS if getattr(self, k) != getattr(LossConfig, k)]
             if dpo_only:
@@ -307,19 +279,18 @@ class OptimConfig:
     """
 
     RENAMED: ClassVar[dict[str, str]] = {"lr": "learning_rate"}
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    learning_rate: float = bounded(1e-4, gt=0, shape="section")
+    weight_decay: float = bounded(0.0, ge=0)
+    warmup_steps: int = bounded(0, ge=0, shape="section")
     scheduler: Literal["constant", "linear"] = "constant"
-    max_grad_norm: float = 1.0
-    update_chunk_size: int | None = None
+    max_grad_norm: float = bounded(1.0, ge=0)
+    update_chunk_size: int | None = bounded(
+        None, ge=1, hint=", or null (the whole batch at once)", shape="section"
+    )
     share_prompt_pass: bool = True
 
     def __post_init__(self) -> None:
-        hint = ", or null (the whole batch at once)"
-        check_at_least("optim", self, "update_chunk_size", 1, hint, optional=True)
-        check_at_least("optim", self, "learning_rate", 0, strict=True)
-        check_at_least("optim", self, "warmup_steps", 0)
+        check_fields("optim", self)
 
 
 @dataclass
@@ -355,35 +326,22 @@ class LoopCalibrationConfig:
     method: Arm = "platt"
     panel: PanelConfig = field(default_factory=PanelConfig)
     labels: Literal["rouge"] = "rouge"
-    recalibrate_every_n_steps: int = 0
-    monitor_every_n_steps: int = 0
-    ece_threshold: float = 0.1
-    num_articles: int = 32
-    extra_rounds: int = 3
-    pairs_per_article: int = 2
-    holdout_fraction: float = 0.3
-    min_points: int = 10
+    recalibrate_every_n_steps: int = bounded(0, ge=0, hint=" (0 = off)")
+    monitor_every_n_steps: int = bounded(0, ge=0, hint=" (0 = off)")
+    ece_threshold: float = bounded(0.1, ge=0, le=1, hint=" (an ECE is a probability gap)")
+    num_articles: int = bounded(32, ge=2, shape="section")
+    extra_rounds: int = bounded(3, ge=0, hint=" (0: never draw more)", shape="section")
+    pairs_per_article: int = bounded(2, ge=1, shape="section")
+    holdout_fraction: float = bounded(0.3, gt=0, lt=1, shape="section")
+    min_points: int = bounded(10, ge=1, hint=" (pairs a calibrator needs to be fitted)")
     RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
-    num_bins: int = 10
-    oracle_scale: float = 20.0
-    RANGES: ClassVar[dict[str, Range]] = {
-        "ece_threshold": (0, 1, "[]", " (an ECE is a probability gap)"),
-        "min_points": (1, None, "[", " (pairs a calibrator needs to be fitted)"),
-    }
+    num_bins: int = bounded(10, ge=0)
+    oracle_scale: float = bounded(20.0, gt=0)
     refit_accept: Literal["better", "always"] = "better"
-    ece_bootstrap: int = 1000
+    ece_bootstrap: int = bounded(1000, ge=0, hint=" (0: no interval)", shape="section")
 
     def __post_init__(self) -> None:
-        if self.recalibrate_every_n_steps < 0 or self.monitor_every_n_steps < 0:
-            raise ValueError(
-                "calibration.recalibrate_every_n_steps and calibration.monitor_every_n_steps must be >= 0 "
-                "(0 disables)"
-            )
-        check_at_least("calibration", self, "pairs_per_article", 1)
-        check_at_least("calibration", self, "num_articles", 2)
-        check_at_least("calibration", self, "extra_rounds", 0, " (0: never draw more)")
-        check_range("calibration", self, "holdout_fraction", 0, 1)
-        check_at_least("calibration", self, "ece_bootstrap", 0, " (0: no interval)")
+        check_fields("calibration", self)
 
 
 ALARM_SIGNALS = ("rouge", "length", "copy_rate")
@@ -397,12 +355,11 @@ class CurveConfig:
     interval, the style metrics, KL and the judge's signal; into ``report.json`` (``curve``),
     ``curve.md``, ``curve.png`` and the trackers (``curve/*``)."""
 
-    every_n_steps: int = 0
-    num_articles: int = 16
+    every_n_steps: int = bounded(0, ge=0, hint=" (0 disables)", shape="section")
+    num_articles: int = bounded(16, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        check_at_least("curve", self, "every_n_steps", 0, " (0 disables)")
-        check_at_least("curve", self, "num_articles", 1)
+        check_fields("curve", self)
 
 
 @dataclass
@@ -424,23 +381,19 @@ class AlarmConfig:
     """
 
     signals: list[str] = field(default_factory=list)
-    every_n_steps: int = 0
-    threshold: float = 0.5
-    window: int = 2
-    min_pairs: int = 10
+    every_n_steps: int = bounded(0, ge=0, hint=" (0 disables)", shape="section")
+    threshold: float = bounded(0.5, gt=0, lt=1, hint="; e.g. 0.5 (chance agreement)", shape="section")
+    window: int = bounded(2, ge=1, shape="section")
+    min_pairs: int = bounded(10, ge=1, shape="section")
     members: bool = True
     action: Literal["log", "refit", "downweight", "stop"] = "log"
-    downweight_factor: float = 0.5
+    downweight_factor: float = bounded(0.5, ge=0, lt=1, shape="section")
 
     def __post_init__(self) -> None:
+        check_fields("alarms", self)
         bad = [s for s in self.signals if s not in ALARM_SIGNALS]
         if bad:
             raise ValueError(f"alarms.signals has unknown signal(s) {bad}; choose from {list(ALARM_SIGNALS)}")
-        check_at_least("alarms", self, "every_n_steps", 0, " (0 disables)")
-        check_range("alarms", self, "threshold", 0, 1, "()", "; e.g. 0.5 (chance agreement)")
-        check_at_least("alarms", self, "window", 1)
-        check_at_least("alarms", self, "min_pairs", 1)
-        check_range("alarms", self, "downweight_factor", 0, 1, "[)")
 
     @property
     def enabled(self) -> bool:
@@ -507,7 +460,7 @@ class FeedbackLoopConfig:
 
     output_dir: str = "runs/feedback_loop"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     RETIRED: ClassVar[dict[str, str]] = {
         "cpu": "set device: cpu (or auto, the default: a GPU when accelerate sees one, else the CPU)"
     }
@@ -525,42 +478,38 @@ class FeedbackLoopConfig:
     calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
     alarms: AlarmConfig = field(default_factory=AlarmConfig)
     curve: CurveConfig = field(default_factory=CurveConfig)
-    batch_size: int = 4
+    batch_size: int = bounded(4, ge=1, shape="section")
     RENAMED: ClassVar[dict[str, str]] = {"num_steps": "max_steps"}
     # a section of the same file that another command reads: accepted here unread, checked by that
     # command's schema (judgeloop ablate: judgeloop.studies.ablation_config.AblateConfig)
     SHARED_SECTIONS: ClassVar[dict[str, str]] = {"ablation": "judgeloop ablate"}
     RUN_FREE_KEYS: ClassVar[tuple[str, ...]] = RESUME_FREE_KEYS  # judgeloop.rundir: a resume may change these
-    max_steps: int = 20
-    eval_every_n_steps: int = 10
-    save_every_n_steps: int = 0
-    keep_checkpoints: int | None = None
-    early_stopping_patience: int = 0
+    max_steps: int = bounded(20, ge=1, shape="section")
+    eval_every_n_steps: int = bounded(10, ge=0, hint=" (0 = off)")
+    save_every_n_steps: int = bounded(0, ge=0, hint=" (0 = off)")
+    keep_checkpoints: int | None = bounded(None, ge=1, hint=", or null to keep every one", shape="section")
+    early_stopping_patience: int = bounded(0, ge=0, hint=" (0 = off)", shape="section")
     judge_prefetch: bool | None = None
-    judge_prefetch_threads: int | None = None
+    judge_prefetch_threads: int | None = bounded(
+        None, ge=1, hint=", or null for half the cores", shape="section"
+    )
     save_final_policy: bool = True
-    num_eval_articles: int = 32
-    num_validation_articles: int = 16
-    eval_batch_size: int = 16
+    num_eval_articles: int = bounded(32, ge=0)
+    num_validation_articles: int = bounded(16, ge=0, shape="section")
+    eval_batch_size: int = bounded(16, ge=0)
     resume_from: str | None = None
-    stop_after_n_steps: int | None = None
+    stop_after_n_steps: int | None = bounded(None, ge=1, hint=" or null", shape="section")
     start_cache: str | None = None
     log_with: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     project_name: str = "judgeloop"
     run_name: str | None = None
     run_group: str | None = None
     progress_bar: bool = True
-    threads: int | None = None
+    threads: int | None = bounded(None, ge=1, hint=", or null for the process's own count", shape="section")
     stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
 
     def __post_init__(self) -> None:
-        check_at_least("", self, "batch_size", 1)
-        check_at_least("", self, "threads", 1, ", or null for the process's own count", optional=True)
-        check_at_least("", self, "max_steps", 1)
-        if self.eval_every_n_steps < 0 or self.save_every_n_steps < 0 or self.early_stopping_patience < 0:
-            raise ValueError(
-                "eval_every_n_steps, save_every_n_steps and early_stopping_patience must be >= 0 (0 disables)"
-            )
+        check_fields("", self)
         if self.early_stopping_patience and not self.eval_every_n_steps:
             raise ValueError(
                 "early_stopping_patience needs eval_every_n_steps > 0 (stopping is decided at evaluations)"
@@ -570,7 +519,6 @@ class FeedbackLoopConfig:
                 f"early_stopping_patience={self.early_stopping_patience} needs a validation split; set "
                 "data.split.validation=0.1 (the test split never chooses a checkpoint)"
             )
-        check_at_least("", self, "num_validation_articles", 0)
         if self.curve.every_n_steps and self.num_validation_articles == 0:
             raise ValueError(
                 f"curve.every_n_steps={self.curve.every_n_steps} draws its curve on validation articles but "
@@ -609,9 +557,6 @@ class FeedbackLoopConfig:
             )
         self._apply_arm_loss()
         self._check_loss_type()
-        check_at_least("", self, "judge_prefetch_threads", 1, ", or null for half the cores", optional=True)
-        check_at_least("", self, "keep_checkpoints", 1, ", or null to keep every one", optional=True)
-        check_at_least("", self, "stop_after_n_steps", 1, " or null", optional=True)
         check_signal_names(self.stop_signals)
         bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
         if bad:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.logging import get_logger
 from judgeloop.models import load_tokenizer
 from judgeloop.raft.assembly import DistractorTally, assemble_split
@@ -70,15 +70,14 @@ class BuildRaftConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     marks: MarksConfig = field(default_factory=MarksConfig)
-    p_oracle: float = 0.8
-    seed: int = 0
-    max_length: int | None = 768
+    p_oracle: float = bounded(0.8, ge=0.0, le=1.0, hint=" (RAFT uses 0.8)", shape="section")
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
+    max_length: int | None = bounded(768, ge=16, hint=" tokens or null", shape="section")
     output_dir: str = "runs/raft/pubmedqa"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
-        check_range("", self, "p_oracle", 0.0, 1.0, "[]", " (RAFT uses 0.8)")
-        check_at_least("", self, "max_length", 16, " tokens or null", optional=True)
+        check_fields("", self)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from judgeloop.config import bounded, check_fields
 from judgeloop.raft.readers import RaftDoc, RaftQuestion
 from judgeloop.text import STOPWORDS
 
@@ -38,12 +39,11 @@ class ChunkConfig:
     """Token windows: ``chunk_tokens`` per chunk, ``overlap_tokens`` shared by neighbours."""
 
     tokenizer: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    chunk_tokens: int = 128
+    chunk_tokens: int = bounded(128, ge=8, message="{key}={value} is too small; use at least 8 tokens")
     overlap_tokens: int = 16
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 8:
-            raise ValueError(f"chunk.chunk_tokens={self.chunk_tokens} is too small; use at least 8 tokens")
+        check_fields("chunk", self)
         if not 0 <= self.overlap_tokens < self.chunk_tokens:
             raise ValueError(
                 f"chunk.overlap_tokens={self.overlap_tokens} must be in [0, chunk_tokens={self.chunk_tokens}); "

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from judgeloop.config import check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.raft.chunking import Chunk
 from judgeloop.raft.readers import RaftQuestion
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
@@ -25,12 +25,12 @@ class HardNegativeConfig:
     """Retriever-mined hard negatives (the retriever issue's miner) for the ``hard`` source."""
 
     encoder: str = "sentence-transformers/all-MiniLM-L6-v2"
-    max_length: int = 256
-    batch_size: int = 32
+    max_length: int = bounded(256, ge=0)
+    batch_size: int = bounded(32, ge=1, shape="section")
     mining: dict[str, Any] = field(default_factory=dict)  # passed to judgeloop.retrieval.mining.MiningConfig
 
     def __post_init__(self) -> None:
-        check_at_least("distractors.hard", self, "batch_size", 1)
+        check_fields("distractors.hard", self)
 
 
 @dataclass
@@ -43,13 +43,13 @@ class DistractorConfig:
     is how many ranked candidates bm25 / hard keep per question.
     """
 
-    num_distractors: int = 3
+    num_distractors: int = bounded(3, ge=0, shape="section")
     sources: dict[str, float] = field(default_factory=lambda: {"random": 1.0})
-    candidate_depth: int = 20
+    candidate_depth: int = bounded(20, ge=1, shape="section")
     hard: HardNegativeConfig = field(default_factory=HardNegativeConfig)
 
     def __post_init__(self) -> None:
-        check_at_least("distractors", self, "num_distractors", 0)
+        check_fields("distractors", self)
         unknown = sorted(set(self.sources) - set(SOURCES))
         if unknown:
             raise ValueError(
@@ -60,7 +60,6 @@ class DistractorConfig:
                 f"distractors.sources={self.sources} needs non-negative weights with a positive sum, "
                 "e.g. {random: 0.5, bm25: 0.5}"
             )
-        check_at_least("distractors", self, "candidate_depth", 1)
 
 
 def _bm25_rank(queries: Sequence[str], texts: Sequence[str], depth: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from judgeloop.config import ConfigError, check_at_least, check_choices
+from judgeloop.config import ConfigError, bounded, check_choices, check_fields
 from judgeloop.intervals import wilson_interval
 from judgeloop.io import read_jsonl
 from judgeloop.logging import get_logger
@@ -59,25 +59,20 @@ class EvalRaftConfig:
     split: str = "eval"
     base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     adapter_dir: str | None = "runs/sft/pubmedqa/adapter"
-    max_questions: int | None = 60
+    max_questions: int | None = bounded(60, ge=1, hint=" or null", shape="section")
     settings: list[str] = field(default_factory=lambda: list(SETTINGS))
-    batch_size: int = 4
-    num_generations: int = 8
-    max_new_tokens: int = 160
-    max_answer_tokens: int = 24
+    batch_size: int = bounded(4, ge=1, shape="section")
+    num_generations: int = bounded(8, ge=0)
+    max_new_tokens: int = bounded(160, ge=1, shape="section")
+    max_answer_tokens: int = bounded(24, ge=0)
     marks: EvalMarksConfig = field(default_factory=EvalMarksConfig)
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     output_dir: str = "runs/eval_raft/pubmedqa"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         check_choices("settings", self.settings, SETTINGS)
-        check_at_least("", self, "max_questions", 1, " or null", optional=True)
-        check_at_least("", self, "batch_size", 1)
-        if self.num_generations < 0 or self.max_new_tokens < 1:
-            raise ValueError(
-                f"num_generations={self.num_generations} must be >= 0 and max_new_tokens={self.max_new_tokens} >= 1"
-            )
 
 
 # ------------------------------------------------------------------------------------------ settings

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from judgeloop.config import check_at_least
+from judgeloop.config import bounded, check_fields
 
 DEFAULT_LEVELS = (0.8, 0.95)
 
@@ -45,13 +45,13 @@ class MarksConfig:
     enabled: bool = False
     in_prompt: bool = False
     encoder: str = "sentence-transformers/all-MiniLM-L6-v2"
-    max_length: int = 256
-    batch_size: int = 32
+    max_length: int = bounded(256, ge=0)
+    batch_size: int = bounded(32, ge=1, shape="section")
     levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
 
     def __post_init__(self) -> None:
+        check_fields("marks", self)
         check_levels(self.levels, "marks.levels")
-        check_at_least("marks", self, "batch_size", 1)
         if self.in_prompt and not self.enabled:
             raise ValueError(
                 "marks.in_prompt=true needs marks.enabled=true (the marks come from the fitted sets)"
@@ -153,12 +153,12 @@ class EvalMarksConfig:
     compare: bool = False
     conformal_path: str | None = None
     levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
-    batch_size: int = 32
-    num_bootstrap: int = 1000
+    batch_size: int = bounded(32, ge=0)
+    num_bootstrap: int = bounded(1000, ge=1, shape="section")
 
     def __post_init__(self) -> None:
+        check_fields("marks", self)
         check_levels(self.levels, "marks.levels")
-        check_at_least("marks", self, "num_bootstrap", 1)
 
 
 def load_eval_marks(cfg: EvalMarksConfig, data_dir: str | Path) -> tuple[Any, MarksConfig]:

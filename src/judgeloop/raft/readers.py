@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from judgeloop.config import check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.data import pubmedqa
 from judgeloop.io import DataError, first_of_each_id, read_jsonl
 from judgeloop.text import text_key
@@ -274,14 +274,13 @@ class RaftDataConfig:
     fields: dict[str, str] = field(default_factory=dict)
     corpus_path: str | None = None
     scifact_split: str = "train"
-    max_questions: int | None = None
-    max_corpus_docs: int | None = None
+    max_questions: int | None = bounded(None, ge=2, hint=" (or null for all)", shape="section")
+    max_corpus_docs: int | None = bounded(None, ge=0, hint=" (or null for all)", shape="section")
 
     def __post_init__(self) -> None:
+        check_fields("data", self)
         if not self.path:
             raise ValueError(f"data.path is not set for data.format={self.format}; pass data.path=PATH")
-        check_at_least("data", self, "max_questions", 2, " (or null for all)", optional=True)
-        check_at_least("data", self, "max_corpus_docs", 0, " (or null for all)", optional=True)
 
 
 def read_questions(cfg: RaftDataConfig) -> tuple[ReadResult, dict[str, int]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from judgeloop.config import Range, check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.devices import Device
 from judgeloop.io import DataError
 
@@ -16,17 +16,15 @@ from judgeloop.io import DataError
 class LoraSettings:
     """LoRA (Hu et al. 2021, arXiv:2106.09685): W + (alpha / r) * B A on ``target_modules``."""
 
-    r: int = 8
-    alpha: int = 16
-    RANGES: ClassVar[dict[str, Range]] = {"alpha": (0, None, "(", " (the LoRA scaling numerator)")}
-    dropout: float = 0.05
+    r: int = bounded(8, ge=1, hint=" (e.g. 8)", shape="section")
+    alpha: int = bounded(16, gt=0, hint=" (the LoRA scaling numerator)")
+    dropout: float = bounded(0.05, ge=0.0, lt=1.0, shape="section")
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
 
     def __post_init__(self) -> None:
-        check_at_least("lora", self, "r", 1, " (e.g. 8)")
-        check_range("lora", self, "dropout", 0.0, 1.0, "[)")
+        check_fields("lora", self)
         if not self.target_modules:
             raise ValueError(
                 "lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]"
@@ -37,29 +35,21 @@ class LoraSettings:
 class TrainSettings:
     """The SFT trainer's settings (``train.*``)."""
 
-    num_epochs: float = 1.0
-    max_steps: int | None = None  # a cap on optimizer steps; None: num_epochs decides
-    batch_size: int = 4
-    grad_accum_steps: int = 2
-    learning_rate: float = 2e-4
+    num_epochs: float = bounded(1.0, ge=0)
+    max_steps: int | None = bounded(None, ge=1, hint=" or null (no cap)", shape="section")
+    batch_size: int = bounded(4, ge=1, shape="section")
+    grad_accum_steps: int = bounded(2, ge=1, shape="section")
+    learning_rate: float = bounded(2e-4, gt=0, message="{key}={value} must be positive (LoRA: ~1e-4 to 3e-4)")
     lr_scheduler: str = "cosine"
-    warmup_steps: int = 2
-    weight_decay: float = 0.0
+    warmup_steps: int = bounded(2, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
     RENAMED: ClassVar[dict[str, str]] = {"logging_every_n_steps": "log_every_n_steps"}
-    log_every_n_steps: int = 5
+    log_every_n_steps: int = bounded(5, ge=0, hint=" (0 = off)")
     bf16: bool = False
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.grad_accum_steps < 1:
-            raise ValueError(
-                f"train.batch_size={self.batch_size}, train.grad_accum_steps={self.grad_accum_steps}: both must be >= 1"
-            )
-        if self.learning_rate <= 0:
-            raise ValueError(
-                f"train.learning_rate={self.learning_rate} must be positive (LoRA: ~1e-4 to 3e-4)"
-            )
-        check_at_least("train", self, "max_steps", 1, " or null (no cap)", optional=True)
+        check_fields("train", self)
         if self.num_epochs <= 0 and self.max_steps is None:
             raise ValueError(
                 "train.num_epochs <= 0 and train.max_steps is null: nothing to train; set one of them"
@@ -83,10 +73,10 @@ class SftConfig:
     data_dir: str = "runs/raft/pubmedqa"
     output_dir: str = "runs/sft/pubmedqa"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
-    max_train_examples: int | None = 240
-    max_length: int = 768
+    max_train_examples: int | None = bounded(240, ge=1, hint=" or null", shape="section")
+    max_length: int = bounded(768, ge=32, hint=" tokens", shape="section")
     completion_only: bool = True
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     launch: Literal["accelerate", "inline"] = "accelerate"
@@ -96,14 +86,13 @@ class SftConfig:
     run_name: str | None = None
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         unknown = [t for t in self.log_with if t != "jsonl" and t not in SFT_TRACKERS]
         if unknown:
             raise ValueError(
                 f"log_with has tracker(s) {unknown} that transformers' Trainer cannot report to; "
                 f"choose from {['jsonl', *SFT_TRACKERS]}"
             )
-        check_at_least("", self, "max_train_examples", 1, " or null", optional=True)
-        check_at_least("", self, "max_length", 32, " tokens")
 
 
 # trackers transformers' Trainer can report to that judgeloop's other trainers know too (report_to names)

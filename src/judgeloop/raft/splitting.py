@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.data.splits import hash_unit
 from judgeloop.raft.readers import RaftDoc, RaftQuestion
 
@@ -23,14 +23,13 @@ class RaftSplitConfig:
     this (e.g. "yes", "France") are not checked against training documents, since they occur anywhere.
     """
 
-    eval_fraction: float = 0.2
+    eval_fraction: float = bounded(0.2, gt=0.0, lt=1.0, hint="; e.g. 0.2", shape="section")
     group_by: Literal["oracle", "topic"] = "oracle"
     salt: str = "judgeloop-raft"
-    leak_min_chars: int = 20
+    leak_min_chars: int = bounded(20, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        check_range("split", self, "eval_fraction", 0.0, 1.0, hint="; e.g. 0.2")
-        check_at_least("split", self, "leak_min_chars", 1)
+        check_fields("split", self)
 
 
 def split_questions(

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from judgeloop.config import check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.models import load_causal_lm, load_tokenizer
 from judgeloop.raft.chunking import Chunk, content_words, evidence_reference, word_overlap
 from judgeloop.raft.readers import RaftQuestion
@@ -46,17 +46,15 @@ class TargetConfig:
 
     generator: Literal["template", "lm"] = "template"
     lm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    lm_max_new_tokens: int = 96
-    lm_batch_size: int = 4
-    max_quotes: int = 1
+    lm_max_new_tokens: int = bounded(96, ge=8, message="{key}={value} is too small; use >= 8")
+    lm_batch_size: int = bounded(4, ge=0)
+    max_quotes: int = bounded(1, ge=1, hint="; every answer quotes the oracle", shape="section")
     include_long_answer: bool = True
     absent: Literal["abstain", "answer"] = "abstain"
     abstain_text: str = "The documents do not contain the answer."
 
     def __post_init__(self) -> None:
-        check_at_least("target", self, "max_quotes", 1, "; every answer quotes the oracle")
-        if self.lm_max_new_tokens < 8:
-            raise ValueError(f"target.lm_max_new_tokens={self.lm_max_new_tokens} is too small; use >= 8")
+        check_fields("target", self)
         if not self.abstain_text.strip():
             raise ValueError("target.abstain_text is empty; give the sentence the model should say")
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from judgeloop.config import check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.io import DataError, read_jsonl
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.beir import doc_text, load_beir
@@ -40,13 +40,13 @@ class RetrievalDataConfig:
     # retrieval score (label-free; their calibration base rates are reported), "query_length" =
     # quantile buckets of the query's word count, "none" = one global group
     grouping: Literal["base_rate", "query_length", "none"] = "base_rate"
-    num_buckets: int = 3
-    max_queries: int | None = None  # first N queries (by id order) for quick runs
+    num_buckets: int = bounded(3, ge=1, shape="section")
+    max_queries: int | None = bounded(None, ge=0)
     RENAMED: ClassVar[dict[str, str]] = {"max_corpus": "max_corpus_docs"}
-    max_corpus_docs: int | None = None  # keep the relevant docs plus the first N others (quick runs)
+    max_corpus_docs: int | None = bounded(None, ge=0)
 
     def __post_init__(self) -> None:
-        check_at_least("data", self, "num_buckets", 1)
+        check_fields("data", self)
 
 
 @dataclass
@@ -55,14 +55,17 @@ class EncoderConfig:
 
     name: str = "sentence-transformers/all-MiniLM-L6-v2"
     pooling: Literal["mean", "cls"] = "mean"
-    max_length: int = 256
-    batch_size: int = 64
+    max_length: int = bounded(256, ge=0)
+    batch_size: int = bounded(64, ge=0)
 
     def load(self) -> BiEncoder:
         """The bi-encoder this names, L2-normalized (dot product = cosine)."""
         return BiEncoder.from_pretrained(
             self.name, pooling=self.pooling, normalize=True, max_length=self.max_length
         )
+
+    def __post_init__(self) -> None:
+        check_fields("encoder", self)
 
 
 def encode_with(

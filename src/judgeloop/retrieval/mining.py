@@ -21,11 +21,11 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
-from judgeloop.config import Range, check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.io import atomic_write_jsonl, check_kind, check_row, read_jsonl
 from judgeloop.logging import get_logger
 
@@ -51,19 +51,20 @@ class MiningConfig:
         use_faiss: search with a FAISS inner-product index (needs ``faiss`` installed).
     """
 
-    num_negatives: int = 3
+    num_negatives: int = bounded(3, ge=1, shape="section")
     range_min: int = 0
     range_max: int = 30
-    margin: float | None = None
-    relative_margin: float | None = 0.95
-    RANGES: ClassVar[dict[str, Range]] = {"margin": (0, None, "[", " (an absolute score margin; null: off)")}
+    margin: float | None = bounded(None, ge=0, hint=" or null", shape="section")
+    relative_margin: float | None = bounded(
+        0.95, gt=0.0, le=1.0, hint=" (e.g. 0.95) or null", shape="section"
+    )
     sampling: Literal["top", "random"] = "top"
-    seed: int = 0
-    chunk_size: int = 1024
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
+    chunk_size: int = bounded(1024, ge=1, shape="section")
     use_faiss: bool = False
 
     def __post_init__(self) -> None:
-        check_at_least("mining", self, "num_negatives", 1)
+        check_fields("mining", self)
         if not 0 <= self.range_min < self.range_max:
             raise ValueError(
                 f"mining.range_min={self.range_min}, range_max={self.range_max}: need 0 <= range_min < range_max"
@@ -73,9 +74,6 @@ class MiningConfig:
                 f"mining window [{self.range_min}, {self.range_max}) holds fewer than "
                 f"num_negatives={self.num_negatives} candidates; widen range_max"
             )
-        check_range("mining", self, "relative_margin", 0.0, 1.0, "(]", " (e.g. 0.95) or null", optional=True)
-        check_at_least("mining", self, "margin", 0, " or null", optional=True)
-        check_at_least("mining", self, "chunk_size", 1)
 
 
 def exact_topk(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from judgeloop.config import Range, check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.devices import Device
 from judgeloop.io import DataError
 from judgeloop.retrieval import beir
@@ -57,15 +57,14 @@ class RetrieverDataConfig:
 
     train: RetrievalDataPaths = field(default_factory=RetrievalDataPaths)
     eval: RetrievalDataPaths | None = None
-    eval_fraction: float = 0.2
+    eval_fraction: float = bounded(0.2, gt=0.0, lt=1.0, hint="; e.g. 0.2", shape="section")
     split_salt: str = "judgeloop"
-    max_train_queries: int | None = None
-    max_eval_queries: int | None = None
-    max_corpus_docs: int | None = None
+    max_train_queries: int | None = bounded(None, ge=0)
+    max_eval_queries: int | None = bounded(None, ge=0)
+    max_corpus_docs: int | None = bounded(None, ge=2, hint=" or null (full corpus)", shape="section")
 
     def __post_init__(self) -> None:
-        check_range("data", self, "eval_fraction", 0.0, 1.0, hint="; e.g. 0.2")
-        check_at_least("data", self, "max_corpus_docs", 2, " or null (full corpus)", optional=True)
+        check_fields("data", self)
 
 
 @dataclass
@@ -75,20 +74,23 @@ class RetrieverModelConfig:
     name: str = DEFAULT_RETRIEVER
     pooling: Literal["mean", "cls"] = "mean"
     normalize: bool = True
-    max_length: int = 256
-    query_max_length: int = 64
+    max_length: int = bounded(256, ge=0)
+    query_max_length: int = bounded(64, ge=1, hint=" (tokens)")
+
+    def __post_init__(self) -> None:
+        check_fields("model", self)
 
 
 @dataclass
 class RetrieverLossConfig:
     """The InfoNCE loss: temperature and which negatives enter it."""
 
-    tau: float = 0.05
+    tau: float = bounded(0.05, gt=0, hint=" (0.05 = sentence-transformers scale 20)", shape="section")
     symmetric: bool = False
     gather_across_processes: bool = True
 
     def __post_init__(self) -> None:
-        check_at_least("loss", self, "tau", 0, " (0.05 = sentence-transformers scale 20)", strict=True)
+        check_fields("loss", self)
 
 
 @dataclass
@@ -96,57 +98,48 @@ class NegativesConfig:
     """``hard=false`` trains with in-batch negatives only."""
 
     hard: bool = True
-    remine_every_n_epochs: int = 0
-    num_bm25: int = 0
+    remine_every_n_epochs: int = bounded(0, ge=0, hint=" (0 = off)")
+    num_bm25: int = bounded(0, ge=0)
     path: str | None = None
     mining: MiningConfig = field(default_factory=MiningConfig)
 
     def __post_init__(self) -> None:
-        if self.remine_every_n_epochs < 0 or self.num_bm25 < 0:
-            raise ValueError(
-                f"negatives.remine_every_n_epochs={self.remine_every_n_epochs}, num_bm25={self.num_bm25} must be >= 0"
-            )
+        check_fields("negatives", self)
 
 
 @dataclass
 class RetrieverTrainConfig:
     """The retriever's training schedule, precision, checkpoints and resume."""
 
-    batch_size: int = 32
-    gradcache_chunk_size: int = 0
-    num_epochs: int = 1
-    max_steps: int | None = None
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    seed: int = 0
+    batch_size: int = bounded(32, ge=2, message="{key}={value}: in-batch negatives need at least 2")
+    gradcache_chunk_size: int = bounded(0, ge=0, hint=" (0 = off)", shape="section")
+    num_epochs: int = bounded(1, ge=1, shape="section")
+    max_steps: int | None = bounded(None, ge=0)
+    learning_rate: float = bounded(2e-5, gt=0, shape="section")
+    weight_decay: float = bounded(0.01, ge=0)
+    warmup_ratio: float = bounded(0.1, ge=0, le=1)
+    max_grad_norm: float = bounded(1.0, ge=0)
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     RENAMED: ClassVar[dict[str, str]] = {"checkpoint_every_n_steps": "save_every_n_steps"}
-    save_every_n_steps: int = 0
-    keep_checkpoints: int = 1
+    save_every_n_steps: int = bounded(0, ge=0, hint=" (0 = off)")
+    keep_checkpoints: int = bounded(1, ge=1, shape="section")
     resume: bool = True
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = bounded(10, ge=0, hint=" (0 = off)")
     # bf16 autocast for the training forward (weights, gradients and optimizer state stay float32);
     # faster on a CPU with AMX (docs/benchmarks.md "Figures behind config defaults"). auto: bf16 where it is
     # native (a GPU, or a CPU with avx512_bf16 / amx_bf16, detected at run time), float32 elsewhere
     mixed_precision: Literal["no", "bf16", "auto"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.batch_size < 2:
-            raise ValueError(f"train.batch_size={self.batch_size}: in-batch negatives need at least 2")
-        check_at_least("train", self, "num_epochs", 1)
-        check_at_least("train", self, "gradcache_chunk_size", 0, " (0 = off)")
-        check_at_least("train", self, "keep_checkpoints", 1)
-        check_at_least("train", self, "learning_rate", 0, strict=True)
+        check_fields("train", self)
 
 
 @dataclass
 class RetrieverEvalConfig:
     """Retriever evaluation: metrics, depth, batch size, precision, embedding cache."""
 
-    batch_size: int = 64
-    top_k: int = 100
-    RANGES: ClassVar[dict[str, Range]] = {"top_k": (1, None, "[", " (documents retrieved per query)")}
+    batch_size: int = bounded(64, ge=0)
+    top_k: int = bounded(100, ge=1, hint=" (documents retrieved per query)")
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     embedding_cache_dir: str | None = None
     # bf16 weights (a copy) when encoding for evaluation and mining (faster on a CPU with AMX:
@@ -155,6 +148,7 @@ class RetrieverEvalConfig:
     precision: Literal["no", "bf16", "auto"] = "auto"
 
     def __post_init__(self) -> None:
+        check_fields("eval", self)
         needed = {"ndcg@10", "recall@10", "mrr@10"}
         if not needed <= set(self.metrics):
             raise ValueError(

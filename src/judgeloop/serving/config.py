@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from judgeloop.config import ConfigError, check_at_least, check_range
+from judgeloop.config import (
+    WAIT_MS,
+    WAIT_S,
+    Bound,
+    ConfigError,
+    bounded,
+    check_fields,
+    check_range,
+)
 from judgeloop.judges import JudgeNeeds
 from judgeloop.judges.calibrated import check_judge_path
 from judgeloop.rewards import RewardConfig
@@ -29,28 +37,22 @@ class ServerConfig:
     ``docs/serving.md``, "Batching and threads")."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = bounded(
+        8000, Bound(0, 65535, "[]", " (0: any free port)"), ge=0, hint=" (0: any free port)", shape="section"
+    )
     api_key_env: str = ""
-    max_batch_size: int = 256
-    max_wait_ms: float = 5.0
-    max_items_per_request: int = 4096
-    max_chars_per_text: int = 50_000
-    max_body_bytes: int = 32 * 1024 * 1024
-    drain_timeout_s: float = 30.0
-    read_timeout_s: float = 60.0
-    num_threads: int = 0
+    max_batch_size: int = bounded(256, ge=1, shape="section")
+    max_wait_ms: float = bounded(5.0, WAIT_MS, ge=0, shape="section")
+    max_items_per_request: int = bounded(4096, ge=1, shape="section")
+    max_chars_per_text: int = bounded(50_000, ge=1, shape="section")
+    max_body_bytes: int = bounded(32 * 1024 * 1024, ge=1024, shape="section")
+    drain_timeout_s: float = bounded(30.0, WAIT_S, ge=0, shape="section")
+    read_timeout_s: float = bounded(60.0, WAIT_S, gt=0, shape="section")
+    num_threads: int = bounded(0, ge=0, hint=" (0: torch's default)", shape="section")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        check_at_least("server", self, "port", 0, " (0: any free port)")
-        check_at_least("server", self, "max_batch_size", 1)
-        check_at_least("server", self, "max_wait_ms", 0)
-        check_at_least("server", self, "max_items_per_request", 1)
-        check_at_least("server", self, "max_chars_per_text", 1)
-        check_at_least("server", self, "max_body_bytes", 1024)
-        check_at_least("server", self, "drain_timeout_s", 0)
-        check_at_least("server", self, "read_timeout_s", 0, strict=True)
-        check_at_least("server", self, "num_threads", 0, " (0: torch's default)")
+        check_fields("server", self)
 
 
 @dataclass
@@ -69,8 +71,9 @@ class OpenRLHFConfig:
     With the ``anchor`` scheme the label is the anchor. ``strip_suffixes``: end-of-turn tokens the
     client leaves in the decoded query, removed from the completion's end."""
 
-    n_samples_per_prompt: int = 0
-    group_wait_s: float = 60.0
+    n_samples_per_prompt: int = bounded(0, ge=0, hint=" (0: group each request's queries)", shape="section")
+    group_wait_s: float = bounded(60.0, WAIT_S, gt=0, shape="section")
+    # bounded by group_wait_s (itself at most a week) in __post_init__: a bound set by another key
     group_idle_s: float = 10.0
     source: Literal["prompt", "label"] = "prompt"
     strip_suffixes: list[str] = field(
@@ -78,8 +81,7 @@ class OpenRLHFConfig:
     )
 
     def __post_init__(self) -> None:
-        check_at_least("openrlhf", self, "n_samples_per_prompt", 0, " (0: group each request's queries)")
-        check_at_least("openrlhf", self, "group_wait_s", 0, strict=True)
+        check_fields("openrlhf", self)
         check_range(
             "openrlhf",
             self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from judgeloop.config import check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.loop.config import ARMS, RESUME_FREE_KEYS, FeedbackLoopConfig
 from judgeloop.loop.metrics_table import TARGET, keys
 
@@ -49,14 +49,19 @@ class AblationConfig:
     baseline: str = "raw"
     style_metric: str = "copy_rate"
     style_direction: Literal["increase", "decrease"] = "increase"
-    bootstrap_samples: int = 4000
-    bootstrap_seed: int = 0
-    num_workers: int | None = None
+    bootstrap_samples: int = bounded(
+        4000, ge=1000, message="{key}={value} is too few for a 95% interval; use >= 1000"
+    )
+    bootstrap_seed: int = bounded(0, ge=0, le=2**32 - 1)
+    num_workers: int | None = bounded(None, ge=1, hint=", or null for auto", shape="section")
     share_start_work: bool = True
-    threads_per_job: int | None = 1
-    save_every_n_steps: int = 1
+    threads_per_job: int | None = bounded(
+        1, ge=1, hint=", or null for the launching process's count", shape="section"
+    )
+    save_every_n_steps: int = bounded(1, ge=0, hint=" (0: no checkpoints)", shape="section")
 
     def __post_init__(self) -> None:
+        check_fields("ablation", self)
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ValueError(f"ablation.arms has unknown arm(s) {bad}; choose from {list(ARMS)}")
@@ -76,20 +81,6 @@ class AblationConfig:
             )
         if self.style_metric not in STYLE_METRICS:
             raise ValueError(f"ablation.style_metric={self.style_metric!r}; use one of {list(STYLE_METRICS)}")
-        if self.bootstrap_samples < 1000:
-            raise ValueError(
-                f"ablation.bootstrap_samples={self.bootstrap_samples} is too few for a 95% interval; use >= 1000"
-            )
-        check_at_least("ablation", self, "num_workers", 1, ", or null for auto", optional=True)
-        check_at_least(
-            "ablation",
-            self,
-            "threads_per_job",
-            1,
-            ", or null for the launching process's count",
-            optional=True,
-        )
-        check_at_least("ablation", self, "save_every_n_steps", 0, " (0: no checkpoints)")
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import ConfigError, check_at_least, check_range
+from judgeloop.config import ConfigError, bounded, check_fields
 from judgeloop.intervals import bootstrap_interval
 from judgeloop.logging import get_logger
 from judgeloop.routing.abstention import REASONS, aurc, refusal_reasons, risk_coverage, selective_risk
@@ -47,25 +47,21 @@ FEATURES = ("answer_logprob", "answerable_logit", "top1_similarity", "num_in_set
 class AbstainSection:
     """How the answer step refuses: the target risk, the confidence's features, the reason signals."""
 
-    target_risk: float = 0.5  # selective risk (mean 1 - F1 over answered questions) to meet on calibration
-    calibration_fraction: float = 0.5
+    target_risk: float = bounded(0.5, gt=0.0, lt=1.0, hint="; e.g. abstain.target_risk=0.3", shape="section")
+    calibration_fraction: float = bounded(0.5, gt=0.0, lt=1.0, hint="; e.g. 0.5", shape="section")
     confidence_features: list[str] = field(
         default_factory=lambda: ["answer_logprob", "answerable_logit", "top1_similarity"]
     )
     confidence_target: Literal["f1", "correct"] = "f1"  # E[F1], or P(F1 >= correct_min_f1)
-    correct_min_f1: float = 0.5  # what "correct" means (the target of "correct", and the reported AUC)
-    conformal_alpha: float = 0.1
+    correct_min_f1: float = bounded(0.5, gt=0.0, le=1.0, shape="section")
+    conformal_alpha: float = bounded(0.1, gt=0.0, lt=1.0, hint="; e.g. 0.1 for 90% sets", shape="section")
     conformal_path: str | None = None  # a conformal.json fitted on this pool; null = fit on calibration
-    disagreement_max_f1: float = 0.5
+    disagreement_max_f1: float = bounded(0.5, gt=0.0, le=1.0, shape="section")
     coverages: list[float] = field(default_factory=lambda: [0.8, 0.9])
-    num_bootstrap: int = 1000
+    num_bootstrap: int = bounded(1000, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        check_range("abstain", self, "target_risk", 0.0, 1.0, hint="; e.g. abstain.target_risk=0.3")
-        check_range("abstain", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")
-        check_range("abstain", self, "conformal_alpha", 0.0, 1.0, hint="; e.g. 0.1 for 90% sets")
-        check_range("abstain", self, "correct_min_f1", 0.0, 1.0, "(]")
-        check_range("abstain", self, "disagreement_max_f1", 0.0, 1.0, "(]")
+        check_fields("abstain", self)
         unknown = [f for f in self.confidence_features if f not in FEATURES]
         if unknown or not self.confidence_features:
             raise ValueError(
@@ -76,7 +72,6 @@ class AbstainSection:
             raise ValueError(
                 f"abstain.coverages={self.coverages} must be a non-empty list of values in (0, 1]"
             )
-        check_at_least("abstain", self, "num_bootstrap", 1)
 
 
 @dataclass
@@ -91,6 +86,7 @@ class AnswerConfig(QAStudyConfig):
     abstain: AbstainSection = field(default_factory=AbstainSection)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.retriever.type != "dense":
             raise ValueError(
                 f"retriever.type={self.retriever.type!r}: the answer step's conformal sets need dense "

@@ -23,7 +23,7 @@ from judgeloop.calibration.features import FEATURE_NAMES, both_orientations, pai
 from judgeloop.calibration.health import health_lines, judge_health
 from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs
 from judgeloop.calibration.metrics import all_metrics
-from judgeloop.config import Range
+from judgeloop.config import bounded, check_fields
 from judgeloop.data import DataConfig, load_examples, split_examples
 from judgeloop.io import DataError
 from judgeloop.judges import VALID_STATUSES, JudgeConfig, build_judge
@@ -39,15 +39,15 @@ class CalibratorOptions:
 
     symmetric: bool = True
     platt_fit_intercept: bool = False
-    min_points: int = 10
-    isotonic_min_points_warn: int = 200
-    isotonic_eps: float = 1e-3
-    feature_l2: float = 1e-3
-    RANGES: ClassVar[dict[str, Range]] = {
-        "min_points": (1, None, "[", " (points a calibrator needs to be fitted)"),
-        "isotonic_min_points_warn": (0, None, "[", " (0: never warn)"),
-        "isotonic_eps": (0, 0.5, "[)", " (isotonic probabilities are clipped to [eps, 1 - eps])"),
-    }
+    min_points: int = bounded(10, ge=1, hint=" (points a calibrator needs to be fitted)")
+    isotonic_min_points_warn: int = bounded(200, ge=0, hint=" (0: never warn)")
+    isotonic_eps: float = bounded(
+        1e-3, ge=0, lt=0.5, hint=" (isotonic probabilities are clipped to [eps, 1 - eps])"
+    )
+    feature_l2: float = bounded(1e-3, ge=0, hint=" (an L2 penalty)")
+
+    def __post_init__(self) -> None:
+        check_fields("calibrator", self)
 
 
 @dataclass
@@ -59,16 +59,17 @@ class CalibrateConfig:
     labels: LabelConfig = field(default_factory=LabelConfig)
     methods: list[str] = field(default_factory=lambda: ["platt", "isotonic"])
     calibrator: CalibratorOptions = field(default_factory=CalibratorOptions)
-    max_pairs_per_article: int | None = None
-    max_fit_articles: int | None = None
-    max_eval_articles: int | None = None
+    max_pairs_per_article: int | None = bounded(None, ge=0)
+    max_fit_articles: int | None = bounded(None, ge=0)
+    max_eval_articles: int | None = bounded(None, ge=0)
     RENAMED: ClassVar[dict[str, str]] = {"n_bins": "num_bins"}
-    num_bins: int = 15
-    seed: int = 0
+    num_bins: int = bounded(15, ge=2, message="{key} must be >= 2, got {value}")
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     output_dir: str = "runs/calibrate"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         unknown = [m for m in self.methods if m not in CALIBRATORS or m == "raw"]
         if unknown:
             valid = sorted(set(CALIBRATORS) - {"raw"})
@@ -77,8 +78,6 @@ class CalibrateConfig:
             )
         if not self.methods:
             raise ValueError("methods is empty; list at least one calibrator, e.g. methods=[platt,isotonic]")
-        if self.num_bins < 2:
-            raise ValueError(f"num_bins must be >= 2, got {self.num_bins}")
 
 
 def build_calibrator(method: str, opts: CalibratorOptions) -> Calibrator:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from judgeloop.config import Range, check_at_least, check_range
+from judgeloop.config import Bound, bounded, check_fields
 from judgeloop.io import DataError
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.conformal import (
@@ -50,36 +50,28 @@ class ConformalSection:
 
     alphas: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2])
     guarantee: Literal["document", "any", "all", "labels"] = "document"
-    top_k: int = 1000  # candidates per query; relevant docs beyond are infinite nonconformity
+    top_k: int = bounded(1000, ge=2, shape="section")
     score_map: Literal["affine", "softmax", "identity"] = "affine"
-    temperature: float = 0.05
+    temperature: float = bounded(0.05, gt=0, hint=" (a sampling / softmax temperature)")
     # "base_rate": tau(alpha, beta) from each group's base rate (the share of its calibration points whose
     # relevant document is among the top_k candidates) and that rate's beta interval; "quantile": the plain
     # split-conformal quantile (judgeloop.retrieval.conformal)
     threshold_rule: Literal["quantile", "base_rate"] = "base_rate"
-    min_group_size: int = 50
-    base_rate_k: int = 10  # the reported success rate = P(a relevant document in the top base_rate_k)
+    min_group_size: int = bounded(50, ge=1, hint=" (queries a group needs for its own threshold)")
+    base_rate_k: int = bounded(10, ge=1, hint=" (the depth of the base rate's top-k)")
     RENAMED: ClassVar[dict[str, str]] = {"confidence": "beta"}
-    beta: float = (
-        0.95  # confidence level of the base rates' intervals (reported, and used by tau(alpha, beta))
+    beta: float = bounded(
+        0.95, gt=0.0, lt=1.0, hint=" (the base rate interval's confidence level)", shape="section"
     )
     interval: Literal["wilson", "clopper_pearson"] = "wilson"
-    max_set_size: int | None = (
-        None  # cap every set at its best N candidates; the report gives the coverage lost
-    )
+    max_set_size: int | None = bounded(None, ge=1, hint=" or null (no cap)", shape="section")
     holdout_groups: list[str] = field(default_factory=list)  # never calibrate: tested as unseen groups
-    RANGES: ClassVar[dict[str, Range]] = {
-        "min_group_size": (1, None, "[", " (queries a group needs for its own threshold)"),
-        "base_rate_k": (1, None, "[", " (the depth of the base rate's top-k)"),
-    }
 
     def __post_init__(self) -> None:
+        check_fields("conformal", self)
         bad = [a for a in self.alphas if not 0.0 < a < 1.0]
         if not self.alphas or bad:
             raise ValueError(f"conformal.alphas={self.alphas} must be a non-empty list of values in (0, 1)")
-        check_at_least("conformal", self, "top_k", 2)
-        check_range("conformal", self, "beta", 0.0, 1.0, hint=" (the base rate interval's confidence level)")
-        check_at_least("conformal", self, "max_set_size", 1, " or null (no cap)", optional=True)
         if self.max_set_size is not None and self.guarantee == "labels":
             raise ValueError(
                 f"conformal.max_set_size={self.max_set_size} caps a retrieval set, but conformal.guarantee=labels "
@@ -102,32 +94,25 @@ class OnlineConfig:
     """The online comparison: static vs sliding-window vs adaptive (ACI) conformal."""
 
     enabled: bool = True
-    alpha: float = 0.1
-    gamma: float = 0.01
-    window: int = 200
-    warmup: int = 50
-    monitor_window: int = 100
-    tolerance: float = 0.05
+    alpha: float = bounded(0.1, gt=0.0, lt=1.0, hint="; e.g. online.alpha=0.1", shape="section")
+    gamma: float = bounded(
+        0.01,
+        Bound(0, 1, "[]", " (the ACI step size; 0 = window only)"),
+        ge=0.0,
+        hint=" (the ACI step size; 0 = window only)",
+        shape="section",
+    )
+    window: int = bounded(200, ge=1, shape="section")
+    warmup: int = bounded(50, ge=1, hint=" (the static quantile needs points)", shape="section")
+    monitor_window: int = bounded(100, ge=1, shape="section")
+    tolerance: float = bounded(0.05, ge=0.0, lt=1.0, shape="section")
     # set-size alarm: on while the mean set size of the last monitor_window steps exceeds this (null: off)
-    max_mean_set_size: float | None = None
-    RANGES: ClassVar[dict[str, Range]] = {"gamma": (0, 1, "[]", " (the ACI step size; 0 = window only)")}
+    max_mean_set_size: float | None = bounded(
+        None, gt=0.0, hint=" (documents) or null (no set-size alarm)", shape="section"
+    )
 
     def __post_init__(self) -> None:
-        check_range("online", self, "alpha", 0.0, 1.0, hint="; e.g. online.alpha=0.1")
-        check_at_least("online", self, "gamma", 0.0, " (the ACI step size; 0 = window only)")
-        for name in ("window", "monitor_window"):
-            check_at_least("online", self, name, 1)
-        check_at_least("online", self, "warmup", 1, " (the static quantile needs points)")
-        check_range("online", self, "tolerance", 0.0, 1.0, "[)")
-        check_at_least(
-            "online",
-            self,
-            "max_mean_set_size",
-            0.0,
-            " (documents) or null (no set-size alarm)",
-            strict=True,
-            optional=True,
-        )
+        check_fields("online", self)
 
 
 @dataclass
@@ -138,16 +123,15 @@ class ConformalConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     conformal: ConformalSection = field(default_factory=ConformalSection)
     online: OnlineConfig = field(default_factory=OnlineConfig)
-    num_trials: int = 100
-    calibration_fraction: float = 0.5
-    seed: int = 0
+    num_trials: int = bounded(100, ge=1, shape="section")
+    calibration_fraction: float = bounded(0.5, gt=0.0, lt=1.0, hint="; e.g. 0.5", shape="section")
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     output_dir: str = "runs/conformal"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
     def __post_init__(self) -> None:
-        check_at_least("", self, "num_trials", 1)
-        check_range("", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")
+        check_fields("", self)
         held = self.conformal.holdout_groups
         if held and self.data.group_field is None:  # the built-in groups' names are known before any work
             labels = builtin_group_labels(self.data.grouping, self.data.num_buckets)

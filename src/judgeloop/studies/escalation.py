@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import Range, check_at_least
+from judgeloop.config import bounded, check_fields
 from judgeloop.intervals import bootstrap_mean_interval
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.escalation import (
@@ -42,20 +42,15 @@ class EscalationSection:
 
     method: Literal["none", "fuse", "rewrite", "abstain"] = "none"
     fuse_with: Literal["bm25", "second_encoder"] = "bm25"
-    depth: int = 100  # candidates taken from each list before fusion
-    rrf_k: float = 60.0
+    depth: int = bounded(100, ge=1, shape="section")
+    rrf_k: float = bounded(60.0, ge=0.0, hint=" (60 in Cormack et al. 2009)", shape="section")
     rewrite_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    rewrite_max_new_tokens: int = 32
-    rewrite_batch_size: int = 8
-    num_bootstrap: int = 1000
-    RANGES: ClassVar[dict[str, Range]] = {"rrf_k": (0, None, "[", " (60 in Cormack et al. 2009)")}
+    rewrite_max_new_tokens: int = bounded(32, ge=1, shape="section")
+    rewrite_batch_size: int = bounded(8, ge=1, shape="section")
+    num_bootstrap: int = bounded(1000, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        check_at_least("escalation", self, "depth", 1)
-        check_at_least("escalation", self, "rrf_k", 0.0, " (60 in Cormack et al. 2009)")
-        check_at_least("escalation", self, "rewrite_max_new_tokens", 1)
-        check_at_least("escalation", self, "rewrite_batch_size", 1)
-        check_at_least("escalation", self, "num_bootstrap", 1)
+        check_fields("escalation", self)
 
 
 def check_escalation(esc: EscalationSection) -> None:

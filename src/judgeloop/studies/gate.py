@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import Range, check_at_least, check_choices, check_range
+from judgeloop.config import bounded, check_choices, check_fields
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, RetrievalDataConfig, load_retrieval_data, retrieve_dense
@@ -59,24 +59,23 @@ class GateSection:
     """How the gate is chosen: window, signal selection, threshold rule, combination."""
 
     signals: list[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
-    window_k: int = 10  # the top-k the system consumes
-    min_separation: float = 0.65
-    max_correlation: float = 0.85
+    window_k: int = bounded(10, ge=2, hint=" (top_gap needs two results)", shape="section")
+    min_separation: float = bounded(
+        0.65, ge=0.5, le=1, hint=" (a signal's max(AUC, 1 - AUC); 0.5 keeps every signal)"
+    )
+    max_correlation: float = bounded(
+        0.85, ge=0, le=1, hint=" (an absolute Spearman correlation; 1 drops none)"
+    )
     threshold_rule: Literal["youden", "recall"] = "youden"
-    target_recall: float = 0.8
+    target_recall: float = bounded(0.8, gt=0, le=1, hint=" (the share of weak retrievals the gate must flag)")
     combine: Literal["single", "or"] = "single"
-    num_bootstrap: int = 1000
-    RANGES: ClassVar[dict[str, Range]] = {
-        "min_separation": (0.5, 1, "[]", " (a signal's max(AUC, 1 - AUC); 0.5 keeps every signal)"),
-        "max_correlation": (0, 1, "[]", " (an absolute Spearman correlation; 1 drops none)"),
-        "target_recall": (0, 1, "(]", " (the share of weak retrievals the gate must flag)"),
-    }
+    num_bootstrap: int = bounded(1000, ge=0)
 
     def __post_init__(self) -> None:
+        check_fields("gate", self)
         from judgeloop.retrieval.gate import SIGNALS
 
         check_choices("gate.signals", self.signals, sorted(SIGNALS))
-        check_at_least("gate", self, "window_k", 2, " (top_gap needs two results)")
 
 
 @dataclass
@@ -88,14 +87,14 @@ class GateConfig:
     second_encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(pooling="cls", max_length=64))
     gate: GateSection = field(default_factory=GateSection)
     escalation: EscalationSection = field(default_factory=EscalationSection)
-    calibration_fraction: float = 0.5
-    seed: int = 0
+    calibration_fraction: float = bounded(0.5, gt=0.0, lt=1.0, hint="; e.g. 0.5", shape="section")
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     output_dir: str = "runs/gate"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
 
     def __post_init__(self) -> None:
-        check_range("", self, "calibration_fraction", 0.0, 1.0, hint="; e.g. 0.5")
+        check_fields("", self)
 
 
 def gate_signals(cfg: GateConfig, beir: Any, rq: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:

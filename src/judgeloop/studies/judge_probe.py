@@ -38,7 +38,7 @@ from judgeloop.calibration.features import features_for, pair_feature_matrix
 from judgeloop.calibration.health import judge_health
 from judgeloop.calibration.labels import LabelConfig, LabeledPair, build_labeled_pairs
 from judgeloop.calibration.metrics import auc
-from judgeloop.config import ConfigError, check_choices
+from judgeloop.config import ConfigError, bounded, check_choices, check_fields
 from judgeloop.data import DataConfig, SplitConfig, SummExample, load_examples, split_examples
 from judgeloop.data.summarization import Candidate
 from judgeloop.intervals import wilson_interval
@@ -91,18 +91,19 @@ class ProbeCalibrationConfig:
     method: str = "platt"
     split: Literal["calibration", "validation", "train"] = "calibration"
     labels: LabelConfig = field(default_factory=lambda: LabelConfig(type="human"))
-    max_pairs_per_article: int | None = 6
-    max_articles: int | None = None
+    max_pairs_per_article: int | None = bounded(
+        6, ge=1, message="{key}={value}; it must be at least 1 (null: no limit)"
+    )
+    max_articles: int | None = bounded(
+        None, ge=1, message="{key}={value}; it must be at least 1 (null: no limit)"
+    )
     calibrator: CalibratorOptions = field(default_factory=CalibratorOptions)
 
     def __post_init__(self) -> None:
+        check_fields("calibration", self)
         if self.method not in CALIBRATORS or self.method == "raw":
             valid = sorted(set(CALIBRATORS) - {"raw"})
             raise ValueError(f"calibration.method={self.method!r} is not a calibrator; use one of {valid}")
-        for name in ("max_pairs_per_article", "max_articles"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"calibration.{name}={value}; it must be at least 1 (null: no limit)")
 
 
 @dataclass
@@ -128,14 +129,17 @@ class ProbeConfig:
     attack_options: AttackOptions = field(default_factory=AttackOptions)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     honest_rating: list[str] = field(default_factory=lambda: list(EXPERT_RATINGS))
-    max_test_articles: int | None = None
-    seed: int = 0
-    confidence: float = 0.95
-    bootstrap_samples: int = 2000
+    max_test_articles: int | None = bounded(
+        None, ge=1, message="{key}={value}; it must be at least 1 (null: all)"
+    )
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
+    confidence: float = bounded(0.95, gt=0, lt=1, message="{key}={value}; it must be in (0, 1), e.g. 0.95")
+    bootstrap_samples: int = bounded(2000, ge=0, message="{key}={value}; use 0 to skip the bootstrap")
     output_dir: str = "runs/probe"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
 
     def __post_init__(self) -> None:
+        check_fields("", self)
         check_choices("attacks", self.attacks, ATTACKS)
         if "control" not in self.attacks:
             raise ValueError(
@@ -151,12 +155,6 @@ class ProbeConfig:
             )
         if not self.honest_rating:
             raise ValueError(f"honest_rating is empty; name the ratings to rank by, e.g. {EXPERT_RATINGS}")
-        if self.max_test_articles is not None and self.max_test_articles < 1:
-            raise ValueError(f"max_test_articles={self.max_test_articles}; it must be at least 1 (null: all)")
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"confidence={self.confidence}; it must be in (0, 1), e.g. 0.95")
-        if self.bootstrap_samples < 0:
-            raise ValueError(f"bootstrap_samples={self.bootstrap_samples}; use 0 to skip the bootstrap")
 
     @property
     def active_judges(self) -> dict[str, JudgeConfig]:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from judgeloop.config import check_at_least, check_range
+from judgeloop.config import bounded, check_fields
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_with
@@ -33,10 +33,10 @@ class RouteDataConfig:
     format: Literal["squad2", "pubmedqa"] = "squad2"
     path: str = "../shared/data/squad2_sample/squad2_sample.jsonl"
     answerable_only: bool = True  # SQuAD 2.0: drop unanswerable questions
-    max_questions: int | None = 80  # random sample (seeded); None = all
+    max_questions: int | None = bounded(80, ge=4, hint=" (two splits of two) or null", shape="section")
 
     def __post_init__(self) -> None:
-        check_at_least("data", self, "max_questions", 4, " (two splits of two) or null", optional=True)
+        check_fields("data", self)
 
 
 @dataclass
@@ -44,8 +44,11 @@ class LMConfig:
     """The language model that answers (and is probed for confidence)."""
 
     name: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    max_new_tokens: int = 16
-    batch_size: int = 8
+    max_new_tokens: int = bounded(16, ge=0)
+    batch_size: int = bounded(8, ge=0)
+
+    def __post_init__(self) -> None:
+        check_fields("model", self)
 
 
 @dataclass
@@ -54,10 +57,10 @@ class RetrieverSection:
 
     type: Literal["dense", "bm25"] = "dense"
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    top_k: int = 2
+    top_k: int = bounded(2, ge=1, shape="section")
 
     def __post_init__(self) -> None:
-        check_at_least("retriever", self, "top_k", 1)
+        check_fields("retriever", self)
 
 
 @dataclass
@@ -65,14 +68,13 @@ class RouterSection:
     """How the router's threshold is chosen: confidence kind, selection split, budget."""
 
     confidence: Literal["logit", "verbalized"] = "logit"
-    selection_fraction: float = 0.5  # share of questions used to choose the threshold
-    max_retrieval_rate: float | None = None  # retrieval budget on the selection split
+    selection_fraction: float = bounded(0.5, gt=0.0, lt=1.0, shape="section")
+    max_retrieval_rate: float | None = bounded(
+        None, ge=0.0, le=1.0, hint=" or null (no budget)", shape="section"
+    )
 
     def __post_init__(self) -> None:
-        check_range("router", self, "selection_fraction", 0.0, 1.0)
-        check_range(
-            "router", self, "max_retrieval_rate", 0.0, 1.0, "[]", " or null (no budget)", optional=True
-        )
+        check_fields("router", self)
 
 
 @dataclass
@@ -83,10 +85,13 @@ class QAStudyConfig:
     data: RouteDataConfig = field(default_factory=RouteDataConfig)
     model: LMConfig = field(default_factory=LMConfig)
     retriever: RetrieverSection = field(default_factory=RetrieverSection)
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     output_dir: str = "runs/route"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "auto"  # the judgeloop cache (embedding_cache.resolve_cache_dir); None: none
+
+    def __post_init__(self) -> None:
+        check_fields("", self)
 
 
 @dataclass
