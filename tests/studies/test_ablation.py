@@ -668,21 +668,29 @@ def _same_figures(new, old, where="results.json"):
         assert new == old, where
 
 
-def test_the_committed_48_step_study_is_what_aggregate_writes_from_its_rows(tmp_path):
-    """docs/study/long: `--aggregate` on a copy of the committed job folders (config, metrics, per-article
-    rows, report; no results, plots, shared start work or checkpoints) writes the committed results."""
+@pytest.mark.parametrize(
+    ("folder", "config", "missing"),
+    [
+        ("long", "study_long.yaml", 0),  # the whole grid is committed
+        ("teach", "study_teach.yaml", 10),  # seed 0 of ceiling and feature_platt_cw so far
+    ],
+)
+def test_the_committed_48_step_study_is_what_aggregate_writes_from_its_rows(
+    tmp_path, folder, config, missing
+):
+    """docs/study/long and docs/study/teach: `--aggregate` on a copy of the committed job folders (config,
+    metrics, per-article rows, report; no results, plots, shared start work or checkpoints) writes the
+    committed results."""
     import shutil
 
     from judgeloop.studies.ablation_report import aggregate
 
-    study = REPO / "docs" / "study" / "long"
-    out = tmp_path / "long"
+    study = REPO / "docs" / "study" / folder
+    out = tmp_path / folder
     shutil.copytree(study, out, ignore=shutil.ignore_patterns("results.*", "*.png", "_shared"))
-    cfg = load_config(
-        AblateConfig, REPO / "configs" / "feedback_loop" / "study_long.yaml", [f"output_dir={out}"]
-    )
-    res = aggregate(cfg)
-    assert res["missing_jobs"] == [] and len(res["seeds"]) == 3  # the whole grid is committed
+    cfg = load_config(AblateConfig, REPO / "configs" / "feedback_loop" / config, [f"output_dir={out}"])
+    res = aggregate(cfg, allow_missing=bool(missing))
+    assert len(res["missing_jobs"]) == missing and len(res["seeds"]) == 3
     assert (out / "results.md").read_text() == (study / "results.md").read_text()
     _same_figures(
         json.loads((out / "results.json").read_text()), json.loads((study / "results.json").read_text())
