@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from judgeloop.judges.base import Judge, Pair
-from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
+from judgeloop.judges.prompts import get_prompt, has_chat_template, render_choice
 from judgeloop.judges.tokens import ModelBacked, attach_judge_model, fit_article, forward_accepts, pad_batch
 from judgeloop.models import load_causal_lm
 
@@ -114,8 +114,7 @@ class ChoiceJudge(Judge, ModelBacked):
 
     def render(self, article: str, a: str, b: str) -> str:
         """The full judge prompt text for one order, up to the answer position."""
-        user = self.prompt.choice_text(article, a, b, self.labels)
-        return render_chat(self.tokenizer, self.prompt.system, user) + self.prompt.answer_prefix
+        return render_choice(self.tokenizer, self.prompt, article, a, b, self.labels)
 
     def _ids(self, pair: Pair) -> tuple[list[int] | None, str, int]:
         """Prompt token ids, status, and the length of the prefix shared by every prompt on this article."""

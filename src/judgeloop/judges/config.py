@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 
 from judgeloop.config import ANY_FINITE, bounded, check_fields
 from judgeloop.judges.prompts import get_prompt
-from judgeloop.judges.served_client import ServerConfig
+from judgeloop.judges.served_client import ServerConfig, check_served
 from judgeloop.judges.styled import STYLE_FEATURES
 
 JudgeType = Literal["choice", "likelihood", "reward_model", "embedding", "objective", "panel", "served"]
@@ -156,11 +156,8 @@ class JudgeConfig:
             )
         if self.type != "panel" and self.panel.members:
             raise ValueError(f"judge.panel.members is set but judge.type={self.type!r}; set judge.type=panel")
-        if self.type == "served" and not (self.server.base_url and self.server.model):
-            raise ValueError(
-                f"judge.type=served needs judge.server.base_url and judge.server.model (got "
-                f"{self.server.base_url!r}, {self.server.model!r}); e.g. judge.server.base_url=http://localhost:8000"
-            )
+        if self.type == "served":
+            check_served(self.server)
         if self.type != "served" and self.server.base_url:
             raise ValueError(
                 f"judge.server.base_url is set but judge.type={self.type!r}; set judge.type=served"

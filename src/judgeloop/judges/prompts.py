@@ -158,3 +158,14 @@ def render_chat(
         raise ValueError(f"the tokenizer's chat template cannot render a judge prompt: {last}") from last
     text = f"{system}\n\n{user}\n\n{marker}"
     return text if assistant is None else f"{text}\n{assistant}"
+
+
+def render_choice(
+    tokenizer: Any, prompt: JudgePrompt, article: str, a: str, b: str, labels: tuple[str, str]
+) -> str:
+    """The full pairwise judge prompt for one order, up to the answer position: what the in-process
+    ``choice`` judge and the served verdict judge both read the verdict tokens after."""
+    return (
+        render_chat(tokenizer, prompt.system, prompt.choice_text(article, a, b, labels))
+        + prompt.answer_prefix
+    )

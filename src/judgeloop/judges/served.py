@@ -41,8 +41,15 @@ from typing import Any
 from judgeloop.judges.base import Judge, Pair, PointwiseJudge, merge_status
 from judgeloop.judges.choice import verdict_token_ids
 from judgeloop.judges.likelihood import likelihood_ids
-from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat
-from judgeloop.judges.served_client import Reply, ServedClient, ServedJudgeFailed, ServerConfig, read_api_key
+from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat, render_choice
+from judgeloop.judges.served_client import (
+    Reply,
+    ServedClient,
+    ServedJudgeFailed,
+    ServerConfig,
+    check_served,
+    read_api_key,
+)
 from judgeloop.judges.tokens import fit_article
 from judgeloop.logging import get_logger
 
@@ -103,14 +110,6 @@ def single_token_ids(tokenizer: Any, labels: Sequence[str], key: str) -> tuple[i
     return tuple(ids)
 
 
-def _check_server(server: ServerConfig) -> None:
-    if not server.base_url or not server.model:
-        raise ValueError(
-            f"judge.type=served needs judge.server.base_url and judge.server.model (got "
-            f"{server.base_url!r}, {server.model!r}); e.g. base_url=http://localhost:8000"
-        )
-
-
 class _ServedParts:
     """What every served extractor shares: the client, its route, the record a saved judge keeps of its
     server, and failed calls (masked, never cached, counted in one warning or raised)."""
@@ -124,7 +123,7 @@ class _ServedParts:
         the served model's tokenizer (loaded from a hub id or path), the length budget."""
         from judgeloop.models import load_tokenizer
 
-        _check_server(server)
+        check_served(server)
         self.prompt = get_prompt(prompt)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.max_length = max_length
@@ -241,8 +240,7 @@ class ServedJudge(_ServedParts, Judge):
 
     def render(self, article: str, a: str, b: str) -> str:
         """The full judge prompt text for one order, up to the answer position (as the choice judge's)."""
-        user = self.prompt.choice_text(article, a, b, self.labels)
-        return render_chat(self.tokenizer, self.prompt.system, user) + self.prompt.answer_prefix
+        return render_choice(self.tokenizer, self.prompt, article, a, b, self.labels)
 
     def prompt_ids(self, pair: Pair) -> tuple[list[int] | None, str]:
         """Token ids of the judge prompt of ``pair`` (article cut to fit ``max_length``) and its status."""

@@ -113,6 +113,15 @@ class ServerConfig:
         check_fields("judge.server", self)  # after the choices, whose messages say more than a Literal's list
 
 
+def check_served(server: ServerConfig) -> None:
+    """Refuse a served judge without a server or a model (the config's check, and a judge built in Python's)."""
+    if not server.base_url or not server.model:
+        raise ValueError(
+            f"judge.type=served needs judge.server.base_url and judge.server.model (got "
+            f"{server.base_url!r}, {server.model!r}); e.g. judge.server.base_url=http://localhost:8000"
+        )
+
+
 @dataclass
 class Reply:
     """One prompt's answer.
