@@ -400,7 +400,7 @@ def test_base_rate_coverage_lies_in_its_band_per_group():
     assert np.mean(taus["hard"]) > np.mean(taus["easy"]) + 0.05
 
 
-def test_unseen_group_gets_the_most_conservative_threshold_and_it_is_logged():
+def test_unseen_group_gets_the_most_conservative_threshold_and_it_is_logged(caplog):
     rng = np.random.default_rng(12)
     s, r, m = _synthetic(300, 10, rng)
     s[200:] = s[200:] * 0.7  # group "c" scores lower: the largest threshold
@@ -409,27 +409,12 @@ def test_unseen_group_gets_the_most_conservative_threshold_and_it_is_logged():
     own = {g: model.groups_[g].threshold for g in "abc"}
     assert max(own, key=own.__getitem__) == "c" and own["c"] > model.threshold_
 
-    class Lines(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
-
-    log, seen = logging.getLogger("judgeloop.retrieval.conformal"), Lines()
-    level = log.level
-    log.addHandler(seen)
-    log.setLevel(logging.INFO)
-    try:
+    with caplog.at_level(logging.INFO, logger="judgeloop.retrieval.conformal"):
         assert model.group_threshold("d") == (own["c"], "most_conservative")
         assert model.group_threshold("d") == (own["c"], "most_conservative")  # logged once
         q = model.thresholds_for(3, ["a", "d", "b"])
-    finally:
-        log.removeHandler(seen)
-        log.setLevel(level)
     np.testing.assert_allclose(q, [own["a"], own["c"], own["b"]])
-    assert seen.lines == [
+    assert [r.getMessage() for r in caplog.records] == [
         f"unseen group 'd' (no calibration data): the most conservative threshold, tau={own['c']:.4f} "
         "(from group 'c')"
     ]

@@ -139,7 +139,7 @@ def test_conformal_command_end_to_end(tmp_path):
     assert one["alpha"] == 0.2 and set(one["groups"]) == {"all"} and 0.0 <= one["coverage"] <= 1.0
 
 
-def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
+def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path, caplog):
     """tau(alpha, beta) per group, a held-out group tested as unseen (the most conservative threshold, one
     log line per alpha), the cap's cost and the online set-size alarm, end to end."""
     import logging
@@ -170,23 +170,8 @@ def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
         ],
     )
 
-    class Lines(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
-
-    log, seen = logging.getLogger("judgeloop.studies.conformal"), Lines()
-    level = log.level
-    log.addHandler(seen)
-    log.setLevel(logging.INFO)
-    try:
+    with caplog.at_level(logging.INFO, logger="judgeloop.studies.conformal"):
         report = run(cfg)
-    finally:
-        log.removeHandler(seen)
-        log.setLevel(level)
     assert report["tau"] == {"threshold_rule": "base_rate", "beta": 0.95, "interval": "wilson"}
     for r in report["results"]:
         chat, own = r["groups"]["chat"], [r["groups"][g] for g in ("qa/a", "qa/b")]
@@ -198,7 +183,7 @@ def test_conformal_command_base_rates_unseen_group_cap_and_size_alarm(tmp_path):
         assert r["cap"]["max_set_size"] == 2 and r["cap"]["mean_set_size"] <= 2
         assert r["cap"]["coverage_cost"] == pytest.approx(r["coverage"] - r["cap"]["coverage"])
         assert r["cap"]["coverage_cost"] >= 0
-    unseen = [x for x in seen.lines if "unseen group 'chat'" in x]
+    unseen = [x for x in [r.getMessage() for r in caplog.records] if "unseen group 'chat'" in x]
     assert len(unseen) == 2 and all("the most conservative threshold, tau=" in x for x in unseen)
     for o in report["online"]:
         for arm in ("sliding_window", "aci"):
