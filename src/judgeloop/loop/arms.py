@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from judgeloop.calibration import CALIBRATORS
+
 
 @dataclass(frozen=True)
 class ArmSpec:
@@ -46,7 +48,6 @@ class ArmSpec:
             (a label-free arm: a guard that reads labels would make it a labeled method).
         loss: the loss settings the arm implies, ``(key, value)`` of ``loss.*`` (a config that sets one of
             them otherwise is refused).
-        saves_judge: the run saves ``calibrated_judge/`` (not for the oracle nor a panel).
     """
 
     name: str
@@ -55,7 +56,6 @@ class ArmSpec:
     labels: Literal["none", "calibration", "all"] = "calibration"
     accept: Literal["config", "always"] = "config"
     loss: tuple[tuple[str, Any], ...] = ()
-    saves_judge: bool = True
 
     @property
     def fits(self) -> bool:
@@ -63,18 +63,17 @@ class ArmSpec:
         return self.name not in ("raw", "oracle")
 
     @property
-    def reorders(self) -> bool:
-        """Whether the arm can prefer another summary than the configured judge does: a calibrator that
-        reads the pair's features, or another training judge. A monotone calibrator (platt, isotonic,
-        temperature) only changes how sure the judge is, so with hard targets it trains raw's labels."""
-        return (
-            self.calibrator in ("feature_platt", "style_residual", "bias_curve") or self.judge != "configured"
-        )
+    def saves_judge(self) -> bool:
+        """The run saves ``calibrated_judge/``: the configured judge with the arm's calibrator (not the
+        oracle, nor a panel, whose members' calibrators live in the report)."""
+        return self.judge == "configured"
 
     @property
-    def label_free(self) -> bool:
-        """A fitted arm that reads no oracle label."""
-        return self.fits and self.labels == "none"
+    def reorders(self) -> bool:
+        """Whether the arm can prefer another summary than the configured judge does: a calibrator that
+        reads the pair's features (``uses_features``), or another training judge. A monotone calibrator (platt, isotonic,
+        temperature) only changes how sure the judge is, so with hard targets it trains raw's labels."""
+        return CALIBRATORS[self.calibrator].uses_features or self.judge != "configured"
 
 
 ARM_TABLE: tuple[ArmSpec, ...] = (
@@ -91,8 +90,8 @@ ARM_TABLE: tuple[ArmSpec, ...] = (
     ArmSpec("style_residual", "style_residual", labels="none", accept="always"),
     ArmSpec("bias_curve", "bias_curve", labels="none", accept="always"),
     ArmSpec("ceiling", "feature_platt", labels="all"),
-    ArmSpec("panel", judge="panel", saves_judge=False),
-    ArmSpec("oracle", judge="oracle", labels="none", saves_judge=False),
+    ArmSpec("panel", judge="panel"),
+    ArmSpec("oracle", judge="oracle", labels="none"),
 )
 ARMS_BY_NAME: dict[str, ArmSpec] = {a.name: a for a in ARM_TABLE}
 ARM_NAMES: tuple[str, ...] = tuple(ARMS_BY_NAME)
