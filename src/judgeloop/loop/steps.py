@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy.special import expit
 
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
@@ -154,8 +155,6 @@ def sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
     NaN (a failed judgement) stays NaN, and 0 or 1 stay where they are."""
     if temperature == 1.0:
         return p
-    from scipy.special import expit
-
     with np.errstate(divide="ignore", invalid="ignore"):
         logit = np.log(p) - np.log1p(-p)
     return expit(logit / temperature)
