@@ -76,6 +76,14 @@ class LabelPairsConfig:
     judge_overrides: list[str] = field(default_factory=list)
     data: PairDataConfig = field(default_factory=PairDataConfig)
     min_confidence: float = bounded(0.5, ge=0.5, le=1, hint=" (0.5 keeps every pair)", shape="section")
+    # the DPO target each row carries in ``target`` (and its weight in ``weight``), as the loop's
+    # loss.target / loss.target_temperature / loss.pair_weighting make them: ``p_chosen`` stays the
+    # calibrated probability
+    target: Literal["soft", "hard"] = "soft"
+    target_temperature: float = bounded(
+        1.0, gt=0, hint=" (1 keeps p as calibrated; < 1 sharpens)", shape="section"
+    )
+    pair_weighting: Literal["none", "confidence"] = "none"
     keep_order: bool = False
     batch_size: int = bounded(256, ge=1, message="{key}={value}; it must be at least 1")
     num_bins: int = bounded(10, ge=0)
@@ -324,11 +332,13 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             kept_agree.append(judge_first)
         swap = not judge_first and not cfg.keep_order
         chosen, rejected = (x.second_value, x.first_value) if swap else (x.first_value, x.second_value)
+        p_chosen = 1 - pi if swap else pi
         row = {
             "prompt": x.prompt,
             "chosen": chosen,
             "rejected": rejected,
-            "p_chosen": 1 - pi if swap else pi,
+            "p_chosen": p_chosen,
+            **dpo_target(p_chosen, cfg),
             "logit": -li if swap else li,
             "orders_agree": ag,
             "status": st,
@@ -341,6 +351,21 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     )
     report["agreement_kept"] = _agreement(kept_agree)
     return rows, report
+
+
+def dpo_target(p_chosen: float, cfg: LabelPairsConfig) -> dict[str, float]:
+    """The row's ``target`` (what :func:`judgeloop.integrations.trl.soft_dpo_trainer` trains towards with
+    ``target_column="target"``) and ``weight`` (``weight_column="weight"``): ``p_chosen`` sharpened by
+    ``target_temperature``, or 1[p >= 0.5] under ``target: hard``; the weight ``|2p - 1|`` under
+    ``pair_weighting: confidence``, else 1. The same functions as the loop's ``make_pairs``."""
+    import torch
+
+    from judgeloop.loop.losses import confidence_weights, sharpen, targets_from_probs
+
+    p = np.array([p_chosen])
+    t, _ = targets_from_probs(torch.tensor(sharpen(p, cfg.target_temperature)), cfg.target)
+    w = confidence_weights(p)[0] if cfg.pair_weighting == "confidence" else 1.0
+    return {"target": float(t[0]), "weight": float(w)}
 
 
 def _agreement(flags: list[bool]) -> dict[str, Any]:
@@ -397,6 +422,15 @@ def label_report(
         "pairs_per_s": len(pairs) / seconds if seconds > 0 else None,
         "min_confidence": cfg.min_confidence,
         "keep_order": cfg.keep_order,
+        # the rows' DPO targets: the settings, and the signal they carry (mean |target - 0.5|, the figure
+        # docs/study.md compares across arms)
+        "targets": {
+            "target": cfg.target,
+            "target_temperature": cfg.target_temperature,
+            "pair_weighting": cfg.pair_weighting,
+            "mean_signal": float(np.mean([abs(r["target"] - 0.5) for r in rows])) if rows else None,
+            "mean_weight": float(np.mean([r["weight"] for r in rows])) if rows else None,
+        },
     }
 
 
@@ -437,6 +471,8 @@ def render_label_report(report: dict[str, Any]) -> str:
             + (f"Both orders preferred the same completion on {o['k']} of {o['n']} pairs. " if o["n"] else "")
             + (f"{report['pairs_per_s']:.1f} pairs/s." if report["pairs_per_s"] else ""),
             "",
+            _targets_line(report),
+            "",
             "Confidence max(p, 1 - p) of the judged pairs:",
             "",
             "| confidence | pairs |",
@@ -444,6 +480,18 @@ def render_label_report(report: dict[str, Any]) -> str:
             *bars,
             "",
         ]
+    )
+
+
+def _targets_line(report: dict[str, Any]) -> str:
+    t = report.get("targets")
+    if not t or t["mean_signal"] is None:
+        return "No pair labeled: no DPO targets."
+    how = f"`{t['target']}` targets at temperature {t['target_temperature']:g}, pair weighting `{t['pair_weighting']}`"
+    return (
+        f"DPO targets (columns `target`, `weight`): {how}; mean |target - 0.5| {t['mean_signal']:.3f}, "
+        f"mean weight {t['mean_weight']:.3f}. Train on them with "
+        '`soft_dpo_trainer(..., target_column="target", weight_column="weight")`.'
     )
 
 
@@ -465,4 +513,4 @@ def write_dataset(out_dir: Path, rows: list[dict[str, Any]]) -> None:
         dataset.save_to_disk(str(tmp))
 
 
-__all__ = ["LabelPairsConfig", "label", "render_label_report", "write_dataset"]
+__all__ = ["LabelPairsConfig", "dpo_target", "label", "render_label_report", "write_dataset"]

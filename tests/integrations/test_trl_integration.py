@@ -290,6 +290,79 @@ def test_soft_dpo_trainer_equals_judgeloops_loss_and_trl_at_hard_targets(labeled
     assert any(not torch.equal(before[n], t) for n, t in model.named_parameters())
 
 
+@pytest.mark.slow
+def test_sharpened_and_confidence_weighted_targets_from_label_pairs_train_as_the_loop_weighs_them(
+    tiny_calibration, tmp_path
+):
+    """label-pairs' target_temperature / pair_weighting write ``target`` = sigmoid(logit(p) / T) and
+    ``weight`` = |2p - 1| beside the calibrated ``p_chosen``; the soft-target trainer reading both
+    columns has the loss mean(w * soft_dpo_loss(h, target)), a hand computation on the batch."""
+    import copy
+
+    import torch
+    from datasets import load_from_disk
+
+    from judgeloop.integrations.trl import sequence_logps, soft_dpo_trainer
+
+    data = _preference_file(tiny_calibration, tmp_path / "pairs.jsonl", n=8)
+    out = tmp_path / "out"
+    rc = cli(
+        [
+            "label-pairs",
+            "--config",
+            str(ROOT / "configs/label_pairs/summeval.yaml"),
+            f"judge_path={tiny_calibration / 'calibrated_judge' / 'platt'}",
+            f"data.path={data}",
+            "data.fields.references=null",
+            "target_temperature=0.5",
+            "pair_weighting=confidence",
+            f"output_dir={out}",
+        ]
+    )
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "labeled.jsonl").read_text().splitlines()]
+    for r in rows:
+        p = r["p_chosen"]
+        assert r["target"] == pytest.approx(1 / (1 + ((1 - p) / p) ** 2), rel=1e-9)  # T = 0.5
+        assert r["weight"] == pytest.approx(2 * p - 1, abs=1e-12)
+    report = json.loads((out / "report.json").read_text())
+    assert report["targets"]["mean_signal"] == pytest.approx(np.mean([r["target"] - 0.5 for r in rows]))
+    assert 'weight_column="weight"' in (out / "report.md").read_text()
+
+    ds = load_from_disk(str(out / "dataset"))
+    model, tok = _tiny_policy()
+    ref = copy.deepcopy(model).eval()
+    trainer = soft_dpo_trainer(
+        model=model,
+        ref_model=ref,
+        args=_dpo_args(tmp_path / "w"),
+        train_dataset=ds,
+        processing_class=tok,
+        target_column="target",
+        weight_column="weight",
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    t, w = batch["target"].clone(), batch["weight"].clone()
+    model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(batch))
+        lp, lr = sequence_logps(model, batch, fused=True), sequence_logps(ref, batch, fused=True)
+        (pc, pr), (rc_, rr) = lp.chunk(2), lr.chunk(2)
+        z = trainer.beta * ((pc - rc_) - (pr - rr))
+        by_hand = -(t * torch.log(torch.sigmoid(z)) + (1 - t) * torch.log(torch.sigmoid(-z)))
+        assert loss.item() == pytest.approx((w * by_hand).mean().item(), rel=1e-5)
+    with pytest.raises(ValueError, match="weight_column='target' is the target column"):
+        soft_dpo_trainer(
+            model=model,
+            ref_model=ref,
+            args=_dpo_args(tmp_path / "bad"),
+            train_dataset=ds,
+            processing_class=tok,
+            target_column="target",
+            weight_column="target",
+        )
+
+
 def _as_chat(row: dict, completions: bool = True) -> dict:
     """A standard preference row in TRL's conversational format (the prompt a user turn, each completion
     an assistant turn); ``completions=False`` leaves the completions as strings."""

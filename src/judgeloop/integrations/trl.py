@@ -263,10 +263,15 @@ class JudgeReward:
         return rewards
 
 
-def soft_dpo_trainer(*args: Any, target_column: str = "p_chosen", **kwargs: Any) -> Any:
-    """TRL's ``DPOTrainer`` whose loss reads a soft target per pair from ``target_column`` (see
-    :class:`SoftDPOTrainer`); arguments as ``DPOTrainer``'s."""
-    return make_soft_dpo_trainer_class()(*args, target_column=target_column, **kwargs)
+def soft_dpo_trainer(
+    *args: Any, target_column: str = "p_chosen", weight_column: str | None = None, **kwargs: Any
+) -> Any:
+    """TRL's ``DPOTrainer`` whose loss reads a soft target per pair from ``target_column`` and, when
+    ``weight_column`` is set, a weight per pair from it (see :class:`SoftDPOTrainer`); arguments as
+    ``DPOTrainer``'s."""
+    return make_soft_dpo_trainer_class()(
+        *args, target_column=target_column, weight_column=weight_column, **kwargs
+    )
 
 
 def make_soft_dpo_trainer_class() -> type:
@@ -306,25 +311,37 @@ def sequence_logps(model: Any, inputs: dict[str, Any], fused: bool = False) -> A
 
 
 class _WithTarget:
-    """TRL's preference collator, plus each pair's soft target as a tensor (TRL's drops extra columns)."""
+    """TRL's preference collator, plus each pair's soft target (and weight) as tensors (TRL's drops extra
+    columns)."""
 
-    def __init__(self, inner: Any, column: str):
-        self.inner, self.column = inner, column
+    def __init__(self, inner: Any, column: str, weight_column: str | None = None):
+        self.inner, self.column, self.weight_column = inner, column, weight_column
+
+    def _values(self, examples: list[dict[str, Any]], column: str, what: str, setting: str) -> list[float]:
+        if any(column not in ex for ex in examples):
+            raise ValueError(
+                f"SoftDPOTrainer: a pair has no {column!r}; label the pairs with judgeloop label-pairs "
+                f"(or set {setting})"
+            )
+        values = [float(ex[column]) for ex in examples]
+        bad = [v for v in values if not 0.0 <= v <= 1.0]
+        if bad:
+            raise ValueError(f"SoftDPOTrainer: {what} {column} must lie in [0, 1]; got {bad[0]}")
+        return values
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        if any(self.column not in ex for ex in examples):
-            raise ValueError(
-                f"SoftDPOTrainer: a pair has no {self.column!r}; label the pairs with judgeloop label-pairs "
-                "(or set target_column)"
-            )
-        targets = [float(ex[self.column]) for ex in examples]
-        bad = [t for t in targets if not 0.0 <= t <= 1.0]
-        if bad:
-            raise ValueError(f"SoftDPOTrainer: {self.column} must lie in [0, 1]; got {bad[0]}")
+        targets = self._values(examples, self.column, "the target", "target_column")
+        weights = (
+            self._values(examples, self.weight_column, "the weight", "weight_column")
+            if self.weight_column
+            else None
+        )
         out = self.inner(examples)
         out[self.column] = torch.tensor(targets, dtype=torch.float32)
+        if weights is not None:
+            out[self.weight_column] = torch.tensor(weights, dtype=torch.float32)
         return out
 
 
@@ -341,20 +358,32 @@ def _build_soft_dpo_class() -> type:
         (:func:`judgeloop.loop.losses.soft_dpo_loss`). With ``p = 1`` everywhere it is TRL's sigmoid loss.
         The other loss options of ``DPOConfig`` (``loss_type``, f-divergences, ``ld_alpha``) do not apply."""
 
-        def __init__(self, *args: Any, target_column: str = "p_chosen", **kwargs: Any):
-            self.target_column = target_column
+        def __init__(
+            self,
+            *args: Any,
+            target_column: str = "p_chosen",
+            weight_column: str | None = None,
+            **kwargs: Any,
+        ):
+            if weight_column == target_column:
+                raise ValueError(
+                    f"SoftDPOTrainer: weight_column={weight_column!r} is the target column; label-pairs writes "
+                    'the weight in "weight" (weight_column="weight")'
+                )
+            self.target_column, self.weight_column = target_column, weight_column
             super().__init__(*args, **kwargs)
             if self.loss_types != ["sigmoid"] or self.f_divergence_type != "reverse_kl" or self.ld_alpha:
                 raise ValueError(
                     f"SoftDPOTrainer: loss_type={self.loss_types}, f_divergence_type={self.f_divergence_type}, "
                     f"ld_alpha={self.ld_alpha}; the soft-target loss is the sigmoid DPO loss: use the defaults"
                 )
-            self.data_collator = _WithTarget(self.data_collator, target_column)
+            self.data_collator = _WithTarget(self.data_collator, target_column, weight_column)
 
         def _set_signature_columns_if_needed(self) -> None:
             super()._set_signature_columns_if_needed()
-            if self._signature_columns is not None and self.target_column not in self._signature_columns:
-                self._signature_columns.append(self.target_column)
+            for column in (self.target_column, self.weight_column):
+                if column and self._signature_columns is not None and column not in self._signature_columns:
+                    self._signature_columns.append(column)
 
         def compute_loss(
             self,
@@ -364,6 +393,7 @@ def _build_soft_dpo_class() -> type:
             num_items_in_batch: Any = None,
         ) -> Any:
             target = inputs.pop(self.target_column)
+            weight = inputs.pop(self.weight_column) if self.weight_column else None
             logps = sequence_logps(model, inputs, fused=True)  # TRL's own log-probs (its fused LM head)
             with torch.no_grad():
                 if self.precompute_ref_logps:
@@ -374,7 +404,9 @@ def _build_soft_dpo_class() -> type:
                 else:
                     ref = sequence_logps(self.ref_model, inputs, fused=True)
             chosen, rejected = (logps - ref.to(logps.dtype)).chunk(2)
-            per_pair = soft_dpo_loss(chosen - rejected, target.to(logps), self.beta)
+            weights = None if weight is None else weight.to(logps)
+            # weighted as the loop's DPO term: sum of w * loss over the batch's pairs, divided by their number
+            per_pair = soft_dpo_loss(chosen - rejected, target.to(logps), self.beta, weights)
             mode = "train" if model.training else "eval"
             gather = self.accelerator.gather_for_metrics
             margins = (self.beta * (chosen - rejected)).detach()

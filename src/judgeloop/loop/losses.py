@@ -32,8 +32,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy.special import expit
 
 
 def dpo_margin(
@@ -92,6 +94,22 @@ def targets_from_probs(
     mask = ok & ((safe - 0.5).abs() >= margin)
     t = (safe >= 0.5).to(p.dtype) if target == "hard" else safe
     return t, mask.to(p.dtype)
+
+
+def sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
+    """p' = sigmoid(logit(p) / temperature): the same order, a larger (T < 1) or smaller (T > 1) signal;
+    NaN (a failed judgement) stays NaN, and 0 or 1 stay where they are."""
+    if temperature == 1.0:
+        return p
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logit = np.log(p) - np.log1p(-p)
+    return expit(logit / temperature)
+
+
+def confidence_weights(p: np.ndarray) -> np.ndarray:
+    """Each pair's weight under ``pair_weighting: confidence``: the calibrated confidence ``|2p - 1|``
+    (before any sharpening); a failed judgement (NaN) weighs 0."""
+    return np.abs(2.0 * np.nan_to_num(np.asarray(p, dtype=float), nan=0.5) - 1.0)
 
 
 def group_advantages(

@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.special import expit
 
 from judgeloop.calibration import Calibrator
 from judgeloop.data import SummExample
@@ -48,7 +47,7 @@ from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
 from judgeloop.loop.dpo import dpo_update
 from judgeloop.loop.grpo import grpo_update, judge_groups, reward_matrix
-from judgeloop.loop.losses import group_advantages, targets_from_probs
+from judgeloop.loop.losses import confidence_weights, group_advantages, sharpen, targets_from_probs
 from judgeloop.loop.pairs import calibrate
 from judgeloop.loop.policy import Policy
 from judgeloop.loop.rollout import Rollout
@@ -137,7 +136,7 @@ def make_pairs(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0
     )
     weights = []
     if loss_cfg.pair_weighting == "confidence":  # the calibrated confidence, before any sharpening
-        weights.append(np.abs(2.0 * np.nan_to_num(p, nan=0.5) - 1.0))
+        weights.append(confidence_weights(p))
     spread = batch.judged.spread
     if np.isfinite(spread).any():  # a panel
         batch.stats["spread_mean"] = float(np.nanmean(spread))
@@ -148,16 +147,6 @@ def make_pairs(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0
             weights.append(1.0 - 2.0 * np.nan_to_num(spread, nan=0.5))
     if weights:
         batch.weights = torch.as_tensor(np.prod(weights, axis=0), dtype=torch.float32)
-
-
-def sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
-    """p' = sigmoid(logit(p) / temperature): the same order, a larger (T < 1) or smaller (T > 1) signal;
-    NaN (a failed judgement) stays NaN, and 0 or 1 stay where they are."""
-    if temperature == 1.0:
-        return p
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logit = np.log(p) - np.log1p(-p)
-    return expit(logit / temperature)
 
 
 def make_advantages(batch: PairBatch, loss_cfg: LossConfig, judge_weight: float = 1.0) -> None:
