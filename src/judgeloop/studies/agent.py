@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -145,6 +145,7 @@ class AgentJudgeSection:
 class AgentConfig:
     """Schema of ``judgeloop agent``."""
 
+    RUN_FREE_KEYS: ClassVar[tuple[str, ...]] = ("lm_cache_path",)  # a cache: the same outputs either way
     data: AgentDataConfig = field(default_factory=AgentDataConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     model: AgentLMConfig = field(default_factory=AgentLMConfig)
@@ -172,6 +173,9 @@ class AgentConfig:
     output_dir: str = "runs/agent"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     cache_dir: str | None = "auto"  # the embedding cache (embedding_cache.resolve_cache_dir); None: none
+    # the LM outputs (JSONL, keyed by model, generation length and prompt); null: output_dir/lm_cache.jsonl.
+    # Runs that differ in policy settings only can share one and generate nothing twice.
+    lm_cache_path: str | None = None
 
     def __post_init__(self) -> None:
         check_fields("", self)
@@ -806,7 +810,7 @@ def agent_study(cfg: AgentConfig, out_dir: str | Path) -> tuple[dict[str, Any], 
         test.size,
         len(data.doc_ids),
     )
-    tb = build_toolbox(cfg, data, Path(out_dir) / "lm_cache.jsonl")
+    tb = build_toolbox(cfg, data, Path(cfg.lm_cache_path or Path(out_dir) / "lm_cache.jsonl"))
     judge = EmbeddingJudge(cfg.judge.model, scale=cfg.judge.scale, max_length=256)
     fitted = Fitted(judge)
     outcomes = explore(cfg, data, tb, Observer(cfg, data, tb, fitted, draft=False))
