@@ -203,3 +203,22 @@ def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, capsys, override, names)
     assert rc == 2 and len(err) == 1, err
     assert names in err[0] and err[0].startswith("judgeloop agent: config error")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_oracle_takes_the_best_quality_minus_cost_and_drops_the_leafs_terminal_step():
+    from judgeloop.studies.agent import AgentConfig, AgentData, Outcome, oracle_script
+
+    cfg = AgentConfig(data={"format": "squad2", "path": "x.jsonl"})  # type: ignore[arg-type]
+    data = AgentData("squad2", ["a"], ["q"], [["rollo"]], [{0}], ["p0"], ["Rollo."])
+
+    def leaf(actions, quality):
+        st = AgentState("q")
+        st.steps = [type("S", (), {"action": a})() for a in actions]  # what the exploration leaves hold
+        return Outcome(0, tuple(actions[:-1]), st, "x", -1.0, scores={"quality": quality})
+
+    root = leaf(["dense", "refuse"], 0.5)
+    rewrite = leaf(["dense", "rewrite", "refuse"], 0.5 + cfg.costs.rewrite / 2)  # gains less than it costs
+    fuse = leaf(["dense", "fuse", "refuse"], 0.6)
+    assert oracle_script(cfg, data, [root, rewrite], 0) == ["dense", "answer"]
+    assert oracle_script(cfg, data, [root, rewrite, fuse], 0) == ["dense", "fuse", "answer"]
+    assert oracle_script(cfg, data, [leaf(["dense", "refuse"], 0.0)], 0) == ["refuse"]

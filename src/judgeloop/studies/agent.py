@@ -658,9 +658,10 @@ def oracle_script(cfg: AgentConfig, data: AgentData, outcomes: list[Outcome], i:
     for o in outcomes:
         if o.q != i or o.answer is None:
             continue
-        v = o.scores["quality"] - sum(c[a] for a in o.state.actions) - c["answer"]
+        acts = [a for a in o.state.actions if a in EVIDENCE_ACTIONS]  # the leaf's terminal step dropped
+        v = o.scores["quality"] - sum(c[a] for a in acts) - c["answer"]
         if v > value + 1e-12:
-            best, value = [*o.state.actions, "answer"], v
+            best, value = [*acts, "answer"], v
     return best
 
 
