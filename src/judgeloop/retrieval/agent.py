@@ -198,7 +198,7 @@ class AgentState:
     def charge(self, out: LMOutput) -> None:
         self.tokens += out.tokens
         self.seconds += out.seconds
-        self.lm_calls += 1
+        self.lm_calls += int(out.tokens > 0)  # an evidence-only answer (BEIR) calls no model
 
     def trace(self) -> dict[str, Any]:
         """The replayable record of the episode (JSON-ready); each probe's candidates carry the evidence's
