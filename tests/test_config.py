@@ -135,6 +135,7 @@ def test_every_shipped_config_loads(repo):
         "conformal": "conformal",
         "gate": "gate",
         "routing": "route",
+        "agent": "agent",
         "probe": "probe-judge",
         "label_pairs": "label-pairs",
     }
