@@ -201,9 +201,9 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
     from judgeloop.routing.metrics import exact_match, token_f1
     from judgeloop.routing.router import ConfidenceRouter, RoutingOutcomes, routing_table
 
-    lm = routed_model(cfg)  # a served model's connection is checked before the heavy work
     rng = np.random.default_rng(cfg.seed)
-    examples, pool = load_questions(cfg.data)
+    examples, pool = load_questions(cfg.data)  # the data's checks first: a bad row stops before any work
+    lm = routed_model(cfg)  # a served model's connection is checked before retrieval and generation
     if cfg.data.max_questions is not None and cfg.data.max_questions < len(examples):
         keep = np.sort(rng.choice(len(examples), cfg.data.max_questions, replace=False))
         examples = [examples[i] for i in keep]
@@ -416,6 +416,76 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "Costs: closed-book answers cost the probe; retrieved answers cost the RAG call (+ the probe for the "
         "router and the oracle, which need it to decide). `random_matched` is the exact expectation of random "
-        "routing with the router's retrieval count. Latency is batch wall time / batch size (CPU).",
+        "routing with the router's retrieval count. Latency is batch wall time / batch size (CPU) in process, "
+        "each call's own wall time when served.",
     ]
+    c = report.get("comparisons")
+    if c:
+        lines += [
+            "",
+            f"## Paired F1 differences, test split (Holm across {c['family_size']} comparisons, "
+            f"alpha {c['alpha']})",
+            "",
+            "| comparison | delta F1 | 95% CI | MDD | p | p (Holm) | significant |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in c["rows"].items():
+            ci = r["ci95"]
+            ci_text = "n/a" if ci[0] is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            lines.append(
+                f"| {name} | {_signed(r['delta'])} | {ci_text} | {fmt_number(r['mdd'])} | "
+                f"{fmt_number(r['p'])} | {fmt_number(r['p_holm'])} | {'yes' if r['significant'] else 'no'} |"
+            )
+        lines += [
+            "",
+            "Paired bootstrap over test questions; `random_matched` is random routing at the compared "
+            "policy's own retrieval rate. MDD: the smallest difference this run detects with 80% power.",
+        ]
+    dg = report.get("diagnostics")
+    if dg:
+        lines += [
+            "",
+            f"## Confidence diagnostics (all {dg['n'] + dg['missing']} questions; {dg['missing']} without a "
+            "confidence left out)",
+            "",
+            "| diagnostic | value | 95% CI |",
+            "|---|---|---|",
+        ]
+        for key, label in (
+            ("ece", f"ECE vs closed-book correct (F1 > {dg['correct_min_f1']})"),
+            ("spearman_rho", "Spearman rho, confidence vs closed-book F1"),
+            ("auroc_uncertainty_retrieval_helps", "AUROC of 1 - confidence for retrieval helps"),
+        ):
+            e = dg[key]
+            if e["value"] is None:
+                lines.append(f"| {label} | n/a ({e['why_none']}) | |")
+                continue
+            ci = e["ci95"]
+            ci_text = "n/a" if ci[0] is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+            lines.append(f"| {label} | {fmt_number(e['value'])} | {ci_text} |")
+    acc = report.get("account")
+    if acc:
+        o, a = acc["ours"], acc["account"]
+        lines += [
+            "",
+            "## Beside the account (BeyondUncertainty, Sah, Lian & Zhang 2026)",
+            "",
+            "| figure | ours | account |",
+            "|---|---|---|",
+            f"| F1 routed | {fmt_number(o['f1_routed'])} | {a['f1_routed']:.3f} |",
+            f"| F1 never retrieve | {fmt_number(o['f1_never'])} | {a['f1_never']:.3f} |",
+            f"| F1 always retrieve | {fmt_number(o['f1_always'])} | {a['f1_always']:.3f} |",
+            f"| fewer passages than always | {_pct(o['fewer_passages_vs_always'])} | "
+            f"{_pct(a['fewer_passages_vs_always'])} |",
+            f"| more tokens than always, probe charged | {_pct(o['more_tokens_vs_always_probe_charged'])} | "
+            f"{_pct(a['more_tokens_vs_always_probe_charged'])} |",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:+.1%}"
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
