@@ -898,7 +898,7 @@ class Completion:
         text: the assistant message's content.
         prompt_tokens, completion_tokens: the server's counts (``usage``); ``None`` where it gives none.
         token_logprobs: ``(token text, log-probability)`` of each generated token, when asked and given.
-        seconds: the call's wall time, its retries included.
+        seconds: the wall time of the call's attempts (not the wait for a free slot, nor the backoff).
         error: why the call failed after its retries (empty: it did not).
     """
 
@@ -957,10 +957,14 @@ class ChatClient(_Endpoint):
         }
         if logprobs:
             body["logprobs"] = True
-        t0 = time.perf_counter()
+        spent = [0.0]  # the attempts' own time, not the wait for a free slot under cfg.concurrency
 
         async def once() -> Completion:
-            r = await self._http_post(http, "/v1/chat/completions", body)
+            t0 = time.perf_counter()
+            try:
+                r = await self._http_post(http, "/v1/chat/completions", body)
+            finally:
+                spent[0] += time.perf_counter() - t0
             if r.status_code != 200:
                 return Completion(error=f"HTTP {r.status_code}: {_one_line(r.text)}")
             try:
@@ -975,7 +979,7 @@ class ChatClient(_Endpoint):
         out = await self._retrying(
             gate, self._limiter, len(prompt) // 4 + 1, once, lambda why: Completion(error=why)
         )
-        out.seconds = time.perf_counter() - t0
+        out.seconds = spent[0]
         return out
 
 
