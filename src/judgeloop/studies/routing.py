@@ -475,16 +475,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| F1 routed | {fmt_number(o['f1_routed'])} | {a['f1_routed']:.3f} |",
             f"| F1 never retrieve | {fmt_number(o['f1_never'])} | {a['f1_never']:.3f} |",
             f"| F1 always retrieve | {fmt_number(o['f1_always'])} | {a['f1_always']:.3f} |",
-            f"| fewer passages than always | {_pct(o['fewer_passages_vs_always'])} | "
-            f"{_pct(a['fewer_passages_vs_always'])} |",
+            f"| fewer passages than always | {_pct(o['fewer_passages_vs_always'], signed=False)} | "
+            f"{_pct(a['fewer_passages_vs_always'], signed=False)} |",
             f"| more tokens than always, probe charged | {_pct(o['more_tokens_vs_always_probe_charged'])} | "
             f"{_pct(a['more_tokens_vs_always_probe_charged'])} |",
         ]
     return "\n".join(lines) + "\n"
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:+.1%}"
+def _pct(x: float | None, signed: bool = True) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:+.1%}" if signed else f"{x:.1%}"
 
 
 def _signed(x: float | None) -> str:
