@@ -309,6 +309,24 @@ def cases(tmp: Path) -> list[tuple[str, Callable[[], Argv], str]]:
             "router.max_retrieval_rate=1.5",
         ),
         (
+            "model.type=served without a server (route)",
+            lambda: ["route", "--config", str(ROOT / "configs/routing/squad2.yaml"), "model.type=served"],
+            "model.server.base_url",
+        ),
+        (
+            "model.server.base_url where nothing listens (route)",
+            lambda: [
+                "route",
+                "--config",
+                str(ROOT / "configs/routing/squad2.yaml"),
+                "model.type=served",
+                "model.server.base_url=http://127.0.0.1:9",
+                "model.server.model=m",
+                f"output_dir={tmp / 'route_served'}",
+            ],
+            "model.server.base_url='http://127.0.0.1:9'",
+        ),
+        (
             "abstain.target_risk=1.5 (answer)",
             lambda: [
                 "answer",

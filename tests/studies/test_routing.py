@@ -256,3 +256,85 @@ def test_an_answer_given_as_a_string_stops_the_command_before_any_work(tmp_path,
         "fix the row or map another field (data.fields.*)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+# --- the published account's statistics: Holm, paired intervals, diagnostics ---------------------------
+
+
+def test_holm_hand_computed():
+    from judgeloop.studies.stats import holm
+
+    # sorted: 0.005 * 4 = 0.02, 0.01 * 3 = 0.03, 0.03 * 2 = 0.06, 0.04 * 1 = 0.04 -> running max 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    # None is no test: m = 2
+    assert holm([0.2, None, 0.01]) == [pytest.approx(0.2), None, pytest.approx(0.02)]
+    assert holm([0.6, 0.7]) == [1.0, 1.0]  # 0.6 * 2 clipped at 1; monotone
+    with pytest.raises(ValueError, match="p-value 1.5 at position 0"):
+        holm([1.5])
+
+
+def test_paired_bootstrap_p_value_hand_cases():
+    from judgeloop.studies.stats import paired_bootstrap_test
+
+    d, p = paired_bootstrap_test(np.asarray([0.5, 1.0, 0.25, 0.75]), n_boot=999, seed=0)
+    # every replicate mean is > 0: p = 2 * (1 + 0) / (999 + 1)
+    assert d.delta == pytest.approx(0.625) and p == pytest.approx(0.002)
+    d, p = paired_bootstrap_test(np.zeros(5), n_boot=99)
+    assert d.delta == 0.0 and p == 1.0  # identical policies
+    assert paired_bootstrap_test(np.asarray([1.0]))[1] is None  # one question: no interval, no test
+
+
+def test_compare_policies_pairs_every_policy_with_the_baselines():
+    from judgeloop.studies.routing import compare_policies
+
+    o = _outcomes([0.9, 0.8, 0.3, 0.2, 0.1, 0.7], [1, 0, 0, 1, 0, 1], [0, 1, 1, 1, 1, 0])
+    retrieve = np.asarray([False, False, True, True, True, False])
+    c = compare_policies(o, retrieve, num_bootstrap=200)
+    rows = c["rows"]
+    assert list(rows) == [
+        "router - never",
+        "router - always",
+        "router - random_matched",
+        "oracle - never",
+        "oracle - always",
+        "oracle - random_matched",
+        "always - never",
+    ]
+    assert c["family_size"] == 7
+    # router F1 = (1 + 0 + 1 + 1 + 1 + 1) / 6, never = 3/6, always = 4/6; random at rate 1/2: 3.5/6
+    assert rows["router - never"]["delta"] == pytest.approx(2 / 6)
+    assert rows["router - always"]["delta"] == pytest.approx(1 / 6)
+    assert rows["router - random_matched"]["delta"] == pytest.approx(1.5 / 6)
+    # the oracle retrieves on q1, q2, q4 (rate 1/2) and reaches F1 1
+    assert rows["oracle - random_matched"]["delta"] == pytest.approx(1 - 3.5 / 6)
+    for r in rows.values():
+        assert r["p_holm"] >= r["p"] and r["significant"] == (r["p_holm"] <= 0.05)
+
+
+def test_confidence_diagnostics_on_a_constructed_case():
+    from judgeloop.routing.diagnostics import confidence_diagnostics
+
+    conf = np.asarray([0.9, 0.9, 0.1, 0.1, math.nan])
+    f1_closed = np.asarray([1.0, 1.0, 0.0, 0.0, 0.0])
+    f1_rag = np.asarray([1.0, 1.0, 1.0, 1.0, 1.0])
+    d = confidence_diagnostics(conf, f1_closed, f1_rag, num_bootstrap=200)
+    assert d["n"] == 4 and d["missing"] == 1
+    # two bins: confidence 0.9 right 2 of 2 (gap 0.1), confidence 0.1 right 0 of 2 (gap 0.1)
+    assert d["ece"]["value"] == pytest.approx(0.1)
+    assert d["spearman_rho"]["value"] == pytest.approx(1.0)
+    # retrieval helps exactly where the confidence is low: uncertainty ranks them perfectly
+    assert d["auroc_uncertainty_retrieval_helps"]["value"] == pytest.approx(1.0)
+    lo, hi = d["ece"]["ci95"]
+    assert lo <= 0.1 + 1e-9 <= hi + 1e-9
+    # an overconfident probe: says 0.8 everywhere, right half the time -> ECE 0.3, rho undefined
+    flat = confidence_diagnostics(
+        np.full(4, 0.8), np.asarray([1.0, 0, 1, 0]), np.asarray([0.0, 1, 0, 1]), num_bootstrap=200
+    )
+    assert flat["ece"]["value"] == pytest.approx(0.3)
+    assert flat["spearman_rho"]["value"] is None and "constant" in flat["spearman_rho"]["why_none"]
+    assert flat["auroc_uncertainty_retrieval_helps"]["value"] == pytest.approx(0.5)  # all tied: chance
+    none = confidence_diagnostics(np.full(3, math.nan), np.zeros(3), np.ones(3))
+    assert none["n"] == 0 and none["ece"]["value"] is None
+    assert none["ece"]["why_none"] == "no question has a confidence"
+    with pytest.raises(ValueError, match=r"confidence must lie in \[0, 1\]"):
+        confidence_diagnostics(np.asarray([1.5]), np.zeros(1), np.zeros(1))

@@ -48,11 +48,11 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
-from judgeloop.config import WAIT_S, bounded, check_fields
+from judgeloop.config import WAIT_S, bounded, check_fields, field_order
 from judgeloop.errors import ServiceFailed, UserError
 from judgeloop.logging import get_logger
 
@@ -61,45 +61,82 @@ logger = get_logger(__name__)
 ROUTES = ("vllm", "sglang", "top_logprobs", "text")
 PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
 PROMPT_FORMATS = ("ids", "text")
+T = TypeVar("T")
 
 
 @dataclass
-class ServerConfig:
-    """Where the served judge's model runs (``judge.server``, with ``judge.type: served``).
+class EndpointConfig:
+    """An OpenAI-compatible server and how calls to it are made: the part of ``judge.server`` (the served
+    judge) that ``model.server`` of ``judgeloop route`` (a served routed model) shares.
 
     Attributes:
         base_url: the server's root, e.g. ``http://localhost:8000`` (``/v1`` is added by the client).
         model: the model id the server serves (``GET /v1/models``); the saved judge records it.
         api_key_env: name of the environment variable holding the API key (the key itself is never
             stored in a config, a saved judge or a log); empty: no key.
-        route: ``auto`` (probe the best route the server answers) or one of ``vllm``, ``sglang``,
-            ``top_logprobs``, ``text``.
-        top_logprobs: k of the ``top_logprobs`` route (OpenAI allows at most 20).
-        prompt_format: ``ids`` (the prompt's token ids), ``text`` (the ids decoded back to text, for a
-            server that takes strings only, e.g. llama-cpp-python's; its token count is checked) or
-            ``auto`` (with ``route: auto``, probed on the first call, ids before text; else ids).
         timeout_s: per-call timeout, seconds.
         max_retries: retries of one call after a 429, a 5xx, a timeout or a dropped connection.
         backoff_s: first retry delay, doubled on each retry (a 429's ``Retry-After`` wins when given).
         concurrency: requests in flight at once.
         max_requests_per_minute, max_tokens_per_minute: rate limits (0: none); tokens are prompt tokens.
-        on_failure: ``mask`` (a failed call is status ``failed``, its pair dropped and counted) or
-            ``stop`` (raise after the batch, naming the count and the first error).
-        cache_path: SQLite file of judgements kept across runs (empty: none).
+
+    ``SECTION`` is where a config holds it (the dotted prefix its error messages name).
     """
+
+    SECTION: ClassVar[str] = "server"
 
     base_url: str = ""
     model: str = ""
     api_key_env: str = ""
-    route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
-    top_logprobs: int = bounded(20, ge=1, shape="section")
-    prompt_format: Literal["auto", "ids", "text"] = "auto"
     timeout_s: float = bounded(60.0, WAIT_S, gt=0, shape="section")
     max_retries: int = bounded(3, ge=0, shape="section")
     backoff_s: float = bounded(0.5, WAIT_S)
     concurrency: int = bounded(8, ge=1, shape="section")
     max_requests_per_minute: int = bounded(0, ge=0, hint=" (0: no limit)", shape="section")
     max_tokens_per_minute: int = bounded(0, ge=0, hint=" (0: no limit)", shape="section")
+
+    def __post_init__(self) -> None:
+        check_fields(self.SECTION, self)
+
+
+@field_order(
+    "base_url",
+    "model",
+    "api_key_env",
+    "route",
+    "top_logprobs",
+    "prompt_format",
+    "timeout_s",
+    "max_retries",
+    "backoff_s",
+    "concurrency",
+    "max_requests_per_minute",
+    "max_tokens_per_minute",
+    "on_failure",
+    "cache_path",
+)
+@dataclass
+class ServerConfig(EndpointConfig):
+    """Where the served judge's model runs (``judge.server``, with ``judge.type: served``): the
+    :class:`EndpointConfig` settings and the judge's own.
+
+    Attributes:
+        route: ``auto`` (probe the best route the server answers) or one of ``vllm``, ``sglang``,
+            ``top_logprobs``, ``text``.
+        top_logprobs: k of the ``top_logprobs`` route (OpenAI allows at most 20).
+        prompt_format: ``ids`` (the prompt's token ids), ``text`` (the ids decoded back to text, for a
+            server that takes strings only, e.g. llama-cpp-python's; its token count is checked) or
+            ``auto`` (with ``route: auto``, probed on the first call, ids before text; else ids).
+        on_failure: ``mask`` (a failed call is status ``failed``, its pair dropped and counted) or
+            ``stop`` (raise after the batch, naming the count and the first error).
+        cache_path: SQLite file of judgements kept across runs (empty: none).
+    """
+
+    SECTION: ClassVar[str] = "judge.server"
+
+    route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
+    top_logprobs: int = bounded(20, ge=1, shape="section")
+    prompt_format: Literal["auto", "ids", "text"] = "auto"
     on_failure: Literal["mask", "stop"] = "mask"
     cache_path: str = ""
 
@@ -110,15 +147,17 @@ class ServerConfig:
             raise ValueError(f"judge.server.on_failure={self.on_failure!r}; use mask or stop")
         if self.prompt_format not in ("auto", *PROMPT_FORMATS):
             raise ValueError(f"judge.server.prompt_format={self.prompt_format!r}; use auto, ids or text")
-        check_fields("judge.server", self)  # after the choices, whose messages say more than a Literal's list
+        super().__post_init__()  # after the choices, whose messages say more than a Literal's list
 
 
-def check_served(server: ServerConfig) -> None:
-    """Refuse a served judge without a server or a model (the config's check, and a judge built in Python's)."""
+def check_served(server: EndpointConfig, setting: str = "judge.type=served") -> None:
+    """Refuse a served model without a server or a model (the config's check, and a judge or routed model
+    built in Python's); ``setting`` names what asked for the server."""
     if not server.base_url or not server.model:
+        s = server.SECTION
         raise ValueError(
-            f"judge.type=served needs judge.server.base_url and judge.server.model (got "
-            f"{server.base_url!r}, {server.model!r}); e.g. judge.server.base_url=http://localhost:8000"
+            f"{setting} needs {s}.base_url and {s}.model (got {server.base_url!r}, {server.model!r}); e.g. "
+            f"{s}.base_url=http://localhost:8000"
         )
 
 
@@ -320,8 +359,154 @@ class _Retryable(Exception):
         self.wait_s = wait_s
 
 
+class _Endpoint:
+    """What a client of an OpenAI-compatible server does before and around each request: check the server
+    serves the model (:meth:`connect`), the headers, one POST with its timeout, and the retries with backoff
+    (:meth:`_retrying`). The served judge's :class:`ServedClient` and the routed model's
+    :class:`ChatClient` share it; a class using it has ``cfg`` (an :class:`EndpointConfig`), ``api_key``,
+    ``info``, ``calls`` and ``retries``."""
+
+    cfg: EndpointConfig
+    api_key: str
+    info: dict[str, Any]
+    calls: int
+    retries: int
+
+    @property
+    def root(self) -> str:
+        return self.cfg.base_url.rstrip("/").removesuffix("/v1")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    # --- before any judging --------------------------------------------------------------------
+    def connect(self) -> dict[str, Any]:
+        """Check the server serves ``cfg.model`` and record what it says of itself; one-line errors.
+
+        Raises:
+            ServerSetupError: no server at ``base_url``, a refused key, an answer that is not a model list,
+                or a model the server does not serve.
+        """
+        import httpx
+
+        try:
+            r = httpx.get(
+                f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10)
+            )
+        except httpx.HTTPError as err:
+            raise ServerSetupError(
+                f"{self.cfg.SECTION}.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: "
+                f"{_one_line(str(err))}); start it (docs/served.md) or fix the URL"
+            ) from None
+        if r.status_code in (401, 403):
+            raise ServerSetupError(
+                f"{self.cfg.SECTION}.base_url={self.cfg.base_url!r} refused the API key (HTTP {r.status_code}); set "
+                f"the key in ${self.cfg.api_key_env or self.cfg.SECTION + '.api_key_env'}"
+            )
+        if r.status_code != 200:
+            raise ServerSetupError(
+                f"{self.cfg.SECTION}.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered HTTP "
+                f"{r.status_code} ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
+            )
+        models = _model_list(r)
+        if models is None:
+            raise ServerSetupError(
+                f"{self.cfg.SECTION}.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered something that is "
+                f"not an OpenAI model list ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
+            )
+        served = [m["id"] for m in models]
+        if self.cfg.model not in served:
+            raise ServerSetupError(
+                f"{self.cfg.SECTION}.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
+                f"{served[:20]}); set {self.cfg.SECTION}.model to one of them"
+            )
+        entry = next(m for m in models if m["id"] == self.cfg.model)
+        self.info = {"model": self.cfg.model, "served_models": served}
+        for path in ("/version", "/get_server_info"):
+            try:
+                v = httpx.get(f"{self.root}{path}", headers=self._headers(), timeout=5)
+                if v.status_code == 200:
+                    self.info["version"] = v.json()
+                    break
+            except (httpx.HTTPError, ValueError):
+                continue
+        # what the server says of the model and its limits, where it says it (vLLM's model card has
+        # max_model_len; no server names its log-probability limit in one place: None is "not reported")
+        version = self.info.get("version")
+        sources = [entry, version if isinstance(version, dict) else {}]
+        for key in ("max_model_len", "max_logprobs"):
+            self.info[key] = next((d[key] for d in sources if d.get(key) is not None), None)
+        return self.info
+
+    async def _http_post(self, http: Any, path: str, body: dict[str, Any]) -> Any:
+        """One POST of ``body`` to ``path`` under ``cfg.timeout_s``; the response (any status but 429 and
+        5xx), or :class:`_Retryable` for a 429, a 5xx, a timeout or a dropped connection."""
+        import httpx
+
+        try:
+            # httpx's timeout bounds each read; wait_for bounds the whole answer (a reply that trickles in)
+            r = await asyncio.wait_for(
+                http.post(self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s),
+                self.cfg.timeout_s,
+            )
+        except TimeoutError:
+            raise _Retryable(
+                f"no whole answer within {self.cfg.SECTION}.timeout_s={self.cfg.timeout_s}"
+            ) from None
+        except (httpx.TimeoutException, httpx.TransportError) as err:
+            raise _Retryable(f"{type(err).__name__}: {err}") from None
+        if r.status_code == 429:
+            raise _Retryable("HTTP 429", self._retry_after(r.headers.get("retry-after")))
+        if r.status_code >= 500:
+            raise _Retryable(f"HTTP {r.status_code}: {_one_line(r.text, 120)}")
+        return r
+
+    def _retry_after(self, value: str | None) -> float | None:
+        """The wait a 429's ``Retry-After`` asks (seconds or an HTTP date), at most ``timeout_s`` so no
+        answer holds a call longer than the settings allow; ``None`` (the backoff) when it is unreadable."""
+        if not value:
+            return None
+        try:
+            wait = float(value)
+        except ValueError:
+            from email.utils import parsedate_to_datetime
+
+            try:
+                wait = parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError, IndexError, OverflowError):
+                return None
+        if not math.isfinite(wait):
+            return None
+        return min(max(wait, 0.0), self.cfg.timeout_s)
+
+    async def _retrying(
+        self,
+        gate: asyncio.Semaphore,
+        limiter: _RateLimiter,
+        n_tokens: int,
+        once: Callable[[], Awaitable[T]],
+        failed: Callable[[str], T],
+    ) -> T:
+        """``once()`` under the concurrency gate and the rate limits, retried after a :class:`_Retryable`
+        up to ``cfg.max_retries`` times (backoff doubling from ``cfg.backoff_s``, or the 429's wait);
+        ``failed(why)`` when the retries run out."""
+        error = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            async with gate:
+                await limiter.wait(n_tokens)
+                self.calls += 1
+                try:
+                    return await once()
+                except _Retryable as err:
+                    error, wait = str(err), err.wait_s
+            if attempt < self.cfg.max_retries:
+                self.retries += 1
+                await asyncio.sleep(wait if wait is not None else self.cfg.backoff_s * 2**attempt)
+        return failed(f"{error} (after {self.cfg.max_retries} retries)")
+
+
 @dataclass
-class ServedClient:
+class ServedClient(_Endpoint):
     """Asks a server for verdict-token log-probabilities (see the module docstring for the routes).
 
     Args:
@@ -359,72 +544,6 @@ class ServedClient:
         self._route_key_format = self.prompt_format  # what a probe starts from ('' : ids, then text)
         what = [self.root, self.cfg.model, self.prompt_format, list(self.verdict_ids), self.cfg.top_logprobs]
         self._route_key = hashlib.sha256(json.dumps(what).encode()).hexdigest()
-
-    @property
-    def root(self) -> str:
-        return self.cfg.base_url.rstrip("/").removesuffix("/v1")
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    # --- before any judging --------------------------------------------------------------------
-    def connect(self) -> dict[str, Any]:
-        """Check the server serves ``cfg.model`` and record what it says of itself; one-line errors.
-
-        Raises:
-            ServerSetupError: no server at ``base_url``, a refused key, an answer that is not a model list,
-                or a model the server does not serve.
-        """
-        import httpx
-
-        try:
-            r = httpx.get(
-                f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10)
-            )
-        except httpx.HTTPError as err:
-            raise ServerSetupError(
-                f"judge.server.base_url={self.cfg.base_url!r}: no server answers ({type(err).__name__}: "
-                f"{_one_line(str(err))}); start it (docs/served.md) or fix the URL"
-            ) from None
-        if r.status_code in (401, 403):
-            raise ServerSetupError(
-                f"judge.server.base_url={self.cfg.base_url!r} refused the API key (HTTP {r.status_code}); set "
-                f"the key in ${self.cfg.api_key_env or 'judge.server.api_key_env'}"
-            )
-        if r.status_code != 200:
-            raise ServerSetupError(
-                f"judge.server.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered HTTP "
-                f"{r.status_code} ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
-            )
-        models = _model_list(r)
-        if models is None:
-            raise ServerSetupError(
-                f"judge.server.base_url={self.cfg.base_url!r}: {self.root}/v1/models answered something that is "
-                f"not an OpenAI model list ({_one_line(r.text)}); point base_url at an OpenAI-compatible server"
-            )
-        served = [m["id"] for m in models]
-        if self.cfg.model not in served:
-            raise ServerSetupError(
-                f"judge.server.model={self.cfg.model!r} is not served at {self.cfg.base_url} (it serves "
-                f"{served[:20]}); set judge.server.model to one of them"
-            )
-        entry = next(m for m in models if m["id"] == self.cfg.model)
-        self.info = {"model": self.cfg.model, "served_models": served}
-        for path in ("/version", "/get_server_info"):
-            try:
-                v = httpx.get(f"{self.root}{path}", headers=self._headers(), timeout=5)
-                if v.status_code == 200:
-                    self.info["version"] = v.json()
-                    break
-            except (httpx.HTTPError, ValueError):
-                continue
-        # what the server says of the model and its limits, where it says it (vLLM's model card has
-        # max_model_len; no server names its log-probability limit in one place: None is "not reported")
-        version = self.info.get("version")
-        sources = [entry, version if isinstance(version, dict) else {}]
-        for key in ("max_model_len", "max_logprobs"):
-            self.info[key] = next((d[key] for d in sources if d.get(key) is not None), None)
-        return self.info
 
     # --- requests ------------------------------------------------------------------------------
     def _request(
@@ -519,23 +638,8 @@ class ServedClient:
         form: str,
         start: int | None = None,
     ) -> Reply:
-        import httpx
-
         path, body = self._request(route, ids, form, start)
-        try:
-            # httpx's timeout bounds each read; wait_for bounds the whole answer (a reply that trickles in)
-            r = await asyncio.wait_for(
-                http.post(self.root + path, json=body, headers=self._headers(), timeout=self.cfg.timeout_s),
-                self.cfg.timeout_s,
-            )
-        except TimeoutError:
-            raise _Retryable(f"no whole answer within judge.server.timeout_s={self.cfg.timeout_s}") from None
-        except (httpx.TimeoutException, httpx.TransportError) as err:
-            raise _Retryable(f"{type(err).__name__}: {err}") from None
-        if r.status_code == 429:
-            raise _Retryable("HTTP 429", self._retry_after(r.headers.get("retry-after")))
-        if r.status_code >= 500:
-            raise _Retryable(f"HTTP {r.status_code}: {_one_line(r.text, 120)}")
+        r = await self._http_post(http, path, body)
         if r.status_code != 200:
             return Reply(error=f"HTTP {r.status_code}: {_one_line(r.text)}")
         try:
@@ -549,24 +653,6 @@ class ServedClient:
             )
         return reply
 
-    def _retry_after(self, value: str | None) -> float | None:
-        """The wait a 429's ``Retry-After`` asks (seconds or an HTTP date), at most ``timeout_s`` so no
-        answer holds a call longer than the settings allow; ``None`` (the backoff) when it is unreadable."""
-        if not value:
-            return None
-        try:
-            wait = float(value)
-        except ValueError:
-            from email.utils import parsedate_to_datetime
-
-            try:
-                wait = parsedate_to_datetime(value).timestamp() - time.time()
-            except (TypeError, ValueError, IndexError, OverflowError):
-                return None
-        if not math.isfinite(wait):
-            return None
-        return min(max(wait, 0.0), self.cfg.timeout_s)
-
     async def _post(
         self,
         http: Any,
@@ -579,21 +665,13 @@ class ServedClient:
         start: int | None = None,
     ) -> Reply:
         """One request with its retries; a reply whose ``error`` says why when they run out."""
-        error = ""
-        for attempt in range(self.cfg.max_retries + 1):
-            async with gate:
-                await limiter.wait(len(ids))
-                self.calls += 1
-                try:
-                    return await self._post_once(
-                        http, route, ids, token_ids, form or self.prompt_format, start
-                    )
-                except _Retryable as err:
-                    error, wait = str(err), err.wait_s
-            if attempt < self.cfg.max_retries:
-                self.retries += 1
-                await asyncio.sleep(wait if wait is not None else self.cfg.backoff_s * 2**attempt)
-        return Reply(error=f"{error} (after {self.cfg.max_retries} retries)")
+        return await self._retrying(
+            gate,
+            limiter,
+            len(ids),
+            lambda: self._post_once(http, route, ids, token_ids, form or self.prompt_format, start),
+            lambda why: Reply(error=why),
+        )
 
     def _key(self, route: str, ids: Sequence[int], start: int | None = None) -> str:
         # a text prompt is tokenized by the server: kept apart from the same ids sent as ids; the top k
@@ -812,6 +890,120 @@ class ServedClient:
                 self._cache.put(self._key(self.route, prompts[i], at[i]), reply)
 
 
+@dataclass
+class Completion:
+    """One chat completion's answer.
+
+    Attributes:
+        text: the assistant message's content.
+        prompt_tokens, completion_tokens: the server's counts (``usage``); ``None`` where it gives none.
+        token_logprobs: ``(token text, log-probability)`` of each generated token, when asked and given.
+        seconds: the wall time of the call's attempts (not the wait for a free slot, nor the backoff).
+        error: why the call failed after its retries (empty: it did not).
+    """
+
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    token_logprobs: list[tuple[str, float]] | None = None
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class ChatClient(_Endpoint):
+    """Greedy chat completions (``POST /v1/chat/completions``, temperature 0) from an OpenAI-compatible
+    server: vLLM, llama.cpp, SGLang, or a hosted API. The routed model of ``judgeloop route`` with
+    ``model.type: served``; it shares the served judge's connection check, timeouts, retries and rate
+    limits (:class:`_Endpoint`).
+
+    Args:
+        cfg: the server's settings (``model.server``).
+        api_key: the key read from ``cfg.api_key_env`` (kept in memory only).
+    """
+
+    cfg: EndpointConfig
+    api_key: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    calls: int = 0
+    retries: int = 0
+
+    def __post_init__(self) -> None:
+        self._limiter = _RateLimiter(self.cfg.max_requests_per_minute, self.cfg.max_tokens_per_minute)
+
+    def complete(self, prompts: Sequence[str], max_tokens: int, logprobs: bool = False) -> list[Completion]:
+        """One single-turn completion per user message in ``prompts``, all in flight together (up to
+        ``cfg.concurrency``), in order. ``logprobs``: ask each generated token's log-probability. A call
+        that still fails after its retries is a :class:`Completion` with ``error`` set."""
+        return list(_run(self._many(prompts, max_tokens, logprobs)))
+
+    async def _many(self, prompts: Sequence[str], max_tokens: int, logprobs: bool) -> list[Completion]:
+        import httpx
+
+        gate = asyncio.Semaphore(self.cfg.concurrency)
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.concurrency)) as http:
+            return list(
+                await asyncio.gather(*(self._one(http, gate, p, max_tokens, logprobs) for p in prompts))
+            )
+
+    async def _one(
+        self, http: Any, gate: asyncio.Semaphore, prompt: str, max_tokens: int, logprobs: bool
+    ) -> Completion:
+        body: dict[str, Any] = {
+            "model": self.cfg.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        if logprobs:
+            body["logprobs"] = True
+        spent = [0.0]  # the attempts' own time, not the wait for a free slot under cfg.concurrency
+
+        async def once() -> Completion:
+            t0 = time.perf_counter()
+            try:
+                r = await self._http_post(http, "/v1/chat/completions", body)
+            finally:
+                spent[0] += time.perf_counter() - t0
+            if r.status_code != 200:
+                return Completion(error=f"HTTP {r.status_code}: {_one_line(r.text)}")
+            try:
+                return _parse_chat(r.json(), logprobs)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+                raise _Retryable(
+                    f"malformed reply ({type(err).__name__}: {_one_line(str(err), 120)})"
+                ) from None
+
+        # the rate limiter counts prompt tokens; a chat prompt's are not known before the server says:
+        # its length in characters / 4 stands in for them
+        out = await self._retrying(
+            gate, self._limiter, len(prompt) // 4 + 1, once, lambda why: Completion(error=why)
+        )
+        out.seconds = spent[0]
+        return out
+
+
+def _parse_chat(data: dict[str, Any], logprobs: bool) -> Completion:
+    """The :class:`Completion` in an OpenAI chat answer (``choices[0].message.content``, ``usage``,
+    ``choices[0].logprobs.content[i].{token, logprob}``); an error when log-probabilities were asked and
+    the server gave none (never a confidence from nothing)."""
+    choice = data["choices"][0]
+    text = choice["message"].get("content") or ""
+    if not isinstance(text, str):
+        raise TypeError(f"message content {text!r} is not a string")
+    usage = data.get("usage") or {}
+    out = Completion(text, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    if logprobs:
+        content = (choice.get("logprobs") or {}).get("content")
+        if content is None:
+            return Completion(
+                error="the server returned no token log-probabilities for the chat completion; route on "
+                "router.confidence=verbalized, or serve the model where chat logprobs are returned"
+            )
+        out.token_logprobs = [(str(e["token"]), _logprob(e["logprob"])) for e in content]
+    return out
+
+
 def _logprob(value: Any) -> float:
     """``value`` as a log-probability: a finite number <= 0 (a little above 0 is rounding); a ``ValueError``
     (a malformed reply) otherwise, never a NaN or a positive score passed on as a judgement."""
@@ -900,14 +1092,14 @@ def _model_list(r: Any) -> list[dict[str, Any]] | None:
     return models
 
 
-def read_api_key(cfg: ServerConfig) -> str:
+def read_api_key(cfg: EndpointConfig) -> str:
     """The key in ``$cfg.api_key_env`` ('' when no variable is named); a one-line error when it is unset."""
     if not cfg.api_key_env:
         return ""
     key = os.environ.get(cfg.api_key_env, "")
     if not key:
         raise ServerSetupError(
-            f"judge.server.api_key_env={cfg.api_key_env!r} but ${cfg.api_key_env} is not set; export the key "
+            f"{cfg.SECTION}.api_key_env={cfg.api_key_env!r} but ${cfg.api_key_env} is not set; export the key "
             "(it is never written to a config or a saved judge)"
         )
     return key
@@ -917,6 +1109,9 @@ __all__ = [
     "PROMPT_ROUTES",
     "ROUTES",
     "CacheFileError",
+    "ChatClient",
+    "Completion",
+    "EndpointConfig",
     "Reply",
     "ServedClient",
     "ServedJudgeFailed",

@@ -1,5 +1,11 @@
 """The language-model side of routing: a probe (provisional answer + confidence) and a RAG answer.
 
+The routed model is a :class:`TextGenerator`: :class:`LocalLM` (an in-process Hugging Face model, greedy
+batches) or :class:`ServedLM` (a model behind an OpenAI-compatible server: vLLM, llama.cpp, a hosted API,
+through :class:`~judgeloop.judges.served_client.ChatClient`); :class:`CachedLM` keeps either's generations
+on disk. Both send the same single-turn user message; the in-process one applies its tokenizer's chat
+template, the server its own.
+
 Two confidence kinds:
 
 * ``"logit"``: the length-normalized probability of the greedy answer, ``exp(mean_t log p(y_t | y_<t, x))``
@@ -16,8 +22,9 @@ import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -121,6 +128,122 @@ def generate(
     return out
 
 
+class TextGenerator(Protocol):
+    """A routed model: greedy replies to single-turn user messages, with token counts and times."""
+
+    #: what makes two generators' outputs the same (the model and where it runs): the cache's key
+    identity: str
+
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int, desc: str = "generate", logprobs: bool = False
+    ) -> list[Generation]:
+        """One :class:`Generation` per user message; ``logprobs``: fill ``logprob_mean``."""
+        ...
+
+
+class LocalLM:
+    """An in-process causal LM and its tokenizer, generating greedily in left-padded batches (:func:`generate`;
+    it always has the answer's log-probabilities)."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, batch_size: int = 8) -> None:
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.identity = f"local:{name}"
+
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int, desc: str = "generate", logprobs: bool = False
+    ) -> list[Generation]:
+        return generate(self.model, self.tokenizer, prompts, max_new_tokens, self.batch_size, desc)
+
+
+class ServedLM:
+    """A model behind an OpenAI-compatible server: one chat completion per message (temperature 0) through
+    :class:`~judgeloop.judges.served_client.ChatClient` (its timeouts, retries, rate limits).
+
+    Token counts are the server's (``usage``); ``seconds`` is each call's own wall time (calls run
+    concurrently, so it is a per-question latency, not a share of a batch). A call that fails after its
+    retries stops the run (:class:`~judgeloop.errors.ServiceFailed`, one line): a missing answer is never
+    scored."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.identity = f"served:{client.root}:{client.cfg.model}"
+
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int, desc: str = "generate", logprobs: bool = False
+    ) -> list[Generation]:
+        from judgeloop.errors import ServiceFailed
+
+        replies = self.client.complete(prompts, max_new_tokens, logprobs)
+        failed = [r for r in replies if r.error]
+        if failed:
+            raise ServiceFailed(
+                f"{self.client.cfg.SECTION}: {len(failed)} of {len(replies)} calls ({desc}) to "
+                f"{self.client.cfg.base_url} failed after their retries; first: {' '.join(failed[0].error.split())}"
+            )
+        out = []
+        for r in replies:
+            text = r.text.lstrip("\n ").split("\n")[0].strip()
+            lp = math.nan
+            if r.token_logprobs:
+                # the answer's tokens: up to the first one that starts a new line (as :func:`generate`)
+                seen, kept = "", []
+                for tok, value in r.token_logprobs:
+                    seen += tok
+                    if "\n" in seen.lstrip("\n "):
+                        break
+                    kept.append(value)
+                lp = float(np.mean(kept)) if kept else math.nan
+            out.append(
+                Generation(
+                    text=text,
+                    raw=r.text,
+                    prompt_tokens=r.prompt_tokens if r.prompt_tokens is not None else -1,
+                    new_tokens=r.completion_tokens if r.completion_tokens is not None else -1,
+                    logprob_mean=lp,
+                    seconds=r.seconds,
+                )
+            )
+        return out
+
+
+class CachedLM:
+    """A :class:`TextGenerator` whose generations are kept in ``folder`` (one JSON file per call, keyed by
+    the generator's ``identity``, the settings and every prompt's text): greedy decoding gives the same
+    replies to the same prompts, so a rerun that changes only the router's settings generates nothing.
+    The times kept are those of the run that generated."""
+
+    def __init__(self, lm: TextGenerator, folder: Path) -> None:
+        self.lm, self.folder = lm, Path(folder)
+        self.identity = lm.identity
+
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int, desc: str = "generate", logprobs: bool = False
+    ) -> list[Generation]:
+        from judgeloop.hashing import json_digest, texts_digest
+        from judgeloop.io import atomic_write_json
+        from judgeloop.logging import get_logger
+
+        key = json_digest([self.identity, max_new_tokens, logprobs, texts_digest(prompts)])
+        path = self.folder / f"route-{key}.json"
+        if path.is_file():
+            get_logger(__name__).info("reusing %d generations (%s) from %s", len(prompts), desc, path)
+            rows = json.loads(path.read_text())
+            return [Generation(**{**r, "logprob_mean": _nan(r["logprob_mean"])}) for r in rows]
+        gens = self.lm.generate(prompts, max_new_tokens, desc, logprobs)
+        atomic_write_json(
+            path,
+            [
+                {**asdict(g), "logprob_mean": None if math.isnan(g.logprob_mean) else g.logprob_mean}
+                for g in gens
+            ],
+        )
+        return gens
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else float(x)
+
+
 _JSON = re.compile(r"\{.*?\}", re.S)
 
 
@@ -163,10 +286,23 @@ def probe(
     batch_size: int = 8,
     instruction: str = SHORT_ANSWER,
 ) -> tuple[list[str], np.ndarray, list[Generation]]:
-    """Closed-book answers and confidences ``(Q,)`` (NaN = none)."""
+    """Closed-book answers and confidences ``(Q,)`` (NaN = none) of an in-process model
+    (:func:`probe_with` a :class:`LocalLM`)."""
+    lm = LocalLM(model, tokenizer, getattr(model, "name_or_path", "model"), batch_size)
+    return probe_with(lm, questions, kind, max_new_tokens, instruction)
+
+
+def probe_with(
+    lm: TextGenerator,
+    questions: Sequence[str],
+    kind: ConfidenceKind = "logit",
+    max_new_tokens: int = 16,
+    instruction: str = SHORT_ANSWER,
+) -> tuple[list[str], np.ndarray, list[Generation]]:
+    """Closed-book answers and confidences ``(Q,)`` (NaN = none) of the routed model ``lm``."""
     template = PROBE_LOGIT if kind == "logit" else PROBE_VERBAL
     prompts = [template.format(instruction=instruction, question=q) for q in questions]
-    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, desc="probe")
+    gens = lm.generate(prompts, max_new_tokens, desc="probe", logprobs=kind == "logit")
     answers, conf = [], np.full(len(gens), math.nan)
     for i, g in enumerate(gens):
         if kind == "logit":
@@ -223,16 +359,26 @@ def answer_with_passages(
     batch_size: int = 8,
     instruction: str = SHORT_ANSWER,
 ) -> tuple[list[str], list[Generation]]:
-    """Greedy answers to ``questions`` given their retrieved passages (the RAG arm)."""
+    """Greedy answers to ``questions`` given their retrieved passages (the RAG arm) by an in-process model
+    (:func:`answer_with` a :class:`LocalLM`)."""
+    lm = LocalLM(model, tokenizer, getattr(model, "name_or_path", "model"), batch_size)
+    return answer_with(lm, questions, passages, max_new_tokens, instruction)
+
+
+def answer_with(
+    lm: TextGenerator,
+    questions: Sequence[str],
+    passages: Sequence[Sequence[str]],
+    max_new_tokens: int = 16,
+    instruction: str = SHORT_ANSWER,
+    logprobs: bool = False,
+) -> tuple[list[str], list[Generation]]:
+    """Greedy answers of the routed model ``lm`` to ``questions`` given their retrieved passages."""
     prompts = [
-        RAG.format(
-            instruction=instruction,
-            question=q,
-            passages=render_passages(ps),
-        )
+        RAG.format(instruction=instruction, question=q, passages=render_passages(ps))
         for q, ps in zip(questions, passages)
     ]
-    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, desc="answer with passages")
+    gens = lm.generate(prompts, max_new_tokens, desc="answer with passages", logprobs=logprobs)
     return [g.text for g in gens], gens
 
 

@@ -4,8 +4,11 @@ random-matched / oracle routing.
 Every sampled question gets both a closed-book probe (answer + confidence) and a retrieval-augmented
 answer (top-k passages from the pool of all the file's passages). The threshold is chosen on a
 selection split (max F1, optionally under a retrieval budget), frozen, and applied to the test split,
-where all five policies are scored on the same answers. :func:`route_study` returns the report and the
-per-question rows.
+where all five policies are scored on the same answers. On the test split every policy's F1 is compared
+with never / always / random-matched routing by a paired bootstrap over questions, with Holm's
+correction across the family; the confidence gets the account's three diagnostics
+(:mod:`judgeloop.routing.diagnostics`). The routed model runs in process or behind an OpenAI-compatible
+server (``model.type: served``). :func:`route_study` returns the report and the per-question rows.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from judgeloop.config import bounded, check_fields
+from judgeloop.judges.served_client import EndpointConfig, check_served
 from judgeloop.logging import get_logger
 from judgeloop.retrieval.bm25 import bm25_topk, build_bm25
 from judgeloop.retrieval.dense import EncoderConfig, dense_topk, encode_with
@@ -52,6 +56,33 @@ class LMConfig:
 
 
 @dataclass
+class RoutedServerConfig(EndpointConfig):
+    """The server of a served routed model (``model.server``, with ``model.type: served``): an
+    OpenAI-compatible ``/v1/chat/completions`` (vLLM, llama.cpp, SGLang, a hosted API)."""
+
+    SECTION: ClassVar[str] = "model.server"
+
+
+@dataclass
+class RoutedLMConfig(LMConfig):
+    """The routed model of ``judgeloop route``: in process (``type: local``, ``name`` a Hugging Face model)
+    or behind a server (``type: served``, ``server``; ``name`` is then not used)."""
+
+    type: Literal["local", "served"] = "local"
+    server: RoutedServerConfig = field(default_factory=RoutedServerConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.type == "served":
+            check_served(self.server, "model.type=served")
+        elif self.server.base_url:
+            raise ValueError(
+                f"model.server.base_url={self.server.base_url!r} is set but model.type=local (the in-process "
+                f"model {self.name!r} would answer); set model.type=served, or drop model.server"
+            )
+
+
+@dataclass
 class RetrieverSection:
     """The retriever of the RAG arm: dense or BM25, and how many passages."""
 
@@ -72,6 +103,11 @@ class RouterSection:
     max_retrieval_rate: float | None = bounded(
         None, ge=0.0, le=1.0, hint=" or null (no budget)", shape="section"
     )
+    # the probe's token budget (null: model.max_new_tokens); a verbalized JSON reply needs ~24 tokens
+    probe_max_new_tokens: int | None = bounded(None, ge=1, hint=" or null (model.max_new_tokens)")
+    correct_min_f1: float = bounded(0.5, ge=0.0, lt=1.0)  # a closed-book answer is correct above this F1
+    num_bootstrap: int = bounded(2000, ge=100)  # replicates of the paired intervals and the diagnostics
+    alpha: float = bounded(0.05, gt=0.0, lt=1.0)  # family-wise error rate of the Holm-corrected comparisons
 
     def __post_init__(self) -> None:
         check_fields("router", self)
@@ -98,6 +134,7 @@ class QAStudyConfig:
 class RouteConfig(QAStudyConfig):
     """Schema of ``judgeloop route``: a :class:`QAStudyConfig` and how the router chooses its threshold."""
 
+    model: RoutedLMConfig = field(default_factory=RoutedLMConfig)
     router: RouterSection = field(default_factory=RouterSection)
 
 
@@ -133,16 +170,40 @@ def retrieve_passages(
     return idx.tolist(), (time.perf_counter() - t0) / len(questions)
 
 
+def routed_model(cfg: RouteConfig) -> Any:
+    """The routed model (a :class:`~judgeloop.routing.llm.TextGenerator`) through the answer cache of
+    ``cache_dir``. A served one is checked first (the server answers, serves ``model.server.model``, takes
+    the key): a one-line error before any retrieval or generation."""
+    from judgeloop.retrieval.embedding_cache import resolve_cache_dir
+    from judgeloop.routing.llm import CachedLM, LocalLM, ServedLM
+
+    m = cfg.model
+    lm: Any
+    if m.type == "served":
+        from judgeloop.judges.served_client import ChatClient, read_api_key
+
+        client = ChatClient(m.server, read_api_key(m.server))
+        client.connect()
+        lm = ServedLM(client)
+    else:
+        from judgeloop.models import load_causal_lm, load_tokenizer
+
+        lm = LocalLM(load_causal_lm(m.name), load_tokenizer(m.name), m.name, m.batch_size)
+    folder = resolve_cache_dir(cfg.cache_dir, "answers")  # auto: the judgeloop cache, not the working dir
+    return CachedLM(lm, folder) if folder is not None else lm
+
+
 def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Probe closed-book, answer with retrieval, fit the router on the selection split and compare it with
     the baselines on the test split; returns the report and one prediction row per question."""
-    from judgeloop.models import load_causal_lm, load_tokenizer
-    from judgeloop.routing.llm import SHORT_ANSWER, YES_NO_MAYBE, answer_with_passages, probe
+    from judgeloop.routing.diagnostics import confidence_diagnostics
+    from judgeloop.routing.llm import SHORT_ANSWER, YES_NO_MAYBE, answer_with, probe_with
     from judgeloop.routing.metrics import exact_match, token_f1
     from judgeloop.routing.router import ConfidenceRouter, RoutingOutcomes, routing_table
 
     rng = np.random.default_rng(cfg.seed)
-    examples, pool = load_questions(cfg.data)
+    examples, pool = load_questions(cfg.data)  # the data's checks first: a bad row stops before any work
+    lm = routed_model(cfg)  # a served model's connection is checked before retrieval and generation
     if cfg.data.max_questions is not None and cfg.data.max_questions < len(examples):
         keep = np.sort(rng.choice(len(examples), cfg.data.max_questions, replace=False))
         examples = [examples[i] for i in keep]
@@ -153,16 +214,11 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
     passages = [[pool[j] for j in row] for row in top]
     gold_hit = np.asarray([any(p in ex.gold_passages for p in ps) for ex, ps in zip(examples, passages)])
 
-    tok = load_tokenizer(cfg.model.name)
-    model = load_causal_lm(cfg.model.name)
-    m = cfg.model
+    m, rc = cfg.model, cfg.router
     instruction = YES_NO_MAYBE if cfg.data.format == "pubmedqa" else SHORT_ANSWER
-    closed, conf, probe_gens = probe(
-        model, tok, qs, cfg.router.confidence, m.max_new_tokens, m.batch_size, instruction
-    )
-    rag, rag_gens = answer_with_passages(
-        model, tok, qs, passages, m.max_new_tokens, m.batch_size, instruction
-    )
+    probe_tokens = rc.probe_max_new_tokens or m.max_new_tokens
+    closed, conf, probe_gens = probe_with(lm, qs, rc.confidence, probe_tokens, instruction)
+    rag, rag_gens = answer_with(lm, qs, passages, m.max_new_tokens, instruction)
 
     golds = [ex.answers for ex in examples]
     o = RoutingOutcomes(
@@ -171,16 +227,18 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
         f1_closed=np.asarray([token_f1(a, g) for a, g in zip(closed, golds)]),
         em_rag=np.asarray([exact_match(a, g) for a, g in zip(rag, golds)]),
         f1_rag=np.asarray([token_f1(a, g) for a, g in zip(rag, golds)]),
-        tokens_probe=np.asarray([g.prompt_tokens + g.new_tokens for g in probe_gens], dtype=float),
-        tokens_rag=np.asarray([g.prompt_tokens + g.new_tokens for g in rag_gens], dtype=float),
+        tokens_probe=np.asarray([_tokens(g) for g in probe_gens]),
+        tokens_rag=np.asarray([_tokens(g) for g in rag_gens]),
         latency_probe=np.asarray([g.seconds for g in probe_gens]),
         latency_rag=np.asarray([g.seconds + retrieval_s for g in rag_gens]),
         passages_rag=np.full(len(qs), float(len(passages[0]))),
     )
     perm = rng.permutation(len(qs))
-    n_sel = int(round(cfg.router.selection_fraction * len(qs)))
+    n_sel = int(round(rc.selection_fraction * len(qs)))
     sel, test = perm[:n_sel], perm[n_sel:]
-    router = ConfidenceRouter(cfg.router.max_retrieval_rate).fit(conf[sel], o.f1_closed[sel], o.f1_rag[sel])
+    router = ConfidenceRouter(rc.max_retrieval_rate).fit(conf[sel], o.f1_closed[sel], o.f1_rag[sel])
+    retrieve_test = router.predict(conf[test])
+    table = routing_table(o.subset(test), retrieve_test)
     report: dict[str, Any] = {
         "data": {
             "format": cfg.data.format,
@@ -190,8 +248,10 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
             "num_test": int(test.size),
             "pool_size": len(pool),
         },
-        "model": m.name,
-        "confidence": cfg.router.confidence,
+        "model": m.name if m.type == "local" else f"{m.server.model} (served at {m.server.base_url})",
+        "model_type": m.type,
+        "confidence": rc.confidence,
+        "probe_max_new_tokens": probe_tokens,
         "retriever": f"{cfg.retriever.type} top-{cfg.retriever.top_k}"
         + (f" ({cfg.retriever.encoder.name})" if cfg.retriever.type == "dense" else ""),
         "retrieval_recall_at_k": float(gold_hit.mean()),
@@ -199,13 +259,19 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
         "threshold": router.threshold_,
         "selection": {"f1": router.selection_f1_, "retrieval_rate": router.selection_retrieval_rate_},
         "auc_confidence_vs_closed_correct": _auc_or_nan(conf[test], o.f1_closed[test] > 0.5),
-        "test": routing_table(o.subset(test), router.predict(conf[test])),
+        "test": table,
+        "comparisons": compare_policies(o.subset(test), retrieve_test, rc.num_bootstrap, rc.alpha, cfg.seed),
+        "diagnostics": confidence_diagnostics(
+            conf, o.f1_closed, o.f1_rag, rc.correct_min_f1, num_bootstrap=rc.num_bootstrap, seed=cfg.seed
+        ),
+        "account": account_figures(table),
         "selection_table": routing_table(o.subset(sel), router.predict(conf[sel])),
     }
+    in_sel = set(sel.tolist())
     rows = [
         {
             "id": ex.id,
-            "split": "selection" if i in set(sel.tolist()) else "test",
+            "split": "selection" if i in in_sel else "test",
             "question": ex.question,
             "answers": ex.answers,
             "closed": closed[i],
@@ -219,6 +285,98 @@ def route_study(cfg: RouteConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]
         for i, ex in enumerate(examples)
     ]
     return report, rows
+
+
+def _tokens(g: Any) -> float:
+    """Prompt + generated tokens of one call; NaN where a server did not count them."""
+    return float(g.prompt_tokens + g.new_tokens) if g.prompt_tokens >= 0 and g.new_tokens >= 0 else math.nan
+
+
+#: the policies compared, and the baselines each is compared with (a policy is not compared with itself)
+COMPARED = ("router", "oracle", "always")
+BASELINES = ("never", "always", "random_matched")
+
+
+def compare_policies(
+    o: Any, retrieve: np.ndarray, num_bootstrap: int = 2000, alpha: float = 0.05, seed: int = 0
+) -> dict[str, Any]:
+    """The F1 of the router, the oracle and always-retrieve against never / always / random-matched on the
+    same questions: the paired difference per question, its bootstrap 95% interval, minimum detectable
+    difference and p-value (:func:`judgeloop.studies.stats.paired_bootstrap_test`), and Holm's adjustment
+    across the whole family (:func:`judgeloop.studies.stats.holm`).
+
+    ``random_matched`` is random routing at the compared policy's own retrieval rate ``p``: its per-question
+    F1 is the exact expectation ``(1 - p) * f1_closed + p * f1_rag``, so the difference is paired too.
+    The intervals are the unadjusted 95% ones; ``significant`` is the Holm-adjusted p at or below ``alpha``.
+    """
+    from judgeloop.studies.stats import holm, paired_bootstrap_test
+
+    f1c, f1r = np.asarray(o.f1_closed, float), np.asarray(o.f1_rag, float)
+    retrieves = {  # each policy's decision per question (the oracle retrieves where it strictly helps)
+        "router": np.asarray(retrieve, bool),
+        "oracle": f1r > f1c,
+        "always": np.ones(f1c.size, bool),
+        "never": np.zeros(f1c.size, bool),
+    }
+    names, tests = [], []
+    for pol in COMPARED:
+        mine = np.where(retrieves[pol], f1r, f1c)
+        for base in BASELINES:
+            if base == pol or (pol == "always" and base == "random_matched"):
+                continue  # random at always' rate (1) is always itself
+            if base == "random_matched":
+                rate = float(retrieves[pol].mean())
+                other = (1 - rate) * f1c + rate * f1r
+            else:
+                other = np.where(retrieves[base], f1r, f1c)
+            delta, pval = paired_bootstrap_test(mine - other, num_bootstrap, seed)
+            names.append(f"{pol} - {base}")
+            tests.append((delta, pval))
+    adjusted = holm([pv for _, pv in tests])
+    out: dict[str, Any] = {
+        "metric": "f1",
+        "alpha": alpha,
+        "family_size": sum(p is not None for _, p in tests),
+    }
+    rows = {}
+    for name, (delta, pval), adj in zip(names, tests, adjusted):
+        rows[name] = {
+            **delta.as_dict(),
+            "p": pval,
+            "p_holm": adj,
+            "significant": adj is not None and adj <= alpha,
+        }
+    out["rows"] = rows
+    return out
+
+
+#: the verbalized-confidence routing account's figures (BeyondUncertainty, Sah, Lian & Zhang 2026)
+ACCOUNT = {
+    "f1_routed": 0.483,
+    "f1_never": 0.401,
+    "f1_always": 0.467,
+    "fewer_passages_vs_always": 0.204,
+    "more_tokens_vs_always_probe_charged": 0.282,
+}
+
+
+def account_figures(table: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Our test-split figures in the account's terms beside its own: F1 routed / never / always, the share
+    of passages the router saves against always-retrieve, and its extra tokens against always-retrieve with
+    the probe charged (our ``router`` row always pays the probe)."""
+    r, n, a = table["router"], table["never"], table["always"]
+    fewer = 1 - r["passages_retrieved"] / a["passages_retrieved"] if a["passages_retrieved"] else math.nan
+    more = r["total_tokens"] / a["total_tokens"] - 1 if a["total_tokens"] else math.nan
+    return {
+        "ours": {
+            "f1_routed": r["f1"],
+            "f1_never": n["f1"],
+            "f1_always": a["f1"],
+            "fewer_passages_vs_always": fewer,
+            "more_tokens_vs_always_probe_charged": more,
+        },
+        "account": dict(ACCOUNT),
+    }
 
 
 def _auc_or_nan(conf: np.ndarray, correct: np.ndarray) -> float:
@@ -258,6 +416,78 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "Costs: closed-book answers cost the probe; retrieved answers cost the RAG call (+ the probe for the "
         "router and the oracle, which need it to decide). `random_matched` is the exact expectation of random "
-        "routing with the router's retrieval count. Latency is batch wall time / batch size (CPU).",
+        "routing with the router's retrieval count. Latency is batch wall time / batch size (CPU) in process, "
+        "each call's own wall time when served.",
     ]
+    c = report.get("comparisons")
+    if c:
+        lines += [
+            "",
+            f"## Paired F1 differences, test split (Holm across {c['family_size']} comparisons, "
+            f"alpha {c['alpha']})",
+            "",
+            "| comparison | delta F1 | 95% CI | MDD | p | p (Holm) | significant |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in c["rows"].items():
+            ci = r["ci95"]
+            ci_text = "n/a" if ci[0] is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            lines.append(
+                f"| {name} | {_signed(r['delta'])} | {ci_text} | {fmt_number(r['mdd'])} | "
+                f"{fmt_number(r['p'])} | {fmt_number(r['p_holm'])} | {'yes' if r['significant'] else 'no'} |"
+            )
+        lines += [
+            "",
+            "Paired bootstrap over test questions; `random_matched` is random routing at the compared "
+            "policy's own retrieval rate. MDD: the smallest difference this run detects with 80% power.",
+        ]
+    dg = report.get("diagnostics")
+    if dg:
+        lines += [
+            "",
+            f"## Confidence diagnostics (all {dg['n'] + dg['missing']} questions; {dg['missing']} without a "
+            "confidence left out)",
+            "",
+            "| diagnostic | value | 95% CI |",
+            "|---|---|---|",
+        ]
+        for key, label in (
+            ("ece", f"ECE vs closed-book correct (F1 > {dg['correct_min_f1']})"),
+            ("spearman_rho", "Spearman rho, confidence vs closed-book F1"),
+            ("auroc_uncertainty_retrieval_helps", "AUROC of 1 - confidence for retrieval helps"),
+        ):
+            e = dg[key]
+            if e["value"] is None:
+                lines.append(f"| {label} | n/a ({e['why_none']}) | |")
+                continue
+            ci = e["ci95"]
+            ci_text = "n/a" if ci[0] is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+            lines.append(f"| {label} | {fmt_number(e['value'])} | {ci_text} |")
+    acc = report.get("account")
+    if acc:
+        o, a = acc["ours"], acc["account"]
+        lines += [
+            "",
+            "## Beside the account (BeyondUncertainty, Sah, Lian & Zhang 2026)",
+            "",
+            "| figure | ours | account |",
+            "|---|---|---|",
+            f"| F1 routed | {fmt_number(o['f1_routed'])} | {a['f1_routed']:.3f} |",
+            f"| F1 never retrieve | {fmt_number(o['f1_never'])} | {a['f1_never']:.3f} |",
+            f"| F1 always retrieve | {fmt_number(o['f1_always'])} | {a['f1_always']:.3f} |",
+            f"| fewer passages than always | {_pct(o['fewer_passages_vs_always'], signed=False)} | "
+            f"{_pct(a['fewer_passages_vs_always'], signed=False)} |",
+            f"| more tokens than always, probe charged | {_pct(o['more_tokens_vs_always_probe_charged'])} | "
+            f"{_pct(a['more_tokens_vs_always_probe_charged'])} |",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None, signed: bool = True) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:+.1%}" if signed else f"{x:.1%}"
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"

@@ -12,6 +12,9 @@ two-sided for a normal statistic: 1.96 + 0.84), so a null result reads "no effec
 
 With very few seeds (2-3) the seed level is resampled from 3-10 distinct combinations and its variance
 is poorly estimated; the report says so next to the interval.
+
+:func:`paired_bootstrap_test` adds the bootstrap p-value of the same replicates, and :func:`holm` adjusts a
+family of them (the routing study's comparisons of every policy with never / always / random-matched).
 """
 
 from __future__ import annotations
@@ -62,7 +65,18 @@ def paired_bootstrap(diffs: np.ndarray, n_boot: int = 4000, seed: int = 0) -> Pa
 
     Each replicate draws ``S`` seeds with replacement and, for each drawn seed, that seed's articles
     with replacement (missing cells are skipped by the mean). Deterministic for a given ``seed``.
+    A 1-D ``diffs`` is one seed: the ordinary paired bootstrap over independent units (questions).
     """
+    return paired_bootstrap_test(diffs, n_boot, seed)[0]
+
+
+def paired_bootstrap_test(
+    diffs: np.ndarray, n_boot: int = 4000, seed: int = 0
+) -> tuple[PairedDelta, float | None]:
+    """:func:`paired_bootstrap` and its two-sided bootstrap p-value for "the mean difference is 0", from
+    the same replicates: ``p = min(1, 2 * min(1 + #{rep <= 0}, 1 + #{rep >= 0}) / (B + 1))``, the
+    smallest level at which the percentile interval would reach 0 (Efron & Tibshirani 1993, sec. 16.4;
+    the +1s keep it above 0). ``None`` where there is no interval (fewer than two cells)."""
     d = np.asarray(diffs, dtype=float)
     if d.ndim == 1:
         d = d[None, :]
@@ -70,11 +84,11 @@ def paired_bootstrap(diffs: np.ndarray, n_boot: int = 4000, seed: int = 0) -> Pa
     d = d[keep]
     n = int(np.isfinite(d).sum())
     if n == 0:
-        return PairedDelta(None, [None, None], None, None, 0, 0)
+        return PairedDelta(None, [None, None], None, None, 0, 0), None
     S, N = d.shape
     point = float(np.nanmean(d))
     if n < 2:
-        return PairedDelta(point, [None, None], None, None, n, S)
+        return PairedDelta(point, [None, None], None, None, n, S), None
     rng = np.random.default_rng(seed)
     stats = np.empty(n_boot)
     chunk = max(1, 2_000_000 // max(S * N, 1))  # bound memory: replicates per vectorized block
@@ -91,7 +105,28 @@ def paired_bootstrap(diffs: np.ndarray, n_boot: int = 4000, seed: int = 0) -> Pa
     stats = stats[np.isfinite(stats)]
     lo, hi = np.percentile(stats, [2.5, 97.5])
     se = float(stats.std(ddof=1))
-    return PairedDelta(point, [float(lo), float(hi)], se, MDD_FACTOR * se, n, S)
+    below, above = int((stats <= 0).sum()), int((stats >= 0).sum())
+    p = min(1.0, 2.0 * (1 + min(below, above)) / (stats.size + 1))
+    return PairedDelta(point, [float(lo), float(hi)], se, MDD_FACTOR * se, n, S), p
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values (Holm 1979): sorted ascending,
+    ``adj_(i) = max_{j <= i} min(1, (m - j + 1) * p_(j))`` for ``i = 1..m``; rejecting where ``adj <= alpha``
+    keeps the family-wise error rate at ``alpha``. ``None`` entries (no test) stay ``None`` and do not count
+    in ``m``. Returned in the input's order."""
+    idx = [i for i, p in enumerate(pvalues) if p is not None]
+    for i in idx:
+        p = pvalues[i]
+        if not 0.0 <= p <= 1.0:  # type: ignore[operator]
+            raise ValueError(f"p-value {p} at position {i} is not in [0, 1]")
+    m = len(idx)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda k: pvalues[k])):  # type: ignore[arg-type,return-value]
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))  # type: ignore[arg-type]
+        out[i] = running
+    return out
 
 
 # --- the premise check ------------------------------------------------------------------------------
