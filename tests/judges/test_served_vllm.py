@@ -170,6 +170,7 @@ def calibration(vllm, tmp_path_factory):
             f"data.path={SUMMEVAL}",
             "data.max_articles=4",
             "max_pairs_per_article=2",
+            "calibrator.min_points=4",  # 3 calibration articles, 6 labeled pairs
             "methods=[platt]",
             "judge.max_length=512",
             f"judge.server.base_url={url}",
