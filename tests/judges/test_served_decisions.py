@@ -152,3 +152,14 @@ def test_a_decision_answer_of_another_shape_is_an_error(answer):
     q = Question("art", "which?", ("Summary A", "Summary B"))
     with pytest.raises((ValueError, KeyError, TypeError)):
         parse_decisions("decisions", answer, [q])
+
+
+def test_a_served_judge_has_no_prefetch_work():
+    """The training loop prefetches a judge's article-side work when it has some (``Judge._prepare``); the
+    served judges have none (a set-up method of theirs once took that name, and ``judgeloop train`` with
+    prefetching failed with a TypeError: found by ``test_served_vllm.py``'s train run)."""
+    from judgeloop.judges.base import Judge
+    from judgeloop.judges.served import GradedJudge, ServedJudge, ServedLikelihoodJudge
+
+    for cls in (ServedJudge, GradedJudge, ServedLikelihoodJudge):
+        assert cls._prepare is Judge._prepare, cls

@@ -138,9 +138,11 @@ class _ServedParts:
     tokenizer: Any
     extractor: str = "verdict"
 
-    def _prepare(self, server: ServerConfig, tokenizer: str | Any, prompt: str, max_length: int) -> None:
+    def _set_up(self, server: ServerConfig, tokenizer: str | Any, prompt: str, max_length: int) -> None:
         """What every served extractor sets up before it connects: the server settings checked, the prompt,
-        the served model's tokenizer (loaded from a hub id or path), the length budget."""
+        the served model's tokenizer (loaded from a hub id or path), the length budget. (Not named
+        ``_prepare``: that is the base judge's hook for work a training loop prefetches, and a served judge
+        has none.)"""
         from judgeloop.models import load_tokenizer
 
         check_served(server)
@@ -260,7 +262,7 @@ class ServedJudge(_ServedParts, Judge):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        self._prepare(server, tokenizer, prompt, max_length)
+        self._set_up(server, tokenizer, prompt, max_length)
         self.verdict_ids = verdict_token_ids(self.tokenizer, verdict_tokens)
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
         self._connect(server, self.verdict_ids)
@@ -358,7 +360,7 @@ class GradedJudge(_ServedPointwise):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        self._prepare(server, tokenizer, prompt, max_length)
+        self._set_up(server, tokenizer, prompt, max_length)
         self.grades = grades
         self.grade_ids = single_token_ids(
             self.tokenizer, [str(k) for k in range(1, grades + 1)], "judge.grades"
@@ -432,7 +434,7 @@ class ServedLikelihoodJudge(_ServedPointwise):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        self._prepare(server, tokenizer, prompt, max_length)
+        self._set_up(server, tokenizer, prompt, max_length)
         self._connect(server, ())
         probe, n, _ = self.summary_ids("A short article.", "A summary.")
         self.client.find_prompt_route(probe, len(probe) - n)  # type: ignore[arg-type]
