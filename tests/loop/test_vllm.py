@@ -2,8 +2,8 @@
 
 The tests marked ``needs_vllm`` need the separate vLLM environment that ``make vllm`` builds
 (``.venv-vllm``, 3.5 GB, about 9 minutes here) or ``$JUDGELOOP_VLLM_PYTHON``; without one they skip with
-that reason. CI's ``make test`` does not build it (its size and build time against CI's budget:
-docs/vllm.md), so they run where a developer has made it. The others (the run's generation backend
+that reason. CI's ``make test`` builds it first (from cached wheels after the first run: docs/vllm.md),
+so they run there. The others (the run's generation backend
 reaching every generation of the policy, the configuration errors) need no vLLM.
 """
 
@@ -35,7 +35,7 @@ def _vllm_python() -> str | None:
 VLLM_PYTHON = _vllm_python()
 needs_vllm = pytest.mark.skipif(
     VLLM_PYTHON is None,
-    reason="no vLLM environment: make vllm builds .venv-vllm (3.5 GB; CI does not build it, see docs/vllm.md)",
+    reason="no vLLM environment: make vllm (or make test) builds .venv-vllm (3.5 GB, see docs/vllm.md)",
 )
 
 

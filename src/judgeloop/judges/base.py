@@ -28,9 +28,10 @@ import numpy as np
 
 from judgeloop.hashing import texts_digest
 
-# scored statuses; the served judge's ``outside_topk`` (a bound) and ``text_only`` (a hard label) are scored
-# too, so calibration sees and counts them (judges/served.py)
-VALID_STATUSES = ("ok", "truncated", "outside_topk", "text_only")
+# scored statuses, weakest last; the served judge's ``low_label_mass`` (a verdict the model gave little of its
+# probability), ``outside_topk`` (a bound) and ``text_only`` (a hard label) are scored too, so calibration sees
+# and counts them (judges/served.py)
+VALID_STATUSES = ("ok", "truncated", "low_label_mass", "outside_topk", "text_only")
 
 
 @dataclass
@@ -99,13 +100,30 @@ class JudgeStats:
 
     ``cache_hits`` / ``cache_misses`` count the in-memory cache of judged pairs; ``stored_hits`` /
     ``stored_misses`` the judgements read from (or not found in) a cache kept across runs, where the judge
-    has one (the served judge's ``judge.server.cache_path``: one per prompt sent, both orders counted)."""
+    has one (the served judge's ``judge.server.cache_path``: one per prompt sent, both orders counted);
+    ``label_mass`` the served judge's label mass of each reply that gives it (``served_client.label_mass``)."""
 
     status: Counter = field(default_factory=Counter)
     cache_hits: int = 0
     cache_misses: int = 0
     stored_hits: int = 0
     stored_misses: int = 0
+    label_mass: list[float] = field(
+        default_factory=list
+    )  # served judges: each reply's label mass, where read
+
+    def label_mass_summary(self) -> dict[str, float]:
+        """The label masses' count, min, quartiles and mean (what a report shows of them)."""
+        m = np.asarray(self.label_mass, dtype=float)
+        q = np.quantile(m, [0.25, 0.5, 0.75])
+        return {
+            "n": int(m.size),
+            "min": float(m.min()),
+            "q25": float(q[0]),
+            "median": float(q[1]),
+            "q75": float(q[2]),
+            "mean": float(m.mean()),
+        }
 
 
 def combine_orders(forward: np.ndarray, reverse: np.ndarray) -> np.ndarray:

@@ -177,6 +177,12 @@ class JudgeConfig:
                 f"judge.server.route={self.server.route!r} with judge.extractor=likelihood: only the vllm and sglang "
                 "routes return prompt log-probabilities; set judge.server.route to auto, vllm or sglang"
             )
+        if self.extractor == "graded" and self.server.route in ("decisions", "systemone"):
+            raise ValueError(
+                f"judge.server.route={self.server.route!r} with judge.extractor=graded: the decision routes ask the "
+                "pairwise verdict only; set judge.server.route to auto, vllm, sglang, generative_scoring, "
+                "top_logprobs or text"
+            )
         if not self.model:
             raise ValueError("judge.model is empty; set a hub id or a local model directory")
         get_prompt(self.prompt)  # raises naming the closest template

@@ -45,6 +45,18 @@ Summary:
 
 Rate the summary from 1 (worst) to {grades} (best). Answer with the single digit only."""
 
+# the question a decision API (route decisions / systemone) asks after the article, which it is given as
+# the state: the server renders the rest of the prompt and the answer labels itself
+DECISION_TEMPLATE = """{criteria}
+
+Summary {label_a}:
+{a}
+
+Summary {label_b}:
+{b}
+
+Which summary is better?"""
+
 SUMMARIZE_TEMPLATE = """{criteria}
 
 Summarize the following article.
@@ -75,6 +87,13 @@ class JudgePrompt:
     def choice_text(self, article: str, a: str, b: str, labels: tuple[str, str]) -> str:
         return self.choice_template.format(
             criteria=self.criteria, article=article, a=a, b=b, label_a=labels[0], label_b=labels[1]
+        )
+
+    def decision_text(self, a: str, b: str, labels: tuple[str, str]) -> str:
+        """The choice question without the article, for a server that renders its own prompt from the
+        article (its state) and this question (the served judge's decision routes)."""
+        return DECISION_TEMPLATE.format(
+            criteria=self.criteria, a=a, b=b, label_a=labels[0], label_b=labels[1]
         )
 
     def grade_text(self, article: str, summary: str, grades: int) -> str:

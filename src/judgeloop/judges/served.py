@@ -15,7 +15,16 @@ Statuses beyond the base ones (listed in :mod:`judgeloop.judges.base`):
   scored ``+1`` (A) or ``-1`` (B) for a calibrator to map to its accuracy;
 * ``unparsed`` (masked): neither verdict token can be read (both outside the top k, or another text);
 * ``failed`` (masked): the call failed after its retries (``judge.server.on_failure``: ``mask`` counts
-  and logs it, ``stop`` raises).
+  and logs it, ``stop`` raises);
+* ``low_label_mass`` (valid): the labels (verdict or grade tokens) hold less than
+  ``judge.server.min_label_mass`` of the next-token probability: the model mostly wanted to say something
+  else, and the verdict read from what is left is scored but counted apart. The mass of every reply that
+  gives it (all routes but ``text`` and a ``top_logprobs`` reply missing a label) is in ``stats.label_mass``.
+
+On the decision routes (``decisions``, ``systemone``) the server renders its own prompt: the article is the
+state, and each order of a pair one choice question (``prompts.JudgePrompt.decision_text``) whose options
+``Summary A``, ``Summary B`` it labels ``A``, ``B``; the verdict logit is ``log p_A - log p_B`` of its
+answer, and every order of every pair of an article goes in one request.
 
 ``judge.extractor: graded`` (:class:`GradedJudge`) is the rubric judge users already run, read the same
 way: each summary alone in a pointwise prompt (``prompts.GRADE_TEMPLATE``), the grade tokens ``1`` to
@@ -38,16 +47,18 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from judgeloop.judges.base import Judge, Pair, PointwiseJudge, merge_status
+from judgeloop.judges.base import VALID_STATUSES, Judge, Pair, PointwiseJudge, merge_status
 from judgeloop.judges.choice import verdict_token_ids
 from judgeloop.judges.likelihood import likelihood_ids
 from judgeloop.judges.prompts import get_prompt, has_chat_template, render_chat, render_choice
 from judgeloop.judges.served_client import (
+    Question,
     Reply,
     ServedClient,
     ServedJudgeFailed,
     ServerConfig,
     check_served,
+    label_mass,
     read_api_key,
 )
 from judgeloop.judges.tokens import fit_article
@@ -55,12 +66,15 @@ from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
 
-SERVED_STATUSES = ("outside_topk", "text_only", "unparsed", "failed")
+SERVED_STATUSES = ("low_label_mass", "outside_topk", "text_only", "unparsed", "failed")
 TEXT_LOGIT = 1.0  # the score of a hard text verdict: +1 for A, -1 for B
 
 
-def verdict_score(reply: Reply, verdict_ids: tuple[int, int], labels: tuple[str, str]) -> tuple[float, str]:
-    """``(score, status)`` of one reply (see the module docstring for the statuses)."""
+def verdict_score(
+    reply: Reply, verdict_ids: tuple[int, int], labels: tuple[str, str], min_label_mass: float = 0.0
+) -> tuple[float, str]:
+    """``(score, status)`` of one reply (see the module docstring for the statuses); ``min_label_mass``:
+    below it an exact verdict is ``low_label_mass``."""
     if reply.error:
         return math.nan, "failed"
     if reply.logprobs is None:
@@ -70,16 +84,18 @@ def verdict_score(reply: Reply, verdict_ids: tuple[int, int], labels: tuple[str,
         return math.nan, "unparsed"
     la, lb = (reply.logprobs.get(t) for t in verdict_ids)
     if la is not None and lb is not None:
-        return la - lb, "ok"
+        mass = label_mass(reply, verdict_ids)
+        return la - lb, ("low_label_mass" if mass is not None and mass < min_label_mass else "ok")
     if reply.bound is not None and (la is not None or lb is not None):
         # the missing token's log-probability is at most the k-th returned one
         return (la - reply.bound if la is not None else reply.bound - lb), "outside_topk"  # type: ignore[operator]
     return math.nan, "unparsed"
 
 
-def expected_grade(reply: Reply, grade_ids: Sequence[int]) -> tuple[float, str]:
+def expected_grade(reply: Reply, grade_ids: Sequence[int], min_label_mass: float = 0.0) -> tuple[float, str]:
     """``(expected grade, status)`` of one graded reply: ``sum_k k p_k`` over grades ``1..K`` (``grade_ids``
-    in order), their probabilities renormalized over the grades the reply returned."""
+    in order), their probabilities renormalized over the grades the reply returned; ``low_label_mass`` when
+    all grades are read and hold less than ``min_label_mass`` of the probability."""
     if reply.error:
         return math.nan, "failed"
     if reply.logprobs is None:
@@ -93,7 +109,11 @@ def expected_grade(reply: Reply, grade_ids: Sequence[int]) -> tuple[float, str]:
     top = max(lp for _, lp in got)
     weights = [(k, math.exp(lp - top)) for k, lp in got]
     total = sum(w for _, w in weights)
-    return sum(k * w for k, w in weights) / total, ("ok" if len(got) == len(grade_ids) else "outside_topk")
+    if len(got) < len(grade_ids):
+        return sum(k * w for k, w in weights) / total, "outside_topk"
+    mass = label_mass(reply, grade_ids)
+    low = mass is not None and mass < min_label_mass
+    return sum(k * w for k, w in weights) / total, ("low_label_mass" if low else "ok")
 
 
 def single_token_ids(tokenizer: Any, labels: Sequence[str], key: str) -> tuple[int, ...]:
@@ -118,9 +138,11 @@ class _ServedParts:
     tokenizer: Any
     extractor: str = "verdict"
 
-    def _prepare(self, server: ServerConfig, tokenizer: str | Any, prompt: str, max_length: int) -> None:
+    def _set_up(self, server: ServerConfig, tokenizer: str | Any, prompt: str, max_length: int) -> None:
         """What every served extractor sets up before it connects: the server settings checked, the prompt,
-        the served model's tokenizer (loaded from a hub id or path), the length budget."""
+        the served model's tokenizer (loaded from a hub id or path), the length budget. (Not named
+        ``_prepare``: that is the base judge's hook for work a training loop prefetches, and a served judge
+        has none.)"""
         from judgeloop.models import load_tokenizer
 
         check_served(server)
@@ -137,11 +159,21 @@ class _ServedParts:
         self.failures: list[str] = []
 
     def _ask_server(
-        self, prompts: Sequence[Sequence[int]], token_ids: dict[str, int], starts: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        token_ids: dict[str, int],
+        starts: Sequence[int] | None = None,
+        questions: Sequence[Question] | None = None,
     ) -> list[Reply]:
-        """The client's replies to ``prompts``; the judge's stats count the ones its cache file held."""
-        replies = self.client.replies(prompts, token_ids, starts)
+        """The client's replies to ``prompts``; the judge's stats count the ones its cache file held and
+        record each reply's label mass."""
+        replies = self.client.replies(prompts, token_ids, starts, questions)
         self.stats.stored_hits, self.stats.stored_misses = self.client.cache_hits, self.client.cache_misses  # type: ignore[attr-defined]
+        if starts is None:
+            for reply in replies:
+                mass = label_mass(reply, self.client.verdict_ids)
+                if mass is not None:
+                    self.stats.label_mass.append(mass)  # type: ignore[attr-defined]
         return replies
 
     def _detokenize(self, ids: Sequence[int]) -> str:
@@ -230,7 +262,7 @@ class ServedJudge(_ServedParts, Judge):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        self._prepare(server, tokenizer, prompt, max_length)
+        self._set_up(server, tokenizer, prompt, max_length)
         self.verdict_ids = verdict_token_ids(self.tokenizer, verdict_tokens)
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
         self._connect(server, self.verdict_ids)
@@ -253,17 +285,29 @@ class ServedJudge(_ServedParts, Judge):
         ids, status, _ = fit_article(render_ids, self.tokenizer, pair.article, self.max_length)
         return ids, status
 
+    def question(self, pair: Pair) -> Question:
+        """``pair`` as the decision routes ask it: the article as the state, the summaries in this order in
+        the question (the server renders its own prompt around them)."""
+        return Question(
+            pair.article,
+            self.prompt.decision_text(pair.a, pair.b, self.labels),
+            tuple(f"Summary {x}" for x in self.labels),
+        )
+
     def _score(self, pairs: list[Pair]) -> Any:
         """Send every prompt of the batch (both orders) at once, then score them as the base class does."""
         orders = pairs + ([p.swapped() for p in pairs] if self.position_debias else [])
-        todo = []
+        todo, questions = [], []
         for p in orders:
             if p.a.strip() and p.b.strip() and not (self.cache_size and self._key(p) in self._cache):
                 ids, _ = self.prompt_ids(p)
-                if ids is not None and tuple(ids) not in self._replies:
+                if ids is not None and tuple(ids) not in self._replies and ids not in todo:
                     todo.append(ids)
+                    questions.append(self.question(p))
         if todo:
-            self._replies.update(zip(map(tuple, todo), self._ask_server(todo, self._token_ids)))
+            self._replies.update(
+                zip(map(tuple, todo), self._ask_server(todo, self._token_ids, None, questions))
+            )
         try:
             out = super()._score(pairs)
         finally:
@@ -282,10 +326,10 @@ class ServedJudge(_ServedParts, Judge):
                 continue
             reply = self._replies.get(tuple(ids))
             if reply is None:
-                reply = self._ask_server([ids], self._token_ids)[0]
+                reply = self._ask_server([ids], self._token_ids, None, [self.question(p)])[0]
             if reply.error:
                 self.failures.append(reply.error)
-            score, st = verdict_score(reply, self.verdict_ids, self.labels)
+            score, st = verdict_score(reply, self.verdict_ids, self.labels, self.client.cfg.min_label_mass)
             scores.append(score)
             statuses.append(st if st != "ok" else status)
         return scores, statuses
@@ -316,7 +360,7 @@ class GradedJudge(_ServedPointwise):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        self._prepare(server, tokenizer, prompt, max_length)
+        self._set_up(server, tokenizer, prompt, max_length)
         self.grades = grades
         self.grade_ids = single_token_ids(
             self.tokenizer, [str(k) for k in range(1, grades + 1)], "judge.grades"
@@ -355,11 +399,9 @@ class GradedJudge(_ServedPointwise):
             reply = next(replies)
             if reply.error:
                 self.failures.append(reply.error)
-            value, status = expected_grade(reply, self.grade_ids)
+            value, status = expected_grade(reply, self.grade_ids, self.client.cfg.min_label_mass)
             values.append(value)
-            statuses.append(
-                merge_status(fit, status) if status in ("ok", "outside_topk", "text_only") else status
-            )
+            statuses.append(merge_status(fit, status) if status in VALID_STATUSES else status)
         return values, statuses
 
 
@@ -392,7 +434,7 @@ class ServedLikelihoodJudge(_ServedPointwise):
         max_length: int = 2048,
         cache_size: int = 100_000,
     ):
-        self._prepare(server, tokenizer, prompt, max_length)
+        self._set_up(server, tokenizer, prompt, max_length)
         self._connect(server, ())
         probe, n, _ = self.summary_ids("A short article.", "A summary.")
         self.client.find_prompt_route(probe, len(probe) - n)  # type: ignore[arg-type]

@@ -9,9 +9,23 @@ first (``route: auto`` probes them in this order on the first call):
   ``choices[0].logprobs.top_logprobs[0]``, keys ``token_id:N``;
 * ``sglang``: ``POST /generate`` with ``input_ids``, ``return_logprob`` and ``token_ids_logprob``; read from
   ``meta_info.output_token_ids_logprobs[0]``, entries ``[logprob, token_id, text]``;
+* ``generative_scoring``: vLLM's ``POST /generative_scoring`` (0.32): a ``query`` (the common prefix of the
+  prompts) and ``items`` (the rest of each), ``label_token_ids``, ``apply_softmax: false``; each item's
+  ``score`` is the full-vocabulary probability of the first label id, so one request per label carries a
+  whole call's prompts (both orders of every pair);
 * ``top_logprobs``: ``POST /v1/completions`` with ``logprobs: k`` (at most 20 on OpenAI); a verdict token
   missing from the top k is bounded above by the k-th log-probability (:attr:`Reply.bound`);
+* ``decisions``: ``POST /v1/decisions`` (vLLM 0.33 in OpenAI's Decisions shape, SGLang 0.5 in its own), and
+  ``systemone``: ``POST /v1/systemone`` (vLLM 0.32's structured decisions): the server renders its own
+  prompt from a text ``input``/``state`` (the article) and choice questions (the two summaries, each order
+  one question), so one request carries every order of every pair of an article; the options'
+  probabilities and their ``label_mass`` come back (:class:`Question`, :func:`decision_request`);
 * ``text``: the same completion with no log-probabilities: the sampled token as a hard label.
+
+``route: auto`` probes them in that order: the exact-id routes on judgeloop's own prompt, then its prompt
+with a top k, then the servers' own decision prompts, then text. Every route that returns the labels'
+full-vocabulary probabilities records their sum (:attr:`Reply.label_mass`): a verdict the model gives
+little mass is status ``low_label_mass`` (``judge.server.min_label_mass``).
 
 A request may instead ask the log-probabilities of the prompt's own tokens from position ``start`` on (the
 ``likelihood`` extractor; :meth:`ServedClient.replies` with ``starts``), read into
@@ -58,10 +72,24 @@ from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
 
-ROUTES = ("vllm", "sglang", "top_logprobs", "text")
+ROUTES = ("vllm", "sglang", "generative_scoring", "top_logprobs", "decisions", "systemone", "text")
 PROMPT_ROUTES = ("vllm", "sglang")  # the routes that return the prompt's own log-probabilities
+GROUP_ROUTES = ("generative_scoring", "decisions", "systemone")  # one request carries many prompts
+QUESTION_ROUTES = ("decisions", "systemone")  # the server renders the prompt from a Question
 PROMPT_FORMATS = ("ids", "text")
 T = TypeVar("T")
+MAX_GROUP = 64  # prompts (or questions) in one request of a group route (vLLM's decisions take 64)
+
+
+@dataclass(frozen=True)
+class Question:
+    """One order of a pair as a decision API asks it: the server renders ``state`` (the article), then
+    ``instructions`` (the criteria and both summaries in this order) and the options, labelled ``A``, ``B``
+    in order, in its own prompt. Questions with one ``state`` go in one request."""
+
+    state: str
+    instructions: str
+    options: tuple[str, ...]
 
 
 @dataclass
@@ -114,6 +142,7 @@ class EndpointConfig:
     "max_tokens_per_minute",
     "on_failure",
     "cache_path",
+    "min_label_mass",
 )
 @dataclass
 class ServerConfig(EndpointConfig):
@@ -121,8 +150,9 @@ class ServerConfig(EndpointConfig):
     :class:`EndpointConfig` settings and the judge's own.
 
     Attributes:
-        route: ``auto`` (probe the best route the server answers) or one of ``vllm``, ``sglang``,
-            ``top_logprobs``, ``text``.
+        route: ``auto`` (probe the best route the server answers, in the order of ``ROUTES``) or one of
+            ``vllm``, ``sglang``, ``generative_scoring``, ``top_logprobs``, ``decisions``, ``systemone``,
+            ``text``.
         top_logprobs: k of the ``top_logprobs`` route (OpenAI allows at most 20).
         prompt_format: ``ids`` (the prompt's token ids), ``text`` (the ids decoded back to text, for a
             server that takes strings only, e.g. llama-cpp-python's; its token count is checked) or
@@ -130,15 +160,22 @@ class ServerConfig(EndpointConfig):
         on_failure: ``mask`` (a failed call is status ``failed``, its pair dropped and counted) or
             ``stop`` (raise after the batch, naming the count and the first error).
         cache_path: SQLite file of judgements kept across runs (empty: none).
+        min_label_mass: a reply whose labels (the verdict or grade tokens) hold less than this share of the
+            next-token probability is status ``low_label_mass`` (scored, counted): the model mostly wanted
+            another token. Read on the routes that return full-vocabulary probabilities; 0 (the default):
+            the masses are recorded, no reply is flagged.
     """
 
     SECTION: ClassVar[str] = "judge.server"
 
-    route: Literal["auto", "vllm", "sglang", "top_logprobs", "text"] = "auto"
+    route: Literal[
+        "auto", "vllm", "sglang", "generative_scoring", "top_logprobs", "decisions", "systemone", "text"
+    ] = "auto"
     top_logprobs: int = bounded(20, ge=1, shape="section")
     prompt_format: Literal["auto", "ids", "text"] = "auto"
     on_failure: Literal["mask", "stop"] = "mask"
     cache_path: str = ""
+    min_label_mass: float = bounded(0.0, ge=0, le=1, shape="section")
 
     def __post_init__(self) -> None:
         if self.route not in ("auto", *ROUTES):
@@ -541,6 +578,7 @@ class ServedClient(_Endpoint):
         self._cache = _ReplyCache(self.cfg.cache_path) if self.cfg.cache_path else None
         # route: auto: the route read back from the cache, used until a probe of this run confirms it
         self._recalled = False
+        self._sglang_decisions = False  # route decisions: SGLang's request shape (found on the first 4xx)
         self._route_key_format = self.prompt_format  # what a probe starts from ('' : ids, then text)
         what = [self.root, self.cfg.model, self.prompt_format, list(self.verdict_ids), self.cfg.top_logprobs]
         self._route_key = hashlib.sha256(json.dumps(what).encode()).hexdigest()
@@ -663,15 +701,174 @@ class ServedClient(_Endpoint):
         token_ids: dict[str, int],
         form: str = "",
         start: int | None = None,
+        question: Question | None = None,
     ) -> Reply:
-        """One request with its retries; a reply whose ``error`` says why when they run out."""
-        return await self._retrying(
-            gate,
-            limiter,
-            len(ids),
-            lambda: self._post_once(http, route, ids, token_ids, form or self.prompt_format, start),
-            lambda why: Reply(error=why),
-        )
+        """One request with its retries; a reply whose ``error`` says why when they run out. On a group
+        route, a request of this prompt alone."""
+        if route in GROUP_ROUTES:
+            return (await self._post_group(http, gate, limiter, route, [ids], [question], form))[0]
+
+        async def send() -> Reply:
+            return await self._post_once(http, route, ids, token_ids, form or self.prompt_format, start)
+
+        return await self._retrying(gate, limiter, len(ids), send, lambda error: Reply(error=error))
+
+    async def _post_group(
+        self,
+        http: Any,
+        gate: asyncio.Semaphore,
+        limiter: _RateLimiter,
+        route: str,
+        prompts: Sequence[Sequence[int]],
+        questions: Sequence[Question | None],
+        form: str = "",
+    ) -> list[Reply]:
+        """The replies to ``prompts`` on a group route: one request per label (``generative_scoring``) or per
+        article (the decision routes), each with its retries; a request that fails fails its prompts."""
+        out: list[Reply] = [Reply(error="not asked")] * len(prompts)
+        if route == "generative_scoring":
+            if (form or self.prompt_format) == "text":
+                return [
+                    Reply(
+                        error="route 'generative_scoring' takes token ids; set judge.server.prompt_format=ids"
+                    )
+                ] * len(prompts)
+            jobs = [
+                list(range(i, min(i + MAX_GROUP, len(prompts)))) for i in range(0, len(prompts), MAX_GROUP)
+            ]
+        else:
+            if any(q is None for q in questions):
+                return [
+                    Reply(
+                        error=f"route {route!r} takes the pairwise choice judge's questions only (judge.extractor: verdict)"
+                    )
+                ] * len(prompts)
+            by_state: dict[str, list[int]] = {}
+            for i, q in enumerate(questions):
+                by_state.setdefault(q.state, []).append(i)  # type: ignore[union-attr]
+            jobs = [m[j : j + MAX_GROUP] for m in by_state.values() for j in range(0, len(m), MAX_GROUP)]
+
+        async def one(members: list[int]) -> None:
+            tokens = sum(len(prompts[i]) for i in members)
+            if route == "generative_scoring":
+                labels = list(self.verdict_ids)
+
+                async def ask(label: int) -> list[float]:
+                    return await self._retrying(
+                        gate,
+                        limiter,
+                        tokens,
+                        lambda: self._send_scoring(http, [prompts[i] for i in members], label),
+                        lambda error: error,
+                    )
+
+                answers = await asyncio.gather(*(ask(t) for t in labels))
+                bad = next((a for a in answers if isinstance(a, str)), None)
+                for k, i in enumerate(members):
+                    out[i] = (
+                        Reply(error=bad)
+                        if bad is not None
+                        else Reply(
+                            {t: a[k] for t, a in zip(labels, answers)}, None, "", n_prompt=len(prompts[i])
+                        )
+                    )
+                return
+            got = await self._retrying(
+                gate,
+                limiter,
+                tokens,
+                lambda: self._send_decisions(http, route, [questions[i] for i in members]),  # type: ignore[misc]
+                lambda error: error,
+            )
+            for k, i in enumerate(members):
+                out[i] = Reply(error=got) if isinstance(got, str) else got[k]
+
+        await asyncio.gather(*(one(m) for m in jobs))
+        return out
+
+    async def _send(self, http: Any, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` to ``path``; the JSON answer, or :class:`_Retryable` / a ``str`` error (final)."""
+        r = await self._http_post(http, path, body)
+        if r.status_code != 200:
+            return f"HTTP {r.status_code}: {_one_line(r.text)}"
+        try:
+            return r.json()
+        except ValueError as err:
+            raise _Retryable(f"malformed reply (not JSON: {_one_line(str(err), 120)})") from None
+
+    async def _send_scoring(
+        self, http: Any, prompts: Sequence[Sequence[int]], label: int
+    ) -> list[float] | str:
+        """``log P(label | prompt)`` for each prompt, from one ``/generative_scoring`` request: the prompts'
+        common prefix as the ``query``, the rest of each as its item (at least one token)."""
+        n = min(len(p) for p in prompts) - 1
+        prefix = 0
+        while prefix < n and all(p[prefix] == prompts[0][prefix] for p in prompts):
+            prefix += 1
+        body = {
+            "model": self.cfg.model,
+            "query": list(prompts[0][:prefix]),
+            "items": [list(p[prefix:]) for p in prompts],
+            "label_token_ids": [label],
+            "apply_softmax": False,  # the full-vocabulary probability, not one renormalized over the labels
+            "add_special_tokens": False,
+        }
+        data = await self._send(http, "/generative_scoring", body)
+        if isinstance(data, str):
+            return data
+        try:
+            rows = sorted(data["data"], key=lambda d: int(d["index"]))
+            if [int(d["index"]) for d in rows] != list(range(len(prompts))):
+                raise ValueError(f"{len(rows)} scores for {len(prompts)} items")
+            used = (data.get("usage") or {}).get("prompt_tokens")
+            scores = [float(d["score"]) for d in rows]
+            if any(not (0.0 < p <= 1.0 + 1e-6) for p in scores):
+                raise ValueError(f"a probability outside (0, 1] in {scores[:4]}")
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise _Retryable(f"malformed reply ({type(err).__name__}: {_one_line(str(err), 120)})") from None
+        if used is not None and used != sum(len(p) for p in prompts):
+            # the server cut a prompt (to --max-model-len): its probabilities are of another prompt
+            return (
+                f"the server scored {used} prompt tokens, not the {sum(len(p) for p in prompts)} sent (a prompt "
+                "longer than its --max-model-len is cut); lower judge.max_length"
+            )
+        return [min(math.log(p), 0.0) for p in scores]
+
+    async def _send_decisions(
+        self, http: Any, route: str, questions: Sequence[Question]
+    ) -> list[Reply] | str:
+        """One decision request carrying ``questions`` (one ``state``); a reply per question whose
+        ``logprobs`` are ``log(p_option * label_mass)`` under the verdict ids (A, B in option order)."""
+        path, body = decision_request(route, self.cfg.model, questions)
+        if route == "decisions" and self._sglang_decisions:
+            body = sglang_decision_request(self.cfg.model, questions)
+        data = await self._send(http, path, body)
+        if (
+            isinstance(data, str)
+            and route == "decisions"
+            and not self._sglang_decisions
+            and data.startswith(("HTTP 400", "HTTP 422"))
+        ):
+            # SGLang's /v1/decisions refuses OpenAI's shape: its own, and kept for the run
+            data = await self._send(http, path, sglang_decision_request(self.cfg.model, questions))
+            self._sglang_decisions = not isinstance(data, str)
+        if isinstance(data, str):
+            return data
+        try:
+            found = parse_decisions(route, data, questions)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+            raise _Retryable(f"malformed reply ({type(err).__name__}: {_one_line(str(err), 120)})") from None
+        out = []
+        for probs, mass in found:
+            if mass <= 0.0:
+                out.append(Reply(error=f"route {route!r}: a label_mass of {mass}"))
+                continue
+            lp = {t: (math.log(p * mass) if p > 0 else -math.inf) for t, p in zip(self.verdict_ids, probs)}
+            if any(not math.isfinite(v) for v in lp.values()):
+                out.append(Reply(error=f"route {route!r}: an option with probability 0"))
+                continue
+            out.append(Reply({t: min(v, 0.0) for t, v in lp.items()}, None, ""))
+        return out
 
     def _key(self, route: str, ids: Sequence[int], start: int | None = None) -> str:
         # a text prompt is tokenized by the server: kept apart from the same ids sent as ids; the top k
@@ -688,6 +885,7 @@ class ServedClient(_Endpoint):
         prompts: Sequence[Sequence[int]],
         token_ids: dict[str, int],
         starts: Sequence[int | None] | None = None,
+        questions: Sequence[Question | None] | None = None,
     ) -> list[Reply]:
         import httpx
 
@@ -695,28 +893,25 @@ class ServedClient(_Endpoint):
         limiter = self._limiter
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
         at = list(starts) if starts is not None else [None] * len(prompts)
+        qs = list(questions) if questions is not None else [None] * len(prompts)
         first: Reply | None = None
         async with httpx.AsyncClient(limits=limits) as http:
             if not self.route:
                 self.route, self.prompt_format, first = await self._probe(
-                    http, gate, limiter, prompts[0], token_ids
+                    http, gate, limiter, prompts[0], token_ids, qs[0]
                 )
-            if first is not None and at[0] is None:  # the probe's answer is the first prompt's judgement
-                rest = await asyncio.gather(
-                    *(
-                        self._post(http, gate, limiter, self.route, p, token_ids, "", s)
-                        for p, s in zip(prompts[1:], at[1:])
-                    )
-                )
-                return [first, *rest]
-            return list(
-                await asyncio.gather(
-                    *(
-                        self._post(http, gate, limiter, self.route, p, token_ids, "", s)
-                        for p, s in zip(prompts, at)
-                    )
+            # the probe's answer is the first prompt's judgement
+            done = [first] if first is not None and at[0] is None else []
+            k = len(done)
+            if self.route in GROUP_ROUTES and all(s is None for s in at):
+                return [*done, *await self._post_group(http, gate, limiter, self.route, prompts[k:], qs[k:])]
+            rest = await asyncio.gather(
+                *(
+                    self._post(http, gate, limiter, self.route, p, token_ids, "", s, q)
+                    for p, s, q in zip(prompts[k:], at[k:], qs[k:])
                 )
             )
+            return [*done, *rest]
 
     def find_prompt_route(self, ids: Sequence[int], start: int) -> None:
         """Find (``route: auto``) or check (a named route) the route and prompt format on which this server
@@ -768,18 +963,21 @@ class ServedClient(_Endpoint):
         limiter: _RateLimiter,
         ids: Sequence[int],
         token_ids: dict[str, int],
+        question: Question | None = None,
     ) -> tuple[str, str, Reply | None]:
-        """``(route, prompt format, reply)``: the best this server answers for ``ids`` and its answer there
-        (the judgement of ``ids``, so it is not asked twice), the route ``text`` and no reply when none
-        returns log-probabilities; ids before text."""
+        """``(route, prompt format, reply)``: the best this server answers for ``ids`` (or ``question`` on
+        the decision routes) and its answer there (the judgement of ``ids``, so it is not asked twice), the
+        route ``text`` and no reply when none returns log-probabilities; ids before text."""
         tries = [(r, f) for f in PROMPT_FORMATS for r in ROUTES[:-1]] + [("text", f) for f in PROMPT_FORMATS]
         for route, form in tries:
             if self.prompt_format and form != self.prompt_format:
                 continue
+            if (route in GROUP_ROUTES and form == "text") or (route in QUESTION_ROUTES and question is None):
+                continue  # generative_scoring takes ids; the decision routes a question (of the verdict)
             saved = self.cfg.max_retries
             self.cfg.max_retries = 0  # a route the server lacks answers 4xx/5xx at once
             try:
-                reply = await self._post(http, gate, limiter, route, ids, token_ids, form)
+                reply = await self._post(http, gate, limiter, route, ids, token_ids, form, None, question)
             finally:
                 self.cfg.max_retries = saved
             if reply.error or (route != "text" and reply.logprobs is None):
@@ -795,12 +993,14 @@ class ServedClient(_Endpoint):
         prompts: Sequence[Sequence[int]],
         token_ids: dict[str, int],
         starts: Sequence[int] | None = None,
+        questions: Sequence[Question] | None = None,
     ) -> list[Reply]:
         """Replies to ``prompts`` (token id lists), all in flight together, in order; cached ones are
         read from the cache, successful new ones written to it. ``token_ids``: token string -> id, for
         servers that key ``top_logprobs`` by token text. ``starts``: ask each prompt's own tokens'
         log-probabilities from ``starts[i]`` on (:attr:`Reply.prompt_logprobs`) instead of the next
-        token's (call :meth:`find_prompt_route` first).
+        token's (call :meth:`find_prompt_route` first). ``questions``: each prompt as a decision route
+        asks it (the pairwise verdict only; without them those routes are not used).
 
         Under ``route: auto`` with a cache, the route found on an earlier run is read back from it, so
         judgements already cached are read without a request; the first request of the run probes the
@@ -819,7 +1019,7 @@ class ServedClient(_Endpoint):
             if self._recalled:  # not confirmed this run: the first request probes the server
                 self.route, self.prompt_format = "", self._route_key_format
             probed = not self.route
-            self._ask(prompts, token_ids, at, todo, out)
+            self._ask(prompts, token_ids, at, todo, out, questions)
             answered = any(out[i] is not None and not out[i].error for i in todo)  # type: ignore[union-attr]
             if probed and not answered:
                 # a probe of a server that answered nothing found no route (it fell to text): probe again
@@ -842,7 +1042,7 @@ class ServedClient(_Endpoint):
                     self.cache_hits -= len(hits)
                     again = self._lookup(prompts, at, out, hits)
                     if again:
-                        self._ask(prompts, token_ids, at, again, out)
+                        self._ask(prompts, token_ids, at, again, out, questions)
             if self._cache is not None and self.cfg.route == "auto" and answered:
                 # remembered for the next run (a route found while the server failed every call is not)
                 self._cache.put_route(self._route_key, self.route, self.prompt_format)
@@ -880,10 +1080,12 @@ class ServedClient(_Endpoint):
         at: Sequence[int | None],
         todo: Sequence[int],
         out: list[Reply | None],
+        questions: Sequence[Question] | None = None,
     ) -> None:
         """Ask the server the prompts ``todo`` (probing the route first when there is none yet); successful
         replies go to ``out`` and the cache."""
-        new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo]))
+        qs = None if questions is None else [questions[i] for i in todo]
+        new = _run(self._many([prompts[i] for i in todo], token_ids, [at[i] for i in todo], qs))
         for i, reply in zip(todo, new):
             out[i] = reply
             if self._cache is not None and not reply.error:
@@ -1014,6 +1216,15 @@ def _logprob(value: Any) -> float:
     return float(value)
 
 
+def label_mass(reply: Reply, ids: Sequence[int]) -> float | None:
+    """The share of the next-token probability on the labels ``ids`` (the verdict or grade tokens): the sum
+    of their probabilities, when the reply holds each one's exact full-vocabulary log-probability (every
+    route but ``text`` and a ``top_logprobs`` reply missing one); ``None`` otherwise."""
+    if reply.error or reply.logprobs is None or any(t not in reply.logprobs for t in ids):
+        return None
+    return math.fsum(math.exp(reply.logprobs[t]) for t in ids)
+
+
 def _no_logprobs(route: str) -> Reply:
     """The reply to a request on a log-probability route that came back without them: ``failed`` (not
     retried: the server answers so), never the sampled text scored as a hard verdict."""
@@ -1056,6 +1267,99 @@ def _parse_prompt_logprobs(route: str, data: dict[str, Any], ids: Sequence[int],
             "span): its tokenizer or prompt handling is not the judge's"
         )
     return Reply(None, None, "", n_prompt=n, prompt_logprobs=[_logprob(v) for v in values])
+
+
+def decision_request(route: str, model: str, questions: Sequence[Question]) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one decision request asking ``questions`` (one ``state``) as choice questions.
+
+    * ``systemone`` (vLLM 0.32, ``vllm/entrypoints/generate/structured_decisions/protocol.py``): ``state``,
+      ``questions`` as a map id -> ``{type: choice, instructions, criteria: {option: null}}``;
+    * ``decisions`` (OpenAI's Decisions shape, vLLM 0.33 ``entrypoints/openai/decisions/protocol.py``):
+      ``input``, ``questions`` as a list of ``{type: choice, name, instructions, choices: [{value}]}``.
+    """
+    state = questions[0].state
+    if route == "systemone":
+        return "/v1/systemone", {
+            "model": model,
+            "state": state,
+            "questions": {
+                f"q{i}": {
+                    "type": "choice",
+                    "instructions": q.instructions,
+                    "criteria": dict.fromkeys(q.options),
+                }
+                for i, q in enumerate(questions)
+            },
+        }
+    return "/v1/decisions", {
+        "model": model,
+        "input": state,
+        "questions": [
+            {
+                "type": "choice",
+                "name": f"q{i}",
+                "instructions": q.instructions,
+                "choices": [{"value": o} for o in q.options],
+            }
+            for i, q in enumerate(questions)
+        ],
+    }
+
+
+def sglang_decision_request(model: str, questions: Sequence[Question]) -> dict[str, Any]:
+    """The body of SGLang 0.5's ``/v1/decisions`` (``srt/entrypoints/openai/protocol.py`` ``DecisionRequest``:
+    ``input``, ``questions`` as a list of ``{id, type: choice, question, options: [{name}]}``), which refuses
+    OpenAI's shape (its models forbid extra fields): sent when that shape is answered with a 4xx."""
+    return {
+        "model": model,
+        "input": questions[0].state,
+        "questions": [
+            {
+                "id": f"q{i}",
+                "type": "choice",
+                "question": q.instructions,
+                "options": [{"name": o} for o in q.options],
+            }
+            for i, q in enumerate(questions)
+        ],
+    }
+
+
+def parse_decisions(
+    route: str, data: dict[str, Any], questions: Sequence[Question]
+) -> list[tuple[list[float], float]]:
+    """``(probabilities of the options in order, label_mass)`` per question of a decision answer.
+
+    ``label_mass`` (the labels' share of the next-token probability) is the answer's own where it has one
+    (SGLang's answers, vLLM 0.32's ``diagnostics``); OpenAI's shape has none, and it is read back from
+    ``confidence``, which vLLM 0.33 computes as the top option's probability times the label mass.
+    A ``ValueError``/``KeyError``/``TypeError`` for an answer of another shape."""
+    answers = data["answers"]
+    out = []
+    for i, q in enumerate(questions):
+        qid = f"q{i}"
+        if isinstance(answers, list):  # OpenAI's shape: in request order, probabilities as a list
+            a = answers[i]
+            if a.get("name") not in (None, qid):
+                raise ValueError(f"answer {i} is named {a.get('name')!r}, not {qid!r}")
+            table = {str(e["value"]): e["probability"] for e in a["probabilities"]}
+        else:
+            a = answers[qid]
+            table = a["probabilities"]
+        probs = [table[o] for o in q.options]
+        if "label_mass" in a:
+            mass = a["label_mass"]
+        elif route == "systemone":
+            mass = data["diagnostics"][qid]["label_mass"]
+        else:
+            mass = a["confidence"] / max(probs)
+        values = [*probs, mass]
+        if any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 + 1e-6 for v in values
+        ):
+            raise ValueError(f"a probability or label_mass outside [0, 1] in {values}")
+        out.append(([float(p) for p in probs], min(float(mass), 1.0)))
+    return out
 
 
 def _run(coro: Any) -> Any:
@@ -1106,8 +1410,11 @@ def read_api_key(cfg: EndpointConfig) -> str:
 
 
 __all__ = [
+    "GROUP_ROUTES",
     "PROMPT_ROUTES",
+    "QUESTION_ROUTES",
     "ROUTES",
+    "Question",
     "CacheFileError",
     "ChatClient",
     "Completion",
@@ -1117,5 +1424,9 @@ __all__ = [
     "ServedJudgeFailed",
     "ServerConfig",
     "ServerSetupError",
+    "decision_request",
+    "label_mass",
+    "parse_decisions",
     "read_api_key",
+    "sglang_decision_request",
 ]

@@ -200,7 +200,11 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         "judge_coupling": state.coupling,
         "curve": state.curve,
         "num_refits": sum(1 for r in state.refits if r["refit"] and r["reason"] != "initial"),
-        "judge_stats": {"status": dict(judge_stats.status), "cache_hits": judge_stats.cache_hits},
+        "judge_stats": {
+            "status": dict(judge_stats.status),
+            "cache_hits": judge_stats.cache_hits,
+            **({"label_mass": judge_stats.label_mass_summary()} if judge_stats.label_mass else {}),
+        },
         "prompts_truncated": run.policy.build_prompt.num_truncated,
         "per_article": "per_article.jsonl",
         "numerics": state.numerics,

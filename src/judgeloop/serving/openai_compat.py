@@ -15,6 +15,15 @@ It answers the fields the served judge reads, as the real servers document them:
   ``meta_info.input_token_logprobs`` = ``[[None, ids[s], None], [logprob, ids[s+1], None], ...]`` (SGLang
   always pads the first entry with ``None``) and ``meta_info.output_token_logprobs``.
 
+* with ``routes`` naming them, the label-probability routes, each in the shape of the server's source:
+  ``POST /generative_scoring`` (``generative_scoring``, vLLM 0.32: ``query`` + ``items`` token ids,
+  ``label_token_ids``, ``apply_softmax`` -> ``data[i].score``, the first label's probability), ``POST
+  /v1/systemone`` (``systemone``, vLLM 0.32's structured decisions), ``POST /v1/decisions`` in OpenAI's
+  Decisions shape (``decisions``, vLLM 0.33) or in SGLang 0.5's (``sglang_decisions``). The decision routes
+  render their prompt as those servers do (the chat template over ``state`` + the question, options
+  labelled ``A``, ``B``... one per line, "Answer with the letter of one option only.") and answer the
+  options' probabilities renormalized over the labels and ``label_mass``, their full-vocabulary sum.
+
 ``routes`` limits what it answers (a route it lacks is a 404), ``logprobs=False`` makes it a server that
 returns text only (as some hosted reasoning models do), and ``api_key`` makes every route answer 401 to a
 request without the header ``Authorization: Bearer <api_key>`` (as a hosted API does). Log-probabilities
@@ -119,13 +128,28 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.fault():
             return
-        route = {"/v1/completions": "completions", "/generate": "sglang"}.get(self.path)
-        if route is None or route not in self.server.routes:
+        paths = {
+            "/v1/completions": ("completions",),
+            "/generate": ("sglang",),
+            "/generative_scoring": ("generative_scoring",),
+            "/v1/systemone": ("systemone",),
+            "/v1/decisions": ("decisions", "sglang_decisions"),
+        }
+        route = next((r for r in paths.get(self.path, ()) if r in self.server.routes), None)
+        if route is None:
             self._send(404, {"error": f"no route {self.path}"})
             return
+        answer = {
+            "completions": self._completions,
+            "sglang": self._generate,
+            "generative_scoring": self._scoring,
+            "systemone": self._systemone,
+            "decisions": self._openai_decisions,
+            "sglang_decisions": self._sglang_decisions,
+        }[route]
         try:
-            self._send(200, self._completions(body) if route == "completions" else self._generate(body))
-        except (KeyError, TypeError, ValueError) as err:
+            self._send(200, answer(body))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
             self._send(400, {"error": f"bad request: {err}"})
 
     def _ids(self, prompt: Any) -> list[int]:
@@ -181,6 +205,104 @@ class Handler(BaseHTTPRequestHandler):
             meta["input_token_logprobs"] = entries
             meta["output_token_logprobs"] = [[float(first[out[0]]), out[0], None]]
         return {"text": lm.tokenizer.decode(out), "meta_info": meta}
+
+    def _scoring(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM 0.32's ``/generative_scoring`` over token ids: each item appended to the query."""
+        lm, labels = self.server.lm, [int(t) for t in body["label_token_ids"]]
+        if not labels or any(not 0 <= t < len(lm.tokenizer) for t in labels):
+            raise ValueError(f"label_token_ids {labels}")
+        data, used = [], 0
+        for i, item in enumerate(body["items"]):
+            ids = [int(t) for t in body["query"]] + [int(t) for t in item]
+            lp = lm.next_logprobs(ids)[labels].double()
+            p = lp.softmax(-1) if body.get("apply_softmax", True) else lp.exp()
+            data.append({"index": i, "object": "score", "score": float(p[0])})
+            used += len(ids)
+        return {"object": "list", "model": lm.name, "data": data, "usage": {"prompt_tokens": used}}
+
+    def _read(self, state: str, instructions: str, options: list[str]) -> tuple[list[float], float]:
+        """One choice question as the decision servers ask it: the options' probabilities over their labels
+        (``A``, ``B``, ...) at the reply's first token, and the labels' full-vocabulary mass."""
+        lm = self.server.lm
+        lines = [f"Question: {instructions}", *(f"{chr(65 + i)}: {o}" for i, o in enumerate(options))]
+        content = f"{state}\n\n" + "\n".join([*lines, "Answer with the letter of one option only."])
+        tok = lm.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+            ids = list(tok.encode(text, add_special_tokens=False))
+        else:
+            ids = list(tok.encode(content + "\n\nAnswer:", add_special_tokens=False))
+        label_ids = [tok.encode(chr(65 + i), add_special_tokens=False)[-1] for i in range(len(options))]
+        lp = lm.next_logprobs(ids)[label_ids].double()
+        return [float(p) for p in lp.softmax(-1)], float(lp.exp().sum())
+
+    def _systemone(self, body: dict[str, Any]) -> dict[str, Any]:
+        answers, diagnostics = {}, {}
+        for qid, q in body["questions"].items():
+            names = list(q["criteria"])
+            probs, mass = self._read(str(body["state"]), q["instructions"], names)
+            top = max(range(len(probs)), key=probs.__getitem__)
+            answers[qid] = {
+                "type": "choice",
+                "choice": names[top],
+                "probabilities": dict(zip(names, probs)),
+                "confidence": probs[top] * mass,
+            }
+            diagnostics[qid] = {"label_mass": mass, "argmax_is_label": True}
+        return {
+            "object": "structured_decision",
+            "model": self.server.lm.name,
+            "answers": answers,
+            "diagnostics": diagnostics,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+
+    def _openai_decisions(self, body: dict[str, Any]) -> dict[str, Any]:
+        if set(body) - {"model", "input", "questions", "safety_identifier"}:
+            raise ValueError(f"unknown fields {sorted(set(body) - {'model', 'input', 'questions'})}")
+        answers = []
+        for q in body["questions"]:
+            values = [c["value"] for c in q["choices"]]
+            # vLLM 0.33 renders a choice's value as JSON
+            probs, mass = self._read(str(body["input"]), q["instructions"], [json.dumps(v) for v in values])
+            top = max(range(len(probs)), key=probs.__getitem__)
+            answers.append(
+                {
+                    "type": "choice",
+                    "name": q.get("name"),
+                    "choice": values[top],
+                    "probabilities": [{"value": v, "probability": p} for v, p in zip(values, probs)],
+                    "confidence": probs[top] * mass,
+                }
+            )
+        return {
+            "model": self.server.lm.name,
+            "answers": answers,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+
+    def _sglang_decisions(self, body: dict[str, Any]) -> dict[str, Any]:
+        for q in body["questions"]:
+            if set(q) - {"id", "type", "question", "options"}:  # SGLang's models forbid other fields
+                raise ValueError(f"question fields {sorted(q)}")
+        answers = {}
+        for q in body["questions"]:
+            names = [o["name"] for o in q["options"]]
+            probs, mass = self._read(str(body["input"]), q["question"], names)
+            answers[q["id"]] = {
+                "type": "choice",
+                "choice": names[max(range(len(probs)), key=probs.__getitem__)],
+                "probabilities": dict(zip(names, probs)),
+                "label_mass": mass,
+            }
+        return {
+            "model": self.server.lm.name,
+            "prompt_format_version": 1,
+            "answers": answers,
+            "usage": {"prompt_tokens": 0, "total_tokens": 0},
+        }
 
     def _vllm_prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs``: ``None``, then per prompt token its own entry and the top ``k``."""

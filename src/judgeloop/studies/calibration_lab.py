@@ -155,7 +155,8 @@ class NothingJudged(DataError):
 def judge_counts(judge: Judge, fit_scored: dict[str, Any], eval_scored: dict[str, Any]) -> dict[str, Any]:
     """The judge's counts in the report: statuses per split, its in-memory cache (``cache``), the
     judgements read from a cache kept across runs (``stored_cache``: the served judge's
-    ``judge.server.cache_path``; 0 without one) and what a served judge says of its server."""
+    ``judge.server.cache_path``; 0 without one), its replies' label masses (``label_mass``, a served judge
+    on a route that returns them) and what a served judge says of its server."""
     return {
         "status": {
             "calibration": dict(Counter(fit_scored["status"])),
@@ -163,6 +164,7 @@ def judge_counts(judge: Judge, fit_scored: dict[str, Any], eval_scored: dict[str
         },
         "cache": {"hits": judge.stats.cache_hits, "misses": judge.stats.cache_misses},
         "stored_cache": {"hits": judge.stats.stored_hits, "misses": judge.stats.stored_misses},
+        **({"label_mass": judge.stats.label_mass_summary()} if judge.stats.label_mass else {}),
         **({"served": judge.describe()} if hasattr(judge, "describe") else {}),
     }
 
