@@ -1,12 +1,12 @@
 """The loopback OpenAI-compatible server the served-judge tests judge against (judgeloop's own
-``serving/openai_compat.py``), started on 127.0.0.1 on a free port in a daemon thread."""
+``testing/openai_compat.py``), started on 127.0.0.1 on a free port in a daemon thread."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
-from judgeloop.serving.openai_compat import make_server
+from judgeloop.testing.openai_compat import make_server
 
 
 def start_server(lm: Any, **kwargs: Any) -> tuple[Any, str]:

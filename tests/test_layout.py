@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,6 +229,32 @@ def test_the_server_imports_no_integration():
     for path in sorted((SRC / "serving").rglob("*.py")):
         bad = [m for m in _imports(path) if m.startswith("judgeloop.integrations")]
         assert not bad, f"{path.relative_to(SRC)} imports {bad}; serving/ sits below integrations/"
+
+
+def test_no_library_module_imports_the_test_servers():
+    """``judgeloop.testing`` holds servers for tests, benchmarks and demos (openai_compat.py, llamacpp.py);
+    no library module imports it (the deprecated aliases at their old places in serving/ apart), so a
+    user of the library, the judge server included, never loads a test server."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.is_relative_to(SRC / "testing") or _alias(path):
+            continue
+        found = [m for m in _imports(path) if m.startswith("judgeloop.testing")]
+        if found:
+            bad.append(f"{path.relative_to(SRC)} imports {found}")
+    assert not bad, f"{bad}; judgeloop.testing is for tests and demos, the library imports none of it"
+
+
+def test_importing_the_server_package_loads_no_test_server():
+    code = (
+        "import sys, judgeloop.serving, judgeloop.serving.app\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('judgeloop.testing') or m in "
+        "('judgeloop.serving.openai_compat', 'judgeloop.serving.llamacpp'))\n"
+        "assert not loaded, loaded"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 README = SRC.parents[1] / "README.md"

@@ -1,5 +1,5 @@
 """The served judge against a real OpenAI-compatible server on a loopback port (judgeloop's own
-``serving/openai_compat.py`` wrapping the tiny Llama, and SmolLM2-135M-Instruct for parity), plus a scripted
+``testing/openai_compat.py`` wrapping the tiny Llama, and SmolLM2-135M-Instruct for parity), plus a scripted
 server for the faults a real one cannot produce on demand (429 with Retry-After, 5xx, a hang, bad JSON)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.served import ServedJudge, verdict_score
 from judgeloop.judges.served_client import Reply
-from judgeloop.serving.openai_compat import Handler, LocalModel
+from judgeloop.testing.openai_compat import Handler, LocalModel
 from served_common import calibrate_served_tiny, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]

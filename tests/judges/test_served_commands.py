@@ -1,6 +1,6 @@
 """Every command that takes a judge takes a served one: ``train``, ``ablate``, ``label-pairs`` and
 ``serve-judge`` with ``judge.type: served`` against a real HTTP server on a loopback port
-(``judgeloop.serving.openai_compat`` over the tiny Llama); and through each of them (and TRL's
+(``judgeloop.testing.openai_compat`` over the tiny Llama); and through each of them (and TRL's
 ``GRPOTrainer``), a server that fails some requests: status ``failed``, masked, counted, never a tie or a
 loss, or the run stopped in one line under ``judge.server.on_failure=stop``."""
 
@@ -26,7 +26,7 @@ import pytest
 from judgeloop.cli import main as cli
 from judgeloop.judges.base import VALID_STATUSES
 from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.serving.openai_compat import Handler, LocalModel, make_server
+from judgeloop.testing.openai_compat import Handler, LocalModel, make_server
 from served_common import calibrate_served_tiny
 
 ROOT = Path(__file__).resolve().parents[2]

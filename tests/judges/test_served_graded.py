@@ -1,5 +1,5 @@
 """The served judge's pointwise rubric extractor (``judge.extractor: graded``) against a real HTTP server on
-a loopback port (judgeloop's ``serving/openai_compat.py`` over the tiny Llama): the expected grade equals
+a loopback port (judgeloop's ``testing/openai_compat.py`` over the tiny Llama): the expected grade equals
 the one computed from the same model in process, pairs are exact differences, every route reads it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.served import GradedJudge, expected_grade
 from judgeloop.judges.served_client import Reply
-from judgeloop.serving.openai_compat import LocalModel, make_server
+from judgeloop.testing.openai_compat import LocalModel, make_server
 
 TINY = "judgeloop-tiny/causal-lm"
 ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]

@@ -1,5 +1,5 @@
 """The served judge's ``likelihood`` extractor (``judge.extractor: likelihood``) against a real HTTP server on a
-loopback port (judgeloop's ``serving/openai_compat.py`` over the tiny Llama): its scores equal the in-process
+loopback port (judgeloop's ``testing/openai_compat.py`` over the tiny Llama): its scores equal the in-process
 ``likelihood`` judge's on both prompt-log-probability routes, the server answers in vLLM's and SGLang's own
 shapes, a server without prompt log-probabilities is refused in one line, and ``judgeloop calibrate`` fits,
 saves and reloads it."""
@@ -16,7 +16,7 @@ import pytest
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.likelihood import LikelihoodJudge
 from judgeloop.judges.served import ServedLikelihoodJudge
-from judgeloop.serving.openai_compat import Handler, LocalModel
+from judgeloop.testing.openai_compat import Handler, LocalModel
 from served_common import calibrate_served_tiny, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]

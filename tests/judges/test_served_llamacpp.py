@@ -29,7 +29,7 @@ from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.served import ServedJudge
-from judgeloop.serving import llamacpp as llamacpp_server
+from judgeloop.testing import llamacpp as llamacpp_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMEVAL = ROOT.parent / "shared" / "data" / "summeval" / "summeval_dev.jsonl"
