@@ -151,7 +151,14 @@ def test_python_m_the_old_test_server_module_serves_and_warns_with_the_new_comma
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "judgeloop.serving.openai_compat", "judgeloop-tiny/causal-lm", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "judgeloop.serving.openai_compat",
+        "judgeloop-tiny/causal-lm",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         models = None
