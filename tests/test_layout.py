@@ -195,11 +195,6 @@ def test_the_formatter_lays_out_all_code():
     assert not marked, f"formatter markers at {marked}: let ruff format lay the statement out"
 
 
-# modules that still read the package root; loop/model_card.py reads judgeloop.__version__ (loop/ is being
-# reworked elsewhere: it moves to judgeloop.version there, and this set empties)
-READS_THE_ROOT = {"judgeloop.loop.model_card"}
-
-
 def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root():
     """``version.py`` imports nothing of judgeloop, so every module may read ``__version__`` from it; the
     package root (``judgeloop/__init__.py``) re-exports it and the calibrated judge lazily, so a module that
@@ -217,9 +212,7 @@ def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root
             if bare or (own and any(f"judgeloop.{n}" not in graph for n in names)):
                 readers.append(_module_name(path))
     readers = sorted(set(readers) - {"judgeloop"})
-    assert set(readers) <= READS_THE_ROOT, (
-        f"{readers} import the package root; read judgeloop.version instead"
-    )
+    assert not readers, f"{readers} import the package root; read judgeloop.version instead"
 
 
 def test_the_server_imports_no_integration():
