@@ -215,6 +215,29 @@ def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root
     assert not readers, f"{readers} import the package root; read judgeloop.version instead"
 
 
+# the core, on the house's lowest floors (docs/layout.md): every other module may import it, so it imports
+# nothing of judgeloop but itself
+CORE = {
+    "judgeloop.version",
+    "judgeloop.errors",
+    "judgeloop.logging",
+    "judgeloop.hashing",
+    "judgeloop.intervals",
+    "judgeloop.text",
+    "judgeloop.io",
+    "judgeloop.config",
+    "judgeloop.deprecation",
+}
+
+
+def test_the_core_imports_nothing_above_it():
+    """A core module that imported a package (``config.py`` once reached into ``models/`` for the cache
+    folder) would point up at everything that package imports, and drag it into every user of the core."""
+    graph = _import_graph()
+    above = {m: sorted(graph[m] - CORE) for m in sorted(CORE) if graph[m] - CORE}
+    assert not above, f"the core imports modules above it: {above}; move what it needs into the core"
+
+
 def test_the_server_imports_no_integration():
     """The server's routes for other trainers (OpenRLHF's, verl's) live in serving/, beside the batcher they
     answer through; integrations/ (what a trainer calls: TRL's reward function, verl's compute_score) sits
