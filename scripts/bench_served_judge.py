@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     articles = None if args.embedded_articles else args.summeval
 
     from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
-    from judgeloop.serving import llamacpp
+    from judgeloop.testing import llamacpp
 
     proc = None
     if args.base_url:

@@ -58,7 +58,7 @@ if [ "${SERVED:-1}" = 1 ]; then
   # The served judge on a real server: SmolLM2-135M-Instruct (the packaged offline folder) behind
   # `vllm serve` on this GPU, the parity of its `vllm` route with the in-process choice judge, then the bench
   # against that running server. SERVED_SERVER=loopback (the dry run's default) serves it with the project's
-  # own server (judgeloop.serving.openai_compat, which answers vLLM's fields) on CPU instead.
+  # own server (judgeloop.testing.openai_compat, which answers vLLM's fields) on CPU instead.
   SERVED_SERVER=${SERVED_SERVER:-$([ "$DEVICE" = cuda ] && echo vllm || echo loopback)}
   SMOL=$($PY -m judgeloop.models HuggingFaceTB/SmolLM2-135M-Instruct)
   PORT=${SERVED_PORT:-8011}
@@ -67,7 +67,7 @@ if [ "${SERVED:-1}" = 1 ]; then
   if [ "$SERVED_SERVER" = vllm ]; then
     vllm serve "$SMOL" --port "$PORT" --dtype float32 --max-logprobs 64 >"$OUT/served_server.log" 2>&1 &
   else
-    $PY -m judgeloop.serving.openai_compat "$SMOL" --port "$PORT" >"$OUT/served_server.log" 2>&1 &
+    $PY -m judgeloop.testing.openai_compat "$SMOL" --port "$PORT" >"$OUT/served_server.log" 2>&1 &
   fi
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT

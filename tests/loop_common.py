@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,19 @@ FAST = [
     "data.embedded_size=120",
     "generation.max_new_tokens=8",
 ]
+
+
+def tiny_policy(accelerator: Any, model: Any, ref: Any | None) -> Any:
+    """The :class:`~judgeloop.loop.policy.Policy` of ``model`` (the tiny Llama, as the test prepared it)
+    and its reference, with the tiny tokenizer (pad id 0) and the default prompts: what a ``Learner``
+    updates."""
+    from judgeloop.loop.config import PolicyConfig
+    from judgeloop.loop.policy import Policy
+    from judgeloop.loop.rollout import PromptBuilder
+    from judgeloop.models import load_tokenizer
+
+    tok = load_tokenizer("judgeloop-tiny/causal-lm")
+    return Policy(accelerator, model, ref, tok, PromptBuilder(tok, PolicyConfig()))
 
 
 def _floats(x: object) -> bool:

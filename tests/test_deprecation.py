@@ -4,10 +4,15 @@ warns (DeprecationWarning) with the new spelling; CHANGELOG.md names each one.""
 from __future__ import annotations
 
 import importlib
+import os
+import socket
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
+import httpx
 import pytest
 
 from judgeloop.calibration import PlattCalibrator
@@ -17,7 +22,8 @@ from judgeloop.judges import JudgeConfig
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.rewards import Group, RewardConfig, check_scheme, group_rewards, score_groups
 
-CHANGELOG = Path(__file__).resolve().parents[1] / "CHANGELOG.md"
+ROOT = Path(__file__).resolve().parents[1]
+CHANGELOG = ROOT / "CHANGELOG.md"
 ARTICLE = "the council met on monday and voted to expand the city park by ten acres next spring"
 COMPLETIONS = ["park grows", "the park grows soon", "the council votes the park grows", "the park"]
 
@@ -117,6 +123,8 @@ MOVED_MODULES = [
     ("judgeloop.label_pairs", "judgeloop.preference_labels", "label"),
     ("judgeloop.integrations.openrlhf", "judgeloop.serving.openrlhf", "openrlhf_router"),
     ("judgeloop.integrations.verl_route", "judgeloop.serving.verl_route", "verl_router"),
+    ("judgeloop.serving.openai_compat", "judgeloop.testing.openai_compat", "make_server"),
+    ("judgeloop.serving.llamacpp", "judgeloop.testing.llamacpp", "start_server"),
 ]
 
 
@@ -133,6 +141,42 @@ def test_a_moved_module_is_the_new_module_under_its_old_name_and_the_import_warn
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=new):
         exec(f"from {old} import {name}", {})
+
+
+@pytest.mark.slow
+def test_python_m_the_old_test_server_module_serves_and_warns_with_the_new_command():
+    """``python -m judgeloop.serving.openai_compat MODEL --port N`` (the docs' and scripts' line before the
+    server moved to judgeloop.testing) still serves, and says on stderr what to write now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "judgeloop.serving.openai_compat",
+        "judgeloop-tiny/causal-lm",
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        models = None
+        for _ in range(600):  # until it answers (a model load on busy cores), or it exits
+            if proc.poll() is not None:
+                break
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert models is not None, proc.communicate(timeout=10)[1][-2000:]
+        assert models["data"][0]["id"] == "judgeloop-tiny/causal-lm"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "DeprecationWarning: python -m judgeloop.serving.openai_compat is deprecated" in err, err[-2000:]
+    assert "write python -m judgeloop.testing.openai_compat" in err and REMOVED_IN in err
 
 
 def test_the_changelog_names_every_deprecated_spelling():

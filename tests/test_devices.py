@@ -227,6 +227,7 @@ def test_a_chunked_update_equals_the_whole_batch_update():
     from judgeloop.loop.rollout import Rollout
     from judgeloop.loop.steps import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
+    from loop_common import tiny_policy
 
     cfg = load_config(FeedbackLoopConfig, TINY, ["loss.kl_coef=0.2"])
     g = torch.Generator().manual_seed(0)
@@ -252,7 +253,7 @@ def test_a_chunked_update_equals_the_whole_batch_update():
         model = copy.deepcopy(base).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        learner = Learner(acc, model, ref, opt, sched, cfg.loss, 1.0, 0, chunk)
+        learner = Learner(tiny_policy(acc, model, ref), opt, sched, cfg.loss, 1.0, chunk)
         batch = PairBatch(
             1,
             [],

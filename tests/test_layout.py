@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,11 +195,6 @@ def test_the_formatter_lays_out_all_code():
     assert not marked, f"formatter markers at {marked}: let ruff format lay the statement out"
 
 
-# modules that still read the package root; loop/model_card.py reads judgeloop.__version__ (loop/ is being
-# reworked elsewhere: it moves to judgeloop.version there, and this set empties)
-READS_THE_ROOT = {"judgeloop.loop.model_card"}
-
-
 def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root():
     """``version.py`` imports nothing of judgeloop, so every module may read ``__version__`` from it; the
     package root (``judgeloop/__init__.py``) re-exports it and the calibrated judge lazily, so a module that
@@ -214,9 +212,30 @@ def test_the_version_is_on_the_ground_floor_and_no_module_reads_the_package_root
             if bare or (own and any(f"judgeloop.{n}" not in graph for n in names)):
                 readers.append(_module_name(path))
     readers = sorted(set(readers) - {"judgeloop"})
-    assert set(readers) <= READS_THE_ROOT, (
-        f"{readers} import the package root; read judgeloop.version instead"
-    )
+    assert not readers, f"{readers} import the package root; read judgeloop.version instead"
+
+
+# the core, on the house's lowest floors (docs/layout.md): every other module may import it, so it imports
+# nothing of judgeloop but itself
+CORE = {
+    "judgeloop.version",
+    "judgeloop.errors",
+    "judgeloop.logging",
+    "judgeloop.hashing",
+    "judgeloop.intervals",
+    "judgeloop.text",
+    "judgeloop.io",
+    "judgeloop.config",
+    "judgeloop.deprecation",
+}
+
+
+def test_the_core_imports_nothing_above_it():
+    """A core module that imported a package (``config.py`` once reached into ``models/`` for the cache
+    folder) would point up at everything that package imports, and drag it into every user of the core."""
+    graph = _import_graph()
+    above = {m: sorted(graph[m] - CORE) for m in sorted(CORE) if graph[m] - CORE}
+    assert not above, f"the core imports modules above it: {above}; move what it needs into the core"
 
 
 def test_the_server_imports_no_integration():
@@ -226,6 +245,34 @@ def test_the_server_imports_no_integration():
     for path in sorted((SRC / "serving").rglob("*.py")):
         bad = [m for m in _imports(path) if m.startswith("judgeloop.integrations")]
         assert not bad, f"{path.relative_to(SRC)} imports {bad}; serving/ sits below integrations/"
+
+
+def test_no_library_module_imports_the_test_servers():
+    """``judgeloop.testing`` holds servers for tests, benchmarks and demos (openai_compat.py, llamacpp.py);
+    no library module imports it (the deprecated aliases at their old places in serving/ apart), so a
+    user of the library, the judge server included, never loads a test server."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.is_relative_to(SRC / "testing") or _alias(path):
+            continue
+        found = [m for m in _imports(path) if m.startswith("judgeloop.testing")]
+        if found:
+            bad.append(f"{path.relative_to(SRC)} imports {found}")
+    assert not bad, f"{bad}; judgeloop.testing is for tests and demos, the library imports none of it"
+
+
+def test_importing_the_server_package_loads_no_test_server():
+    """``import judgeloop.serving`` in a fresh process loads neither test server nor its alias (the
+    modules below it are covered by the import rule above, read from the source)."""
+    code = (
+        "import sys, judgeloop.serving\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('judgeloop.testing') or m in "
+        "('judgeloop.serving.openai_compat', 'judgeloop.serving.llamacpp'))\n"
+        "assert not loaded, loaded"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 README = SRC.parents[1] / "README.md"

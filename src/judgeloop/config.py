@@ -589,7 +589,7 @@ def check_output_places(cfg: Any, prefix: str = "") -> None:
             continue
         path = Path(value)
         if f.name == "cache_dir" and value == "auto":  # the judgeloop cache, not ./auto
-            from judgeloop.models.loading import cache_dir
+            from judgeloop.io import cache_dir
 
             path = cache_dir()
             value = f"auto ({path})"

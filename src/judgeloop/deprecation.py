@@ -35,4 +35,11 @@ def warn_moved_module(old: str, new: str) -> None:
     warn_renamed(f"the module {old}", f"import {new}", stacklevel=3)  # this, the alias, its importer
 
 
-__all__ = ["REMOVED_IN", "warn_moved_module", "warn_renamed"]
+def warn_moved_main(old: str, new: str) -> None:
+    """Warn, from a module left at ``old`` as an alias and run as ``python -m old``, that the command is
+    ``python -m new`` now. The warning names the alias's line, which runs as ``__main__``, so Python's
+    default filter shows it on the command line; the alias then runs ``new``'s ``main()``."""
+    warn_renamed(f"python -m {old}", f"python -m {new}", stacklevel=2)  # this, the alias
+
+
+__all__ = ["REMOVED_IN", "warn_moved_main", "warn_moved_module", "warn_renamed"]

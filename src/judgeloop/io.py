@@ -35,6 +35,13 @@ class DataError(UserError):
     """Input data is missing or malformed; the message names the file, the line and the fix."""
 
 
+def cache_dir() -> Path:
+    """Where judgeloop keeps what it builds once and reuses (models unpacked from wheels, F32 GGUFs,
+    embedding caches): ``$JUDGELOOP_CACHE`` or ``~/.cache/judgeloop``."""
+    root = os.environ.get("JUDGELOOP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "judgeloop")
+    return Path(root)
+
+
 def _json_default(obj: Any) -> Any:
     try:
         import numpy as np

@@ -1,10 +1,10 @@
 """The served judge against a real OpenAI-compatible server on a loopback port (judgeloop's own
-``serving/openai_compat.py`` wrapping the tiny Llama, and SmolLM2-135M-Instruct for parity), plus a scripted
+``testing/openai_compat.py`` wrapping the tiny Llama, and SmolLM2-135M-Instruct for parity), plus a scripted
 server for the faults a real one cannot produce on demand (429 with Retry-After, 5xx, a hang, bad JSON)."""
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
 import json
 import math
 import time
@@ -19,26 +19,19 @@ from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.served import ServedJudge, verdict_score
 from judgeloop.judges.served_client import Reply
-from judgeloop.serving.openai_compat import Handler, LocalModel
-from served_common import calibrate_served_tiny, start_server, stop_server
+from judgeloop.testing.openai_compat import Handler
+from served_common import (
+    ARTICLES,
+    TINY,
+    A,
+    B,
+    calibrate_served_tiny,
+    grpo_trl_tiny,
+    start_server,
+    stop_server,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "judgeloop-tiny/causal-lm"
-ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]
-A = ["A cat sat.", "The mat was warm.", "Cat.", "It rained."]
-B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    return LocalModel(TINY)
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny_lm):
-    srv, url = start_server(tiny_lm)
-    yield url
-    stop_server(srv)
 
 
 def _judge(url, model=TINY, tokenizer=TINY, **server):
@@ -168,11 +161,25 @@ def test_a_killed_server_masks_every_pair_or_stops_the_run(tiny_lm, caplog):
         stopping(ARTICLES, A, B)
 
 
-def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_server, monkeypatch):
-    from judgeloop.judges import served_client
+class _VirtualClock:
+    """Time for the rate limiter that moves only when the limiter sleeps (and then by exactly what it
+    asked): what the limiter decides no longer depends on how fast a loaded machine answers."""
 
-    window = 1.5  # the limiter's minute, shortened so the test does not wait 60 s
-    monkeypatch.setattr(served_client._RateLimiter, "window_s", window)
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)  # let the other requests run, as a real sleep does
+
+
+def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_server):
+    from judgeloop.judges.served_client import _RateLimiter
+
     judge = build_judge(
         JudgeConfig(
             type="served",
@@ -181,14 +188,22 @@ def test_the_requests_per_minute_limit_holds_the_third_call_across_batches(tiny_
             server=ServerConfig(base_url=tiny_server, model=TINY, route="vllm", max_requests_per_minute=2),
         )
     )
-    t0 = time.monotonic()
+    clock = _VirtualClock()
+    limiter = judge.client._limiter
+    assert (limiter.rpm, limiter.tpm, limiter.window_s) == (2, 0, 60.0)  # what the config asked for
+    limiter.clock, limiter.sleep = clock, clock.sleep
     assert judge(ARTICLES[:2], A[:2], B[:2]).status == ["ok", "ok"]  # two requests: both at once
-    t_two = time.monotonic() - t0
-    assert t_two < window - 0.3, f"the first two calls took {t_two:.2f} s: the machine is too slow to tell"
+    assert clock.slept == [] and [t for t, _ in limiter._sent] == [0.0, 0.0]
     assert judge(ARTICLES[2:3], A[2:3], B[2:3]).status == ["ok"]  # the third waits for the window
-    t_three = time.monotonic() - t0
+    assert clock.slept == [60.0] and [t for t, _ in limiter._sent] == [60.0]  # sent a minute after the first
     assert judge.client.calls == 3
-    assert window - 0.05 <= t_three <= window + 1.0, f"third call answered after {t_three:.2f} s"
+    # the tokens-per-minute limit on the same clock: a request that would pass the budget waits the window
+    tokens = _RateLimiter(0, 100, clock=clock, sleep=clock.sleep)
+    asyncio.run(tokens.wait(60))
+    asyncio.run(tokens.wait(40))  # 100 in the window: at the limit, not over it
+    assert clock.slept == [60.0]
+    asyncio.run(tokens.wait(1))
+    assert clock.slept == [60.0, 60.0] and clock.now == 120.0
 
 
 def test_a_server_that_refuses_the_key_fails_in_one_line_before_any_judging(tiny_lm, monkeypatch):
@@ -490,18 +505,7 @@ def test_loading_against_a_server_of_another_model_is_one_line(served_calibratio
 
 
 def test_the_served_judge_rewards_a_trl_grpo_trainer(served_calibration, tmp_path):
-    spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    out = recipe.main(
-        [
-            "--config",
-            str(ROOT / "configs/grpo_trl/tiny.yaml"),
-            f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
-            "max_train_articles=8",
-            f"output_dir={tmp_path / 'grpo'}",
-        ]
-    )
+    out = grpo_trl_tiny(served_calibration / "calibrated_judge" / "platt", tmp_path / "grpo")
     assert out["report"]["steps"] == 2 and out["reward"].judge_calls == 2
     rewards = [r for call in out["reward"].history for r in call["rewards"]]
     assert rewards and all(r is None or np.isfinite(r) for r in rewards)

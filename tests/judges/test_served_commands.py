@@ -1,13 +1,12 @@
 """Every command that takes a judge takes a served one: ``train``, ``ablate``, ``label-pairs`` and
 ``serve-judge`` with ``judge.type: served`` against a real HTTP server on a loopback port
-(``judgeloop.serving.openai_compat`` over the tiny Llama); and through each of them (and TRL's
+(``judgeloop.testing.openai_compat`` over the tiny Llama); and through each of them (and TRL's
 ``GRPOTrainer``), a server that fails some requests: status ``failed``, masked, counted, never a tie or a
 loss, or the run stopped in one line under ``judge.server.on_failure=stop``."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import logging
@@ -15,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,30 +24,12 @@ import pytest
 from judgeloop.cli import main as cli
 from judgeloop.judges.base import VALID_STATUSES
 from judgeloop.judges.calibrated import CalibratedJudge
-from judgeloop.serving.openai_compat import Handler, LocalModel, make_server
-from served_common import calibrate_served_tiny
+from judgeloop.testing.openai_compat import Handler, make_server
+from served_common import ARTICLES, TINY, A, B, calibrate_served_tiny, grpo_trl_tiny, serve, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "judgeloop-tiny/causal-lm"
 LOOP = ROOT / "configs" / "feedback_loop" / "tiny.yaml"
 JUDGELOOP = str(Path(sys.executable).parent / "judgeloop")
-ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]
-A = ["A cat sat.", "The mat was warm.", "Cat.", "It rained."]
-B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    return LocalModel(TINY)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_lm):
-    srv = make_server(tiny_lm)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv, f"http://127.0.0.1:{srv.server_port}"
-    srv.shutdown()
-    srv.server_close()
 
 
 class _Failing(Handler):
@@ -81,12 +61,11 @@ class _Failing(Handler):
 def _failing_server(lm, every: int = 0, marker: str = ""):
     srv = make_server(lm, handler=_Failing)
     srv.posts, srv.failed, srv.fail_every, srv.fail_marker = 0, 0, every, marker
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, url = serve(srv)
     try:
-        yield srv, f"http://127.0.0.1:{srv.server_port}"
+        yield srv, url
     finally:
-        srv.shutdown()
-        srv.server_close()
+        stop_server(srv)
 
 
 @contextlib.contextmanager
@@ -134,8 +113,8 @@ FAST = [
 
 
 @pytest.mark.slow
-def test_train_with_a_served_judge(server, tmp_path):
-    srv, url = server
+def test_train_with_a_served_judge(tiny_served, tmp_path):
+    srv, url = tiny_served
     before = srv.requests
     out = tmp_path / "run"
     assert cli(["train", "--config", str(LOOP), *FAST, *_served(url), f"output_dir={out}"]) == 0
@@ -148,8 +127,8 @@ def test_train_with_a_served_judge(server, tmp_path):
 
 
 @pytest.mark.slow
-def test_ablate_an_arm_that_uses_the_served_judge(server, tmp_path):
-    srv, url = server
+def test_ablate_an_arm_that_uses_the_served_judge(tiny_served, tmp_path):
+    srv, url = tiny_served
     before = srv.requests
     out = tmp_path / "ablate"
     args = [
@@ -172,17 +151,17 @@ def test_ablate_an_arm_that_uses_the_served_judge(server, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def served_judge_path(server, tmp_path_factory):
+def served_judge_path(tiny_served, tmp_path_factory):
     """``judgeloop calibrate`` on the served tiny judge: the saved platt judge's folder."""
-    _, url = server
+    _, url = tiny_served
     out = tmp_path_factory.mktemp("served_cal") / "run"
     rc = calibrate_served_tiny(url, out, "judge.server.cache_path=")
     assert rc == 0
     return out / "calibrated_judge" / "platt"
 
 
-def test_label_pairs_with_a_served_judge(server, served_judge_path, tmp_path):
-    srv, _ = server
+def test_label_pairs_with_a_served_judge(tiny_served, served_judge_path, tmp_path):
+    srv, _ = tiny_served
     data = tmp_path / "pairs.jsonl"
     rows = [{"prompt": a[:40], "article": a, "chosen": x, "rejected": y} for a, x, y in zip(ARTICLES, A, B)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -256,7 +235,7 @@ def _serve_judge(judge_path, *overrides):
             proc.kill()
 
 
-def test_serve_judge_serves_a_saved_served_judge(server, served_judge_path):
+def test_serve_judge_serves_a_saved_served_judge(tiny_served, served_judge_path):
     with _serve_judge(served_judge_path) as url:
         items = [{"prompt": p, "a": a, "b": b} for p, a, b in zip(ARTICLES, A, B)]
         got = httpx.post(url + "/v1/compare", json={"items": items}, timeout=120)
@@ -363,21 +342,9 @@ def test_serve_judge_answers_failed_with_p_null(tiny_lm, served_judge_path):
 def test_trl_grpo_gives_no_reward_to_what_a_failing_server_did_not_judge(
     tiny_lm, served_judge_path, tmp_path
 ):
-    spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
     with _failing_server(tiny_lm, every=3) as (srv, url):
-        out = recipe.main(
-            [
-                "--config",
-                str(ROOT / "configs/grpo_trl/tiny.yaml"),
-                f"judge_path={served_judge_path}",
-                f"judge_overrides=['server.base_url={url}', server.max_retries=0]",
-                "grpo.num_generations=2",
-                "max_train_articles=8",
-                f"output_dir={tmp_path / 'grpo'}",
-            ]
-        )
+        overrides = f"judge_overrides=['server.base_url={url}', server.max_retries=0]"
+        out = grpo_trl_tiny(served_judge_path, tmp_path / "grpo", overrides, "grpo.num_generations=2")
     assert out["report"]["steps"] == 2 and srv.failed > 0
     groups = [
         call["rewards"][i : i + 2]

@@ -1,5 +1,5 @@
 """The served judge's label-probability routes against the loopback server answering in each server's shape
-(``serving/openai_compat.py`` over the tiny Llama): ``generative_scoring`` (vLLM 0.32), ``systemone`` (vLLM
+(``testing/openai_compat.py`` over the tiny Llama): ``generative_scoring`` (vLLM 0.32), ``systemone`` (vLLM
 0.32's structured decisions) and ``decisions`` (OpenAI's Decisions shape, vLLM 0.33; SGLang 0.5's own). The
 decision routes accept only Qwen3-family models in vLLM (``READ_STRATEGIES``), none of which installs here,
 so they are tested against this server only; ``generative_scoring`` also against a real vLLM
@@ -15,7 +15,7 @@ import pytest
 
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.served_client import Question, parse_decisions
-from judgeloop.serving.openai_compat import LocalModel, make_server
+from judgeloop.testing.openai_compat import LocalModel, make_server
 
 TINY = "judgeloop-tiny/causal-lm"
 ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]

@@ -1,6 +1,6 @@
 """The served judge under faults a user, a server, a proxy or a disk can produce: each ends as a masked
 ``failed`` pair or one line (exit status 2 through the command line), within the configured timeouts,
-never a traceback or a hang. The servers are judgeloop's loopback server (``serving/openai_compat.py``
+never a traceback or a hang. The servers are judgeloop's loopback server (``testing/openai_compat.py``
 on the tiny Llama), scripted where a real server cannot produce the fault on demand."""
 
 from __future__ import annotations
@@ -18,24 +18,11 @@ import pytest
 
 from judgeloop.errors import UserError
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
-from judgeloop.serving.openai_compat import Handler, LocalModel
-from served_common import calibrate_served_tiny_args, start_server, stop_server
+from judgeloop.testing.openai_compat import Handler
+from served_common import TINY, calibrate_served_tiny_args, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "judgeloop-tiny/causal-lm"
 ARTICLE, A, B = ["The cat sat on the mat today. It was warm."], ["A cat sat."], ["It was warm."]
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    return LocalModel(TINY)
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny_lm):
-    srv, url = start_server(tiny_lm)
-    yield url
-    stop_server(srv)
 
 
 def _judgeloop(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -1,11 +1,10 @@
 """The served judge's pointwise rubric extractor (``judge.extractor: graded``) against a real HTTP server on
-a loopback port (judgeloop's ``serving/openai_compat.py`` over the tiny Llama): the expected grade equals
+a loopback port (judgeloop's ``testing/openai_compat.py`` over the tiny Llama): the expected grade equals
 the one computed from the same model in process, pairs are exact differences, every route reads it."""
 
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -13,26 +12,7 @@ import pytest
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.served import GradedJudge, expected_grade
 from judgeloop.judges.served_client import Reply
-from judgeloop.serving.openai_compat import LocalModel, make_server
-
-TINY = "judgeloop-tiny/causal-lm"
-ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]
-A = ["A cat sat.", "The mat was warm.", "Cat.", "It rained."]
-B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    return LocalModel(TINY)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_lm):
-    srv = make_server(tiny_lm)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_port}"
-    srv.shutdown()
-    srv.server_close()
+from served_common import ARTICLES, TINY, A, B, calibrate_served_tiny, start_server, stop_server
 
 
 def _graded(url, grades=5, **server):
@@ -55,11 +35,11 @@ def _in_process(lm, judge, article, summary):
 
 
 @pytest.mark.parametrize("route", ["vllm", "sglang", "top_logprobs"])
-def test_the_expected_grade_equals_the_in_process_one_on_every_route(server, tiny_lm, route):
+def test_the_expected_grade_equals_the_in_process_one_on_every_route(tiny_server, tiny_lm, route):
     extra = (
         {"top_logprobs": len(tiny_lm.tokenizer)} if route == "top_logprobs" else {}
     )  # k: the whole vocabulary
-    judge = _graded(server, route=route, **extra)
+    judge = _graded(tiny_server, route=route, **extra)
     assert isinstance(judge, GradedJudge) and not judge.position_debias
     out = judge(ARTICLES, A, B)
     assert out.status == ["ok"] * 4
@@ -93,12 +73,9 @@ def test_grades_outside_the_top_k_are_counted_and_a_text_grade_is_a_hard_value()
 
 
 def test_a_dead_server_masks_the_pairs_and_asks_again_next_time(tiny_lm):
-    srv = make_server(tiny_lm)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_port}"
+    srv, url = start_server(tiny_lm)
     judge = _graded(url, route="vllm", max_retries=0, timeout_s=2)
-    srv.shutdown()
-    srv.server_close()
+    stop_server(srv)
     out = judge(ARTICLES[:2], A[:2], B[:2])
     assert out.status == ["failed", "failed"] and np.isnan(out.scores).all()
     assert not [v for v in judge._values.values() if v[1] == "failed"]  # never remembered
@@ -128,32 +105,11 @@ def test_bad_graded_settings_are_one_line(overrides, message):
         JudgeConfig(**{**base, **overrides})
 
 
-def test_calibrate_fits_and_saves_the_graded_served_judge(server, tmp_path):
-    from pathlib import Path
-
-    from judgeloop.cli import main as cli
+def test_calibrate_fits_and_saves_the_graded_served_judge(tiny_server, tmp_path):
     from judgeloop.judges.calibrated import CalibratedJudge
 
-    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "run"
-    rc = cli(
-        [
-            "calibrate",
-            "--config",
-            str(root / "configs/calibrate/summeval_served.yaml"),
-            "data.format=embedded",
-            "data.path=null",
-            "data.embedded_size=40",
-            "labels.type=rouge",
-            f"judge.model={TINY}",
-            f"judge.server.model={TINY}",
-            f"judge.server.base_url={server}",
-            "judge.extractor=graded",
-            "judge.position_debias=null",
-            "max_pairs_per_article=3",
-            f"output_dir={out}",
-        ]
-    )
+    rc = calibrate_served_tiny(tiny_server, out, "judge.extractor=graded", "judge.position_debias=null")
     assert rc == 0
     judge = CalibratedJudge.from_pretrained(out / "calibrated_judge" / "platt")
     assert isinstance(judge.judge, GradedJudge)

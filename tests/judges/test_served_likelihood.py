@@ -1,5 +1,5 @@
 """The served judge's ``likelihood`` extractor (``judge.extractor: likelihood``) against a real HTTP server on a
-loopback port (judgeloop's ``serving/openai_compat.py`` over the tiny Llama): its scores equal the in-process
+loopback port (judgeloop's ``testing/openai_compat.py`` over the tiny Llama): its scores equal the in-process
 ``likelihood`` judge's on both prompt-log-probability routes, the server answers in vLLM's and SGLang's own
 shapes, a server without prompt log-probabilities is refused in one line, and ``judgeloop calibrate`` fits,
 saves and reloads it."""
@@ -16,29 +16,13 @@ import pytest
 from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.likelihood import LikelihoodJudge
 from judgeloop.judges.served import ServedLikelihoodJudge
-from judgeloop.serving.openai_compat import Handler, LocalModel
-from served_common import calibrate_served_tiny, start_server, stop_server
+from judgeloop.testing.openai_compat import Handler
+from served_common import ARTICLES, TINY, A, B, calibrate_served_tiny, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "judgeloop-tiny/causal-lm"
-ARTICLES = ["The cat sat on the mat today. It was warm and the sun was out."] * 3 + ["Rain fell all day."]
-A = ["A cat sat.", "The mat was warm.", "Cat.", "It rained."]
-B = ["It was warm.", "A cat.", "The cat sat on the mat.", "Sun all day."]
 # fp32 on both sides; the server runs each sequence unpadded, the in-process judge a left-padded batch:
 # measured up to 5.3e-7 on these pairs
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    return LocalModel(TINY)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_lm):
-    srv, url = start_server(tiny_lm)
-    yield url
-    stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +44,8 @@ def _likelihood(url, **server):
     ("route", "prompt_format"),
     [("auto", "auto"), ("vllm", "ids"), ("sglang", "ids"), ("vllm", "text"), ("sglang", "text")],
 )
-def test_scores_equal_the_in_process_likelihood_judge(server, reference, route, prompt_format):
-    judge = _likelihood(server, route=route, prompt_format=prompt_format)
+def test_scores_equal_the_in_process_likelihood_judge(tiny_server, reference, route, prompt_format):
+    judge = _likelihood(tiny_server, route=route, prompt_format=prompt_format)
     assert isinstance(judge, ServedLikelihoodJudge) and not judge.position_debias
     assert judge.route == ("vllm" if route == "auto" else route)
     out = judge(ARTICLES, A, B)
@@ -74,7 +58,7 @@ def test_scores_equal_the_in_process_likelihood_judge(server, reference, route, 
     assert judge.describe()["extractor"] == "likelihood" and judge.describe()["verdict_token_ids"] == []
 
 
-def test_a_truncated_article_is_scored_as_the_in_process_judge_cuts_it(server):
+def test_a_truncated_article_is_scored_as_the_in_process_judge_cuts_it(tiny_server):
     long = [" ".join(["The cat sat on the mat and it was warm."] * 60)] * 2
     ref = LikelihoodJudge(TINY, device="cpu", max_length=256)(long, A[:2], B[:2])
     cfg = JudgeConfig(
@@ -82,18 +66,18 @@ def test_a_truncated_article_is_scored_as_the_in_process_judge_cuts_it(server):
         model=TINY,
         extractor="likelihood",
         max_length=256,
-        server=ServerConfig(base_url=server, model=TINY, route="sglang"),
+        server=ServerConfig(base_url=tiny_server, model=TINY, route="sglang"),
     )
     got = build_judge(cfg)(long, A[:2], B[:2])
     assert got.status == ref.status == ["truncated", "truncated"]
     np.testing.assert_allclose(got.scores, ref.scores, atol=ATOL, rtol=0)
 
 
-def test_the_loopback_server_answers_as_vllm_and_sglang_shape_prompt_logprobs(server, tiny_lm):
+def test_the_loopback_server_answers_as_vllm_and_sglang_shape_prompt_logprobs(tiny_server, tiny_lm):
     ids = tiny_lm.tokenizer.encode("The cat sat on the mat.", add_special_tokens=False)
     rows = tiny_lm.prompt_logprobs(ids)  # (T - 1, V)
     body = {"model": TINY, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
-    vllm = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0][
+    vllm = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=30).json()["choices"][0][
         "prompt_logprobs"
     ]
     assert len(vllm) == len(ids) and vllm[0] is None  # nothing predicts the first token
@@ -109,7 +93,7 @@ def test_the_loopback_server_answers_as_vllm_and_sglang_shape_prompt_logprobs(se
         "return_logprob": True,
         "logprob_start_len": 2,
     }
-    meta = httpx.post(f"{server}/generate", json=body, timeout=30).json()["meta_info"]
+    meta = httpx.post(f"{tiny_server}/generate", json=body, timeout=30).json()["meta_info"]
     sglang = meta["input_token_logprobs"]
     assert [e[1] for e in sglang] == ids[2:] and sglang[0][0] is None  # SGLang pads the first with None
     np.testing.assert_allclose(
@@ -172,11 +156,11 @@ def test_a_dead_server_masks_the_pairs_and_asks_again_next_time(tiny_lm, caplog)
     assert not [v for v in judge._values.values() if v[1] == "failed"]  # never remembered
 
 
-def test_the_sqlite_cache_serves_a_second_run_without_calls(server, tmp_path):
+def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):
     db = str(tmp_path / "j.sqlite")
-    first = _likelihood(server, route="sglang", cache_path=db)
+    first = _likelihood(tiny_server, route="sglang", cache_path=db)
     s1 = first(ARTICLES, A, B).scores
-    again = _likelihood(server, route="sglang", cache_path=db)
+    again = _likelihood(tiny_server, route="sglang", cache_path=db)
     s2 = again(ARTICLES, A, B).scores
     assert again.client.calls == 1 and again.client.cache_hits == 8  # the start-up probe only
     np.testing.assert_array_equal(s1, s2)
@@ -205,12 +189,12 @@ def test_bad_likelihood_settings_are_one_line(overrides, message):
     assert "\n" not in str(err.value)
 
 
-def test_calibrate_fits_and_saves_the_served_likelihood_judge(server, reference, tmp_path):
+def test_calibrate_fits_and_saves_the_served_likelihood_judge(tiny_server, reference, tmp_path):
     from judgeloop.judges.calibrated import CalibratedJudge
 
     out = tmp_path / "run"
     rc = calibrate_served_tiny(
-        server,
+        tiny_server,
         out,
         "judge.extractor=likelihood",
         "judge.position_debias=null",

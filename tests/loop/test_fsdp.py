@@ -30,8 +30,8 @@ from judgeloop.config import load_config
 from judgeloop.distributed import full_state_dict, generation_context, is_fsdp, trainable_names
 from judgeloop.loop.run_state_files import export_policy, load_policy_weights, save_policy
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
-from judgeloop.loop.policy import load_policy
-from judgeloop.loop.rollout import Rollout, generate
+from judgeloop.loop.policy import Policy, load_policy
+from judgeloop.loop.rollout import PromptBuilder, Rollout, generate
 from judgeloop.loop.steps import Learner, PairBatch, policy_update
 
 out, root, lora = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "lora"
@@ -71,10 +71,11 @@ with generation_context(model):
 opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
 roll = Rollout(["x"] * per, prompts[lo:hi], a[lo:hi], b[lo:hi], ["a"] * per, ["b"] * per)
+policy = Policy(acc, model, ref, tok, PromptBuilder(tok, cfg.policy))
 norms = []
 for _ in range(2):
     batch = PairBatch(1, [], rollout=roll, targets=p[lo:hi], mask=torch.ones(per))
-    stats = policy_update(Learner(acc, model, ref, opt, sched, LossConfig(beta=0.5), 0.05, 0), batch, 0.1)
+    stats = policy_update(Learner(policy, opt, sched, LossConfig(beta=0.5), 0.05), batch, 0.1)
     norms.append(stats["grad_norm"])
 names = trainable_names(model)
 after = full_state_dict(model, names)

@@ -20,10 +20,11 @@ WORKER = r"""
 import sys
 import torch
 from accelerate import Accelerator
-from judgeloop.loop.config import LossConfig
-from judgeloop.loop.rollout import Rollout
+from judgeloop.loop.config import LossConfig, PolicyConfig
+from judgeloop.loop.policy import Policy
+from judgeloop.loop.rollout import PromptBuilder, Rollout
 from judgeloop.loop.steps import Learner, PairBatch, policy_update
-from judgeloop.models import load_causal_lm
+from judgeloop.models import load_causal_lm, load_tokenizer
 import copy
 
 out = sys.argv[1]
@@ -55,6 +56,8 @@ init = {k: v.detach().clone() for k, v in model.state_dict().items()}
 opt = torch.optim.SGD(model.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
 model, opt, sched = acc.prepare(model, opt, sched)
+tok = load_tokenizer("judgeloop-tiny/causal-lm")  # pad id 0
+policy = Policy(acc, model, ref, tok, PromptBuilder(tok, PolicyConfig()))
 for _ in range(2):
     batch = PairBatch(1, [], rollout=roll, targets=p[lo:hi], mask=mask[lo:hi])
     loss_cfg = LossConfig(beta=0.5)
@@ -62,7 +65,7 @@ for _ in range(2):
         batch = PairBatch(1, [], rollout=roll, mask=torch.ones(per, 4), rewards=torch.zeros(per, 4),
                           advantages=adv[lo:hi])
         loss_cfg = LossConfig(type="grpo")
-    stats = policy_update(Learner(acc, model, ref, opt, sched, loss_cfg, 0.0, 0), batch, 0.1)
+    stats = policy_update(Learner(policy, opt, sched, loss_cfg, 0.0), batch, 0.1)
 if acc.is_main_process:
     torch.save({"params": {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()},
                 "init": init, "world": acc.num_processes, "loss": stats["loss"]}, out)

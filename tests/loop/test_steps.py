@@ -41,6 +41,7 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     from judgeloop.loop.config import LossConfig
     from judgeloop.loop.steps import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
+    from loop_common import tiny_policy
 
     acc = Accelerator(cpu=True)
     model = load_causal_lm("judgeloop-tiny/causal-lm").train()
@@ -53,7 +54,9 @@ def test_parameters_change_after_one_update_and_reference_does_not():
     batch = PairBatch(
         1, [], rollout=_tiny_rollout(4), targets=torch.tensor([0.9, 0.1, 0.7, 0.5]), mask=torch.ones(4)
     )
-    stats = policy_update(Learner(acc, model, ref, opt, sched, LossConfig(beta=0.1), 1.0, 0), batch, 0.1)
+    stats = policy_update(
+        Learner(tiny_policy(acc, model, ref), opt, sched, LossConfig(beta=0.1), 1.0), batch, 0.1
+    )
     # pi == pi_ref at the first step: h = 0 and KL = 0 up to float noise (train- vs eval-mode attention kernels)
     assert stats["loss"] == pytest.approx(math.log(2), abs=1e-3)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
@@ -218,14 +221,13 @@ def test_bf16_loop_context_serves_updated_weights():
         model, opt, sched = acc.prepare(model, opt, sched)
         articles = ["The council met on Tuesday and voted to close the old bridge for repairs."] * 2
         with acc.autocast():
-            roll = Policy(acc, model, ref, tok, PromptBuilder(tok, cfg.policy)).sample(
-                articles, cfg.generation, 3
-            )
+            policy = Policy(acc, model, ref, tok, PromptBuilder(tok, cfg.policy))
+            roll = policy.sample(articles, cfg.generation, 3)
             comps, prompts = roll.a_ids + roll.b_ids, roll.prompts * 2
             before, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
             targets, mask = targets_from_probs(torch.tensor([1.0, 0.0]), "soft")
             batch = PairBatch(1, [], rollout=roll, targets=targets, mask=mask)
-            policy_update(Learner(acc, model, ref, opt, sched, cfg.loss, 1.0, tok.pad_token_id), batch, 0.1)
+            policy_update(Learner(policy, opt, sched, cfg.loss, 1.0), batch, 0.1)
             after, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)
         with acc.autocast():  # a fresh context: casts the current weights
             fresh, _ = token_logprobs(model, prompts, comps, tok.pad_token_id)

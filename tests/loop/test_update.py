@@ -35,6 +35,7 @@ def test_both_updates_backpropagate_each_chunk_under_no_sync_but_the_last(loss_t
     from judgeloop.loop.losses import group_advantages
     from judgeloop.loop.steps import Learner, PairBatch, policy_update
     from judgeloop.models import load_causal_lm
+    from loop_common import tiny_policy
 
     acc = Accelerator(cpu=True)
     model = load_causal_lm("judgeloop-tiny/causal-lm").train()
@@ -62,7 +63,9 @@ def test_both_updates_backpropagate_each_chunk_under_no_sync_but_the_last(loss_t
         batch.advantages = group_advantages(batch.rewards, batch.mask.bool(), "group")
     else:
         batch.targets, batch.mask = torch.tensor([0.9, 0.1, 0.7, 0.5, 0.3]), torch.ones(5)
-    learner = Learner(acc, model, ref, opt, sched, LossConfig(type=loss_type, beta=0.1), 1.0, 0, chunk_size=2)
+    learner = Learner(
+        tiny_policy(acc, model, ref), opt, sched, LossConfig(type=loss_type, beta=0.1), 1.0, chunk_size=2
+    )
     stats = policy_update(learner, batch, 0.1)
     assert calls == ["no_sync", "backward", "no_sync", "backward", "backward", "step"]
     objective = "grpo_loss" if loss_type == "grpo" else "dpo_loss"

@@ -1,6 +1,6 @@
 """``judgeloop route`` with a served routed model (``model.type: served``) against a real OpenAI-compatible
 server: llama.cpp's (``llama-cpp-python[server]``) on a loopback port, serving SmolLM2-135M-Instruct from the
-F32 GGUF of the weights the in-process model holds (judgeloop.serving.llamacpp). The same questions routed
+F32 GGUF of the weights the in-process model holds (judgeloop.testing.llamacpp). The same questions routed
 in process and through the server must get the same answers; bad settings stop with one line, exit 2."""
 
 from __future__ import annotations

@@ -260,17 +260,29 @@ class ServedJudgeFailed(ServiceFailed):
 
 class _RateLimiter:
     """Requests- and tokens-per-minute over a sliding 60 s window (0 disables a limit). One per client, so
-    the limits hold across batches, not only within one."""
+    the limits hold across batches, not only within one.
 
-    window_s = 60.0  # a minute (a test shortens it)
+    ``clock`` (seconds, monotonic) and ``sleep`` (awaitable) are the time it reads and waits on: the
+    event loop's by default; a test passes a clock that moves only when the limiter sleeps, so what it
+    decides does not depend on how fast the machine answers.
+    """
 
-    def __init__(self, rpm: int, tpm: int):
+    window_s = 60.0  # a minute
+
+    def __init__(
+        self,
+        rpm: int,
+        tpm: int,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ):
         self.rpm, self.tpm = rpm, tpm
+        self.clock, self.sleep = clock, sleep
         self._sent: deque[tuple[float, int]] = deque()
 
     async def wait(self, tokens: int) -> None:
         while True:
-            now = time.monotonic()
+            now = self.clock()
             while self._sent and now - self._sent[0][0] >= self.window_s:
                 self._sent.popleft()
             used = sum(t for _, t in self._sent)
@@ -279,7 +291,7 @@ class _RateLimiter:
             if rpm_ok and tpm_ok:
                 self._sent.append((now, tokens))
                 return
-            await asyncio.sleep(max(0.01, self.window_s - (now - self._sent[0][0])))
+            await self.sleep(max(0.01, self.window_s - (now - self._sent[0][0])))
 
 
 class CacheFileError(UserError):

@@ -59,7 +59,7 @@ def dpo_update(
         The stats of :data:`STATS`, averaged over the processes, and ``grad_norm``.
     """
     assert roll.num_samples == 2, "the DPO update takes two samples per article"
-    device, beta, B = learner.accelerator.device, learner.loss.beta, len(roll.prompts)
+    device, beta, B = learner.policy.accelerator.device, learner.loss.beta, len(roll.prompts)
 
     def term(
         pol_tok: torch.Tensor, ref_tok: torch.Tensor, tok_mask: torch.Tensor, lo: int, hi: int

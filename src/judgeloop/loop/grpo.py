@@ -91,7 +91,7 @@ def grpo_update(
     Returns:
         The stats of :data:`STATS`, averaged over the processes, and ``grad_norm``.
     """
-    acc, epsilon = learner.accelerator, learner.loss.epsilon
+    acc, epsilon = learner.policy.accelerator, learner.loss.epsilon
     # the batch's completion tokens as TRL's default loss divides by them: the global count over the
     # processes / their number, so that DDP's gradient average is the global token mean
     tokens = torch.tensor(float(num_completion_tokens(roll)), device=acc.device)

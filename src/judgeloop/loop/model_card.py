@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-import judgeloop
 from judgeloop.hashing import derive_seed
 from judgeloop.loop.config import FeedbackLoopConfig
 from judgeloop.loop.metrics_table import shown_in
+from judgeloop.version import __version__
 
 #: ``(per-article key, what it is)`` of each final metric on the card: the metrics table's ``card`` column
 CARD_METRICS = tuple((m.per_article, m.label) for m in shown_in("card"))
@@ -72,7 +72,7 @@ def policy_card(
         "",
         f"# {p.model}, trained by judgeloop against the {cfg.calibration.method} arm",
         "",
-        f"Made by judgeloop {judgeloop.__version__} (`judgeloop train`): online "
+        f"Made by judgeloop {__version__} (`judgeloop train`): online "
         f"{'DPO' if cfg.loss.type == 'dpo' else 'GRPO'} against a judge whose preferences were mapped to "
         f"probabilities by the `{cfg.calibration.method}` arm, "
         + (

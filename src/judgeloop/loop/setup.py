@@ -377,22 +377,19 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
     configure_deepspeed(accelerator, cfg.batch_size, cfg.optim.max_grad_norm, "optim.max_grad_norm")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     save_only_trainable(accelerator, trainable_state, load_trainable_state)  # LoRA: adapters, not the base
+    policy = Policy(accelerator, model, ref, tokenizer, build_prompt)
     learner = Learner(
-        accelerator,
-        model,
-        ref,
+        policy,
         optimizer,
         scheduler,
         cfg.loss,
         cfg.optim.max_grad_norm,
-        tokenizer.pad_token_id,
         cfg.optim.update_chunk_size,
         shares_prompt_pass(cfg, accelerator, model),
     )
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
     )
-    policy = Policy(accelerator, model, ref, tokenizer, build_prompt)
     start = StartWork(cfg, policy, splits.test[0].article)
     return LoopRun(
         cfg,

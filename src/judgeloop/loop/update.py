@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate import Accelerator
 
 from judgeloop.distributed import generation_context
 from judgeloop.loop.config import LossConfig
 from judgeloop.loop.losses import kl_per_sequence
-from judgeloop.loop.policy import reference_logprobs
+from judgeloop.loop.policy import Policy, reference_logprobs
 from judgeloop.loop.rollout import Rollout, token_logprobs
 
 # (policy token log-probs (k n, T) with gradients, the reference's (k n, T), their token mask, lo, hi) ->
@@ -34,18 +33,22 @@ ChunkTerm = Callable[
 
 @dataclass
 class Learner:
-    """What policy_update updates and how: the prepared policy, the frozen reference, optimizer, schedule, loss."""
+    """What policy_update updates and how: the policy (its prepared model, its frozen reference, the
+    accelerator and the tokenizer, held by the :class:`~judgeloop.loop.policy.Policy` alone, the same
+    object the rollout samples from), the optimizer, the schedule and the loss."""
 
-    accelerator: Accelerator
-    model: Any
-    ref: Any | None
+    policy: Policy
     optimizer: Any
     scheduler: Any
     loss: LossConfig
     max_grad_norm: float
-    pad_id: int
     chunk_size: int | None = None  # articles per forward/backward pass (None: the whole batch at once)
     share_prompt_pass: bool = False  # the update reuses the rollout's prompt pass (optim.share_prompt_pass)
+
+    @property
+    def pad_id(self) -> int:
+        """The policy tokenizer's pad id, which the update's sequences are padded with."""
+        return int(self.policy.tokenizer.pad_token_id)
 
     def reuses_prompt_pass(self, num_articles: int) -> bool:
         """Whether this step's rollout keeps its prompt pass for the update: one chunk covers the batch."""
@@ -85,7 +88,7 @@ def chunked_update(
     # each chunk's terms are already weighted by its share of the batch: their sums are the batch's
     one = len(parts) == 1 and not sum_one_chunk
     totals = [parts[0][i] if one else torch.stack([p[i] for p in parts]).sum() for i in range(len(parts[0]))]
-    stats = learner.accelerator.reduce(batch_stats(totals), reduction="mean")
+    stats = learner.policy.accelerator.reduce(batch_stats(totals), reduction="mean")
     out = {n: float(v) for n, v in zip(names, stats.tolist())}
     out["grad_norm"] = grad_norm
     return out
@@ -93,7 +96,7 @@ def chunked_update(
 
 def optimizer_step(learner: Learner) -> float:
     """Clip the gradients (when ``max_grad_norm`` > 0), step the optimizer and the schedule; the norm."""
-    acc, model = learner.accelerator, learner.model
+    acc, model = learner.policy.accelerator, learner.policy.model
     grad_norm = float("nan")
     if learner.max_grad_norm > 0:
         # every parameter, not only the trainable ones: frozen ones have no gradient and add nothing, and
@@ -111,15 +114,14 @@ def _chunk_terms(
 ) -> list[torch.Tensor]:
     """Forward and backward of articles ``lo:hi`` of the batch (all k samples of each); returns their
     (detached) share of the loss, the objective's term, the KL, the k1 KL and the term's extra stats."""
-    acc, model, loss_cfg = learner.accelerator, learner.model, learner.loss
+    policy, loss_cfg = learner.policy, learner.loss
+    acc, model = policy.accelerator, policy.model
     k, n = roll.num_samples, hi - lo
     prompts = roll.prompts[lo:hi]
     # sample-major: sample j of article i at j*n+i; each prompt run once for its k samples
     comps = [c for ids in roll.sample_ids() for c in ids[lo:hi]]
     with generation_context(model):
-        ref_tok, _ = reference_logprobs(
-            acc.unwrap_model(model), learner.ref, prompts, comps, learner.pad_id, k
-        )
+        ref_tok, _ = reference_logprobs(policy.unwrapped, policy.ref, prompts, comps, learner.pad_id, k)
     prefix = roll.prefix if n == B else None  # the rollout's prompt pass, when it was kept (one chunk)
     roll.prefix = None
     pol_tok, tok_mask = token_logprobs(model, prompts, comps, learner.pad_id, k, prefix)  # (k n, T)

@@ -20,9 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from judgeloop.io import atomic_path
+from judgeloop.io import atomic_path, cache_dir
 from judgeloop.logging import get_logger
-from judgeloop.models.loading import cache_dir
 
 logger = get_logger(__name__)
 

@@ -22,18 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from judgeloop.io import atomic_dir, atomic_write_text
+from judgeloop.io import atomic_dir, atomic_write_text, cache_dir
 from judgeloop.logging import get_logger
 
 logger = get_logger(__name__)
 
 _LOCK = threading.Lock()
-
-
-def cache_dir() -> Path:
-    """``$JUDGELOOP_CACHE`` or ``~/.cache/judgeloop``."""
-    root = os.environ.get("JUDGELOOP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "judgeloop")
-    return Path(root)
 
 
 def _package_dir(package: str) -> Path | None:

@@ -38,7 +38,7 @@ def resolve_cache_dir(cache_dir: str | Path | None, kind: str = "embeddings") ->
     if not cache_dir:
         return None
     if str(cache_dir) == "auto":
-        from judgeloop.models.loading import cache_dir as judgeloop_cache
+        from judgeloop.io import cache_dir as judgeloop_cache
 
         return judgeloop_cache() / kind
     return Path(cache_dir)

@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from judgeloop.serving.llamacpp import SMOLLM2, free_port
+from judgeloop.testing.llamacpp import SMOLLM2, free_port
 
 
 def vllm_python() -> str | None:
