@@ -67,7 +67,7 @@ def main() -> None:
                 server=ServerConfig(
                     base_url=f"http://127.0.0.1:{port}",
                     model=MODEL,
-                    route="top_logprobs",  # what route: auto settles on with llama.cpp (docs/served.md)
+                    route="auto",  # settles on top_logprobs over text prompts with llama.cpp (docs/served.md)
                     concurrency=1,
                     timeout_s=600,
                 ),
