@@ -416,7 +416,6 @@ def aggregate(cfg: AblateConfig, allow_missing: bool = False) -> dict[str, Any]:
         },
         "policy": cfg.policy.model,
         "data": {"format": cfg.data.format, "path": cfg.data.path},
-        "mode": cfg.mode,
     }
     if cfg.mode == "rounds":  # the account's table: every round, each arm and each arm against the baseline
         results["rounds"] = rounds_results(cfg)
