@@ -330,19 +330,8 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             continue
         if x.ordered:
             kept_agree.append(judge_first)
-        swap = not judge_first and not cfg.keep_order
-        chosen, rejected = (x.second_value, x.first_value) if swap else (x.first_value, x.second_value)
-        p_chosen = 1 - pi if swap else pi
-        row = {
-            "prompt": x.prompt,
-            "chosen": chosen,
-            "rejected": rejected,
-            "p_chosen": p_chosen,
-            **dpo_target(p_chosen, cfg),
-            "logit": -li if swap else li,
-            "orders_agree": ag,
-            "status": st,
-        }
+        row = labeled_row(x.prompt, x.first_value, x.second_value, pi, li, ag, st, cfg.keep_order)
+        row.update(dpo_target(row["p_chosen"], cfg))
         if x.ordered:
             row["judge_agrees"] = bool(judge_first)
         rows.append(row)
@@ -351,6 +340,33 @@ def label(cfg: LabelPairsConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     )
     report["agreement_kept"] = _agreement(kept_agree)
     return rows, report
+
+
+def labeled_row(
+    prompt: Any,
+    first: Any,
+    second: Any,
+    p: float,
+    logit: float,
+    orders_agree: bool | None,
+    status: str,
+    keep_order: bool = False,
+) -> dict[str, Any]:
+    """One labeled pair as the output dataset holds it (TRL's ``prompt`` / ``chosen`` / ``rejected``):
+    ``p`` = calibrated P(first better) and ``logit`` the raw logit of (first, second); the judge's
+    preferred completion is ``chosen`` unless ``keep_order``. The rows of ``label-pairs`` and of each
+    round of the loop under ``mode: rounds``."""
+    swap = p < 0.5 and not keep_order
+    chosen, rejected = (second, first) if swap else (first, second)
+    return {
+        "prompt": prompt,
+        "chosen": chosen,
+        "rejected": rejected,
+        "p_chosen": 1 - p if swap else p,
+        "logit": -logit if swap else logit,
+        "orders_agree": orders_agree,
+        "status": status,
+    }
 
 
 def dpo_target(p_chosen: float, cfg: LabelPairsConfig) -> dict[str, float]:

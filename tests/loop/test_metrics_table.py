@@ -39,7 +39,16 @@ def test_the_outputs_read_the_lists_they_always_had():
     from judgeloop.studies.ablation_config import STYLE_METRICS
     from judgeloop.studies.stats import PREMISE_METRICS
 
-    text = ("rouge_1_neutral", "rouge_2_neutral", "rouge_l_neutral", "rouge_l_extractive", "copy_rate")
+    # rouge_1_extractive joined the evaluation's means with mode: rounds (issue 52), after rouge_l_extractive
+    text = (
+        "rouge_1_neutral",
+        "rouge_2_neutral",
+        "rouge_l_neutral",
+        "rouge_l_extractive",
+        "rouge_1_extractive",
+        "copy_rate",
+    )
+    assert keys("rounds") == ("rouge_1_neutral", "rouge_1_extractive", "copy_rate")
     assert [m.name for m in evaluated()] == [
         *text,
         "novel_bigram_rate",

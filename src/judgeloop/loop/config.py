@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
@@ -401,6 +402,26 @@ class AlarmConfig:
         return bool(self.every_n_steps)
 
 
+@dataclass
+class RoundsConfig:
+    """Iterated batch DPO, the loop under ``mode: rounds`` (docs/rounds.md): a step of the run is a round
+    (``max_steps`` rounds), each the loop's steps once over ``prompts_per_round`` training articles (per
+    process, as ``batch_size``): the policy of the round's start samples two summaries per article (1),
+    the judge scores the pairs (2), the calibrator fit on fresh calibration-split samples of that same policy maps them to p (3), p becomes the
+    soft targets (4), and the update takes ``dpo_epochs`` passes over the round's pairs, one optimizer step
+    per ``batch_size`` pairs in a seeded order (5); then the calibrator is refit on samples of the new
+    policy for the next round (6). ``max_steps``, ``eval_every_n_steps``, ``save_every_n_steps``,
+    ``stop_after_n_steps``, ``calibration.recalibrate_every_n_steps`` and ``curve.every_n_steps`` count
+    rounds; the three schedules, left at their defaults, run every round (every round is evaluated, its
+    calibrator refit, and a checkpoint written, so a killed run continues at its next unfinished round)."""
+
+    prompts_per_round: int = bounded(64, ge=1, hint=" (training articles per round, per process)")
+    dpo_epochs: int = bounded(1, ge=1, hint=" (passes over a round's pairs)", shape="section")
+
+    def __post_init__(self) -> None:
+        check_fields("rounds", self)
+
+
 # Keys a resumed run may change: they cannot change what the run computes (``max_steps`` extends it).
 RESUME_FREE_KEYS = (
     "output_dir",
@@ -428,6 +449,10 @@ RESUME_FREE_KEYS = (
 @dataclass
 class FeedbackLoopConfig:
     """Everything one run of the calibrated feedback loop needs.
+
+    ``mode``: ``online`` (default), one optimizer step per batch of fresh samples; ``rounds``, iterated
+    batch DPO (:class:`RoundsConfig`, the ``rounds:`` section): a step is a round, the same steps once over
+    a round's samples with several optimizer steps (``max_steps``: the number of rounds).
 
     ``device``: ``auto`` (a GPU when accelerate sees one, honouring the launch file's DDP / FSDP /
     DeepSpeed; else the CPU), ``cpu`` (gloo on CPU even on a GPU machine) or ``cuda`` (an error before any
@@ -459,6 +484,7 @@ class FeedbackLoopConfig:
     """
 
     output_dir: str = "runs/feedback_loop"
+    mode: Literal["online", "rounds"] = "online"
     overwrite: bool = False  # true: clear an output_dir that holds another run (judgeloop.rundir)
     seed: int = bounded(0, ge=0, le=2**32 - 1)
     RETIRED: ClassVar[dict[str, str]] = {
@@ -478,6 +504,7 @@ class FeedbackLoopConfig:
     calibration: LoopCalibrationConfig = field(default_factory=LoopCalibrationConfig)
     alarms: AlarmConfig = field(default_factory=AlarmConfig)
     curve: CurveConfig = field(default_factory=CurveConfig)
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)  # read under mode=rounds
     batch_size: int = bounded(4, ge=1, shape="section")
     RENAMED: ClassVar[dict[str, str]] = {"num_steps": "max_steps"}
     # a section of the same file that another command reads: accepted here unread, checked by that
@@ -557,6 +584,7 @@ class FeedbackLoopConfig:
             )
         self._apply_arm_loss()
         self._check_loss_type()
+        self._apply_mode()
         check_signal_names(self.stop_signals)
         bad = [t for t in self.log_with if t != "jsonl" and t not in TRACKERS]
         if bad:
@@ -583,6 +611,44 @@ class FeedbackLoopConfig:
                     f"loss.{key}={value!r}; leave loss.{key} unset, or use calibration.method={spec.calibrator}"
                 )
             setattr(self.loss, key, value)
+
+    @property
+    def articles_per_step(self) -> int:
+        """Training articles per process in one step of the run: ``batch_size`` online, a round's
+        ``rounds.prompts_per_round`` under ``mode: rounds``."""
+        return self.rounds.prompts_per_round if self.mode == "rounds" else self.batch_size
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps (the learning-rate schedule's length): ``max_steps`` online; under
+        ``mode: rounds`` each round's ``dpo_epochs`` passes of ``ceil(prompts_per_round / batch_size)``."""
+        if self.mode == "online":
+            return self.max_steps
+        r = self.rounds
+        return self.max_steps * r.dpo_epochs * math.ceil(r.prompts_per_round / self.batch_size)
+
+    def _apply_mode(self) -> None:
+        """``mode: rounds``: a step is a round, and the schedules left at their defaults run every round;
+        settings that do not apply are refused, naming the key."""
+        changed = [k for k, v in vars(self.rounds).items() if v != getattr(RoundsConfig, k)]
+        if self.mode == "online":
+            if changed:
+                key = changed[0]
+                raise ValueError(
+                    f"rounds.{key}={getattr(self.rounds, key)!r} is read under mode=rounds only (iterated batch "
+                    f"DPO); set mode=rounds or leave rounds.{key} unset"
+                )
+            return
+        if self.loss.type != "dpo":
+            raise ValueError(
+                f"mode=rounds is iterated batch DPO; loss.type={self.loss.type} is online only: set loss.type=dpo "
+                "or mode=online"
+            )
+        for key, every_round in (("eval_every_n_steps", 1), ("save_every_n_steps", 1)):
+            if getattr(self, key) == getattr(FeedbackLoopConfig, key):
+                setattr(self, key, every_round)
+        if self.calibration.recalibrate_every_n_steps == LoopCalibrationConfig.recalibrate_every_n_steps:
+            self.calibration.recalibrate_every_n_steps = 1
 
     def _check_loss_type(self) -> None:
         """Settings of the other objective are errors, not silently dropped."""

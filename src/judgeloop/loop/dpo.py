@@ -3,13 +3,16 @@
 The pairs come from the steps of :mod:`judgeloop.loop.steps` (two samples per article, judged, calibrated,
 made into soft targets by ``make_pairs``); :func:`dpo_update` is the DPO term of the shared chunked update
 (:func:`judgeloop.loop.update.chunked_update`, which adds the KL penalty and steps the optimizer), as
-:func:`judgeloop.loop.grpo.grpo_update` is the GRPO one.
+:func:`judgeloop.loop.grpo.grpo_update` is the GRPO one. Under ``mode: rounds`` step 5 is
+:func:`batch_dpo_update`: :func:`dpo_update` on minibatches of a round's pairs, for several passes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from judgeloop.hashing import derive_seed
 from judgeloop.loop.losses import dpo_margin, soft_dpo_loss
 from judgeloop.loop.rollout import Rollout
 from judgeloop.loop.update import Learner, chunked_update
@@ -84,3 +87,42 @@ def dpo_update(
         return stats
 
     return chunked_update(learner, roll, kl_coef, term, batch_stats, STATS, sum_one_chunk=False)
+
+
+def batch_dpo_update(
+    learner: Learner,
+    roll: Rollout,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    kl_coef: float,
+    round_: int,
+) -> dict[str, float]:
+    """Step 5 of a round (``mode: rounds``, iterated batch DPO): ``learner.epochs`` passes over the round's
+    pairs, each in its own seeded order, one :func:`dpo_update` (one optimizer step) per
+    ``learner.minibatch_size`` pairs. DPO's reference and the KL term's stay the run's pi_ref (the
+    starting policy) in every round; the pairs were sampled by the round's starting policy.
+
+    Args:
+        roll, targets, mask, weights: the round's pairs as step 4 left them ((B,) each).
+        round_: the round's number (with ``learner.seed``, it seeds the minibatches' order).
+
+    Returns:
+        The mean of each :data:`STATS` entry and ``grad_norm`` over the round's optimizer steps, and
+        ``optimizer_steps``.
+    """
+    assert learner.minibatch_size is not None, "batch_dpo_update needs the learner's minibatch size"
+    n, size = len(roll.prompts), learner.minibatch_size
+    steps: list[dict[str, float]] = []
+    for epoch in range(learner.epochs):
+        order = np.random.RandomState(derive_seed(learner.seed, "round_order", round_, epoch)).permutation(n)
+        for lo in range(0, n, size):
+            idx = order[lo : lo + size].tolist()
+            w = None if weights is None else weights[idx]
+            steps.append(dpo_update(learner, roll.select(idx), targets[idx], mask[idx], w, kl_coef))
+    out = {}
+    for key in steps[0]:
+        values = np.array([s[key] for s in steps], dtype=float)
+        out[key] = float(values[np.isfinite(values)].mean()) if np.isfinite(values).any() else float("nan")
+    out["optimizer_steps"] = float(len(steps))
+    return out

@@ -1,6 +1,6 @@
 """Evaluation of the policy on held-out articles (greedy decoding).
 
-Metrics (means over articles): neutral ROUGE-1/2/L (the task's real target), ROUGE-L against the
+Metrics (means over articles): neutral ROUGE-1/2/L (the task's real target), ROUGE-L and ROUGE-1 against the
 extractive references (how far the policy moved toward the judge's style), copy rate (3-grams
 copied from the article) and novel bigram rate, mean length in words, KL(pi || pi_ref) (k1 on one
 sampled summary per article), the share of summaries each reward-hacking detector flags
@@ -53,12 +53,13 @@ def text_metrics(ex: SummExample, summary: str) -> dict[str, float]:
         if ex.neutral
         else {"rouge1": np.nan, "rouge2": np.nan, "rougeL": np.nan}
     )
-    extractive = rouge_max(summary, ex.extractive)["rougeL"] if ex.extractive else np.nan
+    extractive = rouge_max(summary, ex.extractive) if ex.extractive else {"rouge1": np.nan, "rougeL": np.nan}
     return {
         "rouge_1_neutral": neutral["rouge1"],
         "rouge_2_neutral": neutral["rouge2"],
         "rouge_l_neutral": neutral["rougeL"],
-        "rouge_l_extractive": extractive,
+        "rouge_l_extractive": extractive["rougeL"],
+        "rouge_1_extractive": extractive["rouge1"],
         "copy_rate": copy_rate(summary, ex.article),
         "novel_bigram_rate": novel_ngram_rate(summary, ex.article, 2),
         "length": float(len(tokens(summary))),

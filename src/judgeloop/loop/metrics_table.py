@@ -44,6 +44,8 @@ OUTPUTS = {
     "figure": "the panels of the ablation's figures (``curves.png``, ``deltas.png``)",
     "legend": "the glossary under the ablation's table of absolute values (``results.md``)",
     "premise": "the premise check: the baseline arm's change from step 0 (``results.json``, ``results.md``)",
+    "rounds": "the rounds table of ``mode: rounds`` (the run's ``rounds.md`` and ``report.json`` ``rounds``, "
+    "the ablation's ``results.md``): per round, with intervals",
 }
 
 
@@ -78,6 +80,7 @@ class Metric:
     figure: int = 0
     legend: int = 0
     premise: int = 0
+    rounds: int = 0
 
 
 def _text(name: str, label: str, **columns: Any) -> Metric:
@@ -92,7 +95,7 @@ _NEUTRAL = "against the neutral references"
 TARGET = "rouge_l_neutral"
 
 METRICS: tuple[Metric, ...] = (
-    _text("rouge_1_neutral", f"ROUGE-1 {_NEUTRAL}", card=2, final=2),
+    _text("rouge_1_neutral", f"ROUGE-1 {_NEUTRAL}", title="neutral ROUGE-1", card=2, final=2, rounds=1),
     _text("rouge_2_neutral", f"ROUGE-2 {_NEUTRAL}", final=3),
     _text(
         "rouge_l_neutral",
@@ -130,6 +133,12 @@ METRICS: tuple[Metric, ...] = (
         premise=2,
     ),
     _text(
+        "rouge_1_extractive",
+        "ROUGE-1 against the extractive references (the article's lead: the account's extractive score)",
+        title="extractive ROUGE-1",
+        rounds=2,
+    ),
+    _text(
         "copy_rate",
         "copy rate (3-grams copied from the article)",
         title="copy rate",
@@ -145,6 +154,7 @@ METRICS: tuple[Metric, ...] = (
         figure=3,
         legend=3,
         premise=1,
+        rounds=3,
     ),
     _text(
         "novel_bigram_rate",

@@ -137,6 +137,21 @@ class Rollout:
         """The k lists of samples (``sample_ids()[j][i]``: sample j of article i)."""
         return [self.a_ids, self.b_ids, *self.more_ids]
 
+    def select(self, idx: Sequence[int]) -> Rollout:
+        """The rollout of articles ``idx`` (in that order), without a kept prompt pass: a minibatch of a
+        round's pairs (``mode: rounds``)."""
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return Rollout(
+            pick(self.articles),
+            pick(self.prompts),
+            pick(self.a_ids),
+            pick(self.b_ids),
+            pick(self.a_text),
+            pick(self.b_text),
+            more_ids=[pick(x) for x in self.more_ids],
+            more_text=[pick(x) for x in self.more_text],
+        )
+
     def group_texts(self) -> list[list[str]]:
         """Per article, its k samples' texts (article i's group)."""
         texts = [self.a_text, self.b_text, *self.more_text]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from accelerate.utils import gather_object
 
 from judgeloop.checkpointing import prune_checkpoints
 from judgeloop.config import to_yaml
@@ -22,6 +23,7 @@ from judgeloop.loop.arms import arm
 from judgeloop.loop.curve import curve_articles, curve_table, plot_curve
 from judgeloop.loop.model_card import policy_card
 from judgeloop.loop.prefetch import JudgePrefetch
+from judgeloop.loop.rounds import round_rows, rounds_markdown
 from judgeloop.loop.run_state_files import (
     export_policy,
     load_policy_weights,
@@ -30,6 +32,7 @@ from judgeloop.loop.run_state_files import (
 from judgeloop.loop.setup import LoopRun
 from judgeloop.loop.state import peek_batch
 from judgeloop.loop.steps import PairBatch
+from judgeloop.preference_labels import labeled_row
 from judgeloop.signals import Stopped
 
 logger = get_logger(__name__)
@@ -79,6 +82,45 @@ def record_update(run: LoopRun, batch: PairBatch) -> None:
     state.step = batch.step
     state.train_log.append(finite_or_none({"step": batch.step, **stats}))
     run.accelerator.log({f"train/{k}": v for k, v in stats.items()}, step=batch.step)
+    if run.cfg.mode == "rounds":
+        write_round_pairs(run, batch)
+
+
+def write_round_pairs(run: LoopRun, batch: PairBatch) -> None:
+    """Under ``mode: rounds``: the round's pairs, as ``label-pairs`` writes its rows
+    (:func:`judgeloop.preference_labels.labeled_row`: ``prompt``, ``chosen``, ``rejected``, ``p_chosen``
+    calibrated, ``logit`` raw, ``orders_agree``, ``status``), with each pair's ``article_id``, the soft
+    ``target`` P(chosen better) the update used and whether the pair entered the loss (``in_loss``), into
+    ``OUTPUT_DIR/rounds/round_N.jsonl`` (every process's pairs; rewritten when a killed round is rerun)."""
+    roll, judged, p = batch.rollout, batch.judged, batch.p
+    assert roll is not None and judged is not None and p is not None and batch.targets is not None
+    assert batch.mask is not None
+    tokenizer = run.policy.tokenizer
+    rows = []
+    for i, ex in enumerate(batch.examples):
+        ok = bool(judged.valid[i])
+        agree = None
+        if judged.reverse is not None and ok:  # the two orders preferred the same summary
+            agree = bool(np.sign(judged.forward[i]) == np.sign(-judged.reverse[i]))
+        prompt = tokenizer.decode(roll.prompts[i], skip_special_tokens=False)
+        pi = float(p[i]) if ok else float("nan")
+        row = labeled_row(
+            prompt, roll.a_text[i], roll.b_text[i], pi, float(judged.scores[i]), agree, judged.status[i]
+        )
+        target = float(batch.targets[i])  # P(a better than b): the chosen side is b where p < 0.5
+        rows.append(
+            {
+                "round": batch.step,
+                "article_id": ex.id,
+                **row,
+                "target": 1.0 - target if pi < 0.5 else target,
+                "in_loss": bool(batch.mask[i] > 0),
+            }
+        )
+    rows = gather_object(rows)
+    if run.accelerator.is_main_process:
+        path = run.out_dir / "rounds" / f"round_{batch.step}.jsonl"
+        atomic_write_jsonl(path, [finite_or_none(r) for r in rows])
 
 
 def judged_stats(batch: PairBatch) -> dict[str, float]:
@@ -184,6 +226,7 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
     report = {
         "arm": cfg.calibration.method,
         "seed": cfg.seed,
+        "mode": cfg.mode,
         "steps_run": state.step,
         "kept_step": kept_step,
         "kept_reason": why,
@@ -212,6 +255,9 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         if run.start.cache is None
         else {"hits": run.start.cache.hits, "misses": run.start.cache.misses},
     }
+    if cfg.mode == "rounds":  # each round's figures (loop/rounds.py), also as rounds.md
+        report["rounds"] = round_rows(state, cfg.rounds.prompts_per_round * acc.num_processes, cfg.seed)
+        report["rounds_files"] = "rounds/round_N.jsonl"
     if cfg.save_final_policy:  # every process: under FSDP / ZeRO-3 the weights are gathered
         export_policy(
             out_dir / "policy",
@@ -228,6 +274,9 @@ def finish_run(run: LoopRun) -> dict[str, Any]:
         atomic_write_jsonl(out_dir / "per_article.jsonl", state.per_article)
         if state.curve:
             write_curve(run)
+        if cfg.mode == "rounds":
+            title = f"{cfg.calibration.method}, seed {cfg.seed}, {cfg.max_steps} rounds"
+            atomic_write_text(out_dir / "rounds.md", rounds_markdown(report["rounds"], title))
         atomic_write_json(out_dir / "report.json", report)
     return report
 

@@ -169,8 +169,10 @@ def make_optimizer(model: Any, cfg: FeedbackLoopConfig) -> tuple[Any, Any]:
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(params, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
-    if cfg.optim.scheduler == "linear":
-        return optimizer, get_linear_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+    if cfg.optim.scheduler == "linear":  # over the optimizer steps (under mode=rounds, several per round)
+        return optimizer, get_linear_schedule_with_warmup(
+            optimizer, cfg.optim.warmup_steps, cfg.optimizer_steps
+        )
     return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.optim.warmup_steps)
 
 
@@ -386,6 +388,10 @@ def setup_run(cfg: FeedbackLoopConfig, accelerator: Accelerator, out_dir: Path, 
         cfg.optim.max_grad_norm,
         cfg.optim.update_chunk_size,
         shares_prompt_pass(cfg, accelerator, model),
+        # mode=rounds: the round's pairs in minibatches of batch_size, dpo_epochs passes
+        cfg.batch_size if cfg.mode == "rounds" else None,
+        cfg.rounds.dpo_epochs,
+        cfg.seed,
     )
     kl_ctl = AdaptiveKLController(
         cfg.loss.kl_coef, cfg.loss.kl_adaptive, cfg.loss.kl_target, cfg.loss.kl_horizon
@@ -414,6 +420,8 @@ def shares_prompt_pass(cfg: FeedbackLoopConfig, accelerator: Accelerator, model:
     ``mixed_precision: bf16`` or a bf16 frozen base turns on, unless ``generation.autocast``), and
     parameters not sharded (ZeRO-3 / FSDP gather them for the rollout only)."""
     if not cfg.optim.share_prompt_pass:
+        return False
+    if cfg.mode == "rounds":  # the round's update runs on minibatches of its pairs, long after the rollout
         return False
     if cfg.generation.backend == "vllm":
         logger.info(

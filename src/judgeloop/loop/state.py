@@ -106,11 +106,13 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
             "'validation' split is empty; use more articles (data.max_articles) or a larger "
             f"data.split.validation (now {cfg.data.split.validation})"
         )
-    if len(splits.train) < cfg.batch_size * num_processes:  # a process would get a short or empty batch
+    step_articles = cfg.articles_per_step  # batch_size, or a round's prompts under mode=rounds
+    if len(splits.train) < step_articles * num_processes:  # a process would get a short or empty batch
         per = f" x {num_processes} processes" if num_processes > 1 else ""
+        key = "rounds.prompts_per_round" if cfg.mode == "rounds" else "batch_size"
         raise ConfigError(
-            f"the train split has {len(splits.train)} articles, fewer than batch_size={cfg.batch_size}{per}; "
-            "lower batch_size or use more data (data.max_articles)"
+            f"the train split has {len(splits.train)} articles, fewer than {key}={step_articles}{per}; "
+            f"lower {key} or use more data (data.max_articles)"
         )
     for name, asked, have in (
         ("num_eval_articles", cfg.num_eval_articles, len(splits.test)),
@@ -132,13 +134,16 @@ def load_splits(cfg: FeedbackLoopConfig, num_processes: int = 1) -> Splits:
 def _batch_at(
     epoch: int, cursor: int, train: Sequence[SummExample], cfg: FeedbackLoopConfig, accelerator: Accelerator
 ) -> tuple[list[SummExample], int, int]:
-    """This process's share of the global batch at (epoch, cursor), and the (epoch, cursor) after it."""
-    global_bs = cfg.batch_size * accelerator.num_processes
+    """This process's share of the global batch at (epoch, cursor), and the (epoch, cursor) after it
+    (a batch is ``batch_size`` articles per process, a round's ``rounds.prompts_per_round`` under
+    ``mode: rounds``)."""
+    per_process = cfg.articles_per_step
+    global_bs = per_process * accelerator.num_processes
     if cursor + global_bs > len(train):
         epoch, cursor = epoch + 1, 0
     order = np.random.RandomState(derive_seed(cfg.seed, "order", epoch)).permutation(len(train))
     idx = order[cursor : cursor + global_bs]
-    mine = idx[accelerator.process_index * cfg.batch_size : (accelerator.process_index + 1) * cfg.batch_size]
+    mine = idx[accelerator.process_index * per_process : (accelerator.process_index + 1) * per_process]
     return [train[i] for i in mine], epoch, cursor + global_bs
 
 

@@ -23,6 +23,12 @@ and step 5's :func:`policy_update` runs :func:`judgeloop.loop.grpo.grpo_update` 
 :func:`judgeloop.loop.dpo.dpo_update` (both over one chunked update, :mod:`judgeloop.loop.update`); 6 and 7
 are the same.
 
+Under ``mode: rounds`` (iterated batch DPO, :class:`~judgeloop.loop.config.RoundsConfig`) a step is a round:
+step 1 samples a round's ``rounds.prompts_per_round`` articles with the policy as the round found it,
+2-4 are as above, step 5's :func:`policy_update` runs :func:`judgeloop.loop.dpo.batch_dpo_update`
+(``rounds.dpo_epochs`` passes over the round's pairs, one optimizer step per ``batch_size`` of them), and
+step 6 refits the calibrator on fresh calibration-split samples of the new policy, for the next round.
+
 ``recipes/feedback_loop.py`` calls them in this order, between the set-up (:mod:`judgeloop.loop.setup`:
 the run, step 0, a resume) and the evaluation, checkpoint and report around each step
 (:mod:`judgeloop.loop.run`, over :mod:`judgeloop.loop.evaluation`); ``judgeloop train`` runs that recipe.
@@ -45,7 +51,7 @@ from judgeloop.hashing import derive_seed
 from judgeloop.judges import Judge, references_for
 from judgeloop.logging import get_logger
 from judgeloop.loop.config import FeedbackLoopConfig, LossConfig
-from judgeloop.loop.dpo import dpo_update
+from judgeloop.loop.dpo import batch_dpo_update, dpo_update
 from judgeloop.loop.grpo import grpo_update, judge_groups, reward_matrix
 from judgeloop.loop.losses import confidence_weights, group_advantages, sharpen, targets_from_probs
 from judgeloop.loop.pairs import calibrate
@@ -166,7 +172,9 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     """One optimizer step on this process's batch: soft-target DPO on the pairs' targets
     (:func:`judgeloop.loop.dpo.dpo_update`), or under grpo the clipped GRPO surrogate on the advantages
     (:func:`judgeloop.loop.grpo.grpo_update`), each + kl_coef * KL(pi || pi_ref), both over one chunked
-    update (:func:`judgeloop.loop.update.chunked_update`); the stats go into ``batch.stats``.
+    update (:func:`judgeloop.loop.update.chunked_update`); under ``mode: rounds`` the round's optimizer
+    steps, ``dpo_update`` on minibatches of its pairs (:func:`judgeloop.loop.dpo.batch_dpo_update`). The
+    stats go into ``batch.stats``.
     """
     roll, mask = batch.rollout, batch.mask
     if learner.loss.type == "grpo":
@@ -178,6 +186,9 @@ def policy_update(learner: Learner, batch: PairBatch, kl_coef: float) -> dict[st
     else:
         targets = batch.targets
         assert roll is not None and targets is not None and mask is not None, "policy_update needs the pairs"
-        stats = dpo_update(learner, roll, targets, mask, batch.weights, kl_coef)
+        if learner.minibatch_size is not None:  # mode=rounds: passes over the round's pairs in minibatches
+            stats = batch_dpo_update(learner, roll, targets, mask, batch.weights, kl_coef, batch.step)
+        else:
+            stats = dpo_update(learner, roll, targets, mask, batch.weights, kl_coef)
     batch.stats.update(stats)
     return batch.stats

@@ -44,6 +44,10 @@ class Learner:
     max_grad_norm: float
     chunk_size: int | None = None  # articles per forward/backward pass (None: the whole batch at once)
     share_prompt_pass: bool = False  # the update reuses the rollout's prompt pass (optim.share_prompt_pass)
+    # mode=rounds: one optimizer step per this many of a round's pairs (None: one step on the whole batch)
+    minibatch_size: int | None = None
+    epochs: int = 1  # mode=rounds: passes over a round's pairs (rounds.dpo_epochs)
+    seed: int = 0  # the run's seed: the minibatches' order under mode=rounds
 
     @property
     def pad_id(self) -> int:

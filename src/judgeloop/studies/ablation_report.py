@@ -21,6 +21,7 @@ from judgeloop.logging import get_logger
 from judgeloop.loop.metrics_table import TARGET, keys, shown_in
 from judgeloop.studies.ablation import job_dir, jobs
 from judgeloop.studies.ablation_config import AblateConfig
+from judgeloop.studies.rounds_report import rounds_lines, rounds_results
 from judgeloop.studies.stats import (
     PREMISE_METRICS,
     aligned_differences,
@@ -416,6 +417,8 @@ def aggregate(cfg: AblateConfig, allow_missing: bool = False) -> dict[str, Any]:
         "policy": cfg.policy.model,
         "data": {"format": cfg.data.format, "path": cfg.data.path},
     }
+    if cfg.mode == "rounds":  # the account's table: every round, each arm and each arm against the baseline
+        results["rounds"] = rounds_results(cfg)
     out = Path(cfg.output_dir)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "results.md", results_table(results))
@@ -607,7 +610,8 @@ def results_table(results: dict[str, Any]) -> str:
         + "Per-article rows of every run: `results.json` -> `arms.<arm>.per_article`.",
         "",
     ]
-    return "\n".join(lines + alarm_lines(results))
+    rounds = rounds_lines(results["rounds"]) if results.get("rounds") else []
+    return "\n".join(lines + rounds + alarm_lines(results))
 
 
 def glossary() -> str:
