@@ -96,7 +96,7 @@ def job(out, mode, extra):
     # 4. the export, in the transformers / peft layout
     export_policy(out / "policy", acc, model, tok, {"method": "raw"})
     sharded = [is_zero3(policy), sum(q.numel() for q in policy.parameters())]
-    ref = run.learner.ref
+    ref = run.policy.ref
     # the frozen reference (full fine-tuning) and the judge under ZeRO-3: inference engines' partitions
     info = {"ref_zero3": ref is not None and is_zero3(ref), "judge_zero3": is_zero3(run.judge.model)}
     rolls_all = gather_object([[roll.a_ids, roll.b_ids]])
