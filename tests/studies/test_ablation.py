@@ -672,7 +672,11 @@ def _same_figures(new, old, where="results.json"):
     ("folder", "config", "missing"),
     [
         ("long", "study_long.yaml", 0),  # the whole grid is committed
-        ("teach", "study_teach.yaml", 6),  # seed 0 of the four new arms, seed 1 of ceiling, seed 2 of feature_platt_sharp
+        (
+            "teach",
+            "study_teach.yaml",
+            6,
+        ),  # seed 0 of the four new arms, seed 1 of ceiling, seed 2 of feature_platt_sharp
     ],
 )
 def test_the_committed_48_step_study_is_what_aggregate_writes_from_its_rows(
