@@ -397,7 +397,7 @@ def _free_port() -> int:
     reason="no .venv-vllm beside .venv in this checkout (make vllm builds it: 3.5 GB, see docs/vllm.md)",
 )
 def test_the_docs_vllm_line_runs_as_written_and_serves_the_judge(tmp_path):
-    """The docs' line run by bash in the checkout (only the port changed, to a free one); the shipped
+    """The docs' line run by bash in the checkout (only the port changed, to a free one on loopback); the shipped
     config's model id then judges on the exact-id route."""
     import os
     import signal
@@ -409,7 +409,8 @@ def test_the_docs_vllm_line_runs_as_written_and_serves_the_judge(tmp_path):
     assert " --port 8000 " in text
     with open(tmp_path / "vllm.log", "w") as log:
         proc = subprocess.Popen(
-            ["bash", "-c", "exec " + text.replace(" --port 8000 ", f" --port {port} ")],
+            # the line as written but for a free port, and on loopback only (vLLM binds every interface)
+            ["bash", "-c", "exec " + text.replace(" --port 8000 ", f" --host 127.0.0.1 --port {port} ")],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
