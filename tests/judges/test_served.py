@@ -224,6 +224,24 @@ def test_a_server_that_refuses_the_key_fails_in_one_line_before_any_judging(tiny
         stop_server(srv)
 
 
+def test_the_tls_context_is_built_once_per_process_not_once_per_batch(tiny_server, monkeypatch):
+    """httpx builds a TLS context (reading the CA bundle, ~90 ms) for every client, and the served client
+    opens one per batch: the process's one context is passed instead, so batches after the first build none
+    (scripts/profile_served_judge.py found the 90 ms in every ``score`` call)."""
+    import ssl
+
+    from judgeloop.judges import served_client
+
+    built = []  # httpx builds a context by ssl.create_default_context (the CA bundle read), looked up per call
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    served_client._tls_context.cache_clear()
+    judge = _judge(tiny_server, route="vllm")
+    for k in range(3):
+        assert judge([ARTICLES[k]], [A[k]], [B[k]]).status == ["ok"]
+    assert len(built) == 1
+
+
 def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):
     db = str(tmp_path / "j.sqlite")
     first = _judge(tiny_server, route="vllm", cache_path=db)

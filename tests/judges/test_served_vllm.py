@@ -250,6 +250,32 @@ def test_train_against_the_vllm_judge(vllm, tmp_path):
     assert report["judge_stats"]["label_mass"]["n"] > 0
 
 
+def test_the_profile_script_sends_the_judges_requests_and_splits_their_time(vllm, tmp_path):
+    """``scripts/profile_served_judge.py`` (docs/served.md's bound) against the real server: its bare loop
+    sends the judge's own requests (the same forward logits), the server's counters see every request of a
+    run, and one request's round trip holds the engine's end-to-end time (one in flight)."""
+    if not SUMMEVAL.is_file():
+        pytest.skip(f"{SUMMEVAL} is missing (the shared data folder beside the project)")
+    spec = importlib.util.spec_from_file_location(
+        "profile_served", ROOT / "scripts" / "profile_served_judge.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    out = tmp_path / "profile.json"
+    argv = ["--base-url", vllm[1], "--model", MODEL, "--pairs", "2", "--concurrency", "1", "--repeats", "1"]
+    report = script.main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text())["runs"].keys() == {"1"}
+    run = report["runs"]["1"]
+    assert run["max_abs_diff_forward_logit"] < TOL
+    for arm in ("judgeloop", "bare"):
+        (one,) = run["repeats"][arm]
+        assert one["engine"]["requests"] == 4 and one["statuses"] == ["ok"]
+        median = run["median"][arm]
+        assert 0 < median["engine_e2e_s"] <= median["seconds_per_request"]
+        assert median["engine_prefill_s"] <= median["engine_e2e_s"]
+    assert report["client_profile"]["seconds_by_group"]["judgeloop"] > 0
+
+
 def test_zz_a_killed_server_gives_masked_failed_pairs(vllm):
     """Last in the module (it kills the module's server): SIGKILL while a batch is in flight; the pairs
     answered stay, the rest are ``failed``, masked and not remembered."""

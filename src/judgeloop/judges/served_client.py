@@ -54,6 +54,7 @@ replies can be kept in an SQLite cache keyed by server, model, route and prompt 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -440,7 +441,10 @@ class _Endpoint:
 
         try:
             r = httpx.get(
-                f"{self.root}/v1/models", headers=self._headers(), timeout=min(self.cfg.timeout_s, 10)
+                f"{self.root}/v1/models",
+                headers=self._headers(),
+                timeout=min(self.cfg.timeout_s, 10),
+                verify=_tls_context(),
             )
         except httpx.HTTPError as err:
             raise ServerSetupError(
@@ -473,7 +477,7 @@ class _Endpoint:
         self.info = {"model": self.cfg.model, "served_models": served}
         for path in ("/version", "/get_server_info"):
             try:
-                v = httpx.get(f"{self.root}{path}", headers=self._headers(), timeout=5)
+                v = httpx.get(f"{self.root}{path}", headers=self._headers(), timeout=5, verify=_tls_context())
                 if v.status_code == 200:
                     self.info["version"] = v.json()
                     break
@@ -907,7 +911,7 @@ class ServedClient(_Endpoint):
         at = list(starts) if starts is not None else [None] * len(prompts)
         qs = list(questions) if questions is not None else [None] * len(prompts)
         first: Reply | None = None
-        async with httpx.AsyncClient(limits=limits) as http:
+        async with _async_client(limits) as http:
             if not self.route:
                 self.route, self.prompt_format, first = await self._probe(
                     http, gate, limiter, prompts[0], token_ids, qs[0]
@@ -946,7 +950,6 @@ class ServedClient(_Endpoint):
     async def _probe_prompt(self, ids: Sequence[int], start: int) -> tuple[str, str, str]:
         """``(route, prompt format, '')`` of the first route returning prompt log-probabilities (ids before
         text), or ``('', '', what the last try answered)``."""
-        import httpx
 
         gate, limiter = asyncio.Semaphore(1), _RateLimiter(0, 0)
         routes = [self.cfg.route] if self.cfg.route != "auto" else list(PROMPT_ROUTES)
@@ -954,7 +957,7 @@ class ServedClient(_Endpoint):
         last = "nothing tried"
         saved, self.cfg.max_retries = self.cfg.max_retries, 0  # a route the server lacks answers at once
         try:
-            async with httpx.AsyncClient() as http:
+            async with _async_client() as http:
                 for form in forms:
                     for route in routes:
                         if route not in PROMPT_ROUTES:
@@ -1155,7 +1158,7 @@ class ChatClient(_Endpoint):
         import httpx
 
         gate = asyncio.Semaphore(self.cfg.concurrency)
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.concurrency)) as http:
+        async with _async_client(httpx.Limits(max_connections=self.cfg.concurrency)) as http:
             return list(
                 await asyncio.gather(*(self._one(http, gate, p, max_tokens, logprobs) for p in prompts))
             )
@@ -1372,6 +1375,22 @@ def parse_decisions(
             raise ValueError(f"a probability or label_mass outside [0, 1] in {values}")
         out.append(([float(p) for p in probs], min(float(mass), 1.0)))
     return out
+
+
+@functools.cache
+def _tls_context() -> Any:
+    """The TLS context of every call's HTTP client, built once per process: httpx builds one per client
+    (it reads the CA bundle, about 90 ms), and a client lives for one call (one batch of judgements)."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
+def _async_client(limits: Any = None) -> Any:
+    """An ``httpx.AsyncClient`` for one call, with ``limits`` and the process's TLS context."""
+    import httpx
+
+    return httpx.AsyncClient(verify=_tls_context(), **({"limits": limits} if limits is not None else {}))
 
 
 def _run(coro: Any) -> Any:
