@@ -6,9 +6,11 @@
 
 Without ``--base-url`` it starts vLLM's OpenAI-compatible server (``make vllm``; ``judgeloop.testing.vllm``:
 SmolLM2-135M-Instruct at float32 on a loopback port, one OpenMP thread unless ``OMP_NUM_THREADS`` says more)
-with prefix caching off (``--prefix-caching`` keeps it on), so every run below asks the engine for the same
-work. Each repeat judges the same ``--pairs`` SummEval pairs (both orders, ``max_length`` 512) twice, in
-alternating order:
+with prefix caching off, so every run below asks the engine for the same work (``--prefix-caching`` keeps
+it on and empties it before each run, ``POST /reset_prefix_cache`` of vLLM's dev mode, which the script
+turns on: a pair's two orders then share their article's prefix). Each repeat judges the same ``--pairs``
+SummEval pairs (both orders, ``max_length`` 512; ``--pairs-per-article``, default 1: a training loop's
+shape) twice, in alternating order:
 
 * ``judgeloop``: ``ServedJudge.score`` on the pairs (``route: vllm``, ``judge.server.concurrency`` requests
   in flight, no cache): rendering and tokenizing the prompts, the requests, reading the verdicts, masking;
@@ -44,7 +46,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_served_judge import SUMMEVAL, summeval_pairs  # noqa: E402
+from bench_served_judge import SUMMEVAL  # noqa: E402
 
 ENGINE = {
     "e2e_s": "vllm:e2e_request_latency_seconds",
@@ -100,6 +102,27 @@ async def bare_loop(
         return await asyncio.gather(*(one(b) for b in bodies))
 
 
+def article_pairs(n: int, per_article: int, path: Path) -> list[tuple[str, str, str]]:
+    """``n`` (article, a, b) SummEval pairs, ``per_article`` of each article (its first system summaries
+    against each other), shortest articles first: one per article is a training loop's shape, where only a
+    pair's two orders share their article."""
+    rows = sorted(
+        (json.loads(x) for x in path.read_text().splitlines() if x.strip()), key=lambda r: len(r["article"])
+    )
+    out = []
+    for row in rows:
+        s = [x["text"] for x in row["summaries"]]
+        both = [(row["article"], s[i], s[j]) for i in range(len(s)) for j in range(i + 1, len(s))]
+        out += both[:per_article]
+    return out[:n]
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Empty vLLM's prefix cache (``POST /reset_prefix_cache``, served when ``VLLM_SERVER_DEV_MODE=1``), so
+    each run starts from none; whether the server did."""
+    return httpx.post(f"{url}/reset_prefix_cache", timeout=60).status_code == 200
+
+
 def timed(fn) -> tuple[object, float, float]:
     """``fn()``'s value, its wall seconds and this process's CPU seconds."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -148,7 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--base-url", default="", help="a vLLM server already running (none is started)")
     ap.add_argument("--model", default="", help="with --base-url: the id it serves (and the tokenizer)")
-    ap.add_argument("--prefix-caching", action="store_true", help="leave vLLM's prefix caching on")
+    ap.add_argument("--pairs-per-article", type=int, default=1, help="pairs of each SummEval article")
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave vLLM's prefix caching on (emptied before each run, so a pair's two orders share their "
+        "article and no run is served by another's)",
+    )
     ap.add_argument("--summeval", type=Path, default=SUMMEVAL)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -177,11 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
         log = Path(args.out or "runs/profile_served.json").with_suffix(".server.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         extra = () if args.prefix_caching else ("--no-enable-prefix-caching",)
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         t0 = time.perf_counter()
         proc, url = vllm.start_server(log=log, extra=extra)
         print(f"vLLM ready in {time.perf_counter() - t0:.0f} s at {url}", flush=True)
         model = vllm.SMOLLM2
-    pairs = [Pair(*p) for p in summeval_pairs(args.pairs, 0, args.summeval)]
+    pairs = [Pair(*p) for p in article_pairs(args.pairs, args.pairs_per_article, args.summeval)]
     load = [os.getloadavg()[0]]
     runs: dict[str, dict] = {}
     try:
@@ -224,6 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
             for r in range(args.repeats):
                 order = ("judgeloop", "bare") if r % 2 == 0 else ("bare", "judgeloop")
                 for arm in order:
+                    if args.prefix_caching and not reset_prefix_cache(url):
+                        sys.exit(
+                            "profile_served_judge: the server does not reset its prefix cache (start it with "
+                            "VLLM_SERVER_DEV_MODE=1, or leave out --prefix-caching)"
+                        )
                     before = read_metrics(url)
                     if arm == "judgeloop":
                         out, wall, cpu = timed(lambda j=judge: j.score(pairs))
@@ -289,8 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
     load.append(os.getloadavg()[0])
     report = {
         "server": f"vLLM at {url} serving {model}" + ("" if proc is None else " (judgeloop.testing.vllm)"),
-        "prefix_caching": None if args.base_url else args.prefix_caching,
+        "prefix_caching": True if args.prefix_caching else (None if args.base_url else False),
         "pairs": args.pairs,
+        "pairs_per_article": args.pairs_per_article,
         "requests_per_run": 2 * args.pairs,
         "repeats": args.repeats,
         "max_length": args.max_length,

@@ -242,6 +242,21 @@ def test_the_tls_context_is_built_once_per_process_not_once_per_batch(tiny_serve
     assert len(built) == 1
 
 
+def test_each_prompt_is_rendered_and_tokenized_once_per_batch(tiny_server, monkeypatch):
+    """The requests and the scoring of a batch share its prompts' token ids: tokenizing is most of the
+    client's own CPU time (scripts/profile_served_judge.py), and it was done twice per prompt."""
+    judge = _judge(tiny_server, route="vllm")
+    ref = judge(ARTICLES, A, B)
+    calls = []
+    real = judge.prompt_ids
+    monkeypatch.setattr(judge, "prompt_ids", lambda pair: calls.append(pair) or real(pair))
+    judge._cache.clear()  # the in-process cache would answer without a prompt
+    out = judge(ARTICLES, A, B)
+    assert len(calls) == 2 * len(ARTICLES)  # each order of each pair once
+    np.testing.assert_array_equal(out.scores, ref.scores)
+    assert judge._ids == {}  # nothing kept past the batch
+
+
 def test_the_sqlite_cache_serves_a_second_run_without_calls(tiny_server, tmp_path):
     db = str(tmp_path / "j.sqlite")
     first = _judge(tiny_server, route="vllm", cache_path=db)

@@ -267,6 +267,7 @@ class ServedJudge(_ServedParts, Judge):
         self.labels = (verdict_tokens[0].strip(), verdict_tokens[1].strip())
         self._connect(server, self.verdict_ids)
         self._replies: dict[tuple[int, ...], Reply] = {}
+        self._ids: dict[tuple[str, str, str], tuple[list[int] | None, str]] = {}
         name = f"served|{server.base_url}|{server.model}|{prompt}|{verdict_tokens[0]}|{verdict_tokens[1]}|{max_length}"
         super().__init__(name, position_debias=position_debias, batch_size=batch_size, cache_size=cache_size)
 
@@ -285,6 +286,14 @@ class ServedJudge(_ServedParts, Judge):
         ids, status, _ = fit_article(render_ids, self.tokenizer, pair.article, self.max_length)
         return ids, status
 
+    def _batch_ids(self, pair: Pair) -> tuple[list[int] | None, str]:
+        """:meth:`prompt_ids` of ``pair``, rendered and tokenized once per batch (the requests and the
+        scoring both need them; tokenizing is most of the client's own time, scripts/profile_served_judge.py)."""
+        key = (pair.article, pair.a, pair.b)
+        if key not in self._ids:
+            self._ids[key] = self.prompt_ids(pair)
+        return self._ids[key]
+
     def question(self, pair: Pair) -> Question:
         """``pair`` as the decision routes ask it: the article as the state, the summaries in this order in
         the question (the server renders its own prompt around them)."""
@@ -300,7 +309,7 @@ class ServedJudge(_ServedParts, Judge):
         todo, questions = [], []
         for p in orders:
             if p.a.strip() and p.b.strip() and not (self.cache_size and self._key(p) in self._cache):
-                ids, _ = self.prompt_ids(p)
+                ids, _ = self._batch_ids(p)
                 if ids is not None and tuple(ids) not in self._replies and ids not in todo:
                     todo.append(ids)
                     questions.append(self.question(p))
@@ -312,6 +321,7 @@ class ServedJudge(_ServedParts, Judge):
             out = super()._score(pairs)
         finally:
             self._replies.clear()
+            self._ids.clear()
         self._forget_failures(self, orders)
         self._report_failures(out.status)
         return out
@@ -319,7 +329,7 @@ class ServedJudge(_ServedParts, Judge):
     def _score_ordered(self, pairs: Sequence[Pair]) -> tuple[list[float], list[str]]:
         scores, statuses = [], []
         for p in pairs:
-            ids, status = self.prompt_ids(p)
+            ids, status = self._batch_ids(p)
             if ids is None:
                 scores.append(math.nan)
                 statuses.append(status)
