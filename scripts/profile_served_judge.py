@@ -187,6 +187,17 @@ def main(argv: list[str] | None = None) -> dict:
             "pass --summeval PATH\n"
         )
         raise SystemExit(2)
+    for name in ("pairs", "repeats", "pairs_per_article", "max_length"):
+        if getattr(args, name) < 1:
+            sys.stderr.write(
+                f"profile_served_judge: error: --{name.replace('_', '-')} {getattr(args, name)}; it must be at least 1\n"
+            )
+            raise SystemExit(2)
+    if min(args.concurrency) < 1:
+        sys.stderr.write(
+            f"profile_served_judge: error: --concurrency {min(args.concurrency)}; every level must be at least 1\n"
+        )
+        raise SystemExit(2)
     if args.base_url and not args.model:
         sys.stderr.write("profile_served_judge: error: --base-url needs --model, the id the server serves\n")
         raise SystemExit(2)

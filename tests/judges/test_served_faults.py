@@ -64,6 +64,29 @@ def test_a_connect_time_error_is_one_line_and_exit_2_leaving_no_folder(
     assert not out.exists()  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pairs", "0"], "--pairs 0; it must be at least 1"),
+        (["--repeats", "0"], "--repeats 0; it must be at least 1"),
+        (["--concurrency", "4", "0"], "--concurrency 0; every level must be at least 1"),
+        (["--base-url", "http://127.0.0.1:9"], "--base-url needs --model"),
+    ],
+)
+def test_the_profile_script_refuses_bad_settings_in_one_line_before_any_server(argv, message, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_served", ROOT / "scripts" / "profile_served_judge.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    with pytest.raises(SystemExit) as stop:
+        script.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
 def test_the_bench_refuses_without_summeval_naming_the_path_and_the_flag(tmp_path, capsys):
     import importlib.util
 
